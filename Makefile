@@ -1,0 +1,33 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Both create .venv and
+# install everything on first use (the local CPU torch wheel when no torch is present).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck bench clean setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup_venv.sh
+	PY=$(PY) bash scripts/setup_venv.sh $(VENV)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m scripts.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_dataset.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,1 @@
+"""dflash-loader client side: the iterator trainer processes use (no pyarrow, no planner)."""

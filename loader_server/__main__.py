@@ -1,0 +1,3 @@
+from loader_server.cli import main
+
+main()

@@ -1,0 +1,244 @@
+"""Dataset layer: accepted layouts, zero-copy views, fingerprints, validation errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from loader_server.dataset import DatasetError, open_dataset
+from loader_server.synth import SynthSpec, write_corpus
+
+ROWS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
+MASKS = [[0, 1, 1], [1], [0, 0, 1, 1, 1], [1, 0]]
+
+
+def _table(rows=ROWS, masks=MASKS, id_type=None, mask_type=None) -> pa.Table:
+    id_type, mask_type = id_type or pa.int32(), mask_type or pa.uint8()
+    cols = {"input_ids": pa.array(rows, type=pa.list_(id_type))}
+    if masks is not None:
+        cols["loss_mask"] = pa.array(masks, type=pa.list_(mask_type))
+    return pa.table(cols)
+
+
+def _write(path: Path, table: pa.Table, *, stream: bool = False, max_chunksize=None) -> Path:
+    opener = pa.ipc.new_stream if stream else pa.ipc.new_file
+    with pa.OSFile(str(path), "wb") as sink, opener(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=max_chunksize)
+    return path
+
+
+def _assert_rows(ds, rows=ROWS, masks=MASKS):
+    assert ds.num_samples == len(rows)
+    assert ds.lengths.tolist() == [len(r) for r in rows]
+    for i, r in enumerate(rows):
+        assert ds.input_ids(i).tolist() == r
+        want = masks[i] if masks is not None else [1] * len(r)
+        assert ds.loss_mask(i).tolist() == want
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["file", "stream"])
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_single_file_round_trip(tmp_path, stream, chunk):
+    ds = open_dataset(_write(tmp_path / "d.arrow", _table(), stream=stream, max_chunksize=chunk))
+    _assert_rows(ds)
+    assert ds.has_loss_mask
+
+
+@pytest.mark.parametrize(
+    ("id_type", "mask_type"),
+    [
+        (pa.int64(), pa.int8()),
+        (pa.uint32(), pa.bool_()),
+        (pa.int32(), pa.bool_()),
+        (pa.int64(), pa.int64()),
+    ],
+)
+def test_accepted_types(tmp_path, id_type, mask_type):
+    masks = [[bool(v) for v in m] for m in MASKS] if mask_type == pa.bool_() else MASKS
+    ds = open_dataset(
+        _write(tmp_path / "d.arrow", _table(id_type=id_type, masks=masks, mask_type=mask_type))
+    )
+    _assert_rows(ds)
+
+
+def test_large_list_and_sliced_batches(tmp_path):
+    t = pa.table({"input_ids": pa.array(ROWS, type=pa.large_list(pa.int32()))})
+    ds = open_dataset(_write(tmp_path / "d.arrow", t, max_chunksize=2))
+    _assert_rows(ds, masks=None)
+    assert not ds.has_loss_mask
+
+
+def test_sharded_folder_in_name_order(tmp_path):
+    _write(tmp_path / "b.arrow", _table(ROWS[2:], MASKS[2:]))
+    _write(tmp_path / "a.arrow", _table(ROWS[:2], MASKS[:2]), stream=True)
+    (tmp_path / "README.txt").write_text("ignored")
+    ds = open_dataset(tmp_path)
+    _assert_rows(ds)
+    assert [p.name for p in ds.paths] == ["a.arrow", "b.arrow"]
+
+
+def test_huggingface_save_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [list(range(n)) for n in (3, 7, 1, 12, 5, 9)]
+    masks = [[i % 2 for i in range(len(r))] for r in rows]
+    hf = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": masks, "id": list(range(6))})
+    hf.save_to_disk(str(tmp_path / "hf"), num_shards=3)
+    ds = open_dataset(tmp_path / "hf")
+    assert len(ds.paths) == 3
+    _assert_rows(ds, rows, masks)
+
+
+def test_state_json_order_wins_over_names(tmp_path):
+    _write(tmp_path / "z.arrow", _table(ROWS[:2], MASKS[:2]), stream=True)
+    _write(tmp_path / "a.arrow", _table(ROWS[2:], MASKS[2:]), stream=True)
+    (tmp_path / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": "z.arrow"}, {"filename": "a.arrow"}]})
+    )
+    _assert_rows(open_dataset(tmp_path))
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(str(path)):
+                lo, hi = line.split()[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
+def test_views_point_into_the_file_mapping(tmp_path):
+    path = tmp_path / "c.arrow"
+    write_corpus(path, SynthSpec(num_samples=300, seed=1, median_len=64, max_len=256))
+    ds = open_dataset(path)
+    ranges = _mapped_ranges(path.resolve())
+    assert ranges, "the corpus file is not memory-mapped"
+    for i in (0, 150, 299):
+        for view in (ds.input_ids(i), ds.loss_mask(i)):
+            addr = view.__array_interface__["data"][0]
+            assert not view.flags.owndata
+            assert any(lo <= addr < hi for lo, hi in ranges), f"sample {i} view is a copy"
+
+
+def test_fingerprint_stable_and_content_sensitive(tmp_path):
+    a = _write(tmp_path / "a.arrow", _table())
+    assert open_dataset(a).fingerprint == open_dataset(a).fingerprint
+    changed = [r[:] for r in ROWS]
+    changed[2][1] = 99  # same lengths, different token
+    b = _write(tmp_path / "b.arrow", _table(changed))
+    assert open_dataset(b).fingerprint != open_dataset(a).fingerprint
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "a.arrow").write_bytes(a.read_bytes())
+    assert open_dataset(copy / "a.arrow").fingerprint == open_dataset(a).fingerprint
+
+
+def test_write_rows_and_packed(tmp_path):
+    ds = open_dataset(_write(tmp_path / "d.arrow", _table()))
+    ids = np.full((3, 4), -1, np.int32)
+    mask = np.zeros((3, 4), np.uint8)
+    ds.write_rows([2, 0, 1], ids, mask, max_len=4)
+    assert ids.tolist() == [[5, 6, 7, 8], [1, 2, 3, -1], [4, -1, -1, -1]]
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 0], [1, 0, 0, 0]]
+    flat, fmask = np.zeros(6, np.int32), np.zeros(6, np.uint8)
+    ds.write_packed([3, 0, 1], flat, fmask, max_len=8)
+    assert flat.tolist() == [10, 11, 1, 2, 3, 4]
+    assert fmask.tolist() == [1, 0, 0, 1, 1, 1]
+
+
+# --- validation errors: one line naming file, column and row ---------------------------
+
+
+def _error(path) -> str:
+    with pytest.raises(DatasetError) as e:
+        open_dataset(path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_missing_input_ids(tmp_path):
+    p = _write(tmp_path / "d.arrow", pa.table({"tokens": pa.array(ROWS)}))
+    assert "missing required column 'input_ids'" in _error(p) and "d.arrow" in _error(p)
+
+
+def test_wrong_types(tmp_path):
+    p = _write(tmp_path / "d.arrow", pa.table({"input_ids": pa.array(["a", "b"])}))
+    assert "column 'input_ids' has type string" in _error(p)
+    p = _write(tmp_path / "f.arrow", _table(rows=[[1.5], [2.0]], masks=None, id_type=pa.float32()))
+    assert "list<float>" in _error(p)
+    p = _write(tmp_path / "m.arrow", _table(mask_type=pa.float32()))
+    assert "column 'loss_mask' has type list<float>" in _error(p)
+
+
+def test_mask_length_mismatch_names_row(tmp_path):
+    masks = [m[:] for m in MASKS]
+    masks[2] = [1, 1]
+    msg = _error(_write(tmp_path / "d.arrow", _table(masks=masks), max_chunksize=2))
+    assert "column 'loss_mask', row 2: length 2 differs from input_ids length 5" in msg
+
+
+def test_nulls_name_row(tmp_path):
+    rows = [r[:] for r in ROWS]
+    rows[1] = None
+    assert "column 'input_ids', row 1: null list" in _error(
+        _write(tmp_path / "a.arrow", _table(rows))
+    )
+    rows = [r[:] for r in ROWS]
+    rows[3] = [1, None]
+    assert "row 3: null value" in _error(_write(tmp_path / "b.arrow", _table(rows)))
+
+
+def test_empty_dataset(tmp_path):
+    t = _table(rows=[], masks=[])
+    assert "empty" in _error(_write(tmp_path / "d.arrow", t))
+    (tmp_path / "dir").mkdir()
+    assert "no Arrow shards" in _error(tmp_path / "dir")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["file", "stream"])
+def test_truncated_file(tmp_path, stream):
+    p = tmp_path / "d.arrow"
+    write_corpus(
+        p,
+        SynthSpec(num_samples=200, median_len=50, max_len=100, chunk_samples=50),
+        stream_format=stream,
+    )
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) * 2 // 3])
+    msg = _error(p)
+    assert "d.arrow" in msg and "truncated, corrupt or not an Arrow IPC" in msg
+
+
+def test_not_arrow(tmp_path):
+    p = tmp_path / "d.arrow"
+    p.write_text("input_ids,loss_mask\n1,1\n")
+    assert "not an Arrow IPC stream" in _error(p)
+    (tmp_path / "empty.arrow").write_bytes(b"")
+    assert "empty file" in _error(tmp_path / "empty.arrow")
+
+
+def test_token_ids_outside_vocab(tmp_path):
+    p = _write(tmp_path / "d.arrow", _table(), max_chunksize=2)
+    with pytest.raises(
+        DatasetError, match=r"column 'input_ids', row 3: token id 11 outside \[0, 11\)"
+    ):
+        open_dataset(p, vocab_size=11)
+    open_dataset(p, vocab_size=12)
+    neg = _write(tmp_path / "n.arrow", _table(rows=[[1, -4], [2]], masks=None))
+    with pytest.raises(DatasetError, match="row 0: token id -4"):
+        open_dataset(neg, check_values=True)
+
+
+@pytest.mark.parametrize("mask_type", [pa.uint8(), pa.int64()])
+def test_mask_values_checked(tmp_path, mask_type):
+    masks = [[0, 1, 1], [1], [0, 0, 1, 1, 1], [1, 2]]
+    p = _write(tmp_path / "d.arrow", _table(masks=masks, mask_type=mask_type), max_chunksize=3)
+    with pytest.raises(DatasetError, match="row 3: mask value 2 is not 0 or 1"):
+        open_dataset(p, check_values=True)

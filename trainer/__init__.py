@@ -1,0 +1,1 @@
+"""DFlash drafter training fed by the dflash-loader daemon."""
