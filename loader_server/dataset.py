@@ -101,6 +101,9 @@ class ArrowDataset:
             if self.has_loss_mask
             else None
         )
+        # Flat per-chunk lists: the hot copy loop indexes these, not dataclass attributes.
+        self._ids_values = [c.ids_values for c in chunks]
+        self._mask_values = [c.mask_values for c in chunks]
         self.fingerprint = _fingerprint(lengths, self.paths, path)
 
     @property
@@ -149,12 +152,11 @@ class ArrowDataset:
         """Copy samples (each truncated to ``max_len``) into consecutive rows of 2-D outputs.
 
         ``ids_out``/``mask_out`` are ``[B, L]`` arrays (typically shared-memory slots); the
-        caller has filled the padding. One memcpy per row, no intermediate buffer.
+        caller has filled the padding. One memcpy per row and field, no intermediate buffer.
         """
-        for row, i in enumerate(sample_ids):
-            n = min(int(self.lengths[i]), max_len)
-            ids_out[row, :n] = self.input_ids(int(i))[:n]
-            mask_out[row, :n] = self.loss_mask(int(i))[:n]
+        for row, (c, start, mstart, n) in enumerate(self._rows(sample_ids, max_len)):
+            ids_out[row, :n] = self._ids_values[c][start : start + n]
+            self._mask_into(c, mstart, n, mask_out[row, :n])
 
     def write_packed(
         self,
@@ -165,11 +167,33 @@ class ArrowDataset:
     ) -> None:
         """Copy samples back to back into 1-D outputs (each truncated to ``max_len``)."""
         pos = 0
-        for i in sample_ids:
-            n = min(int(self.lengths[i]), max_len)
-            ids_out[pos : pos + n] = self.input_ids(int(i))[:n]
-            mask_out[pos : pos + n] = self.loss_mask(int(i))[:n]
+        for c, start, mstart, n in self._rows(sample_ids, max_len):
+            ids_out[pos : pos + n] = self._ids_values[c][start : start + n]
+            self._mask_into(c, mstart, n, mask_out[pos : pos + n])
             pos += n
+
+    def _rows(self, sample_ids: Sequence[int] | np.ndarray, max_len: int) -> zip:
+        """(chunk, ids start, mask start, length) per sample, looked up vectorized."""
+        idx = np.asarray(sample_ids, dtype=np.int64)
+        mstart = self._mask_start[idx] if self._mask_start is not None else np.zeros_like(idx)
+        return zip(
+            self._sample_chunk[idx].tolist(),
+            self._sample_start[idx].tolist(),
+            mstart.tolist(),
+            np.minimum(self.lengths[idx], max_len).tolist(),
+            strict=True,
+        )
+
+    def _mask_into(self, c: int, start: int, n: int, out: np.ndarray) -> None:
+        values = self._mask_values[c]
+        if values is not None:
+            out[:] = values[start : start + n]
+        elif self._mask_start is None:
+            out[:] = 1
+        else:
+            chunk = self._chunks[c]
+            assert chunk.mask_bits is not None
+            out[:] = _unpack_bits(chunk.mask_bits, chunk.mask_bit_offset + start, n)
 
 
 def open_dataset(

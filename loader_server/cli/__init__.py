@@ -13,9 +13,15 @@ import sys
 
 import click
 
+from client.protocol import LoaderError
 from loader_server.dataset import DatasetError
 
-_USER_ERRORS: tuple[type[Exception], ...] = (DatasetError, ValueError, FileNotFoundError)
+_USER_ERRORS: tuple[type[Exception], ...] = (
+    DatasetError,
+    LoaderError,
+    ValueError,
+    FileNotFoundError,
+)
 
 
 class _Group(click.Group):
@@ -49,9 +55,9 @@ def main(verbose: bool) -> None:
 
 def _register() -> None:
     # One module per area; each exports COMMANDS.
-    from loader_server.cli import data
+    from loader_server.cli import data, plan, service
 
-    for module in (data,):
+    for module in (data, plan, service):
         for cmd in module.COMMANDS:
             main.add_command(cmd)
 

@@ -1,0 +1,419 @@
+"""``LoaderClient``: the iterator a trainer rank uses to receive batches from the daemon.
+
+Each ``next()`` releases the previous batch's slot, then waits for the daemon to announce
+the next one and wraps the slot's bytes as torch tensors over a read-only mapping of the
+ring (no copy). A batch's tensors are valid until the next ``next()``: copy them (for
+example ``batch.to("cuda", non_blocking=True)``) to keep them longer.
+
+The client holds the position (``[epoch, step, micro]`` of the next batch); the daemon holds
+nothing a restart could lose. If the daemon goes away (no message for ``dead_after_s``, a
+``bye``, or "unknown session" after a daemon restart) the client reconnects with backoff
+and reopens its session at its own position, so nothing is lost or repeated; after
+``timeout_s`` without a daemon it raises ``LoaderUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import secrets
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from client import cuda
+from client import protocol as P
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_TORCH_DTYPES = {"int32": torch.int32, "uint8": torch.uint8, "int64": torch.int64}
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch for this rank. Tensors are CPU views of shared memory until ``to``.
+
+    Padded: ``input_ids``/``loss_mask`` ``[B, L]``, ``lengths``/``sample_ids`` ``[B]``.
+    Packed: ``input_ids``/``loss_mask``/``position_ids`` ``[1, T]``, ``cu_seqlens`` ``[n+1]``,
+    ``lengths``/``sample_ids`` ``[n]``, ``max_seqlen``.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    lengths: torch.Tensor
+    sample_ids: torch.Tensor
+    position_ids: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int
+    epoch: int
+    step: int
+    micro: int
+    bucket: int
+    layout: str
+    steps_per_epoch: int
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        return (self.epoch, self.step, self.micro)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """A copy of every tensor on ``device`` (DMA from the registered ring on CUDA)."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def clone(self) -> Batch:
+        """A private CPU copy that outlives the slot."""
+        return self._map(torch.Tensor.clone)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        present = {k: getattr(self, k) for k in _TENSOR_FIELDS}
+        moved: dict[str, Any] = {k: fn(t) for k, t in present.items() if t is not None}
+        return replace(self, **moved)
+
+
+_TENSOR_FIELDS = ("input_ids", "loss_mask", "lengths", "sample_ids", "position_ids", "cu_seqlens")
+
+
+class _Ring:
+    """A read-only mapping of the daemon's ring for one session."""
+
+    def __init__(self, path: str, slots: int, layout: P.SlotLayout) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < slots * layout.slot_bytes:
+                raise P.ProtocolError(
+                    f"ring {path} is {size} bytes, expected {slots * layout.slot_bytes}"
+                )
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self.layout = layout
+        self.slots = slots
+        self._registered = cuda.register(self.buf)
+
+    def tensor(self, slot: int, name: str, count: int, shape: tuple[int, ...]) -> torch.Tensor:
+        dtype, offset, capacity = self.layout.fields[name]
+        if not 0 <= slot < self.slots or count > capacity:
+            raise P.ProtocolError(f"slot {slot} field {name}: {count} > capacity {capacity}")
+        start = slot * self.layout.slot_bytes + offset
+        arr = self.buf[start : start + count * np.dtype(dtype).itemsize].view(dtype)
+        with warnings.catch_warnings():  # read-only by design: writes would fault, not corrupt
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(arr).view(shape)
+
+    def close(self) -> None:
+        if self._registered:
+            cuda.unregister(self.buf)
+        self.buf = np.zeros(0, np.uint8)
+        # A batch tensor may still reference the mapping; then GC unmaps it later.
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+
+class LoaderClient:
+    """Iterate micro-batches of one rank of a job from the loader daemon.
+
+    Args:
+        endpoint: the daemon's ZeroMQ endpoint.
+        job: job name; all ranks of a job must agree on ``world_size`` and ``spec``.
+        rank, world_size: this process's place in the job.
+        spec: BatchSpec fields overriding the daemon's defaults (``world_size`` is set
+            from the argument).
+        epochs: total epochs to serve (iteration stops at epoch ``epochs``); None: forever.
+        timeout_s: how long to keep trying to reach a daemon before raising
+            ``LoaderUnavailableError``.
+        dead_after_s: silence (heartbeats unanswered) after which the daemon is presumed gone.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = P.DEFAULT_ENDPOINT,
+        *,
+        job: str,
+        rank: int,
+        world_size: int,
+        spec: dict[str, Any] | None = None,
+        epochs: int | None = None,
+        timeout_s: float = 60.0,
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 5.0,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
+        spec = dict(spec or {})
+        if spec.get("world_size", world_size) != world_size:
+            raise ValueError(f"spec world_size {spec['world_size']} != world_size {world_size}")
+        if epochs is not None and epochs < 0:
+            raise ValueError(f"epochs must be >= 0 or None, got {epochs}")
+        self.endpoint = endpoint
+        self.job = job
+        self.rank = rank
+        self.world_size = world_size
+        self.spec = spec
+        self.epochs = epochs
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.position: tuple[int, int, int] = (0, 0, 0)
+        self.wait_s = 0.0  # total time blocked waiting for data
+        self.steps_per_epoch: int | None = None
+        self.fingerprint: str | None = None
+        self.effective_spec: dict[str, Any] | None = None
+        self._ctx: zmq.Context = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._sid: str | None = None
+        self._ring: _Ring | None = None
+        self._held: int | None = None  # slot of the batch last returned
+
+    # --- public API -----------------------------------------------------------------------
+
+    def __iter__(self) -> LoaderClient:
+        return self
+
+    def __next__(self) -> Batch:
+        self._release_held()
+        if self.epochs is not None and self.position[0] >= self.epochs:
+            self.close()  # done: free the daemon's ring now rather than at session timeout
+            raise StopIteration
+        deadline = None
+        while True:
+            try:
+                if self._sid is None:
+                    self._open()
+                batch = self._receive()
+                if batch is None:
+                    self.close()
+                    raise StopIteration
+                return batch
+            except _Reconnect as why:
+                deadline = deadline or time.monotonic() + self.timeout_s
+                self._reset(str(why), deadline)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: the next batch this rank should receive."""
+        return {
+            "version": STATE_VERSION,
+            "job": self.job,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "position": list(self.position),
+            "fingerprint": self.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state``'s position (reopening the session if one is open)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"loader state version {state.get('version')!r} is not {STATE_VERSION}; "
+                f"it was saved by an incompatible dflash-loader"
+            )
+        for key in ("job", "rank", "world_size"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"loader state is for {key}={state.get(key)!r}, this client has "
+                    f"{key}={getattr(self, key)!r}"
+                )
+        self.position = P.position(state.get("position"), "state position")
+        if state.get("fingerprint"):
+            self.fingerprint = state["fingerprint"]
+        if self._sid is not None:
+            self._close_session()
+
+    def close(self) -> None:
+        if self._sid is not None and self._sock is not None:
+            self._sock.send(P.encode("close", s=self._sid), zmq.NOBLOCK)
+        self._close_session()
+
+    def __enter__(self) -> LoaderClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._close_session()
+
+    # --- session ---------------------------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, secrets.token_bytes(8))
+            sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _open(self) -> None:
+        sock = self._socket()
+        sock.send(
+            P.encode(
+                "open",
+                job=self.job,
+                rank=self.rank,
+                world_size=self.world_size,
+                spec=self.spec,
+                pos=list(self.position),
+                epochs=self.epochs,
+            )
+        )
+        end = time.monotonic() + self.dead_after_s
+        while True:
+            msg = self._recv(end - time.monotonic())
+            if msg is None:
+                raise _Reconnect(f"no answer to open from {self.endpoint}")
+            if msg["t"] == "welcome":
+                break
+            if msg["t"] == "error" and "s" not in msg:
+                raise P.LoaderRequestError(str(msg.get("code")), str(msg.get("msg")))
+        self._welcome(msg)
+
+    def _welcome(self, msg: dict[str, Any]) -> None:
+        fingerprint = msg.get("fingerprint")
+        if self.fingerprint is not None and fingerprint != self.fingerprint:
+            raise P.LoaderRequestError(
+                P.E_MISMATCH,
+                f"daemon serves dataset {fingerprint}, but this position belongs to "
+                f"{self.fingerprint}; resuming would replay the wrong data",
+            )
+        if self.effective_spec is not None and msg.get("spec") != self.effective_spec:
+            raise P.LoaderRequestError(
+                P.E_MISMATCH, "daemon now serves another spec than this client's session had"
+            )
+        layout = P.SlotLayout.from_wire(msg.get("layout"), msg.get("slot_bytes"))
+        self._ring = _Ring(str(msg["shm"]), int(msg["slots"]), layout)
+        self._sid = str(msg["s"])
+        self.fingerprint = fingerprint
+        self.effective_spec = msg.get("spec")
+        self.steps_per_epoch = int(msg["steps"])
+        log.debug("session %s open at %s", self._sid, self.position)
+
+    def _receive(self) -> Batch | None:
+        """Wait for this session's next batch (None: the requested epochs are done)."""
+        t0 = time.monotonic()
+        last_heard = t0
+        next_hb = t0 + self.heartbeat_s
+        try:
+            while True:
+                now = time.monotonic()
+                msg = self._recv(min(next_hb, last_heard + self.dead_after_s) - now)
+                now = time.monotonic()
+                if msg is None:
+                    if now - last_heard >= self.dead_after_s:
+                        raise _Reconnect(
+                            f"no message from the daemon for {self.dead_after_s:.1f} s"
+                        )
+                    self._send("heartbeat", s=self._sid, w=self.wait_s + now - t0)
+                    next_hb = now + self.heartbeat_s
+                    continue
+                last_heard = now
+                if msg.get("s") not in (None, self._sid):
+                    continue  # stale: from a session we already left
+                kind = msg["t"]
+                if kind == "batch":
+                    return self._batch(msg)
+                if kind == "end":
+                    return None
+                if kind == "bye":
+                    raise _Reconnect("daemon is shutting down")
+                if kind == "error":
+                    code = str(msg.get("code"))
+                    if code in (P.E_UNKNOWN_SESSION, P.E_REPLACED):
+                        raise _Reconnect(f"session lost: {msg.get('msg')}")
+                    raise P.LoaderRequestError(code, str(msg.get("msg")))
+        finally:
+            self.wait_s += time.monotonic() - t0
+
+    def _batch(self, msg: dict[str, Any]) -> Batch:
+        pos = P.position(msg.get("pos"))
+        if pos != self.position:
+            raise _Reconnect(f"daemon sent {pos}, expected {self.position}")
+        ring = self._ring
+        assert ring is not None
+        slot, rows, width = int(msg["slot"]), int(msg["rows"]), int(msg["width"])
+        layout = (self.effective_spec or {}).get("layout", "padded")
+        if layout == "packed":
+            shape: tuple[int, ...] = (1, width)
+            position_ids = ring.tensor(slot, "position_ids", width, shape)
+            cu = ring.tensor(slot, "cu_seqlens", rows + 1, (rows + 1,))
+        else:
+            shape = (rows, width)
+            position_ids = cu = None  # type: ignore[assignment]
+        lengths = ring.tensor(slot, "lengths", rows, (rows,))
+        batch = Batch(
+            input_ids=ring.tensor(slot, "input_ids", rows * width if cu is None else width, shape),
+            loss_mask=ring.tensor(slot, "loss_mask", rows * width if cu is None else width, shape),
+            lengths=lengths,
+            sample_ids=ring.tensor(slot, "sample_ids", rows, (rows,)),
+            position_ids=position_ids,
+            cu_seqlens=cu,
+            max_seqlen=int(lengths.max()) if rows else 0,
+            epoch=pos[0],
+            step=pos[1],
+            micro=pos[2],
+            bucket=int(msg.get("bucket", -1)),
+            layout=layout,
+            steps_per_epoch=int(msg.get("steps", self.steps_per_epoch or 0)),
+        )
+        self.steps_per_epoch = batch.steps_per_epoch
+        self.position = P.position(msg.get("next"), "next")
+        self._held = slot
+        return batch
+
+    def _release_held(self) -> None:
+        if self._held is not None and self._sid is not None:
+            self._send("release", s=self._sid, slot=self._held, w=self.wait_s)
+        self._held = None
+
+    def _send(self, kind: str, **fields: Any) -> None:
+        # zmq.Again: no daemon connected right now; the receive side notices and reconnects.
+        with contextlib.suppress(zmq.Again):
+            self._socket().send(P.encode(kind, **fields), zmq.NOBLOCK)
+
+    def _recv(self, timeout_s: float) -> dict[str, Any] | None:
+        sock = self._socket()
+        if not sock.poll(max(0, int(timeout_s * 1000))):
+            return None
+        return P.decode(sock.recv())
+
+    def _close_session(self) -> None:
+        self._sid = None
+        self._held = None
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
+    def _reset(self, why: str, deadline: float) -> None:
+        """Drop socket and session; back off before the next open attempt."""
+        self._close_session()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise P.LoaderUnavailableError(
+                f"no loader daemon answered on {self.endpoint} for {self.timeout_s:.0f} s "
+                f"(last problem: {why}); is `dflash-loader serve` running?"
+            )
+        log.warning("loader connection lost (%s); reconnecting to %s", why, self.endpoint)
+        time.sleep(min(0.2, left))
+
+
+class _Reconnect(Exception):
+    pass

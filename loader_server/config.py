@@ -1,0 +1,95 @@
+"""Daemon configuration: one TOML file (``[daemon]`` and ``[spec]`` tables), CLI flags on top.
+
+Precedence, lowest first: built-in defaults < the ``--config`` file < command-line flags.
+Keys mirror the ``serve`` flags with underscores (``--metrics-port`` -> ``metrics_port``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from client.protocol import DEFAULT_ENDPOINT
+from loader_server.spec import BatchSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """Everything ``dflash-loader serve`` needs. Units are in the names."""
+
+    dataset: Path | None = None
+    endpoint: str = DEFAULT_ENDPOINT
+    slots: int = 4
+    shm_dir: Path = Path("/dev/shm")
+    shm_mode: int = 0o600
+    group: str | None = None
+    vocab_size: int | None = None
+    check_values: bool = False
+    pad_id: int = 0
+    session_timeout_s: float = 120.0
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    log_level: str = "info"
+    insecure_tcp: bool = False
+    curve_secret_key_file: Path | None = None
+    spec: BatchSpec = field(default_factory=BatchSpec)
+
+    def __post_init__(self) -> None:
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
+
+    def with_overrides(self, daemon: dict[str, Any], spec: dict[str, Any]) -> DaemonConfig:
+        """A copy with non-None ``daemon`` fields and ``spec`` fields replaced."""
+        merged_spec = BatchSpec.from_dict({**self.spec.to_dict(), **spec}) if spec else self.spec
+        values = {k: _coerce(k, v) for k, v in daemon.items() if v is not None}
+        return replace(self, **values, spec=merged_spec)
+
+
+_DAEMON_KEYS = {f.name for f in fields(DaemonConfig)} - {"spec"}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    if key == "shm_mode" and isinstance(value, str):
+        try:
+            return int(value, 8)
+        except ValueError:
+            raise ValueError(
+                f"shm_mode must be an octal string like '0660', got {value!r}"
+            ) from None
+    if key in ("dataset", "shm_dir", "curve_secret_key_file") and isinstance(value, str):
+        return Path(value)
+    return value
+
+
+def load_config(path: str | Path | None) -> DaemonConfig:
+    """Defaults, overlaid with the TOML file at ``path`` when given."""
+    base = DaemonConfig()
+    if path is None:
+        return base
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: invalid TOML ({e})") from None
+    unknown_tables = sorted(set(data) - {"daemon", "spec"})
+    if unknown_tables:
+        raise ValueError(f"{path}: unknown table [{unknown_tables[0]}] (expected [daemon], [spec])")
+    daemon = data.get("daemon", {})
+    unknown = sorted(set(daemon) - _DAEMON_KEYS)
+    if unknown:
+        raise ValueError(
+            f"{path}: unknown key {unknown[0]!r} in [daemon] (known: {sorted(_DAEMON_KEYS)})"
+        )
+    try:
+        return base.with_overrides(daemon, data.get("spec", {}))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None

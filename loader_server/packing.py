@@ -1,0 +1,219 @@
+"""Cutting an ordered sample sequence into micro-batches: padded greedy and packed rows.
+
+Padded greedy (``greedy_starts``). Walk the sequence and close a micro-batch just before
+the sample that would push ``rows*L + w*rows*L*L`` over the budget (``L`` = longest so
+far) or the rows over ``max_batch_size``. This is inherently sequential, and a Python loop
+over 902K samples costs ~1 s. Instead, for *every* position p we compute ``k(p)``, the
+number of samples a batch starting at p would take, all at once: the cost of k rows from
+p is monotone in k, so a vectorized binary search over k with O(1) range-maximum queries
+(a sparse table of ``log2(max_batch_size)+1`` levels) finds it. Positions whose answer
+is already pinned by their segment's length range drop out of the search early (in
+narrow buckets most do). The greedy batches are then the chain ``p -> p + k(p)`` from each
+segment start: one cheap integer hop per batch (~28K on the reference corpus). Exactly
+the sequential greedy, in ~40 ms instead of ~1 s.
+
+Packed rows (``pack_rows``). Rows of at most ``token_budget`` cost from samples drawn at
+random: first-fit-decreasing inside windows of ``window`` consecutive (already shuffled)
+samples, all windows advanced together, one vectorized step per item rank (~1K steps over
+a [windows, bins] capacity matrix). FFD leaves every bin but the last few of a window
+nearly full (small samples fill the gaps), so bins below ``1 - slack`` full go back into a
+pool that is packed again, in rounds, until it fits one window; the last round keeps its
+bins as they are. On the reference shape this wastes ~0.1% of row capacity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Bins filled above (1 - _SLACK) of the budget are final; the rest are repacked.
+_SLACK = 0.002
+# When the pool fits this many windows, one first-fit round places everything.
+_LAST_ROUND_WINDOWS = 1
+_SPREAD = 0.5
+
+
+def row_costs(lengths: np.ndarray, attention_weight: float) -> np.ndarray:
+    """Cost of each sample as one row / one document: l + w*l^2 (float64)."""
+    x = lengths.astype(np.float64)
+    return x + attention_weight * x * x if attention_weight else x
+
+
+def greedy_starts(
+    lengths: np.ndarray,
+    seg_starts: np.ndarray,
+    *,
+    token_budget: int,
+    max_batch_size: int,
+    attention_weight: float = 0.0,
+) -> np.ndarray:
+    """Start positions of greedy padded micro-batches over ``lengths`` (int64, >= 1).
+
+    ``seg_starts`` (increasing, beginning with 0) splits the sequence into segments that
+    batches never cross (buckets). Returns increasing int64 positions; the batch at
+    ``starts[m]`` ends at ``starts[m+1]`` (or ``len(lengths)``).
+    """
+    n = lengths.shape[0]
+    if n == 0:
+        return np.zeros(0, np.int64)
+    take = _take_counts(lengths, seg_starts, token_budget, max_batch_size, attention_weight)
+    return _follow_chains(take, seg_starts, n)
+
+
+def _take_counts(
+    x: np.ndarray, seg_starts: np.ndarray, budget: int, max_rows: int, w: float
+) -> np.ndarray:
+    """k(p): how many samples a greedy batch starting at p takes, for every p."""
+    n = x.shape[0]
+    x = x.astype(np.int32)  # lengths fit; half the memory traffic of int64
+    bounds = np.append(seg_starts, n)
+    seg_len = np.diff(bounds)
+    seg_end = np.repeat(bounds[1:], seg_len)
+    room = np.minimum(seg_end - np.arange(n), max_rows)
+    # Rows that fit for sure (everything padded to the segment max) and at most (to the min).
+    seg_max = np.maximum.reduceat(x, seg_starts).astype(np.int64)
+    sure = _rows_within(seg_max, budget, w)
+    sure -= _cost(sure, seg_max, w) > budget  # guard against float rounding (w > 0)
+    most = _rows_within(np.minimum.reduceat(x, seg_starts), budget, w)
+    lo = np.clip(np.repeat(sure, seg_len), 1, room)
+    hi = np.clip(np.repeat(most, seg_len), 1, room)
+    table = _sparse_max(x, int(hi.max()))
+    log2 = np.zeros(max_rows + 2, np.int64)
+    log2[2:] = np.floor(np.log2(np.arange(2, max_rows + 2))).astype(np.int64)
+    active = np.flatnonzero(lo < hi)
+    while active.size:
+        a_lo, a_hi = lo[active], hi[active]
+        mid = (a_lo + a_hi + 1) // 2
+        level = log2[mid]
+        span = np.left_shift(1, level)
+        longest = np.maximum(table[level, active], table[level, active + mid - span])
+        fits = _cost(mid, longest, w) <= budget
+        lo[active] = np.where(fits, mid, a_lo)
+        hi[active] = np.where(fits, a_hi, mid - 1)
+        active = active[lo[active] < hi[active]]
+    return lo
+
+
+def _rows_within(longest: np.ndarray, budget: int, w: float) -> np.ndarray:
+    """Most rows of length ``longest`` under the budget."""
+    per_row = longest.astype(np.float64) * (1.0 + w * longest)
+    return np.floor(budget / per_row).astype(np.int64)
+
+
+def _cost(rows: np.ndarray, longest: np.ndarray, w: float) -> np.ndarray:
+    if w:
+        return rows * longest * (1.0 + w * longest)
+    return rows * longest
+
+
+def _sparse_max(x: np.ndarray, max_span: int) -> np.ndarray:
+    """table[j, p] = max(x[p : p + 2**j]) (clipped at the end), for 2**j <= max_span."""
+    levels = max(1, int(max_span).bit_length())
+    table = np.empty((levels, x.shape[0]), x.dtype)
+    table[0] = x
+    for j in range(1, levels):
+        half = 1 << (j - 1)
+        table[j] = table[j - 1]
+        np.maximum(table[j, :-half], table[j - 1, half:], out=table[j, :-half])
+    return table
+
+
+def _follow_chains(take: np.ndarray, seg_starts: np.ndarray, n: int) -> np.ndarray:
+    """Batch starts: p, p + k(p), ... from every segment start (one hop per batch)."""
+    hop = (np.arange(n, dtype=np.int64) + take).item  # .item beats a 902K-element tolist
+    ends = [*seg_starts.tolist()[1:], n]
+    out: list[int] = []
+    for p, end in zip(seg_starts.tolist(), ends, strict=True):
+        while p < end:
+            out.append(p)
+            p = hop(p)
+    return np.array(out, dtype=np.int64)
+
+
+def pack_rows(
+    costs: np.ndarray, *, capacity: float, window: int = 512
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pack items (in the given, already random, order) into rows of at most ``capacity``.
+
+    Returns ``(order, row_starts)``: item positions grouped row by row (within a row in
+    decreasing cost), and where each row begins in ``order``. Every item lands in exactly
+    one row.
+    """
+    if not 1 <= window <= 4096:
+        raise ValueError(f"window must be in 1..4096, got {window}")
+    pool = np.arange(costs.shape[0], dtype=np.int64)
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
+    while pool.size:
+        if pool.size > _LAST_ROUND_WINDOWS * window:
+            items, sizes, rest = _pack_round(costs, pool, capacity, window, worst_fit=True)
+            if rest.size < pool.size:
+                parts.append((items, sizes))
+                pool = rest
+                continue
+        items, sizes, _ = _pack_round(costs, pool, capacity, window, worst_fit=False)
+        parts.append((items, sizes))
+        break
+    if not parts:
+        return pool, np.zeros(0, np.int64)
+    order = np.concatenate([p[0] for p in parts])
+    sizes = np.concatenate([p[1] for p in parts])
+    row_starts = np.zeros(sizes.size, np.int64)
+    np.cumsum(sizes[:-1], out=row_starts[1:])
+    return order, row_starts
+
+
+def _pack_round(
+    costs: np.ndarray, pool: np.ndarray, capacity: float, window: int, *, worst_fit: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pack every window of ``pool`` at once, items in decreasing cost.
+
+    ``worst_fit``: each window gets floor(its cost / capacity) rows and every item goes to
+    the emptiest row, so each row receives one of the largest items, then one of the next,
+    ... (mixed lengths); items that fit nowhere and rows below ``1 - _SLACK`` full are
+    returned for the next round. Otherwise first fit with enough rows: every item placed.
+    Returns ``(items row by row, row sizes, items to repack)``.
+    """
+    nw = -(-pool.size // window)
+    flat = np.full(nw * window, -1, np.int64)
+    flat[: pool.size] = pool
+    items = flat.reshape(nw, window)
+    c = np.where(items >= 0, costs[np.maximum(items, 0)], 0.0)
+    by_size = np.argsort(-c, axis=1, kind="stable")
+    items = np.take_along_axis(items, by_size, axis=1)
+    c = np.take_along_axis(c, by_size, axis=1)
+    bin_of, cap = _place(c, capacity, worst_fit)
+    nbins = cap.shape[1]
+    # Group each window's items by row; a stable radix sort keeps decreasing cost.
+    grouped = np.argsort(bin_of.astype(np.int16), axis=1, kind="stable")
+    placed = np.take_along_axis(items, grouped, axis=1).ravel()
+    row = (np.arange(nw)[:, None] * (nbins + 1) + np.take_along_axis(bin_of, grouped, 1)).ravel()
+    real = placed >= 0
+    placed, row = placed[real], row[real]
+    rows, sizes = np.unique(row, return_counts=True)  # row ids are already sorted
+    # Column nbins of a window is its overflow: never final.
+    fill = np.concatenate([capacity - cap, np.zeros((nw, 1))], axis=1).ravel()[rows]
+    final = fill >= (1.0 - _SLACK) * capacity if worst_fit else np.ones(rows.size, bool)
+    keep = np.repeat(final, sizes)
+    return placed[keep], sizes[final], placed[~keep]
+
+
+def _place(c: np.ndarray, capacity: float, worst_fit: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Row of every item (``nbins`` = overflow) and the rows' remaining capacity."""
+    nw, window = c.shape
+    if worst_fit:
+        per_window = (c.sum(axis=1) // capacity).astype(np.int64)
+        nbins = max(1, int(per_window.max()))
+        cap = np.where(np.arange(nbins) < per_window[:, None], float(capacity), -1.0)
+    else:
+        # First fit: no two rows are both at most half full, so this many always suffice.
+        nbins = int(min(window, np.ceil(2 * c.sum(axis=1).max() / capacity) + 2))
+        cap = np.full((nw, nbins), float(capacity))
+    rows = np.arange(nw)
+    bin_of = np.empty((nw, window), np.int64)
+    for j in range(window):
+        cj = c[:, j]
+        spread = worst_fit and j < _SPREAD * window
+        b = np.argmax(cap, axis=1) if spread else np.argmax(cap >= cj[:, None], axis=1)
+        fits = cap[rows, b] >= cj
+        cap[rows, b] -= np.where(fits, cj, 0.0)
+        bin_of[:, j] = np.where(fits, b, nbins)
+    return bin_of, cap

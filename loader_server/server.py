@@ -1,0 +1,418 @@
+"""The ZeroMQ side of the daemon: one ROUTER socket, many sessions, one thread.
+
+The loop alternates between draining control messages (never blocking while there is
+work) and filling one free slot of one session (round robin), so a slow or misbehaving
+client cannot starve the others. Messages are parsed with bounded sizes; anything wrong
+earns an ``error`` reply and the daemon keeps serving. ROUTER_MANDATORY turns a send to a
+vanished client into an error (ZeroMQ would otherwise drop it silently), which closes that
+session at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from client import protocol as P
+from loader_server.dataset import ArrowDataset
+from loader_server.plans import PlanCache
+from loader_server.session import Position, Session, slot_layout_for
+from loader_server.shm import ShmRing, segment_name
+from loader_server.spec import BatchSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """What the server needs beyond the dataset. Units are in the names."""
+
+    endpoint: str = P.DEFAULT_ENDPOINT
+    slots: int = 4
+    shm_dir: Path = Path("/dev/shm")
+    shm_mode: int = 0o600
+    group: str | None = None
+    pad_id: int = 0
+    session_timeout_s: float = 120.0
+    max_sessions: int = 1024
+    spec_defaults: BatchSpec = field(default_factory=BatchSpec)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.slots <= 64:
+            raise ValueError(f"slots must be in [1, 64], got {self.slots}")
+        if self.session_timeout_s <= 0:
+            raise ValueError(f"session_timeout_s must be positive, got {self.session_timeout_s}")
+        if not 0 <= self.shm_mode <= 0o777:
+            raise ValueError(
+                f"shm_mode must be a permission mode like 0o600, got {self.shm_mode:o}"
+            )
+
+
+@dataclass
+class _Job:
+    spec: BatchSpec
+    world_size: int
+
+
+class LoaderServer:
+    """Serves one dataset on one endpoint. Call ``serve_forever(should_stop)``."""
+
+    def __init__(self, dataset: ArrowDataset, config: ServerConfig) -> None:
+        self.dataset = dataset
+        self.config = config
+        self.instance = secrets.token_hex(4)
+        self.plans = PlanCache(dataset.lengths, dataset.fingerprint)
+        self.sessions: dict[str, Session] = {}
+        self.by_rank: dict[tuple[str, int], str] = {}
+        self.jobs: dict[str, _Job] = {}
+        self.errors = 0
+        self.started = time.monotonic()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.SNDHWM, 10_000)
+        self._sock.setsockopt(zmq.RCVHWM, 10_000)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._handlers: dict[str, Callable[[bytes, dict[str, Any]], None]] = {
+            "open": self._on_open,
+            "release": self._on_release,
+            "heartbeat": self._on_heartbeat,
+            "close": self._on_close,
+            "stats": self._on_stats,
+            "ping": self._on_ping,
+        }
+        self._rr = 0
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def bind(self) -> None:
+        self._sock.bind(self.config.endpoint)
+
+    def serve_forever(
+        self, should_stop: Callable[[], bool], tick: Callable[[], None] | None = None
+    ) -> None:
+        """Run until ``should_stop()``; ``tick`` runs about every 100 ms (watchdog, status)."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_tick = 0.0
+        while not should_stop():
+            busy = self._fill_one()
+            if dict(poller.poll(0 if busy else 20)):
+                self._drain(256)
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + 0.1
+                self._expire(now)
+                if tick is not None:
+                    tick()
+
+    def shutdown(self) -> None:
+        """Tell every client, unlink every ring, close the socket."""
+        for sess in list(self.sessions.values()):
+            self._send(sess.peer, "bye", instance=self.instance)
+            self._drop(sess.sid, "daemon shutting down")
+        self.plans.close()
+        self._sock.close(linger=200)
+        self._ctx.term()
+
+    # --- messages ------------------------------------------------------------------------
+
+    def _drain(self, limit: int) -> None:
+        for _ in range(limit):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._dispatch(frames)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        peer = frames[0]
+        if len(frames) != 2:
+            self._reject(peer, P.E_MALFORMED, f"expected 1 message frame, got {len(frames) - 1}")
+            return
+        try:
+            msg = P.decode(frames[1])
+        except P.ProtocolError as e:
+            code = P.E_VERSION if "protocol version" in str(e) else P.E_MALFORMED
+            self._reject(peer, code, str(e))
+            return
+        handler = self._handlers.get(msg["t"])
+        if handler is None:
+            self._reject(peer, P.E_BAD_REQUEST, f"unknown message type {msg['t']!r}")
+            return
+        try:
+            handler(peer, msg)
+        except _UnknownSession as e:
+            self._reject(peer, P.E_UNKNOWN_SESSION, str(e), sid=msg.get("s"))
+        except _Mismatch as e:
+            self._reject(peer, P.E_MISMATCH, str(e))
+        except (ValueError, P.ProtocolError) as e:
+            self._reject(peer, P.E_BAD_REQUEST, str(e), sid=msg.get("s"))
+        except Exception as e:  # one bad request must not take the daemon down
+            log.exception("internal error handling %r", msg.get("t"))
+            self._reject(peer, P.E_INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _reject(self, peer: bytes, code: str, text: str, sid: Any = None) -> None:
+        self.errors += 1
+        log.warning("rejected request from %s: %s (%s)", peer.hex()[:12], text, code)
+        extra = {"s": sid} if isinstance(sid, str) else {}
+        self._send(peer, "error", code=code, msg=text, **extra)
+
+    def _send(self, peer: bytes, kind: str, **fields: Any) -> bool:
+        try:
+            self._sock.send_multipart([peer, P.encode(kind, **fields)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
+            log.info("cannot reach client %s (%s)", peer.hex()[:12], e.strerror)
+            return False
+
+    def _session(self, msg: dict[str, Any]) -> Session:
+        sid = msg.get("s")
+        sess = self.sessions.get(sid) if isinstance(sid, str) else None
+        if sess is None:
+            raise _UnknownSession(sid)
+        sess.last_seen = time.monotonic()
+        return sess
+
+    def _on_open(self, peer: bytes, msg: dict[str, Any]) -> None:
+        job, rank, world = msg.get("job"), msg.get("rank"), msg.get("world_size")
+        if not isinstance(job, str) or not job or len(job) > 128:
+            raise ValueError(f"job must be a non-empty string of <= 128 chars, got {job!r}")
+        if not isinstance(world, int) or not 1 <= world <= 65536:
+            raise ValueError(f"world_size must be an int in [1, 65536], got {world!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
+        overrides = msg.get("spec") or {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"spec must be a map of BatchSpec fields, got {type(overrides)}")
+        spec = BatchSpec.from_dict(
+            {**self.config.spec_defaults.to_dict(), **overrides, "world_size": world}
+        )
+        start = P.position(msg.get("pos", [0, 0, 0]))
+        if start[2] >= spec.grad_accum:
+            raise ValueError(f"pos micro {start[2]} >= grad_accum {spec.grad_accum}")
+        epochs = msg.get("epochs")
+        if epochs is not None and (not isinstance(epochs, int) or epochs < 0):
+            raise ValueError(f"epochs must be a non-negative int or nil, got {epochs!r}")
+        old = self.by_rank.get((job, rank))
+        if old is not None and all(s.sid == old for s in self.sessions.values() if s.job == job):
+            self.jobs.pop(job, None)  # the job's only session is being replaced: spec may change
+        self._check_job(job, spec, world)
+        if old is not None:  # a restarted trainer replaces its old session
+            old_peer = self.sessions[old].peer
+            if old_peer != peer:
+                self._send(
+                    old_peer, "error", s=old, code=P.E_REPLACED, msg="replaced by a new session"
+                )
+            self._drop(old, "replaced by a new session of the same rank")
+        if len(self.sessions) >= self.config.max_sessions:
+            raise ValueError(f"too many sessions (max_sessions={self.config.max_sessions})")
+        sess = self._new_session(peer, job, rank, spec, start, epochs)
+        plan = self.plans.get(spec, start[0])  # the first batch needs it anyway
+        self._send(
+            peer,
+            "welcome",
+            s=sess.sid,
+            shm=str(sess.ring.path),
+            slots=sess.ring.num_slots,
+            slot_bytes=sess.ring.layout.slot_bytes,
+            layout=sess.ring.layout.to_wire(),
+            steps=plan.num_steps,
+            instance=self.instance,
+            fingerprint=self.dataset.fingerprint,
+            spec=spec.to_dict(),
+        )
+        log.info("session %s: job %s rank %d/%d from %s", sess.sid, job, rank, world, start)
+
+    def _check_job(self, job: str, spec: BatchSpec, world: int) -> None:
+        known = self.jobs.get(job)
+        if known is None:
+            self.jobs[job] = _Job(spec, world)
+            return
+        if known.world_size != world:
+            raise _Mismatch(f"job {job!r} runs with world_size {known.world_size}, not {world}")
+        if known.spec.key() != spec.key():
+            a, b = known.spec.to_dict(), spec.to_dict()
+            diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+            raise _Mismatch(f"job {job!r} runs with another spec; differences (job, yours): {diff}")
+
+    def _new_session(
+        self,
+        peer: bytes,
+        job: str,
+        rank: int,
+        spec: BatchSpec,
+        start: Position,
+        epochs: int | None,
+    ) -> Session:
+        sid = secrets.token_hex(6)
+        ring = ShmRing(
+            self.config.shm_dir / segment_name(self.instance, sid),
+            slot_layout_for(spec, self.dataset.lengths),
+            self.config.slots,
+            mode=self.config.shm_mode,
+            group=self.config.group,
+        )
+        sess = Session(
+            sid,
+            peer,
+            job=job,
+            rank=rank,
+            spec=spec,
+            ring=ring,
+            start=start,
+            end_epoch=epochs,
+            pad_id=self.config.pad_id,
+        )
+        self.sessions[sid] = sess
+        self.by_rank[(job, rank)] = sid
+        return sess
+
+    def _on_release(self, peer: bytes, msg: dict[str, Any]) -> None:
+        sess = self._session(msg)
+        slot = msg.get("slot")
+        if not isinstance(slot, int):
+            raise ValueError(f"release needs an int slot, got {slot!r}")
+        sess.release(slot)
+        self._note_wait(sess, msg)
+
+    def _on_heartbeat(self, peer: bytes, msg: dict[str, Any]) -> None:
+        sess = self._session(msg)
+        self._note_wait(sess, msg)
+        self._send(peer, "hb", s=sess.sid)
+
+    @staticmethod
+    def _note_wait(sess: Session, msg: dict[str, Any]) -> None:
+        w = msg.get("w")
+        if isinstance(w, (int, float)) and w >= 0:
+            sess.stats.client_wait_s = float(w)
+
+    def _on_close(self, peer: bytes, msg: dict[str, Any]) -> None:
+        sess = self._session(msg)
+        self._drop(sess.sid, "closed by client")
+
+    def _on_ping(self, peer: bytes, msg: dict[str, Any]) -> None:
+        self._send(peer, "pong", instance=self.instance, pid=os.getpid())
+
+    def _on_stats(self, peer: bytes, msg: dict[str, Any]) -> None:
+        self._send(peer, "stats", **self.stats())
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        sessions = []
+        for s in self.sessions.values():
+            age = max(now - s.stats.started, 1e-9)
+            sessions.append(
+                {
+                    "job": s.job,
+                    "rank": s.rank,
+                    "world_size": s.spec.world_size,
+                    "pos": list(s.pos),
+                    "ring_fill": len(s.inflight),
+                    "slots": s.ring.num_slots,
+                    "batches": s.stats.batches,
+                    "tokens": s.stats.tokens,
+                    "tokens_per_s": s.stats.tokens / age,
+                    "client_wait_s": s.stats.client_wait_s,
+                    "age_s": age,
+                }
+            )
+        return {
+            "instance": self.instance,
+            "pid": os.getpid(),
+            "uptime_s": now - self.started,
+            "dataset": str(self.dataset.path),
+            "fingerprint": self.dataset.fingerprint,
+            "samples": self.dataset.num_samples,
+            "errors": self.errors,
+            "sessions": sessions,
+        }
+
+    # --- production ----------------------------------------------------------------------
+
+    def _fill_one(self) -> bool:
+        """Fill one slot of the next session (round robin) that can take one."""
+        order = list(self.sessions.values())
+        for k in range(len(order)):
+            sess = order[(self._rr + k) % len(order)]
+            if not sess.free or sess.ended:
+                continue
+            if sess.finished:
+                sess.ended = True
+                self._send(sess.peer, "end", s=sess.sid)
+                continue
+            plan = self._plan_for(sess)
+            if plan is None:
+                continue
+            self._rr = (self._rr + k + 1) % max(len(order), 1)
+            announce = sess.fill(plan, self.dataset)
+            if not self._send(sess.peer, "batch", **announce):
+                self._drop(sess.sid, "client unreachable")
+            return True
+        return False
+
+    def _plan_for(self, sess: Session) -> Any:
+        """The plan for the session's position, moving past epoch ends; None if not ready."""
+        while True:
+            try:
+                plan = self.plans.try_get(sess.spec, sess.pos[0])
+            except Exception as e:
+                self._send(
+                    sess.peer, "error", s=sess.sid, code=P.E_INTERNAL, msg=f"planning failed: {e}"
+                )
+                self._drop(sess.sid, f"planning failed: {e}")
+                return None
+            if plan is None:
+                return None
+            if plan.num_steps == 0:
+                text = (
+                    f"epoch {sess.pos[0]} has no steps: {self.dataset.num_samples} samples are "
+                    f"too few for {sess.spec.micro_per_step} micro-batches per step"
+                )
+                self._send(sess.peer, "error", s=sess.sid, code=P.E_BAD_REQUEST, msg=text)
+                self._drop(sess.sid, text)
+                return None
+            if sess.pos[1] < plan.num_steps:
+                nxt = sess.pos[0] + 1
+                if sess.pos[1] + 1 >= plan.num_steps and not (
+                    sess.end_epoch is not None and nxt >= sess.end_epoch
+                ):
+                    self.plans.prefetch(sess.spec, nxt)
+                return plan
+            sess.pos = (sess.pos[0] + 1, 0, 0)  # a resume position past this epoch's end
+            if sess.finished:
+                return None
+
+    def _expire(self, now: float) -> None:
+        for sess in list(self.sessions.values()):
+            if now - sess.last_seen > self.config.session_timeout_s:
+                self._drop(sess.sid, f"no message for {self.config.session_timeout_s:.0f} s")
+
+    def _drop(self, sid: str, why: str) -> None:
+        sess = self.sessions.pop(sid, None)
+        if sess is None:
+            return
+        sess.ring.close()
+        if self.by_rank.get((sess.job, sess.rank)) == sid:
+            del self.by_rank[(sess.job, sess.rank)]
+        if not any(s.job == sess.job for s in self.sessions.values()):
+            self.jobs.pop(sess.job, None)
+        log.info("session %s (job %s rank %d) closed: %s", sid, sess.job, sess.rank, why)
+
+
+class _UnknownSession(P.ProtocolError):
+    def __init__(self, sid: Any) -> None:
+        super().__init__(f"unknown session {sid!r} (the daemon restarted or expired it)")
+
+
+class _Mismatch(ValueError):
+    pass

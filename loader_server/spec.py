@@ -1,0 +1,199 @@
+"""``BatchSpec``: everything that decides how an epoch is cut into batches.
+
+One frozen value object, shared by the planner, the daemon (sessions carry it over the
+wire as a dict) and every CLI command (``spec_options`` in ``loader_server.cli.plan``).
+Its ``key()`` is a short stable hash used to cache plans: two specs with the same key plan
+identically on the same data.
+
+Cost model. A padded micro-batch of ``rows`` samples whose longest (effective) length is
+``L`` costs ``rows*L + attention_weight*rows*L*L`` and must not exceed ``token_budget``; a
+packed row of documents ``l_i`` costs ``sum(l_i) + attention_weight*sum(l_i**2)``. The
+attention term models attention work per token pair relative to the per-token work of the
+linear layers (0, the default, disables it; of the order of 1/(6*H) for layers of width H). A
+single row of ``max_seq_len`` tokens must fit the budget, otherwise some samples could never
+be served: that is the first thing validation checks.
+
+Effective length = ``min(len, max_seq_len)`` under ``overlong="truncate"``; under ``"drop"``
+longer samples are left out of the epoch (and reported). Empty samples are always left out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import numbers
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+OVERLONG = ("truncate", "drop")
+LAYOUTS = ("padded", "packed")
+COMPOSITIONS = ("bucketed", "sorted", "random")
+ORDERS = ("stratified", "shuffled")
+MAX_AUTO_BUCKETS = 64
+#: The hand-set boundaries of the pipeline this project replaces (6 buckets up to 8192).
+REFERENCE_BUCKETS = (770, 1216, 1728, 2432, 3296)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSpec:
+    """How to batch an epoch.
+
+    Attributes:
+        token_budget: max cost of one micro-batch (tokens, see the module docstring).
+        max_batch_size: max rows of a padded micro-batch (documents per packed row are
+            not limited).
+        max_seq_len: longer samples are truncated or dropped (``overlong``).
+        overlong: ``"truncate"`` or ``"drop"``.
+        buckets: ``"auto"`` (smallest K whose optimal buckets reach ``target_efficiency``),
+            ``"auto:K"`` (optimal K buckets), or increasing upper bounds such as
+            ``(770, 1216, 1728, 2432, 3296)``; a last bucket up to ``max_seq_len`` is
+            implied. A comma-separated string or a list is normalized to a tuple.
+        target_efficiency: padding efficiency ``"auto"`` aims for.
+        layout: ``"padded"`` ([B, L] rows) or ``"packed"`` (one row of concatenated
+            documents, for varlen attention).
+        composition: ``"bucketed"`` (per-epoch shuffle inside length buckets),
+            ``"sorted"`` (the original flaw: one global length sort, frozen batches) or
+            ``"random"`` (full shuffle). Sorted and random always shuffle batch order;
+            ``order`` applies to bucketed batches. Packed rows are always drawn at random.
+        order: ``"stratified"`` (every step mixes buckets by token share) or
+            ``"shuffled"`` (micro-batches in random order).
+        world_size, grad_accum: a step has ``world_size*grad_accum`` micro-batches.
+        seed: with the epoch, determines the plan.
+        attention_weight: weight of the quadratic attention term in the cost.
+    """
+
+    token_budget: int = 65536
+    max_batch_size: int = 64
+    max_seq_len: int = 8192
+    overlong: str = "truncate"
+    buckets: str | tuple[int, ...] = "auto"
+    target_efficiency: float = 0.97
+    layout: str = "padded"
+    composition: str = "bucketed"
+    order: str = "stratified"
+    world_size: int = 1
+    grad_accum: int = 1
+    seed: int = 0
+    attention_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "buckets", _normalize_buckets(self.buckets))
+        self._check_ints()
+        _check_choice("overlong", self.overlong, OVERLONG)
+        _check_choice("layout", self.layout, LAYOUTS)
+        _check_choice("composition", self.composition, COMPOSITIONS)
+        _check_choice("order", self.order, ORDERS)
+        if not 0.0 < self.target_efficiency <= 1.0:
+            raise ValueError(f"target_efficiency must be in (0, 1], got {self.target_efficiency}")
+        w = self.attention_weight
+        if not (isinstance(w, int | float) and math.isfinite(w) and w >= 0):
+            raise ValueError(f"attention_weight must be a finite number >= 0, got {w!r}")
+        if self.row_cost(self.max_seq_len) > self.token_budget:
+            raise ValueError(
+                f"token_budget {self.token_budget} is below the cost of one row of "
+                f"max_seq_len {self.max_seq_len} ({self.row_cost(self.max_seq_len):g}); "
+                f"raise token_budget or lower max_seq_len"
+            )
+        if self.layout == "packed" and self.composition == "sorted":
+            raise ValueError(
+                "composition 'sorted' is a padded-layout baseline; packed rows are always "
+                "drawn at random (use composition 'bucketed' or 'random' with layout 'packed')"
+            )
+        self._check_buckets()
+
+    def _check_ints(self) -> None:
+        for name, low in (
+            ("token_budget", 1),
+            ("max_batch_size", 1),
+            ("max_seq_len", 1),
+            ("world_size", 1),
+            ("grad_accum", 1),
+            ("seed", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+    def _check_buckets(self) -> None:
+        b = self.buckets
+        if isinstance(b, str):
+            return  # "auto" / "auto:K" were validated by _normalize_buckets
+        if b and b[-1] >= self.max_seq_len:
+            raise ValueError(
+                f"bucket bound {b[-1]} must be below max_seq_len {self.max_seq_len} "
+                f"(the last bucket, up to max_seq_len, is implied)"
+            )
+
+    def row_cost(self, length: int | float) -> float:
+        """Cost of one padded row of ``length`` tokens (one document of a packed row)."""
+        return float(length) * (1.0 + self.attention_weight * float(length))
+
+    @property
+    def micro_per_step(self) -> int:
+        """Micro-batches in one optimizer step, over all ranks."""
+        return self.world_size * self.grad_accum
+
+    @property
+    def auto_buckets(self) -> int | None:
+        """K for ``"auto:K"``, 0 for ``"auto"`` (smallest K reaching the target), None for
+        explicit bounds."""
+        if not isinstance(self.buckets, str):
+            return None
+        return 0 if self.buckets == "auto" else int(self.buckets.split(":")[1])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain msgpack/JSON-able values (bucket bounds as a list)."""
+        d = asdict(self)
+        if isinstance(self.buckets, tuple):
+            d["buckets"] = list(self.buckets)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BatchSpec:
+        """Inverse of ``to_dict``; missing keys take defaults, unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown BatchSpec field {unknown[0]!r} (known: {sorted(known)})")
+        return cls(**d)
+
+    def key(self) -> str:
+        """16 hex digits identifying this spec (hash of ``to_dict`` with sorted keys)."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _normalize_buckets(b: object) -> str | tuple[int, ...]:
+    """``"auto"``, ``"auto:K"``, ``"770,1216"``, lists/tuples -> canonical form."""
+    if isinstance(b, str):
+        text = b.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.startswith("auto:"):
+            k = text[5:]
+            if not k.isdigit() or not 1 <= int(k) <= MAX_AUTO_BUCKETS:
+                raise ValueError(f"buckets {b!r}: K in 'auto:K' must be 1..{MAX_AUTO_BUCKETS}")
+            return f"auto:{int(k)}"
+        try:
+            b = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(
+                f"buckets must be 'auto', 'auto:K' or comma-separated integers, got {b!r}"
+            ) from None
+    if not isinstance(b, list | tuple):
+        raise ValueError(f"buckets must be 'auto', 'auto:K' or a list of integers, got {b!r}")
+    bounds = []
+    for x in b:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
+            raise ValueError(f"bucket bound {x!r} is not a positive integer (buckets {list(b)})")
+        bounds.append(int(x))
+    if any(hi <= lo for lo, hi in itertools.pairwise(bounds)):
+        raise ValueError(f"bucket bounds must be strictly increasing, got {bounds}")
+    return tuple(bounds)

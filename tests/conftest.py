@@ -1,0 +1,121 @@
+"""Shared fixtures: small real corpora and real daemon subprocesses on ipc:// under tmp."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loader_server.dataset import ArrowDataset, open_dataset
+from loader_server.planner import EpochPlan, plan_epoch
+from loader_server.spec import BatchSpec
+from loader_server.synth import SynthSpec, write_corpus
+
+# Small enough to run epochs in a second, varied enough to exercise buckets and truncation.
+TEST_SPEC = {"token_budget": 4096, "max_batch_size": 16, "max_seq_len": 1024}
+READY_TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="session")
+def corpus_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus"
+    spec = SynthSpec(num_samples=2000, seed=11, median_len=200, max_len=1500)
+    write_corpus(path, spec, shards=2)
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(corpus_path) -> ArrowDataset:
+    return open_dataset(corpus_path)
+
+
+def expected_plan(ds: ArrowDataset, epoch: int, **spec) -> EpochPlan:
+    return plan_epoch(ds.lengths, BatchSpec(**{**TEST_SPEC, **spec}), epoch=epoch)
+
+
+def check_batch_tokens(ds: ArrowDataset, batch, max_seq_len: int = TEST_SPEC["max_seq_len"]):
+    """The batch's rows are exactly the source rows (truncated), padding is 0/0."""
+    ids = batch.input_ids.numpy()
+    mask = batch.loss_mask.numpy()
+    for r, sid in enumerate(batch.sample_ids.tolist()):
+        n = min(int(ds.lengths[sid]), max_seq_len)
+        assert int(batch.lengths[r]) == n
+        assert np.array_equal(ids[r, :n], ds.input_ids(sid)[:n])
+        assert np.array_equal(mask[r, :n], ds.loss_mask(sid)[:n])
+        assert not ids[r, n:].any() and not mask[r, n:].any()
+
+
+class DaemonProcess:
+    """A real `dflash-loader serve` subprocess; waits (bounded) for its READY line."""
+
+    def __init__(self, dataset: Path, workdir: Path, shm_dir: Path, *args: str, name="loader"):
+        self.endpoint = f"ipc://{workdir}/{name}.sock"
+        self.shm_dir = shm_dir
+        self.log_path = workdir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        cmd = [
+            sys.executable, "-m", "loader_server", "serve",
+            "--dataset", str(dataset), "--endpoint", self.endpoint, "--shm-dir", str(shm_dir),
+            *(f"--{k.replace('_', '-')}={v}" for k, v in TEST_SPEC.items()),
+            *args,
+        ]  # fmt: skip
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.wait_ready()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if "READY endpoint=" in self.log():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.02)
+        raise TimeoutError(f"daemon not ready after {READY_TIMEOUT_S} s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def shm_dir():
+    """A private directory in /dev/shm (tmpfs), so leak checks see only this test's rings."""
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path("/tmp")
+    d = base / f"dflash-test-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemons(tmp_path, shm_dir, corpus_path):
+    """Start daemons with ``daemons(*args)``; all are stopped at the end of the test."""
+    started: list[DaemonProcess] = []
+
+    def start(*args: str, name: str = "loader", dataset: Path | None = None) -> DaemonProcess:
+        d = DaemonProcess(dataset or corpus_path, tmp_path, shm_dir, *args, name=name)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        if d.proc.poll() is None:
+            d.stop(signal.SIGKILL)

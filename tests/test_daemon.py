@@ -1,0 +1,347 @@
+"""The real daemon in a subprocess, real clients: exact delivery, resume, faults, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+from conftest import TEST_SPEC, check_batch_tokens, expected_plan
+
+from client import LoaderClient, LoaderRequestError, LoaderUnavailableError
+from client import protocol as P
+
+pytestmark = pytest.mark.integration
+WORKER = Path(__file__).parent / "workers" / "consume.py"
+
+
+def consume(client: LoaderClient, limit: int | None = None) -> list:
+    out = []
+    for batch in client:
+        out.append(batch.clone())
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def plan_sequence(ds, rank: int, epochs: range, **spec) -> list[tuple[tuple[int, int, int], list]]:
+    """This rank's (position, sample ids) in order, straight from the planner."""
+    seq = []
+    for e in epochs:
+        plan = expected_plan(ds, e, **spec)
+        g = plan.spec.grad_accum
+        for s in range(plan.num_steps):
+            for m in range(g):
+                seq.append(((e, s, m), plan.micro(s, rank, m).tolist()))
+    return seq
+
+
+def seq_of(batches) -> list[tuple[tuple[int, int, int], list]]:
+    return [(b.position, b.sample_ids.tolist()) for b in batches]
+
+
+def test_ranks_receive_exactly_the_plan(daemons, corpus):
+    d = daemons()
+    world, accum = 3, 2
+    results: dict[int, list] = {}
+
+    def run(rank: int) -> None:
+        c = LoaderClient(d.endpoint, job="exact", rank=rank, world_size=world, epochs=2,
+                         spec={"grad_accum": accum})  # fmt: skip
+        results[rank] = consume(c)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for rank in range(world):
+        want = plan_sequence(corpus, rank, range(2), world_size=world, grad_accum=accum)
+        assert seq_of(results[rank]) == want
+        for b in results[rank][::7]:
+            check_batch_tokens(corpus, b)
+    for e in range(2):
+        served = [s for r in range(world) for (pos, ids) in seq_of(results[r]) if pos[0] == e
+                  for s in ids]  # fmt: skip
+        plan = expected_plan(corpus, e, world_size=world, grad_accum=accum)
+        assert len(served) == len(set(served)) == plan.stats["served"]
+    assert not list(d.shm_dir.iterdir()), "finished clients left rings behind"
+
+
+def test_resume_from_state_dict_is_bit_exact(daemons):
+    d = daemons()
+    everything = consume(LoaderClient(d.endpoint, job="r", rank=0, world_size=1, epochs=2))
+    first = LoaderClient(d.endpoint, job="r", rank=0, world_size=1, epochs=2)
+    head = consume(first, limit=77)
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint would store it
+    first.close()
+    second = LoaderClient(d.endpoint, job="r", rank=0, world_size=1, epochs=2)
+    second.load_state_dict(state)
+    rest = consume(second)
+    assert len(head) + len(rest) == len(everything)
+    for a, b in zip(head + rest, everything, strict=True):
+        assert a.position == b.position
+        for name in ("input_ids", "loss_mask", "lengths", "sample_ids"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+
+
+def _run_worker(d, job, rank, world, tmp_path, epochs=1, spec=None):
+    state, log = tmp_path / f"state{rank}.json", tmp_path / f"log{rank}.txt"
+    args = [sys.executable, str(WORKER), d.endpoint, job, str(rank), str(world), str(state),
+            str(log), str(epochs)]  # fmt: skip
+    if spec:
+        args.append(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    return subprocess.Popen(args, env=env)
+
+
+def _read_log(path: Path) -> list[tuple[tuple[int, int, int], list]]:
+    out = []
+    for line in path.read_text().splitlines():
+        e, s, m, ids = line.split(" ")
+        out.append(((int(e), int(s), int(m)), [int(x) for x in ids.split(",")]))
+    return out
+
+
+def _wait_lines(path: Path, n: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().count("\n") >= n:
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"{path} did not reach {n} lines")
+
+
+def test_kill9_client_then_restart_continues_exactly(daemons, corpus, tmp_path):
+    d = daemons()
+    log = tmp_path / "log0.txt"
+    p = _run_worker(d, "k", 0, 1, tmp_path)
+    _wait_lines(log, 40)
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+    state = json.loads((tmp_path / "state0.json").read_text())
+    before = [x for x in _read_log(log) if x[0] < tuple(state["position"])]
+    log.write_text("")
+    p = _run_worker(d, "k", 0, 1, tmp_path)
+    assert p.wait(60) == 0
+    assert before + _read_log(log) == plan_sequence(corpus, 0, range(1))
+
+
+def test_kill9_daemon_then_new_daemon_client_continues(daemons, corpus):
+    d = daemons()
+    client = LoaderClient(d.endpoint, job="dk", rank=0, world_size=1, epochs=1, dead_after_s=0.5)
+    got = consume(client, limit=50)
+    d.kill()
+    stale = list(d.shm_dir.iterdir())
+    assert stale, "the killed daemon's ring should still be there before the sweep"
+    d2 = daemons()  # same endpoint and shm dir: sweeps the dead instance's rings
+    got += consume(client)
+    assert seq_of(got) == plan_sequence(corpus, 0, range(1))
+    for b in got[45:55]:
+        check_batch_tokens(corpus, b)
+    assert not any(p.exists() for p in stale)
+    d2.stop()
+
+
+def test_two_daemons_serve_halves_of_one_world(daemons, corpus):
+    a, b = daemons(name="node0"), daemons(name="node1")
+    world = 4
+    results: dict[int, list] = {}
+
+    def run(rank: int) -> None:
+        ep = a.endpoint if rank < 2 else b.endpoint
+        results[rank] = consume(LoaderClient(ep, job="mn", rank=rank, world_size=world, epochs=1))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    plan = expected_plan(corpus, 0, world_size=world)
+    served = []
+    for rank in range(world):
+        assert seq_of(results[rank]) == plan_sequence(corpus, rank, range(1), world_size=world)
+        served += [s for b in results[rank] for s in b.sample_ids.tolist()]
+    assert sorted(served) == sorted(plan.sample_ids.tolist())
+
+
+def test_packed_layout(daemons, corpus):
+    d = daemons()
+    c = LoaderClient(d.endpoint, job="p", rank=0, world_size=1, epochs=1, spec={"layout": "packed"})
+    batches = consume(c)
+    plan = expected_plan(corpus, 0, layout="packed")
+    assert seq_of(batches) == plan_sequence(corpus, 0, range(1), layout="packed")
+    for b in batches[:20]:
+        assert b.input_ids.shape[0] == 1 and b.input_ids.shape[1] <= TEST_SPEC["token_budget"]
+        cu = b.cu_seqlens.tolist()
+        assert cu[0] == 0 and cu[-1] == b.input_ids.shape[1]
+        assert b.max_seqlen == max(np.diff(cu))
+        for k, sid in enumerate(b.sample_ids.tolist()):
+            lo, hi = cu[k], cu[k + 1]
+            n = hi - lo
+            assert np.array_equal(b.input_ids[0, lo:hi].numpy(), corpus.input_ids(sid)[:n])
+            assert np.array_equal(b.loss_mask[0, lo:hi].numpy(), corpus.loss_mask(sid)[:n])
+            assert b.position_ids[0, lo:hi].tolist() == list(range(n))
+    assert sum(len(b.sample_ids) for b in batches) == plan.stats["served"]
+
+
+# --- bad input: error replies, the daemon keeps serving ------------------------------------
+
+
+def _raw(endpoint: str) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    return s
+
+
+def _reply(sock: zmq.Socket, timeout_s: float = 5) -> dict:
+    assert sock.poll(int(timeout_s * 1000)), "no reply"
+    return msgpack.unpackb(sock.recv(), raw=False)
+
+
+def _open_msg(**over) -> bytes:
+    fields = {"job": "bad", "rank": 0, "world_size": 2, "spec": {}, "pos": [0, 0, 0]}
+    return P.encode("open", **{**fields, **over})
+
+
+@pytest.mark.parametrize(
+    ("frames", "code", "text"),
+    [
+        ([b"\xc1\xff garbage"], P.E_MALFORMED, "undecodable"),
+        ([msgpack.packb({"v": 99, "t": "open"})], P.E_VERSION, "protocol version 99"),
+        ([msgpack.packb([1, 2, 3])], P.E_MALFORMED, "not a map"),
+        ([P.encode("open")[:-3]], P.E_MALFORMED, "undecodable"),
+        ([P.encode("launch_missiles")], P.E_BAD_REQUEST, "unknown message type"),
+        ([P.encode("ping"), b"extra"], P.E_MALFORMED, "expected 1 message frame"),
+        ([_open_msg(rank=5)], P.E_BAD_REQUEST, "rank must be"),
+        ([_open_msg(spec={"token_budget": 10})], P.E_BAD_REQUEST, "token_budget 10"),
+        ([_open_msg(spec={"tokne_budget": 10})], P.E_BAD_REQUEST, "unknown BatchSpec field"),
+        ([_open_msg(pos=[0, -1, 0])], P.E_BAD_REQUEST, "non-negative"),
+        ([P.encode("release", s="nope", slot=0)], P.E_UNKNOWN_SESSION, "unknown session"),
+        ([P.encode("open", job="x" * 129, rank=0, world_size=1)], P.E_BAD_REQUEST, "job must"),
+    ],
+)
+def test_bad_messages_get_error_replies(daemons, frames, code, text):
+    d = daemons()
+    sock = _raw(d.endpoint)
+    sock.send_multipart(frames)
+    reply = _reply(sock)
+    assert reply["t"] == "error" and reply["code"] == code and text in reply["msg"], reply
+    assert d.proc.poll() is None
+    sock.close()
+
+
+def test_daemon_survives_abuse_while_serving_others(daemons, corpus):
+    d = daemons()
+    good = LoaderClient(d.endpoint, job="good", rank=0, world_size=2, epochs=1)
+    got = consume(good, limit=10)
+    sock = _raw(d.endpoint)
+    sock.send(b"\x00" * (P.MAX_MESSAGE_BYTES + 10))  # oversized: ZeroMQ drops this peer
+    for _ in range(200):
+        sock.send(os.urandom(64))
+    sock.send(P.encode("release", s="nope", slot=3))
+    # Another rank of the job with another world size or spec is refused; rank 0 is not hurt.
+    for over, what in (({"world_size": 3}, "world_size 2"), ({"spec": {"seed": 5}}, "seed")):
+        bad = _raw(d.endpoint)
+        bad.send(_open_msg(**{"job": "good", "rank": 1, "world_size": 2, **over}))
+        reply = _reply(bad)
+        while reply["t"] != "error":
+            reply = _reply(bad)
+        assert reply["code"] == P.E_MISMATCH and what in reply["msg"], reply
+        bad.close()
+    got += consume(good)
+    assert seq_of(got) == plan_sequence(corpus, 0, range(1), world_size=2)
+    assert d.proc.poll() is None
+    with pytest.raises(LoaderRequestError, match="token_budget must be"):
+        next(
+            iter(LoaderClient(d.endpoint, job="z", rank=0, world_size=1, spec={"token_budget": 0}))
+        )
+    with pytest.raises(ValueError, match="spec world_size 3"):
+        LoaderClient(d.endpoint, job="z", rank=0, world_size=1, spec={"world_size": 3})
+
+
+# --- lifecycle ------------------------------------------------------------------------------
+
+
+def test_sigterm_tells_clients_unlinks_rings_exits_zero(daemons):
+    d = daemons()
+    client = LoaderClient(d.endpoint, job="t", rank=0, world_size=1, timeout_s=1.0,
+                          dead_after_s=0.3)  # fmt: skip
+    next(client)
+    rings = list(d.shm_dir.iterdir())
+    assert len(rings) == 1 and stat.S_IMODE(rings[0].stat().st_mode) == 0o600
+    assert d.stop() == 0
+    assert not list(d.shm_dir.iterdir())
+    # Batches already announced stay readable (the mapping outlives the unlink); then `bye`,
+    # then no daemon: the client gives up after its timeout.
+    with pytest.raises(LoaderUnavailableError, match="no loader daemon answered"):
+        for _ in range(4):
+            next(client)
+    assert "stopped" in d.log()
+
+
+def test_ring_mode_follows_config(daemons):
+    d = daemons("--shm-mode", "0640")
+    client = LoaderClient(d.endpoint, job="m", rank=0, world_size=1)
+    next(client)
+    (ring,) = d.shm_dir.iterdir()
+    assert stat.S_IMODE(ring.stat().st_mode) == 0o640
+    client.close()
+
+
+def test_second_daemon_on_same_endpoint_refuses(daemons, tmp_path, shm_dir, corpus_path):
+    d = daemons()
+    p = subprocess.run(
+        [sys.executable, "-m", "loader_server", "serve", "--dataset", str(corpus_path),
+         "--endpoint", d.endpoint, "--shm-dir", str(shm_dir)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode != 0
+    assert f"another dflash-loader daemon (pid {d.proc.pid}) is serving" in p.stderr
+    assert d.proc.poll() is None
+
+
+def test_stats_command(daemons):
+    d = daemons()
+    client = LoaderClient(d.endpoint, job="st", rank=0, world_size=1)
+    consume(client, limit=5)
+    out = subprocess.run(
+        [sys.executable, "-m", "loader_server", "stats", "--endpoint", d.endpoint, "--json"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    st = json.loads(out)
+    (sess,) = st["sessions"]
+    assert sess["job"] == "st" and sess["rank"] == 0 and sess["batches"] >= 5
+    text = subprocess.run(
+        [sys.executable, "-m", "loader_server", "stats", "--endpoint", d.endpoint],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert "st" in text and "tokens/s" in text
+    client.close()
+
+
+def test_state_dict_checks_job_world_and_version(daemons):
+    d = daemons()
+    c = LoaderClient(d.endpoint, job="a", rank=0, world_size=2)
+    state = c.state_dict()
+    other = LoaderClient(d.endpoint, job="b", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="job='a'"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="version"):
+        c.load_state_dict({**state, "version": 99})
+    with pytest.raises(ValueError, match="world_size=4"):
+        LoaderClient(d.endpoint, job="a", rank=0, world_size=4).load_state_dict(
+            {**state, "world_size": 2}
+        )

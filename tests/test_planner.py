@@ -1,0 +1,283 @@
+"""Epoch plans: exactly-once service, budgets, equal steps, determinism, random access,
+per-epoch composition, the sorted baseline, packing and scheduling properties."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader_server import metrics, packing, schedule
+from loader_server.buckets import assign
+from loader_server.planner import EpochPlan, effective_lengths, plan_epoch
+from loader_server.spec import BatchSpec
+from loader_server.synth import SynthSpec, synth_lengths
+
+REFERENCE = synth_lengths(SynthSpec(num_samples=20_000, seed=5))
+
+
+def below(buckets: str | tuple[int, ...], max_seq_len: int) -> str | tuple[int, ...]:
+    """Explicit bounds must stay below max_seq_len: drop the ones that are not."""
+    if isinstance(buckets, tuple):
+        return tuple(b for b in buckets if b < max_seq_len)
+    return buckets
+
+
+@st.composite
+def specs(draw) -> BatchSpec:
+    max_seq_len = draw(st.integers(8, 96))
+    w = draw(st.sampled_from([0.0, 0.01]))
+    floor = int(np.ceil(max_seq_len * (1 + w * max_seq_len)))
+    layout = draw(st.sampled_from(["padded", "packed"]))
+    compositions = ["bucketed", "random"] + (["sorted"] if layout == "padded" else [])
+    return BatchSpec(
+        token_budget=draw(st.integers(floor, 4 * floor)),
+        max_batch_size=draw(st.integers(1, 9)),
+        max_seq_len=max_seq_len,
+        overlong=draw(st.sampled_from(["truncate", "drop"])),
+        buckets=below(
+            draw(st.sampled_from(["auto", "auto:1", "auto:3", (4,), (3, 7, 20)])), max_seq_len
+        ),
+        target_efficiency=draw(st.sampled_from([0.5, 0.9, 1.0])),
+        layout=layout,
+        composition=draw(st.sampled_from(compositions)),
+        order=draw(st.sampled_from(["stratified", "shuffled"])),
+        world_size=draw(st.integers(1, 4)),
+        grad_accum=draw(st.integers(1, 3)),
+        seed=draw(st.integers(0, 2**32)),
+        attention_weight=w,
+    )
+
+
+lengths_st = st.lists(st.integers(0, 130), min_size=0, max_size=250).map(np.array)
+
+
+def check_invariants(plan: EpochPlan, lengths: np.ndarray, spec: BatchSpec) -> None:
+    eff, ok = effective_lengths(lengths, spec)
+    ids = plan.sample_ids
+    st_ = plan.stats
+    # Every servable sample at most once; never an empty or (drop policy) overlong one.
+    assert np.unique(ids).size == ids.size
+    assert ok[ids].all()
+    assert st_["served"] == ids.size
+    assert st_["dropped_empty"] == int((lengths == 0).sum())
+    assert st_["dropped_leftover"] == int(ok.sum()) - ids.size
+    assert 0 <= st_["dropped_leftover_micro"] < spec.micro_per_step
+    assert (
+        st_["served"] + st_["dropped_leftover"] + st_["dropped_empty"] + st_["dropped_overlong"]
+        == lengths.size
+    )
+    assert st_["truncated"] == int((lengths[ids] > spec.max_seq_len).sum())
+    np.testing.assert_array_equal(plan.sample_lengths, eff[ids])
+    # Shape: equal steps for every rank, CSR consistent.
+    assert plan.num_micro == plan.num_steps * spec.world_size * spec.grad_accum
+    assert plan.offsets[0] == 0 and plan.offsets[-1] == ids.size
+    rows = plan.micro_rows()
+    assert (rows >= 1).all()
+    x = plan.sample_lengths.astype(np.int64)
+    starts = plan.offsets[:-1]
+    if plan.num_micro:
+        longest = np.maximum.reduceat(x, starts)
+        total = np.add.reduceat(x, starts)
+        sq = np.add.reduceat(x * x, starts)
+    else:
+        longest = total = sq = np.zeros(0, np.int64)
+    w = spec.attention_weight
+    if spec.layout == "padded":
+        assert (rows <= spec.max_batch_size).all()
+        np.testing.assert_array_equal(plan.micro_lens, longest)
+        cost = rows * longest * (1.0 + w * longest)
+    else:
+        np.testing.assert_array_equal(plan.micro_lens, total)
+        cost = total + w * sq
+    assert (cost <= spec.token_budget * (1 + 1e-12)).all()
+    np.testing.assert_allclose(plan.micro_costs, cost, rtol=1e-12)
+
+
+def check_random_access(plan: EpochPlan) -> None:
+    s = plan.spec
+    parts = []
+    for step in range(plan.num_steps):
+        for rank in range(s.world_size):
+            for micro in range(s.grad_accum):
+                m = plan.index(step, rank, micro)
+                got = plan.micro(step, rank, micro)
+                np.testing.assert_array_equal(
+                    got, plan.sample_ids[plan.offsets[m] : plan.offsets[m + 1]]
+                )
+                assert plan.micro_len(step, rank, micro) == plan.micro_lens[m]
+                assert plan.micro_bucket(step, rank, micro) == plan.micro_buckets[m]
+                parts.append(got)
+    whole = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    np.testing.assert_array_equal(whole, plan.sample_ids)
+
+
+@settings(max_examples=120, deadline=None)
+@given(lengths_st, specs(), st.integers(0, 5))
+def test_plan_invariants(lengths, spec, epoch):
+    plan = plan_epoch(lengths, spec, epoch=epoch)
+    check_invariants(plan, lengths, spec)
+    check_random_access(plan)
+    again = plan_epoch(lengths.astype(np.int32), spec, epoch=epoch)
+    for field in ("sample_ids", "offsets", "micro_lens", "micro_costs", "micro_buckets"):
+        np.testing.assert_array_equal(getattr(plan, field), getattr(again, field))
+    assert plan.stats == again.stats
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths_st, specs())
+def test_bucketed_micro_batches_stay_inside_one_bucket(lengths, spec):
+    spec = dataclasses.replace(spec, layout="padded", composition="bucketed")
+    plan = plan_epoch(lengths, spec, epoch=0)
+    bucket_of_sample = assign(plan.sample_lengths, plan.bucket_bounds)
+    np.testing.assert_array_equal(
+        bucket_of_sample, np.repeat(plan.micro_buckets, plan.micro_rows())
+    )
+
+
+def reference_greedy(x: list[int], budget: int, max_rows: int, w: float) -> list[int]:
+    """The original algorithm, one sample at a time: batch starts."""
+    starts, longest, rows = [], 0, 0
+    for p, length in enumerate(x):
+        new_longest = max(longest, length)
+        if rows and (
+            rows + 1 > max_rows or (rows + 1) * new_longest * (1 + w * new_longest) > budget
+        ):
+            rows, new_longest = 0, length
+        if rows == 0:
+            starts.append(p)
+        rows, longest = rows + 1, new_longest
+    return starts
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(1, 64), min_size=1, max_size=300),
+    st.integers(64, 400),
+    st.integers(1, 12),
+    st.sampled_from([0.0, 0.005]),
+    st.data(),
+)
+def test_vectorized_greedy_equals_the_sequential_one(x, budget, max_rows, w, data):
+    budget = max(budget, int(np.ceil(64 * (1 + w * 64))))
+    cuts = sorted(
+        set(data.draw(st.lists(st.integers(1, len(x) - 1), max_size=4)) if len(x) > 1 else [])
+    )
+    seg = np.array([0, *cuts], np.int64)
+    got = packing.greedy_starts(
+        np.array(x), seg, token_budget=budget, max_batch_size=max_rows, attention_weight=w
+    )
+    want = []
+    for a, b in zip(seg.tolist(), [*seg.tolist()[1:], len(x)], strict=True):
+        want += [a + s for s in reference_greedy(x[a:b], budget, max_rows, w)]
+    assert got.tolist() == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 500), min_size=0, max_size=3000), st.sampled_from([4, 16, 512]))
+def test_pack_rows_places_every_item_once_under_capacity(costs, window):
+    c = np.array(costs, dtype=np.float64)
+    order, starts = packing.pack_rows(c, capacity=1000.0, window=window)
+    assert sorted(order.tolist()) == list(range(c.size))
+    if c.size:
+        assert (np.add.reduceat(c[order], starts) <= 1000.0).all()
+        assert np.all(np.diff(starts) > 0)
+
+
+def test_sorted_is_the_original_frozen_greedy():
+    x = REFERENCE[:5000]
+    spec = BatchSpec(composition="sorted", world_size=4)
+    plans = [plan_epoch(x, spec, epoch=e) for e in range(3)]
+    order = np.argsort(x, kind="stable")
+    starts = reference_greedy(x[order].tolist(), spec.token_budget, spec.max_batch_size, 0.0)
+    want = {tuple(b) for b in np.split(order, starts[1:])}
+    for p in plans:
+        got = {tuple(p.sample_ids[a:b]) for a, b in zip(p.offsets[:-1], p.offsets[1:], strict=True)}
+        assert got <= want and len(want - got) == p.stats["dropped_leftover_micro"]
+    assert metrics.composition_repeat(plans[0], plans[1]) == 1.0
+    assert not np.array_equal(plans[0].sample_ids, plans[1].sample_ids)  # order reshuffled
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        BatchSpec(world_size=8),
+        BatchSpec(world_size=8, order="shuffled"),
+        BatchSpec(world_size=8, composition="random"),
+        BatchSpec(world_size=8, layout="packed"),
+    ],
+)
+def test_each_epoch_gets_a_new_composition(spec):
+    a, b = (plan_epoch(REFERENCE, spec, epoch=e) for e in (0, 1))
+    assert metrics.composition_repeat(a, b) < 0.12
+    assert not np.array_equal(a.sample_ids, b.sample_ids)
+    other_seed = plan_epoch(REFERENCE, dataclasses.replace(spec, seed=1), epoch=0)
+    assert not np.array_equal(a.sample_ids, other_seed.sample_ids)
+
+
+def test_reference_shape_quality():
+    spec = BatchSpec(world_size=8)
+    plan = plan_epoch(REFERENCE, spec, epoch=0)
+    shuffled = plan_epoch(REFERENCE, dataclasses.replace(spec, order="shuffled"), epoch=0)
+    assert plan.stats["padding_efficiency"] >= 0.97
+    assert metrics.step_mix_distance(plan) <= 0.5 * metrics.step_mix_distance(shuffled)
+    assert metrics.rank_imbalance(plan) <= 1.05
+    accum = plan_epoch(REFERENCE, dataclasses.replace(spec, grad_accum=4), epoch=0)
+    assert metrics.rank_imbalance(accum) <= 1.05
+    packed = plan_epoch(REFERENCE, dataclasses.replace(spec, layout="packed"), epoch=0)
+    assert packed.stats["padding_efficiency"] >= 0.995
+    assert metrics.rank_imbalance(packed) <= 1.01
+
+
+def test_overlong_truncate_and_drop_and_empty_samples():
+    x = np.array([0, 5, 100, 0, 300, 64])
+    base = {"token_budget": 256, "max_seq_len": 64, "max_batch_size": 4}
+    t = plan_epoch(x, BatchSpec(**base), epoch=0)
+    assert t.stats["dropped_empty"] == 2 and t.stats["truncated"] == 2
+    assert sorted(t.sample_ids.tolist()) == [1, 2, 4, 5] and t.sample_lengths.max() == 64
+    d = plan_epoch(x, BatchSpec(**base, overlong="drop"), epoch=0)
+    assert d.stats["dropped_overlong"] == 2 and d.stats["truncated"] == 0
+    assert sorted(d.sample_ids.tolist()) == [1, 5]
+
+
+def test_degenerate_inputs_give_empty_plans():
+    for x in (np.zeros(0, np.int32), np.zeros(7, np.int32)):
+        p = plan_epoch(x, BatchSpec(world_size=2), epoch=0)
+        assert p.num_steps == 0 and p.sample_ids.size == 0
+        assert p.stats["dropped_empty"] == x.size
+    few = plan_epoch(np.full(3, 100), BatchSpec(world_size=8), epoch=0)
+    assert few.num_steps == 0 and few.stats["dropped_leftover"] == 3
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="epoch must be an integer >= 0, got -1"):
+        plan_epoch(np.ones(3, np.int32), BatchSpec(), epoch=-1)
+    with pytest.raises(ValueError, match="1-D"):
+        plan_epoch(np.ones((2, 2), np.int32), BatchSpec(), epoch=0)
+    with pytest.raises(ValueError, match="-4 at 1"):
+        plan_epoch(np.array([3, -4]), BatchSpec(), epoch=0)
+    plan = plan_epoch(np.full(40, 10), BatchSpec(token_budget=8192, max_seq_len=64), epoch=0)
+    with pytest.raises(IndexError, match="step 1"):
+        plan.micro(1, 0, 0)
+    with pytest.raises(IndexError, match="micro 1"):
+        plan.micro(0, 0, 1)
+
+
+def test_rank_assignment_keeps_grad_accum_per_rank_and_balances():
+    rng = np.random.default_rng(0)
+    costs = rng.uniform(0.2, 1.0, 64 * 12)
+    steps = np.arange(costs.size).reshape(-1, 32)
+    out = schedule.assign_ranks(steps, costs, 4, rng)
+    assert out.shape == steps.shape
+    for a, b in zip(steps, out, strict=True):
+        assert sorted(a) == sorted(b)
+    per_rank = costs[out].reshape(-1, 8, 4).sum(axis=2)
+    assert (per_rank.max(axis=1) / per_rank.mean(axis=1)).mean() < 1.06
+
+
+def test_drop_remainder_drops_the_fewest_tokens():
+    kept = schedule.drop_remainder(np.array([5, 1, 7, 2, 9]), 2)
+    assert kept.tolist() == [0, 2, 3, 4]

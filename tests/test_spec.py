@@ -1,0 +1,104 @@
+"""BatchSpec: defaults, normalization, validation messages, dict round trip, stable key."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from loader_server.spec import REFERENCE_BUCKETS, BatchSpec
+
+
+def test_defaults_match_the_contract():
+    s = BatchSpec()
+    assert (s.token_budget, s.max_batch_size, s.max_seq_len) == (65536, 64, 8192)
+    assert (s.overlong, s.buckets, s.target_efficiency) == ("truncate", "auto", 0.97)
+    assert (s.layout, s.composition, s.order) == ("padded", "bucketed", "stratified")
+    assert (s.world_size, s.grad_accum, s.seed, s.attention_weight) == (1, 1, 0, 0.0)
+    assert s.micro_per_step == 1 and s.auto_buckets == 0
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        ("auto", "auto"),
+        ("AUTO:8", "auto:8"),
+        ("770,1216, 1728", (770, 1216, 1728)),
+        ([770, 1216], (770, 1216)),
+        (np.array([5, 9]).tolist(), (5, 9)),
+        ((np.int64(5), np.int32(9)), (5, 9)),
+        ((), ()),
+    ],
+)
+def test_buckets_are_normalized(given, want):
+    assert BatchSpec(buckets=given).buckets == want
+
+
+def test_dict_round_trip_through_msgpack():
+    s = BatchSpec(buckets=REFERENCE_BUCKETS, world_size=8, grad_accum=4, attention_weight=1e-5)
+    d = msgpack.unpackb(msgpack.packb(s.to_dict()))
+    assert d["buckets"] == list(REFERENCE_BUCKETS)
+    assert BatchSpec.from_dict(d) == s
+    assert BatchSpec.from_dict({}) == BatchSpec()
+
+
+def test_from_dict_rejects_unknown_keys_by_name():
+    with pytest.raises(ValueError, match="'token_budgte'"):
+        BatchSpec.from_dict({"token_budgte": 4096})
+
+
+def test_key_is_short_stable_and_sensitive():
+    a = BatchSpec(buckets=[770, 1216])
+    assert a.key() == BatchSpec(buckets=(770, 1216)).key() == BatchSpec(buckets="770,1216").key()
+    assert len(a.key()) == 16 and int(a.key(), 16) >= 0
+    assert a.key() != BatchSpec(buckets=(770, 1217)).key()
+    assert BatchSpec(seed=1).key() != BatchSpec(seed=2).key()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"token_budget": 4096}, r"token_budget 4096 .* max_seq_len 8192"),
+        ({"max_seq_len": 1024, "token_budget": 1024, "attention_weight": 0.01}, "1024"),
+        ({"token_budget": 0}, "token_budget must be an integer >= 1, got 0"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"world_size": 0}, "world_size must be an integer >= 1, got 0"),
+        ({"grad_accum": 2.0}, "grad_accum"),
+        ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+        ({"world_size": True}, "world_size"),
+        ({"overlong": "clip"}, "overlong must be one of truncate, drop; got 'clip'"),
+        ({"layout": "ragged"}, "'ragged'"),
+        ({"composition": "sortd"}, "'sortd'"),
+        ({"order": "interleaved"}, "'interleaved'"),
+        ({"target_efficiency": 0.0}, "target_efficiency"),
+        ({"target_efficiency": 1.5}, "1.5"),
+        ({"attention_weight": -1.0}, "attention_weight"),
+        ({"attention_weight": float("nan")}, "attention_weight"),
+        ({"buckets": "auto:0"}, "auto:0"),
+        ({"buckets": "auto:65"}, "1..64"),
+        ({"buckets": "auto:x"}, "auto:x"),
+        ({"buckets": "small,large"}, "small,large"),
+        ({"buckets": (1216, 770)}, r"strictly increasing, got \[1216, 770\]"),
+        ({"buckets": (0, 10)}, "bucket bound 0"),
+        ({"buckets": (10, 8192)}, "bucket bound 8192 must be below max_seq_len 8192"),
+        ({"buckets": 7}, "buckets must be"),
+        ({"layout": "packed", "composition": "sorted"}, "sorted"),
+    ],
+)
+def test_bad_specs_are_rejected_with_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BatchSpec(**kwargs)
+
+
+def test_spec_is_frozen_and_keyword_only():
+    s = BatchSpec()
+    with pytest.raises(AttributeError):
+        s.seed = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        BatchSpec(65536)  # type: ignore[misc]
+
+
+def test_row_cost_includes_attention_term():
+    s = BatchSpec(attention_weight=1e-4, token_budget=16384, max_seq_len=8192)
+    assert s.row_cost(100) == pytest.approx(100 * (1 + 1e-4 * 100))
+    assert s.row_cost(8192) <= 16384
