@@ -154,9 +154,14 @@ class ArrowDataset:
         ``ids_out``/``mask_out`` are ``[B, L]`` arrays (typically shared-memory slots); the
         caller has filled the padding. One memcpy per row and field, no intermediate buffer.
         """
+        ids_values, mask_values = self._ids_values, self._mask_values
         for row, (c, start, mstart, n) in enumerate(self._rows(sample_ids, max_len)):
-            ids_out[row, :n] = self._ids_values[c][start : start + n]
-            self._mask_into(c, mstart, n, mask_out[row, :n])
+            ids_out[row, :n] = ids_values[c][start : start + n]
+            mv = mask_values[c]
+            if mv is not None:  # the common case, inlined: this loop is the daemon's hot path
+                mask_out[row, :n] = mv[mstart : mstart + n]
+            else:
+                self._mask_into(c, mstart, n, mask_out[row, :n])
 
     def write_packed(
         self,

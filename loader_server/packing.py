@@ -9,16 +9,24 @@ p is monotone in k, so a vectorized binary search over k with O(1) range-maximum
 (a sparse table of ``log2(max_batch_size)+1`` levels) finds it. Positions whose answer
 is already pinned by their segment's length range drop out of the search early (in
 narrow buckets most do). The greedy batches are then the chain ``p -> p + k(p)`` from each
-segment start: one cheap integer hop per batch (~28K on the reference corpus). Exactly
-the sequential greedy, in ~40 ms instead of ~1 s.
+segment start: one cheap integer hop per batch (~30K on the reference corpus). Exactly
+the sequential greedy (tested against it), in ~0.1 s instead of ~1 s.
 
 Packed rows (``pack_rows``). Rows of at most ``token_budget`` cost from samples drawn at
-random: first-fit-decreasing inside windows of ``window`` consecutive (already shuffled)
-samples, all windows advanced together, one vectorized step per item rank (~1K steps over
-a [windows, bins] capacity matrix). FFD leaves every bin but the last few of a window
-nearly full (small samples fill the gaps), so bins below ``1 - slack`` full go back into a
-pool that is packed again, in rounds, until it fits one window; the last round keeps its
-bins as they are. On the reference shape this wastes ~0.1% of row capacity.
+random, packed inside windows of 512 consecutive (already shuffled) samples, all windows
+advanced together: one vectorized step per item rank over a [windows, rows] capacity
+matrix (512 steps per round). Items go in decreasing size. A window gets floor(its
+tokens / budget) rows; the larger half of its items goes *worst fit* (to the emptiest row,
+so every row receives one of the longest samples, then one of the next, ...: rows mix all
+lengths), the smaller half *first fit* (tops rows up one after another). Rows less than
+99.8% full and items that fit nowhere return to a pool packed again the same way; the
+last few hundred items get one first-fit round. On the reference shape: 8 rounds, 0.9998
+of row capacity used, step mix distance 0.04, ~0.17 s. (Plain first-fit-decreasing fills
+as well but groups each window's longest samples in the same rows: mix distance 0.23.
+Dealing a length-sorted pool to windows would skip the per-window sort but makes window
+membership depend on length rank, which repeats across epochs: composition repeat 0.011
+instead of 0.002.) Costs are integers (``item_costs``): every decision is exact integer
+arithmetic, the same on every machine.
 """
 
 from __future__ import annotations
@@ -28,14 +36,21 @@ import numpy as np
 # Bins filled above (1 - _SLACK) of the budget are final; the rest are repacked.
 _SLACK = 0.002
 # When the pool fits this many windows, one first-fit round places everything.
-_LAST_ROUND_WINDOWS = 1
+# The last (first-fit) round packs up to this many windows' worth of items as one window.
+_LAST_WINDOW_FACTOR = 8
 _SPREAD = 0.5
 
 
-def row_costs(lengths: np.ndarray, attention_weight: float) -> np.ndarray:
-    """Cost of each sample as one row / one document: l + w*l^2 (float64)."""
-    x = lengths.astype(np.float64)
-    return x + attention_weight * x * x if attention_weight else x
+def item_costs(lengths: np.ndarray, attention_weight: float) -> np.ndarray:
+    """Cost of each sample as one document of a packed row: ceil(l + w*l^2), int64.
+
+    Rounded up to integers so that every packing decision is exact integer arithmetic
+    (sums do not depend on summation order, hence not on the machine's SIMD width).
+    """
+    x = lengths.astype(np.int64)
+    if not attention_weight:
+        return x
+    return np.ceil(x + attention_weight * (x * x).astype(np.float64)).astype(np.int64)
 
 
 def greedy_starts(
@@ -130,11 +145,12 @@ def _follow_chains(take: np.ndarray, seg_starts: np.ndarray, n: int) -> np.ndarr
 
 
 def pack_rows(
-    costs: np.ndarray, *, capacity: float, window: int = 512
+    costs: np.ndarray, *, capacity: int, window: int = 512
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pack items (in the given, already random, order) into rows of at most ``capacity``.
 
-    Returns ``(order, row_starts)``: item positions grouped row by row (within a row in
+    ``costs`` are integers (``item_costs``), each at most ``capacity``. Returns
+    ``(order, row_starts)``: item positions grouped row by row (within a row in
     decreasing cost), and where each row begins in ``order``. Every item lands in exactly
     one row.
     """
@@ -142,16 +158,18 @@ def pack_rows(
         raise ValueError(f"window must be in 1..4096, got {window}")
     pool = np.arange(costs.shape[0], dtype=np.int64)
     parts: list[tuple[np.ndarray, np.ndarray]] = []
-    while pool.size:
-        if pool.size > _LAST_ROUND_WINDOWS * window:
-            items, sizes, rest = _pack_round(costs, pool, capacity, window, worst_fit=True)
-            if rest.size < pool.size:
-                parts.append((items, sizes))
-                pool = rest
-                continue
-        items, sizes, _ = _pack_round(costs, pool, capacity, window, worst_fit=False)
+    while pool.size > window:
+        items, sizes, rest = _pack_round(costs, pool, capacity, window, worst_fit=True)
+        if rest.size == pool.size:
+            break  # what is left is too small to fill rows window by window
         parts.append((items, sizes))
-        break
+        pool = rest
+    if pool.size:
+        # Last round: first fit in as few windows as possible (one, unless the pool is
+        # still large), so at most that many rows stay partly empty.
+        last = min(pool.size, _LAST_WINDOW_FACTOR * window)
+        items, sizes, _ = _pack_round(costs, pool, capacity, last, worst_fit=False)
+        parts.append((items, sizes))
     if not parts:
         return pool, np.zeros(0, np.int64)
     order = np.concatenate([p[0] for p in parts])
@@ -162,58 +180,83 @@ def pack_rows(
 
 
 def _pack_round(
-    costs: np.ndarray, pool: np.ndarray, capacity: float, window: int, *, worst_fit: bool
+    costs: np.ndarray, pool: np.ndarray, capacity: int, window: int, *, worst_fit: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pack every window of ``pool`` at once, items in decreasing cost.
 
-    ``worst_fit``: each window gets floor(its cost / capacity) rows and every item goes to
-    the emptiest row, so each row receives one of the largest items, then one of the next,
-    ... (mixed lengths); items that fit nowhere and rows below ``1 - _SLACK`` full are
-    returned for the next round. Otherwise first fit with enough rows: every item placed.
+    ``worst_fit``: each window gets floor(its cost / capacity) rows and the larger half
+    of its items go to the emptiest row, so each row receives one of the largest items,
+    then one of the next, ... (mixed lengths); the smaller half go first fit. Items that
+    fit nowhere and rows below ``1 - _SLACK`` full are returned for the next round.
+    Otherwise first fit with enough rows: every item placed.
     Returns ``(items row by row, row sizes, items to repack)``.
     """
+    # Windows are runs of consecutive pool items (random in the first round). Two stable
+    # 16-bit radix sorts (by decreasing cost, then by window) put every window in
+    # decreasing cost order without a per-window sort.
     nw = -(-pool.size // window)
-    flat = np.full(nw * window, -1, np.int64)
-    flat[: pool.size] = pool
-    items = flat.reshape(nw, window)
-    c = np.where(items >= 0, costs[np.maximum(items, 0)], 0.0)
-    by_size = np.argsort(-c, axis=1, kind="stable")
-    items = np.take_along_axis(items, by_size, axis=1)
-    c = np.take_along_axis(c, by_size, axis=1)
-    bin_of, cap = _place(c, capacity, worst_fit)
+    by_size = np.argsort(_descending_key(costs[pool]), kind="stable")
+    in_window = (by_size // window).astype(_key_dtype(nw))
+    by_size = by_size[np.argsort(in_window, kind="stable")]
+    flat = np.full(nw * window, -1, np.int64)  # [nw, window] row-major
+    flat[: pool.size] = pool[by_size]
+    c = np.zeros(nw * window, np.int64)
+    c[: pool.size] = costs[flat[: pool.size]]
+    # _place wants item j of every window contiguous: [window, nw].
+    bin_of, cap = _place(np.ascontiguousarray(c.reshape(nw, window).T), capacity, worst_fit)
     nbins = cap.shape[1]
-    # Group each window's items by row; a stable radix sort keeps decreasing cost.
-    grouped = np.argsort(bin_of.astype(np.int16), axis=1, kind="stable")
-    placed = np.take_along_axis(items, grouped, axis=1).ravel()
-    row = (np.arange(nw)[:, None] * (nbins + 1) + np.take_along_axis(bin_of, grouped, 1)).ravel()
+    # Group by row (window * (nbins+1) + bin); a stable sort keeps decreasing cost in a row.
+    row = (np.arange(nw)[:, None] * (nbins + 1) + bin_of.T).ravel()
+    grouped = np.argsort(row.astype(_key_dtype(nw * (nbins + 1))), kind="stable")
+    placed, row = flat[grouped], row[grouped]
     real = placed >= 0
     placed, row = placed[real], row[real]
-    rows, sizes = np.unique(row, return_counts=True)  # row ids are already sorted
+    first = np.flatnonzero(np.diff(row, prepend=-1))
+    rows = row[first]
+    sizes = np.diff(np.append(first, row.size))
     # Column nbins of a window is its overflow: never final.
-    fill = np.concatenate([capacity - cap, np.zeros((nw, 1))], axis=1).ravel()[rows]
-    final = fill >= (1.0 - _SLACK) * capacity if worst_fit else np.ones(rows.size, bool)
+    fill = np.concatenate([capacity - cap, np.zeros((nw, 1), np.int64)], axis=1).ravel()[rows]
+    final = fill >= capacity - capacity * _SLACK if worst_fit else np.ones(rows.size, bool)
     keep = np.repeat(final, sizes)
     return placed[keep], sizes[final], placed[~keep]
 
 
-def _place(c: np.ndarray, capacity: float, worst_fit: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Row of every item (``nbins`` = overflow) and the rows' remaining capacity."""
-    nw, window = c.shape
+def _key_dtype(n: int) -> type[np.unsignedinteger] | type[np.signedinteger]:
+    """uint16 for keys below 2**16: numpy sorts 16-bit keys with a radix sort."""
+    return np.uint16 if n <= 2**16 else np.int64
+
+
+def _descending_key(c: np.ndarray) -> np.ndarray:
+    """A key whose ascending stable sort is c descending; uint16 when costs fit, because
+    numpy sorts 16-bit keys with a radix sort (~5x faster than int64 for 902K)."""
+    top = int(c.max(initial=0))
+    return (top - c).astype(np.uint16) if top < 2**16 else -c
+
+
+def _place(c: np.ndarray, capacity: int, worst_fit: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Row of every item and the rows' remaining capacity, for all windows at once.
+
+    ``c`` is [items, windows] (item j of every window: one contiguous row), each column in
+    decreasing order. Returns ``bin_of`` [items, windows] (``nbins`` = overflow) and
+    ``cap`` [windows, nbins].
+    """
+    window, nw = c.shape
+    total = c.sum(axis=0)
     if worst_fit:
-        per_window = (c.sum(axis=1) // capacity).astype(np.int64)
+        per_window = total // capacity
         nbins = max(1, int(per_window.max()))
-        cap = np.where(np.arange(nbins) < per_window[:, None], float(capacity), -1.0)
+        cap = np.where(np.arange(nbins) < per_window[:, None], capacity, -1)
     else:
         # First fit: no two rows are both at most half full, so this many always suffice.
-        nbins = int(min(window, np.ceil(2 * c.sum(axis=1).max() / capacity) + 2))
-        cap = np.full((nw, nbins), float(capacity))
-    rows = np.arange(nw)
-    bin_of = np.empty((nw, window), np.int64)
+        nbins = int(min(window, 2 * int(total.max()) // capacity + 2))
+        cap = np.full((nw, nbins), capacity, np.int64)
+    windows = np.arange(nw)
+    bin_of = np.empty((window, nw), np.int64)
     for j in range(window):
-        cj = c[:, j]
+        cj = c[j]
         spread = worst_fit and j < _SPREAD * window
         b = np.argmax(cap, axis=1) if spread else np.argmax(cap >= cj[:, None], axis=1)
-        fits = cap[rows, b] >= cj
-        cap[rows, b] -= np.where(fits, cj, 0.0)
-        bin_of[:, j] = np.where(fits, b, nbins)
+        fits = cap[windows, b] >= cj
+        cap[windows, b] -= np.where(fits, cj, 0)
+        bin_of[j] = np.where(fits, b, nbins)
     return bin_of, cap

@@ -13,19 +13,21 @@ Steps (padded layout, ``composition="bucketed"``):
 3. Shuffle inside each bucket with ``rng(seed, epoch, bucket)`` and cut each bucket into
    greedy micro-batches under the token budget and ``max_batch_size``
    (``loader_server.packing``, exact greedy, vectorized).
-4. Order micro-batches (stratified by bucket, or shuffled), drop the remainder that
-   cannot fill a last step, and deal each step's micro-batches to ranks balancing cost
-   (``loader_server.schedule``).
+4. Drop the remainder that cannot fill a last step, order micro-batches into steps
+   (stratified by length in cost-balanced units, or shuffled) and deal each step's
+   micro-batches to ranks balancing cost (``loader_server.schedule``).
 
 ``composition="sorted"`` is the original flaw: one stable global length sort, greedy
 batches (identical every epoch), only their order shuffled per epoch. ``"random"``:
 one full shuffle, greedy batches, shuffled order. ``layout="packed"``: rows of up to
-``token_budget`` from randomly drawn samples (windowed first-fit-decreasing).
+``token_budget`` from randomly drawn samples (windowed worst-fit/first-fit decreasing,
+``loader_server.packing``), in shuffled order.
 
 The result is flat numpy (CSR): ``sample_ids`` grouped by micro-batch, micro-batches in
 (step, rank, micro) order, so ``plan.micro(step, rank, micro)`` is an O(1) slice.
-On the reference corpus (902K samples) a plan takes ~0.1-0.2 s, the DP for "auto"
-buckets included.
+On the reference shape (902K samples, 8 ranks) a padded plan takes ~0.14 s, ~0.25 s for
+the first epoch when the "auto" bucket DP runs (cached by length histogram after that);
+a packed plan ~0.27 s (docs/PLANNER.md has the measured table).
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ def plan_epoch(lengths: np.ndarray, spec: BatchSpec, *, epoch: int) -> EpochPlan
 def _bucketed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: int) -> _Batches:
     bounds = bk.resolve_bounds(eff[ids], spec)
     b = bk.assign(eff[ids], bounds)
-    seq = ids[np.argsort(b.astype(np.int16), kind="stable")]  # int16: radix sort
+    small = b.astype(np.int16) if bounds.size < 2**15 else b  # int16: a stable radix sort
+    seq = ids[np.argsort(small, kind="stable")]
     counts = np.bincount(b, minlength=bounds.size)
     edges = np.zeros(bounds.size + 1, np.int64)
     np.cumsum(counts, out=edges[1:])
@@ -202,12 +205,13 @@ def _packed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: in
     bounds = np.array([spec.max_seq_len], np.int64)
     if items.size == 0:
         return _empty_batches(items, eff[items], bounds)
-    costs = packing.row_costs(eff[items], spec.attention_weight)
-    order, starts = packing.pack_rows(costs, capacity=float(spec.token_budget))
+    costs = packing.item_costs(eff[items], spec.attention_weight)
+    order, starts = packing.pack_rows(costs, capacity=spec.token_budget)
     seq = items[order]
     x = eff[seq]
     lens = np.add.reduceat(x, starts)
-    row_costs = np.add.reduceat(costs[order], starts)
+    # Integer sums, then one elementwise float op: the same bits on every machine.
+    row_costs = lens + spec.attention_weight * np.add.reduceat(x * x, starts)
     return _Batches(seq, x, starts, lens, row_costs, lens, np.zeros(starts.size, np.int32), bounds)
 
 
@@ -222,10 +226,12 @@ def _schedule(batches: _Batches, spec: BatchSpec, epoch: int) -> np.ndarray:
     stratify = (
         spec.layout == "padded" and spec.composition == "bucketed" and spec.order == "stratified"
     )
+    # Whole-token costs: balancing sums are then exact, independent of summation order.
+    costs = np.ceil(batches.costs).astype(np.int64)
     args = (spec.world_size, spec.grad_accum, rng)
     if stratify:
-        return schedule.stratified_steps(batches.lens, batches.tokens, batches.costs, *args)
-    return schedule.shuffled_steps(batches.tokens, batches.costs, *args)
+        return schedule.stratified_steps(batches.lens, batches.tokens, costs, *args)
+    return schedule.shuffled_steps(batches.tokens, costs, *args)
 
 
 def _assemble(

@@ -13,7 +13,7 @@ reference shape its step mix distance is ~0.24 with grad_accum 1.
 the sorted list into ``world_size`` strata of equal count; a *unit* takes one random
 micro-batch from every stratum, so each unit (one micro-batch per rank) spans the whole
 length range and each step gets its token-proportional quota of every length band: mix
-distance ~0.07 with grad_accum 1, ~0.03 with 4.
+distance 0.076 with grad_accum 1, 0.021 with 4 (before the balancing below).
 
 Balance. With ``max_batch_size`` 64 and a 65536 budget, samples under ~1000 tokens fill a
 micro-batch by rows, not tokens: ~12% of micro-batches cost 0.2-0.9 of the budget, the
@@ -33,6 +33,8 @@ most expensive micro-batches.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -106,10 +108,17 @@ def _balanced_units(
         n_cheap = int(np.searchsorted(costs[by_cost], theta)) // world * world
         mixed = by_len[cost_rank[by_len] >= n_cheap]  # still sorted by length
         units = np.concatenate([by_cost[:n_cheap].reshape(-1, world), _deal(mixed, world, rng)])
-        uc = costs[units]
-        if (uc.max(axis=1) / uc.mean(axis=1)).mean() <= 1.0 + tolerance:
+        if _mean_ratio(costs[units]) <= 1.0 + tolerance:
             break
     return units
+
+
+def _mean_ratio(unit_costs: np.ndarray) -> float:
+    """Mean over units of max / mean cost. Integer sums and ``math.fsum`` (exactly
+    rounded) make the threshold decision identical on every machine."""
+    world = unit_costs.shape[1]
+    ratio = unit_costs.max(axis=1) * world / np.maximum(unit_costs.sum(axis=1), 1)
+    return math.fsum(ratio.tolist()) / max(1, ratio.size)
 
 
 def _deal(sorted_items: np.ndarray, groups: int, rng: np.random.Generator) -> np.ndarray:
@@ -134,7 +143,7 @@ def assign_ranks(
     steps = np.take_along_axis(steps, by_cost, axis=1)
     c = np.take_along_axis(c, by_cost, axis=1)
     out = np.empty((num_steps, world, grad_accum), np.int64)
-    load = np.zeros((num_steps, world))
+    load = np.zeros((num_steps, world), costs.dtype)
     rows = np.arange(num_steps)[:, None]
     for g in range(grad_accum):
         lightest = np.argsort(load, axis=1, kind="stable")

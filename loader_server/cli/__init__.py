@@ -55,9 +55,9 @@ def main(verbose: bool) -> None:
 
 def _register() -> None:
     # One module per area; each exports COMMANDS.
-    from loader_server.cli import data, plan, service
+    from loader_server.cli import bench, data, plan, service
 
-    for module in (data, plan, service):
+    for module in (data, plan, service, bench):
         for cmd in module.COMMANDS:
             main.add_command(cmd)
 

@@ -1,0 +1,173 @@
+"""The side-by-side benchmark: the service, a torch DataLoader, and the sort-once pipeline.
+
+One run measures, on the same dataset and the same batch plan:
+
+* single-core memcpy bandwidth (the yardstick for "how close to free is delivery");
+* the daemon: cold start to READY, RSS;
+* 2 consumer processes (ranks of one job) reading for ``seconds``: tokens/s delivered into
+  client-visible torch tensors (every batch touched), bytes/s of padded tensors;
+* ``next()`` latency with a full ring (the consumer pauses between batches);
+* first-batch latency of a restarted trainer (new client at a mid-epoch position, warm
+  daemon) versus the sort-once pipeline's reload of the corpus;
+* a ``DataLoader(num_workers=2)`` reading the same micro-batches through pyarrow;
+* plan quality: padding efficiency and composition repeat, ours versus sort-once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loader_server import metrics
+from loader_server.bench.baseline import dataloader_throughput, sort_once_restart
+from loader_server.dataset import open_dataset
+from loader_server.planner import plan_epoch
+from loader_server.spec import BatchSpec
+
+
+def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Best-of-N single-thread copy bandwidth (GB/s) of a buffer larger than the caches."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class _Daemon:
+    def __init__(self, dataset: Path, workdir: Path, spec: BatchSpec) -> None:
+        self.endpoint = f"ipc://{workdir}/bench.sock"
+        self.log = workdir / "daemon.log"
+        shm = Path("/dev/shm") if os.path.isdir("/dev/shm") else workdir
+        args = [f"--{k.replace('_', '-')}={v if not isinstance(v, list) else ','.join(map(str, v))}"
+                for k, v in spec.to_dict().items() if k != "world_size"]  # fmt: skip
+        t = time.perf_counter()
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "loader_server", "serve", "--dataset", str(dataset),
+                 "--endpoint", self.endpoint, "--shm-dir", str(shm), *args],
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        while "READY endpoint=" not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited:\n{self.log.read_text()}")
+            if time.perf_counter() - t > 120:
+                raise TimeoutError("daemon not ready after 120 s")
+            time.sleep(0.005)
+        self.ready_s = time.perf_counter() - t
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+
+
+def _consumers(endpoint: str, world: int, seconds: float, job: str, **extra: Any) -> list[dict]:
+    cmd = [sys.executable, "-m", "loader_server.bench.consumer", endpoint, "--job", job,
+           "--world", str(world), "--seconds", str(seconds)]  # fmt: skip
+    for k, v in extra.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    procs = [
+        subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
+    return [json.loads(p.communicate(timeout=seconds + 120)[0]) for p in procs]
+
+
+def run_bench(
+    dataset: Path, spec: BatchSpec, *, seconds: float = 5.0, consumers: int = 2
+) -> dict[str, Any]:
+    """Measure everything; returns the numbers (``format_report`` prints them)."""
+    r: dict[str, Any] = {"dataset": str(dataset), "spec": spec.to_dict()}
+    r["memcpy_gbps"] = memcpy_gbps()
+    ds = open_dataset(dataset)
+    r["samples"], r["tokens"] = ds.num_samples, ds.num_tokens
+    spec = BatchSpec.from_dict({**spec.to_dict(), "world_size": consumers})
+    plan0, plan1 = plan_epoch(ds.lengths, spec, epoch=0), plan_epoch(ds.lengths, spec, epoch=1)
+    sorted_spec = BatchSpec.from_dict({**spec.to_dict(), "composition": "sorted"})
+    s0, s1 = (
+        plan_epoch(ds.lengths, sorted_spec, epoch=0),
+        plan_epoch(ds.lengths, sorted_spec, epoch=1),
+    )
+    r["ours_plan"] = {"efficiency": metrics.padding_efficiency(plan0),
+                      "repeat": metrics.composition_repeat(plan0, plan1)}  # fmt: skip
+    r["sorted_plan"] = {"efficiency": metrics.padding_efficiency(s0),
+                        "repeat": metrics.composition_repeat(s0, s1)}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
+        d = _Daemon(dataset, Path(tmp), spec)
+        try:
+            r["daemon_ready_s"] = d.ready_s
+            flat = _consumers(d.endpoint, consumers, seconds, "throughput")
+            r["service"] = {
+                "tokens_per_s": sum(c["tokens_per_s"] for c in flat),
+                "bytes_per_s": sum(c["bytes_per_s"] for c in flat),
+                "per_rank_tokens_per_s": [c["tokens_per_s"] for c in flat],
+                "client_rss_mb": max(c["rss_mb"] for c in flat),
+                "wait_fraction": max(c["wait_fraction"] for c in flat),
+            }
+            lat = _consumers(d.endpoint, 1, min(seconds, 3.0), "latency", pause_ms=2)[0]
+            r["next_p50_ms"], r["next_p99_ms"] = lat["next_p50_ms"], lat["next_p99_ms"]
+            warm = _consumers(d.endpoint, 1, 0.2, "restart")[0]
+            r["first_batch_warm_s"] = warm["first_batch_s"]
+            r["daemon_rss_mb"] = rss_mb(d.proc.pid)
+        finally:
+            d.stop()
+    batches = [plan0.micro(s, 0, 0) for s in range(plan0.num_steps)]
+    r["dataloader"] = dataloader_throughput(dataset, batches, spec.max_seq_len, seconds)
+    r["sort_once"] = sort_once_restart(dataset)
+    return r
+
+
+def format_report(r: dict[str, Any]) -> str:
+    svc, dl, so = r["service"], r["dataloader"], r["sort_once"]
+    mem = r["memcpy_gbps"] * 1e9
+    ratio = svc["tokens_per_s"] / dl["tokens_per_s"]
+    rows = [
+        ("tokens/s delivered", f"{svc['tokens_per_s'] / 1e6:.1f}M",
+         f"{dl['tokens_per_s'] / 1e6:.1f}M", "-", f"{ratio:.1f}x vs DataLoader"),
+        ("padded tensor GB/s (share of memcpy)",
+         f"{svc['bytes_per_s'] / 1e9:.2f} ({svc['bytes_per_s'] / mem:.0%})",
+         f"{dl['bytes_per_s'] / 1e9:.2f} ({dl['bytes_per_s'] / mem:.0%})", "-", ""),
+        ("padding efficiency", f"{r['ours_plan']['efficiency']:.3f}", "same plan",
+         f"{r['sorted_plan']['efficiency']:.3f}", ""),
+        ("composition repeat (e0 vs e1)", f"{r['ours_plan']['repeat']:.4f}", "same plan",
+         f"{r['sorted_plan']['repeat']:.4f}", ""),
+        ("first batch after trainer restart", f"{r['first_batch_warm_s'] * 1e3:.0f} ms",
+         f"{dl['first_batch_s'] * 1e3:.0f} ms", f"{so['restart_s'] * 1e3:.0f} ms",
+         f"{so['restart_s'] / r['first_batch_warm_s']:.0f}x vs sort-once"),
+        ("client RSS", f"{svc['client_rss_mb']:.0f} MB", "-",
+         f">= {so['resident_bytes'] / 2**20:.0f} MB", ""),
+    ]  # fmt: skip
+    head = f"{'':<36}{'service':>18}{'DataLoader(2w)':>18}{'sort-once':>14}{'ratio':>22}"
+    lines = [
+        f"dataset {r['dataset']}: {r['samples']:,} samples, {r['tokens']:,} tokens; "
+        f"memcpy {r['memcpy_gbps']:.1f} GB/s (one core)",
+        head,
+        *(f"{a:<36}{b:>18}{c:>18}{d:>14}{e:>22}" for a, b, c, d, e in rows),
+        "",
+        f"daemon cold start to READY {r['daemon_ready_s']:.2f} s, daemon RSS "
+        f"{r['daemon_rss_mb']:.0f} MB; client next() with a full ring: p50 "
+        f"{r['next_p50_ms']:.3f} ms, p99 {r['next_p99_ms']:.3f} ms; client wait fraction "
+        f"{svc['wait_fraction']:.1%}; per-rank tokens/s "
+        + ", ".join(f"{x / 1e6:.1f}M" for x in svc["per_rank_tokens_per_s"]),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""``dflash-loader bench``: the service against a DataLoader and the sort-once pipeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from loader_server.cli.plan import spec_from_options, spec_options
+
+
+@click.command()
+@click.argument("dataset", type=click.Path(exists=True, path_type=Path))
+@click.option("--seconds", type=float, default=5.0, show_default=True, help="Per measurement.")
+@click.option("--consumers", type=int, default=2, show_default=True, help="Trainer ranks.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@spec_options
+def bench(dataset: Path, seconds: float, consumers: int, as_json: bool, **kw: Any) -> None:
+    """Measure the service on DATASET side by side with its baselines, in one run.
+
+    Starts a daemon, runs CONSUMERS client processes (ranks of one job, every batch
+    touched), then a torch DataLoader (2 workers, pyarrow reads, pad-collate) over the same
+    micro-batches, then the sort-once pipeline's restart (load the corpus into memory).
+    Prints tokens/s, the ratio to single-core memcpy, padding efficiency, composition
+    repeat, first-batch latency after a trainer restart, next() latency and RSS.
+    """
+    from loader_server.bench.run import format_report, run_bench
+
+    report = run_bench(dataset, spec_from_options(**kw), seconds=seconds, consumers=consumers)
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+
+
+COMMANDS = [bench]
