@@ -38,12 +38,26 @@ class DaemonConfig:
     spec: BatchSpec = field(default_factory=BatchSpec)
 
     def __post_init__(self) -> None:
+        self._check_types()
+        if not 1 <= self.slots <= 64:
+            raise ValueError(f"slots must be in [1, 64], got {self.slots}")
+        if self.session_timeout_s <= 0:
+            raise ValueError(f"session_timeout_s must be positive, got {self.session_timeout_s}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
+
+    def _check_types(self) -> None:
+        for f in fields(self):
+            value, want = getattr(self, f.name), _TYPES.get(f.name)
+            if want is None or value is None:
+                continue
+            if (isinstance(value, bool) and bool not in want) or not isinstance(value, want):
+                names = " or ".join(t.__name__ for t in want)
+                raise ValueError(f"{f.name} must be {names}, got {value!r}")
 
     def with_overrides(self, daemon: dict[str, Any], spec: dict[str, Any]) -> DaemonConfig:
         """A copy with non-None ``daemon`` fields and ``spec`` fields replaced."""
@@ -52,6 +66,24 @@ class DaemonConfig:
         return replace(self, **values, spec=merged_spec)
 
 
+_TYPES: dict[str, tuple[type, ...]] = {
+    "dataset": (Path,),
+    "endpoint": (str,),
+    "slots": (int,),
+    "shm_dir": (Path,),
+    "shm_mode": (int,),
+    "group": (str,),
+    "vocab_size": (int,),
+    "check_values": (bool,),
+    "pad_id": (int,),
+    "session_timeout_s": (int, float),
+    "metrics_port": (int,),
+    "metrics_host": (str,),
+    "log_level": (str,),
+    "insecure_tcp": (bool,),
+    "curve_secret_key_file": (Path,),
+    "spec": (BatchSpec,),
+}
 _DAEMON_KEYS = {f.name for f in fields(DaemonConfig)} - {"spec"}
 
 

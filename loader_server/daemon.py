@@ -123,7 +123,6 @@ class Daemon:
         signal.signal(signal.SIGINT, self._on_signal)
         try:
             self._start()
-            self.state = State.SERVING
             assert self.server is not None
             self.server.serve_forever(lambda: self._stop, self._tick)
         finally:
@@ -165,6 +164,7 @@ class Daemon:
             ),
         )
         self.server.bind()
+        self.state = State.SERVING
         log.info(
             "READY endpoint=%s pid=%d instance=%s samples=%d",
             c.endpoint,

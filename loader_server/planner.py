@@ -145,7 +145,7 @@ def plan_epoch(lengths: np.ndarray, spec: BatchSpec, *, epoch: int) -> EpochPlan
     else:
         batches = _global_batches(ids, eff, spec, epoch)
     steps = _schedule(batches, spec, epoch)
-    return _assemble(batches, steps, np.asarray(lengths), eff, ok, spec, epoch)
+    return _assemble(batches, steps, np.asarray(lengths), ok, spec, epoch)
 
 
 def _bucketed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: int) -> _Batches:
@@ -238,7 +238,6 @@ def _assemble(
     batches: _Batches,
     steps: np.ndarray,
     raw: np.ndarray,
-    eff: np.ndarray,
     ok: np.ndarray,
     spec: BatchSpec,
     epoch: int,
