@@ -18,12 +18,14 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import zmq
 
 from client import protocol as P
 from loader_server.config import DaemonConfig
 from loader_server.dataset import open_dataset
+from loader_server.prometheus import start_exporter
 from loader_server.sdnotify import Notifier
 from loader_server.server import LoaderServer, ServerConfig
 from loader_server.shm import sweep_dead_segments
@@ -114,6 +116,7 @@ class Daemon:
         self._next_watchdog = 0.0
         self._next_status = 0.0
         self.server: LoaderServer | None = None
+        self._exporter: Any = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop = True
@@ -128,6 +131,8 @@ class Daemon:
         finally:
             self.state = State.DRAINING
             self.notifier.stopping("draining: telling clients, unlinking shared memory")
+            if self._exporter is not None:
+                self._exporter.shutdown()
             if self.server is not None:
                 self.server.shutdown()
             self.state = State.STOPPED
@@ -164,6 +169,9 @@ class Daemon:
             ),
         )
         self.server.bind()
+        if c.metrics_port:
+            self._exporter = start_exporter(self.server.stats, c.metrics_host, c.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", c.metrics_host, c.metrics_port)
         self.state = State.SERVING
         log.info(
             "READY endpoint=%s pid=%d instance=%s samples=%d",

@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import numpy as np
 
-# Bins filled above (1 - _SLACK) of the budget are final; the rest are repacked.
+# Rows filled above (1 - _SLACK) of the budget are final; the rest are repacked.
 _SLACK = 0.002
-# When the pool fits this many windows, one first-fit round places everything.
-# The last (first-fit) round packs up to this many windows' worth of items as one window.
-_LAST_WINDOW_FACTOR = 8
+# A window holds about this many rows' worth of items (512 on the reference shape),
+# between _MIN_WINDOW and _MAX_WINDOW items.
+_ROWS_PER_WINDOW = 16
+_MIN_WINDOW, _MAX_WINDOW = 64, 4096
+# The larger _SPREAD of a window's items go worst fit, the rest first fit.
 _SPREAD = 0.5
 
 
@@ -145,17 +147,19 @@ def _follow_chains(take: np.ndarray, seg_starts: np.ndarray, n: int) -> np.ndarr
 
 
 def pack_rows(
-    costs: np.ndarray, *, capacity: int, window: int = 512
+    costs: np.ndarray, *, capacity: int, window: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pack items (in the given, already random, order) into rows of at most ``capacity``.
 
-    ``costs`` are integers (``item_costs``), each at most ``capacity``. Returns
-    ``(order, row_starts)``: item positions grouped row by row (within a row in
-    decreasing cost), and where each row begins in ``order``. Every item lands in exactly
-    one row.
+    ``costs`` are integers (``item_costs``), each at most ``capacity``. ``window`` (items
+    per window) defaults to about 16 rows' worth of items. Returns ``(order,
+    row_starts)``: item positions grouped row by row (within a row in decreasing cost),
+    and where each row begins in ``order``. Every item lands in exactly one row.
     """
-    if not 1 <= window <= 4096:
-        raise ValueError(f"window must be in 1..4096, got {window}")
+    if window is None:
+        window = window_for(costs, capacity)
+    if not 1 <= window <= _MAX_WINDOW:
+        raise ValueError(f"window must be in 1..{_MAX_WINDOW}, got {window}")
     pool = np.arange(costs.shape[0], dtype=np.int64)
     parts: list[tuple[np.ndarray, np.ndarray]] = []
     while pool.size > window:
@@ -165,9 +169,9 @@ def pack_rows(
         parts.append((items, sizes))
         pool = rest
     if pool.size:
-        # Last round: first fit in as few windows as possible (one, unless the pool is
-        # still large), so at most that many rows stay partly empty.
-        last = min(pool.size, _LAST_WINDOW_FACTOR * window)
+        # Last round: first fit, in one window unless the pool is still large, so at most
+        # that many rows stay partly empty.
+        last = min(pool.size, _MAX_WINDOW)
         items, sizes, _ = _pack_round(costs, pool, capacity, last, worst_fit=False)
         parts.append((items, sizes))
     if not parts:
@@ -177,6 +181,16 @@ def pack_rows(
     row_starts = np.zeros(sizes.size, np.int64)
     np.cumsum(sizes[:-1], out=row_starts[1:])
     return order, row_starts
+
+
+def window_for(costs: np.ndarray, capacity: int) -> int:
+    """Items per window: about ``_ROWS_PER_WINDOW`` rows' worth (integer arithmetic, so
+    the same on every machine)."""
+    n, total = int(costs.shape[0]), int(costs.sum(dtype=np.int64))
+    if n == 0 or total == 0:
+        return _MIN_WINDOW
+    want = -(-_ROWS_PER_WINDOW * capacity * n // total)
+    return int(min(max(want, _MIN_WINDOW), _MAX_WINDOW))
 
 
 def _pack_round(

@@ -309,7 +309,7 @@ class LoaderServer:
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
         sessions = []
-        for s in self.sessions.values():
+        for s in list(self.sessions.values()):  # a copy: the exporter thread calls this too
             age = max(now - s.stats.started, 1e-9)
             sessions.append(
                 {

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 from conftest import DaemonProcess
@@ -154,3 +155,22 @@ def test_journald_logs_have_no_timestamp(tmp_path, shm_dir, corpus_path, monkeyp
     line = next(x for x in d.log().splitlines() if "READY" in x)
     assert line[:4].isdigit(), line  # asctime first outside journald
     assert os.environ.get("JOURNAL_STREAM") is None
+
+
+def test_prometheus_metrics(tmp_path, shm_dir, corpus_path):
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = DaemonProcess(corpus_path, tmp_path, shm_dir, "--metrics-port", str(port))
+    c = LoaderClient(d.endpoint, job="prom", rank=0, world_size=1)
+    for _ in range(3):
+        next(c)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "dflash_loader_sessions 1.0" in text
+    batches = [
+        x for x in text.splitlines() if x.startswith('dflash_loader_batches_total{job="prom"')
+    ]
+    assert batches and float(batches[0].split()[-1]) >= 3
+    c.close()
+    assert d.stop() == 0
