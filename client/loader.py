@@ -137,6 +137,8 @@ class LoaderClient:
         timeout_s: how long to keep trying to reach a daemon before raising
             ``LoaderUnavailableError``.
         dead_after_s: silence (heartbeats unanswered) after which the daemon is presumed gone.
+        curve_server_key: the daemon's CURVE public key (Z85 text) for a tcp:// endpoint
+            secured with ``curve_secret_key_file``; the client uses an ephemeral key pair.
     """
 
     def __init__(
@@ -151,6 +153,7 @@ class LoaderClient:
         timeout_s: float = 60.0,
         heartbeat_s: float = 1.0,
         dead_after_s: float = 5.0,
+        curve_server_key: str | bytes | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
@@ -168,6 +171,9 @@ class LoaderClient:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
+        self.curve_server_key = (
+            curve_server_key.encode() if isinstance(curve_server_key, str) else curve_server_key
+        )
         self.position: tuple[int, int, int] = (0, 0, 0)
         self.wait_s = 0.0  # total time blocked waiting for data
         self.steps_per_epoch: int | None = None
@@ -256,6 +262,11 @@ class LoaderClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, secrets.token_bytes(8))
             sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+            if self.curve_server_key is not None:
+                public, secret = zmq.curve_keypair()
+                sock.curve_serverkey = self.curve_server_key
+                sock.curve_publickey = public
+                sock.curve_secretkey = secret
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock

@@ -166,6 +166,7 @@ class Daemon:
                 pad_id=c.pad_id,
                 session_timeout_s=c.session_timeout_s,
                 spec_defaults=c.spec,
+                curve_secret_key_file=c.curve_secret_key_file,
             ),
         )
         self.server.bind()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+import zmq.auth
 
 from client import protocol as P
 from loader_server.dataset import ArrowDataset
@@ -44,6 +45,7 @@ class ServerConfig:
     session_timeout_s: float = 120.0
     max_sessions: int = 1024
     spec_defaults: BatchSpec = field(default_factory=BatchSpec)
+    curve_secret_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.slots <= 64:
@@ -95,6 +97,15 @@ class LoaderServer:
     # --- lifecycle -----------------------------------------------------------------------
 
     def bind(self) -> None:
+        if self.config.curve_secret_key_file is not None:
+            # CURVE: clients must know our public key; traffic is encrypted and only
+            # clients holding it can complete the handshake.
+            public, secret = zmq.auth.load_certificate(self.config.curve_secret_key_file)
+            if secret is None:
+                raise ValueError(f"{self.config.curve_secret_key_file} holds no secret key")
+            self._sock.curve_server = True
+            self._sock.curve_publickey = public
+            self._sock.curve_secretkey = secret
         self._sock.bind(self.config.endpoint)
 
     def serve_forever(

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 from conftest import DaemonProcess
 
-from client import LoaderClient
+from client import LoaderClient, LoaderUnavailableError
 from loader_server.config import DaemonConfig, load_config
 from loader_server.spec import BatchSpec
 
@@ -174,3 +174,34 @@ def test_prometheus_metrics(tmp_path, shm_dir, corpus_path):
     assert batches and float(batches[0].split()[-1]) >= 3
     c.close()
     assert d.stop() == 0
+
+
+def test_tcp_with_curve_keys_serves_only_clients_with_the_key(tmp_path, shm_dir, corpus_path):
+    import zmq.auth
+
+    public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "server")
+    server_public, _ = zmq.auth.load_certificate(public_file)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "curve.log"
+    ep = f"tcp://127.0.0.1:{port}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loader_server", "serve", "--dataset", str(corpus_path),
+             "--endpoint", ep, "--curve-secret-key-file", secret_file, "--shm-dir", str(shm_dir)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while "READY" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        good = LoaderClient(ep, job="curve", rank=0, world_size=1, curve_server_key=server_public)
+        assert next(good).input_ids.numel() > 0
+        good.close()
+        plain = LoaderClient(ep, job="plain", rank=0, world_size=1, timeout_s=1, dead_after_s=0.5)
+        with pytest.raises(LoaderUnavailableError):
+            next(plain)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0

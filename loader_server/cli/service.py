@@ -91,6 +91,11 @@ def _daemon_options(f: Any) -> Any:
         ),
         click.option("--metrics-port", type=int, help="Prometheus port; 0 = off [default: 0]."),
         click.option(
+            "--curve-secret-key-file",
+            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            help="ZeroMQ CURVE certificate (zmq.auth.create_certificates) securing tcp://.",
+        ),
+        click.option(
             "--insecure-tcp",
             is_flag=True,
             default=None,
