@@ -101,6 +101,9 @@ class _Ring:
         finally:
             os.close(fd)
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        with warnings.catch_warnings():  # read-only by design: a write faults, never corrupts
+            warnings.simplefilter("ignore", UserWarning)
+            self._bytes = torch.from_numpy(self.buf)  # one tensor; batches are views of it
         self.layout = layout
         self.slots = slots
         self._registered = cuda.register(self.buf)
@@ -110,15 +113,14 @@ class _Ring:
         if not 0 <= slot < self.slots or count > capacity:
             raise P.ProtocolError(f"slot {slot} field {name}: {count} > capacity {capacity}")
         start = slot * self.layout.slot_bytes + offset
-        arr = self.buf[start : start + count * np.dtype(dtype).itemsize].view(dtype)
-        with warnings.catch_warnings():  # read-only by design: writes would fault, not corrupt
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(arr).view(shape)
+        nbytes = count * np.dtype(dtype).itemsize
+        return self._bytes[start : start + nbytes].view(_TORCH_DTYPES[dtype]).view(shape)
 
     def close(self) -> None:
         if self._registered:
             cuda.unregister(self.buf)
         self.buf = np.zeros(0, np.uint8)
+        del self._bytes
         # A batch tensor may still reference the mapping; then GC unmaps it later.
         with contextlib.suppress(BufferError):
             self._mm.close()

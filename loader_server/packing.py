@@ -21,7 +21,7 @@ items goes *worst fit* (to the emptiest row, so every row receives one of the lo
 samples, then one of the next, ...: rows mix all lengths), the smaller half *first fit*
 (tops rows up one after another). Rows less than 99.8% full and items that fit nowhere
 return to a pool packed again the same way; the last few hundred items get one first-fit
-round. On the reference shape: 8 rounds, 0.9998 of row capacity used, step mix distance
+round. On the reference shape: 7 rounds, 0.9998 of row capacity used, step mix distance
 0.04, ~0.17 s. (Plain first-fit-decreasing fills as well but groups each window's longest
 samples in the same rows: mix distance 0.23. Dealing a length-sorted pool to windows
 would skip the per-window sort but makes window membership depend on length rank, which

@@ -56,8 +56,16 @@ def check_batch_tokens(ds: ArrowDataset, batch, max_seq_len: int = TEST_SPEC["ma
 class DaemonProcess:
     """A real `dflash-loader serve` subprocess; waits (bounded) for its READY line."""
 
-    def __init__(self, dataset: Path, workdir: Path, shm_dir: Path, *args: str, name="loader"):
-        self.endpoint = f"ipc://{workdir}/{name}.sock"
+    def __init__(
+        self,
+        dataset: Path,
+        workdir: Path,
+        shm_dir: Path,
+        *args: str,
+        name: str = "loader",
+        endpoint: str | None = None,
+    ):
+        self.endpoint = endpoint or f"ipc://{workdir}/{name}.sock"
         self.shm_dir = shm_dir
         self.log_path = workdir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         cmd = [

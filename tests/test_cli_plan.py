@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from loader_server.cli import main
-from loader_server.cli.plan import spec_from_options, spec_options
+from loader_server.cli.spec_flags import spec_from_options, spec_options
 from loader_server.planner import plan_epoch
 from loader_server.spec import BatchSpec
 from loader_server.synth import SynthSpec, synth_lengths, write_corpus

@@ -4,7 +4,6 @@ endpoint access rules."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -120,27 +119,19 @@ def test_tcp_without_curve_keys_is_refused(corpus_path):
     assert p.returncode != 0 and "loopback only" in p.stderr
 
 
-def test_insecure_tcp_on_loopback_serves(tmp_path, shm_dir, corpus_path):
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path / "tcp.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "loader_server", "serve", "--dataset", str(corpus_path),
-             "--endpoint", f"tcp://127.0.0.1:{port}", "--insecure-tcp", "--shm-dir", str(shm_dir)],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while "READY" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        c = LoaderClient(f"tcp://127.0.0.1:{port}", job="tcp", rank=0, world_size=1)
-        assert next(c).input_ids.numel() > 0
-        c.close()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0
+        return s.getsockname()[1]
+
+
+def test_insecure_tcp_on_loopback_serves(tmp_path, shm_dir, corpus_path):
+    ep = f"tcp://127.0.0.1:{_free_port()}"
+    d = DaemonProcess(corpus_path, tmp_path, shm_dir, "--insecure-tcp", endpoint=ep)
+    c = LoaderClient(ep, job="tcp", rank=0, world_size=1)
+    assert next(c).input_ids.numel() > 0
+    c.close()
+    assert d.stop() == 0
 
 
 def test_journald_logs_have_no_timestamp(tmp_path, shm_dir, corpus_path, monkeypatch):
@@ -159,9 +150,7 @@ def test_journald_logs_have_no_timestamp(tmp_path, shm_dir, corpus_path, monkeyp
 
 def test_prometheus_metrics(tmp_path, shm_dir, corpus_path):
     pytest.importorskip("prometheus_client")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     d = DaemonProcess(corpus_path, tmp_path, shm_dir, "--metrics-port", str(port))
     c = LoaderClient(d.endpoint, job="prom", rank=0, world_size=1)
     for _ in range(3):
@@ -181,27 +170,13 @@ def test_tcp_with_curve_keys_serves_only_clients_with_the_key(tmp_path, shm_dir,
 
     public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "server")
     server_public, _ = zmq.auth.load_certificate(public_file)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path / "curve.log"
-    ep = f"tcp://127.0.0.1:{port}"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "loader_server", "serve", "--dataset", str(corpus_path),
-             "--endpoint", ep, "--curve-secret-key-file", secret_file, "--shm-dir", str(shm_dir)],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while "READY" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        good = LoaderClient(ep, job="curve", rank=0, world_size=1, curve_server_key=server_public)
-        assert next(good).input_ids.numel() > 0
-        good.close()
-        plain = LoaderClient(ep, job="plain", rank=0, world_size=1, timeout_s=1, dead_after_s=0.5)
-        with pytest.raises(LoaderUnavailableError):
-            next(plain)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0
+    ep = f"tcp://127.0.0.1:{_free_port()}"
+    d = DaemonProcess(corpus_path, tmp_path, shm_dir, "--curve-secret-key-file", secret_file,
+                      endpoint=ep)  # fmt: skip
+    good = LoaderClient(ep, job="curve", rank=0, world_size=1, curve_server_key=server_public)
+    assert next(good).input_ids.numel() > 0
+    good.close()
+    plain = LoaderClient(ep, job="plain", rank=0, world_size=1, timeout_s=1, dead_after_s=0.5)
+    with pytest.raises(LoaderUnavailableError):
+        next(plain)
+    assert d.stop() == 0

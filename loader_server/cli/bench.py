@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from loader_server.cli.plan import spec_from_options, spec_options
+from loader_server.cli.spec_flags import spec_from_options, spec_options
 
 
 @click.command()

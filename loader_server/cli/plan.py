@@ -1,109 +1,29 @@
 """Planning commands: ``buckets`` (optimal boundaries, efficiency curve) and ``plan``.
 
-``spec_options`` adds the batch-spec flags (one per ``BatchSpec`` field, same names in
-every command: plan, serve, bench) and ``spec_from_options(**kwargs)`` builds the spec
-from a command's keyword arguments.
+The batch-spec flags come from ``loader_server.cli.spec_flags`` (same names in every
+command: plan, serve, bench).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 import numpy as np
 
 from loader_server import buckets as bk
 from loader_server import metrics
+from loader_server.cli.spec_flags import spec_from_options, spec_options
 from loader_server.dataset import open_dataset
 from loader_server.planner import EpochPlan, effective_lengths
 from loader_server.spec import (
-    COMPOSITIONS,
-    LAYOUTS,
-    ORDERS,
-    OVERLONG,
     REFERENCE_BUCKETS,
     BatchSpec,
 )
 
-F = TypeVar("F", bound=Callable[..., Any])
 _DEFAULT = BatchSpec()
-SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(BatchSpec))
-
-_SPEC_OPTIONS = [
-    click.option(
-        "--token-budget",
-        type=int,
-        default=_DEFAULT.token_budget,
-        show_default=True,
-        help="Max cost (tokens) of one micro-batch.",
-    ),
-    click.option(
-        "--max-batch-size",
-        type=int,
-        default=_DEFAULT.max_batch_size,
-        show_default=True,
-        help="Max rows of a padded micro-batch.",
-    ),
-    click.option("--max-seq-len", type=int, default=_DEFAULT.max_seq_len, show_default=True),
-    click.option(
-        "--overlong",
-        type=click.Choice(OVERLONG),
-        default=_DEFAULT.overlong,
-        show_default=True,
-        help="Samples over --max-seq-len.",
-    ),
-    click.option(
-        "--buckets",
-        default="auto",
-        show_default=True,
-        help="auto | auto:K | bounds such as 770,1216,1728,2432,3296.",
-    ),
-    click.option(
-        "--target-efficiency",
-        type=float,
-        default=_DEFAULT.target_efficiency,
-        show_default=True,
-        help="What --buckets auto aims for.",
-    ),
-    click.option(
-        "--layout", type=click.Choice(LAYOUTS), default=_DEFAULT.layout, show_default=True
-    ),
-    click.option(
-        "--composition",
-        type=click.Choice(COMPOSITIONS),
-        default=_DEFAULT.composition,
-        show_default=True,
-        help="sorted/random: baselines (frozen batches / full shuffle).",
-    ),
-    click.option("--order", type=click.Choice(ORDERS), default=_DEFAULT.order, show_default=True),
-    click.option("--world-size", type=int, default=_DEFAULT.world_size, show_default=True),
-    click.option("--grad-accum", type=int, default=_DEFAULT.grad_accum, show_default=True),
-    click.option("--seed", type=int, default=_DEFAULT.seed, show_default=True),
-    click.option(
-        "--attention-weight",
-        type=float,
-        default=_DEFAULT.attention_weight,
-        show_default=True,
-        help="Weight of the rows*L*L attention cost term.",
-    ),
-]
-
-
-def spec_options(f: F) -> F:
-    """Decorator: the batch-spec flags, passed to the command as keyword arguments."""
-    for option in reversed(_SPEC_OPTIONS):
-        f = option(f)
-    return f
-
-
-def spec_from_options(**kwargs: Any) -> BatchSpec:
-    """The ``BatchSpec`` of a command's keyword arguments (other keys are ignored, so a
-    command can pass its whole ``**kwargs``). Invalid values raise ValueError."""
-    return BatchSpec(**{k: v for k, v in kwargs.items() if k in SPEC_FIELDS})
 
 
 @click.command()

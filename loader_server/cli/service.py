@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -13,46 +12,9 @@ import click
 import zmq
 
 from client import protocol as P
+from loader_server.cli.spec_flags import pop_spec_overrides, spec_options
 from loader_server.config import load_config
 from loader_server.daemon import Daemon, EndpointBusyError
-from loader_server.spec import BatchSpec
-
-_SPEC_HELP = {
-    "token_budget": "Max padded cost (rows x longest) of a micro-batch.",
-    "max_batch_size": "Max rows of a padded micro-batch.",
-    "max_seq_len": "Longer samples are truncated or dropped (--overlong).",
-    "overlong": "truncate | drop.",
-    "buckets": "auto | auto:K | comma-separated upper bounds.",
-    "target_efficiency": "Padding efficiency that 'auto' buckets aim for.",
-    "layout": "padded | packed.",
-    "composition": "bucketed | sorted | random.",
-    "order": "stratified | shuffled.",
-    "world_size": "Ranks of the job (sessions set it themselves).",
-    "grad_accum": "Micro-batches per rank per optimizer step.",
-    "seed": "Plan seed.",
-    "attention_weight": "Weight of the quadratic attention term in the cost.",
-}
-
-
-def spec_override_options(f: Any) -> Any:
-    """One flag per BatchSpec field, default None: only flags given override defaults."""
-    for fld in reversed(fields(BatchSpec)):
-        default = getattr(BatchSpec(), fld.name)
-        kind = type(default) if isinstance(default, (int, float)) else str
-        f = click.option(
-            "--" + fld.name.replace("_", "-"),
-            fld.name,
-            type=kind,
-            default=None,
-            help=f"{_SPEC_HELP.get(fld.name, '')} [default: {default}]",
-        )(f)
-    return f
-
-
-def pop_spec_overrides(kw: dict[str, Any]) -> dict[str, Any]:
-    """Remove the spec flags from ``kw``; return those that were given."""
-    values = {f.name: kw.pop(f.name, None) for f in fields(BatchSpec)}
-    return {k: v for k, v in values.items() if v is not None}
 
 
 def _daemon_options(f: Any) -> Any:
@@ -109,7 +71,7 @@ def _daemon_options(f: Any) -> Any:
 
 @click.command()
 @_daemon_options
-@spec_override_options
+@spec_options(overrides_only=True)
 def serve(config_path: Path | None, **kw: Any) -> None:
     """Run the loader daemon: map the dataset, plan epochs, serve batches over shared memory.
 
