@@ -127,3 +127,51 @@ def daemons(tmp_path, shm_dir, corpus_path):
     for d in started:
         if d.proc.poll() is None:
             d.stop(signal.SIGKILL)
+
+
+# --- audit of worker logs (tests/workers/consume.py) -----------------------------------------
+
+Entry = tuple[tuple[int, int, int], int, list[int]]  # position, crc32, sample ids
+
+
+def read_runs(path: Path) -> list[tuple[tuple[int, int, int], list[Entry]]]:
+    """The worker's runs: (start position, logged batches) per (re)start."""
+    runs: list[tuple[tuple[int, int, int], list[Entry]]] = []
+    text = path.read_text()
+    lines = text.split("\n")[:-1]  # a line cut by kill -9 has no newline yet: not logged
+    for line in lines:
+        parts = line.split(" ")
+        if parts[0] == "START":
+            runs.append(((int(parts[1]), int(parts[2]), int(parts[3])), []))
+            continue
+        e, s, m, crc, ids = parts
+        runs[-1][1].append(((int(e), int(s), int(m)), int(crc), [int(x) for x in ids.split(",")]))
+    return runs
+
+
+def audited(path: Path) -> list[Entry]:
+    """What the job consumed, counting each restore as intended: a run's batches at or
+    after the next run's start position were replayed by that run and do not count."""
+    runs = read_runs(path)
+    out: list[Entry] = []
+    for k, (_start, entries) in enumerate(runs):
+        stop = runs[k + 1][0] if k + 1 < len(runs) else None
+        out += [x for x in entries if stop is None or x[0] < stop]
+    return out
+
+
+def batch_crc(ds: ArrowDataset, ids: list[int], layout: str = "padded") -> int:
+    """crc32 of the input_ids and loss_mask bytes the daemon should have delivered."""
+    import zlib
+
+    cap = TEST_SPEC["max_seq_len"]
+    lens = [min(int(ds.lengths[i]), cap) for i in ids]
+    if layout == "padded":
+        out_ids = np.zeros((len(ids), max(lens)), np.int32)
+        out_mask = np.zeros((len(ids), max(lens)), np.uint8)
+        ds.write_rows(ids, out_ids, out_mask, cap)
+    else:
+        out_ids = np.zeros(sum(lens), np.int32)
+        out_mask = np.zeros(sum(lens), np.uint8)
+        ds.write_packed(ids, out_ids, out_mask, cap)
+    return zlib.crc32(out_mask.tobytes(), zlib.crc32(out_ids.tobytes()))

@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import TEST_SPEC, check_batch_tokens, expected_plan
+from conftest import (
+    TEST_SPEC,
+    audited,
+    batch_crc,
+    check_batch_tokens,
+    expected_plan,
+    read_runs,
+)
 
 from client import LoaderClient, LoaderRequestError, LoaderUnavailableError
 from client import protocol as P
@@ -106,14 +113,6 @@ def _run_worker(d, job, rank, world, tmp_path, epochs=1, spec=None):
     return subprocess.Popen(args, env=env)
 
 
-def _read_log(path: Path) -> list[tuple[tuple[int, int, int], list]]:
-    out = []
-    for line in path.read_text().splitlines():
-        e, s, m, ids = line.split(" ")
-        out.append(((int(e), int(s), int(m)), [int(x) for x in ids.split(",")]))
-    return out
-
-
 def _wait_lines(path: Path, n: int, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -130,12 +129,14 @@ def test_kill9_client_then_restart_continues_exactly(daemons, corpus, tmp_path):
     _wait_lines(log, 40)
     p.send_signal(signal.SIGKILL)
     p.wait(10)
-    state = json.loads((tmp_path / "state0.json").read_text())
-    before = [x for x in _read_log(log) if x[0] < tuple(state["position"])]
-    log.write_text("")
     p = _run_worker(d, "k", 0, 1, tmp_path)
     assert p.wait(60) == 0
-    assert before + _read_log(log) == plan_sequence(corpus, 0, range(1))
+    runs = read_runs(log)
+    assert len(runs) == 2 and runs[1][0] > (0, 0, 0)
+    got = audited(log)
+    assert [(pos, ids) for pos, _, ids in got] == plan_sequence(corpus, 0, range(1))
+    for _, crc, ids in got:
+        assert crc == batch_crc(corpus, ids)
 
 
 def test_kill9_daemon_then_new_daemon_client_continues(daemons, corpus):

@@ -1,0 +1,181 @@
+"""The trainer against a real daemon: 2-rank torchrun, and kill -9 + --resume equality.
+
+Starts `dflash-loader serve` on ipc://<tmp_path>/loader.sock (rings in a private /dev/shm
+folder), waits for its READY line, then runs `torchrun --standalone --nproc-per-node 2 -m
+trainer.cli train` against it. All waits are bounded polls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from loader_server.synth import SynthSpec, write_corpus
+
+pytestmark = pytest.mark.integration
+
+READY_TIMEOUT_S = 30.0
+RUN_TIMEOUT_S = 240.0
+
+
+class Daemon:
+    def __init__(self, dataset: Path, workdir: Path, shm_dir: Path) -> None:
+        self.endpoint = f"ipc://{workdir}/loader.sock"
+        self.log_path = workdir / "daemon.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        cmd = [sys.executable, "-m", "loader_server", "serve", "--dataset", str(dataset)]
+        cmd += ["--endpoint", self.endpoint, "--shm-dir", str(shm_dir)]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "READY endpoint=" not in self.log():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"daemon did not become ready:\n{self.log()}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    corpus = tmp_path / "corpus.arrow"
+    spec = SynthSpec(
+        num_samples=600, seed=3, median_len=96, max_len=256, vocab_size=512, content="learnable"
+    )
+    write_corpus(corpus, spec)
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp_path
+    shm = base / f"dflash-trainer-test-{uuid.uuid4().hex[:8]}"
+    shm.mkdir()
+    d = Daemon(corpus, tmp_path, shm)
+    yield d
+    d.stop()
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def train_cmd(endpoint: str, run_dir: Path, job: str, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "trainer.cli", "train",
+        "--endpoint", endpoint, "--job", job, "--run-dir", str(run_dir),
+        "--steps", str(steps), "--block-size", "8", "--num-anchors", "16",
+        "--token-budget", "1024", "--max-seq-len", "256", "--lr", "3e-3", "--warmup", "2",
+        "--num-eval-prompts", "4", "--eval-new-tokens", "16", "--no-progress",
+        *extra,
+    ]  # fmt: skip
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def run(cmd: list[str], log: Path) -> subprocess.CompletedProcess:
+    with open(log, "wb") as f:
+        res = subprocess.run(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), timeout=RUN_TIMEOUT_S
+        )
+    assert res.returncode == 0, log.read_text(errors="replace")[-4000:]
+    return res
+
+
+def records(run_dir: Path) -> dict[int, dict]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r
+    return out
+
+
+def test_two_ranks_train_against_the_daemon(daemon, tmp_path):
+    run_dir = tmp_path / "run"
+    run(train_cmd(daemon.endpoint, run_dir, "two", 8, "--ckpt-every", "4"), tmp_path / "t.log")
+    recs = records(run_dir)
+    assert sorted(recs) == list(range(9))
+    assert recs[0]["tau"] == pytest.approx(recs[0]["tau"]) and "tau" in recs[8]
+    assert 1.0 <= recs[8]["tau"] <= 8.0
+    losses = [recs[s]["loss"] for s in range(1, 9)]
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2, losses
+    assert all(0 <= recs[s]["data_wait_frac"] < 1 for s in range(1, 9))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 8
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["step-00000004", "step-00000008"]
+    assert {p.name for p in (run_dir / "checkpoints" / "step-00000008").iterdir()} == {
+        "model.pt",
+        "rank-00000.pt",
+        "rank-00001.pt",
+    }
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def test_kill_and_resume_matches_uninterrupted(daemon, tmp_path):
+    steps, extra = 12, ("--ckpt-every", "4")
+    whole = tmp_path / "whole"
+    run(train_cmd(daemon.endpoint, whole, "whole", steps, *extra), tmp_path / "whole.log")
+
+    cut = tmp_path / "cut"
+    log = open(tmp_path / "cut.log", "wb")  # noqa: SIM115
+    agent = subprocess.Popen(
+        train_cmd(daemon.endpoint, cut, "cut", steps, *extra),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env(),
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not ((cut / "metrics.jsonl").exists() and max(records(cut), default=0) >= 6):
+            assert agent.poll() is None, (tmp_path / "cut.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "trainer made no progress"
+            time.sleep(0.05)
+        workers = _children(agent.pid)
+        assert len(workers) == 2
+        os.kill(max(workers), signal.SIGKILL)  # kill -9 one trainer rank
+        assert agent.wait(60) != 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+        log.close()
+    done_before = max(records(cut))
+    assert done_before < steps
+
+    run(train_cmd(daemon.endpoint, cut, "cut", steps, *extra, "--resume"), tmp_path / "res.log")
+    a, b = records(whole), records(cut)
+    assert sorted(b) == list(range(steps + 1))
+    for s in range(1, steps + 1):
+        assert b[s]["loss"] == pytest.approx(a[s]["loss"], rel=1e-5), s
+    assert b[steps]["tau"] == pytest.approx(a[steps]["tau"], rel=1e-6)
+    # The daemon never reloaded its dataset: one process, one "opened" line.
+    assert daemon.proc.poll() is None
+    assert daemon.log().count("opened") == 1

@@ -1,0 +1,205 @@
+"""The single-process training loop on hand-built batches: learning, checkpoints, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from trainer import checkpoint as ckpt
+from trainer.batches import ListSource
+from trainer.cli import main
+from trainer.distributed import DistEnv, local_env
+from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.loop import TrainConfig, Trainer, warmup_cosine
+from trainer.loss import LossConfig
+from trainer.metrics import metrics_path, read_metrics
+from trainer.target import Target, load_target
+from trainer.verifier import greedy_generate
+
+B = 8
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    torch.set_num_threads(1)
+    return load_target("tiny")
+
+
+@pytest.fixture(scope="module")
+def samples(target) -> list[tuple[list[int], list[int]]]:
+    """Prompts with the target's own greedy responses (what `regen` produces)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(24):
+        prompt = torch.randint(0, 512, (8,), generator=g)
+        response = greedy_generate(target, prompt, 40)
+        out.append((torch.cat([prompt, response]).tolist(), [0] * 8 + [1] * 40))
+    return out
+
+
+def make_drafter(target: Target, seed: int = 0) -> DFlashDrafter:
+    cfg = DrafterConfig.from_target(target.config, num_target_layers=3, block_size=B)
+    torch.manual_seed(seed)
+    return DFlashDrafter(cfg, target.embed_tokens.weight.mean(0))
+
+
+def make_trainer(target, source, run_dir: Path, drafter_seed: int = 0, **kw) -> Trainer:
+    defaults = dict(
+        run_dir=run_dir,
+        loss=LossConfig(block_size=B, num_anchors=6),
+        steps=10,
+        lr=3e-3,
+        warmup=2,
+        eval_new_tokens=16,
+        progress=False,
+    )
+    cfg = TrainConfig(**{**defaults, **kw})
+    prompts = [torch.tensor(s[0][:8]) for s in source_samples(source)[:2]]
+    return Trainer(
+        cfg,
+        target=target,
+        drafter=make_drafter(target, drafter_seed),
+        source=source,
+        env=local_env(),
+        eval_prompts=prompts,
+    )
+
+
+def source_samples(source: ListSource) -> list[tuple[list[int], list[int]]]:
+    first = source._micro_batches[0][0]
+    return [(first.input_ids[r].tolist(), []) for r in range(first.input_ids.shape[0])]
+
+
+class Killed(Exception):
+    pass
+
+
+class KilledSource(ListSource):
+    """Dies (like kill -9) when asked for micro-batch number ``die_at``."""
+
+    def __init__(self, *args, die_at: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.die_at = die_at
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if self.position > self.die_at:
+                raise Killed
+            yield batch
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(metrics_path(run_dir)) if "loss" in r}
+
+
+def test_loss_decreases_and_tau_is_reported(target, samples, tmp_path):
+    src = ListSource(samples, rows=4)
+    tr = make_trainer(target, src, tmp_path, steps=30, eval_every=15)
+    summary = tr.run()
+    recs = read_metrics(metrics_path(tmp_path))
+    by_step = {r["step"]: r for r in recs}
+    assert sorted(by_step) == list(range(31))
+    assert "tau" in by_step[0] and "tau" in by_step[15] and "tau" in by_step[30]
+    first = sum(by_step[s]["loss"] for s in range(1, 6)) / 5
+    last = sum(by_step[s]["loss"] for s in range(26, 31)) / 5
+    assert last < first - 0.5, (first, last)
+    rec = by_step[30]
+    assert len(rec["acc_k"]) == B - 1 and 0 <= rec["acc"] <= 1
+    assert rec["tokens"] == 4 * 48 and rec["tokens_per_s"] > 0
+    assert 0 <= rec["data_wait_frac"] < 1
+    assert summary["last_loss"] == rec["loss"] and summary["steps"] == 30
+
+
+def test_resume_matches_uninterrupted_run(target, samples, tmp_path):
+    kw = dict(steps=10, grad_accum=2, ckpt_every=4)
+    whole = tmp_path / "whole"
+    make_trainer(target, ListSource(samples, rows=3, grad_accum=2), whole, **kw).run()
+
+    cut = tmp_path / "cut"
+    dying = KilledSource(samples, rows=3, grad_accum=2, die_at=13)  # dies inside step 7
+    with pytest.raises(Killed):
+        make_trainer(target, dying, cut, **kw).run()
+    assert [p.name for p in ckpt.list_checkpoints(cut)] == ["step-00000004"]
+    assert max(losses(cut)) == 6  # steps 5 and 6 ran after the checkpoint
+
+    # A fresh process: other initial weights, a new source; the checkpoint decides.
+    resumed = make_trainer(
+        target, ListSource(samples, rows=3, grad_accum=2), cut, drafter_seed=99, resume=True, **kw
+    )
+    summary = resumed.run()
+    assert summary["resumed"] is True
+    a, b = losses(whole), losses(cut)
+    assert sorted(b) == list(range(1, 11))  # steps 5, 6 replaced, not duplicated
+    for s in range(1, 11):
+        assert b[s] == pytest.approx(a[s], rel=1e-6, abs=1e-6), s
+
+
+def test_checkpoint_contents_and_retention(target, samples, tmp_path):
+    src = ListSource(samples, rows=4)
+    tr = make_trainer(target, src, tmp_path, steps=6, ckpt_every=1, keep_checkpoints=2)
+    tr.run()
+    names = [p.name for p in ckpt.list_checkpoints(tmp_path)]
+    assert names == ["step-00000005", "step-00000006"]
+    assert not list(ckpt.checkpoint_dir(tmp_path).glob("*.tmp"))
+    shared, mine = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), local_env())
+    assert shared["step"] == mine["step"] == 6
+    assert mine["loader"] == {"version": 1, "position": 6}
+    assert set(shared) >= {"drafter", "optimizer", "scheduler", "drafter_config", "loss_config"}
+    assert set(mine["rng"]) >= {"torch", "python"}
+    for k, v in tr.drafter.state_dict().items():
+        assert torch.equal(shared["drafter"][k], v), k
+    two = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="same world size"):
+        ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), two)
+    with pytest.raises(ValueError, match="already has checkpoints"):
+        make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=6).run()
+
+
+def test_micro_index_must_match_grad_accum(target, samples, tmp_path):
+    tr = make_trainer(target, ListSource(samples, rows=4, grad_accum=1), tmp_path, grad_accum=2)
+    with pytest.raises(RuntimeError, match="expected micro 1"):
+        tr.run()
+
+
+def test_packed_batches_and_batches_without_blocks(target, samples, tmp_path):
+    short = [(s[0][:12], s[1][:12]) for s in samples[:4]]  # too few supervised tokens
+    mixed = short + samples[4:12]
+    tr = make_trainer(target, ListSource(mixed, rows=4, layout="packed"), tmp_path, steps=3)
+    tr.run()
+    recs = {r["step"]: r for r in read_metrics(metrics_path(tmp_path)) if "loss" in r}
+    assert recs[1]["loss"] is None and recs[1]["blocks"] == 0  # only short samples
+    assert recs[2]["loss"] is not None and recs[2]["blocks"] > 0
+
+
+def test_warmup_cosine():
+    f = warmup_cosine(4, 20, 0.1)
+    assert f(0) == pytest.approx(0.2) and f(3) == pytest.approx(0.8)
+    assert f(4) == pytest.approx(1.0)
+    assert f(12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(20) == pytest.approx(0.1) and f(30) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="exactly one"):
+        TrainConfig(run_dir=Path("x"))
+
+
+def test_plot_command(target, samples, tmp_path):
+    make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=3).run()
+    res = CliRunner().invoke(main, ["plot", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert pngs == ["acc_by_offset.png", "loss.png", "tau.png", "throughput.png"]
+    assert all((tmp_path / "plots" / p).stat().st_size > 1000 for p in pngs)
+    json.loads(metrics_path(tmp_path).read_text().splitlines()[0])
+
+
+def test_epochs_set_the_length_from_the_loader(target, samples, tmp_path):
+    src = ListSource(samples, rows=4, grad_accum=2, epochs=2)  # 24 samples: 3 steps/epoch
+    tr = make_trainer(target, src, tmp_path, steps=None, epochs=2, grad_accum=2)
+    summary = tr.run()
+    assert tr.total_steps == 6 and summary["steps"] == 6
+    recs = [r for r in read_metrics(metrics_path(tmp_path)) if "loss" in r]
+    assert [r["epoch"] for r in recs] == [0, 0, 0, 1, 1, 1]
