@@ -69,6 +69,7 @@ def main(
                 "bytes_per_s": padded_bytes / elapsed,
                 "next_p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
                 "next_p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+                "next_ms": np.round(lat[:: max(1, lat.size // 2000)], 4).tolist(),
                 "wait_fraction": client.wait_s / (time.perf_counter() - t0),
                 "rss_mb": _rss_mb(),
                 "checksum": checksum,

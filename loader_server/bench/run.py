@@ -109,9 +109,11 @@ def run_bench(
         plan_epoch(ds.lengths, sorted_spec, epoch=1),
     )
     r["ours_plan"] = {"efficiency": metrics.padding_efficiency(plan0),
-                      "repeat": metrics.composition_repeat(plan0, plan1)}  # fmt: skip
+                      "repeat": metrics.composition_repeat(plan0, plan1),
+                      "mix": metrics.step_mix_distance(plan0)}  # fmt: skip
     r["sorted_plan"] = {"efficiency": metrics.padding_efficiency(s0),
-                        "repeat": metrics.composition_repeat(s0, s1)}  # fmt: skip
+                        "repeat": metrics.composition_repeat(s0, s1),
+                        "mix": metrics.step_mix_distance(s0)}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         d = _Daemon(dataset, Path(tmp), spec)
         try:
@@ -126,6 +128,7 @@ def run_bench(
             }
             lat = _consumers(d.endpoint, 1, min(seconds, 3.0), "latency", pause_ms=2)[0]
             r["next_p50_ms"], r["next_p99_ms"] = lat["next_p50_ms"], lat["next_p99_ms"]
+            r["next_ms_samples"] = lat["next_ms"]
             warm = _consumers(d.endpoint, 1, 0.2, "restart")[0]
             r["first_batch_warm_s"] = warm["first_batch_s"]
             r["daemon_rss_mb"] = rss_mb(d.proc.pid)
@@ -171,3 +174,39 @@ def format_report(r: dict[str, Any]) -> str:
         + ", ".join(f"{x / 1e6:.1f}M" for x in svc["per_rank_tokens_per_s"]),
     ]
     return "\n".join(lines)
+
+
+def plot_report(r: dict[str, Any], out: Path) -> None:
+    """Three panels: throughput, restart latency, plan quality (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(14, 4))
+    names = ["service", "DataLoader (2 workers)"]
+    tput = [r["service"]["tokens_per_s"] / 1e6, r["dataloader"]["tokens_per_s"] / 1e6]
+    ax[0].bar(names, tput, color=["#2b8cbe", "#bbbbbb"])
+    ax[0].set_ylabel("real tokens/s delivered (M)")
+    ax[0].set_title("throughput, same batch plan")
+    restart = [r["first_batch_warm_s"], r["dataloader"]["first_batch_s"],
+               r["sort_once"]["restart_s"]]  # fmt: skip
+    ax[1].bar(["service", "DataLoader", "sort-once"], restart,
+              color=["#2b8cbe", "#bbbbbb", "#e34a33"])  # fmt: skip
+    ax[1].set_yscale("log")
+    ax[1].set_ylabel("seconds to first batch after a trainer restart")
+    ax[1].set_title("restart latency (log scale)")
+    labels = ["efficiency", "1 - composition repeat", "1 - step mix distance"]
+    ours, srt = r["ours_plan"], r["sorted_plan"]
+    x = np.arange(3)
+    ax[2].bar(x - 0.2, [ours["efficiency"], 1 - ours["repeat"], 1 - ours["mix"]], 0.4,
+              label="ours", color="#2b8cbe")  # fmt: skip
+    ax[2].bar(x + 0.2, [srt["efficiency"], 1 - srt["repeat"], 1 - srt["mix"]], 0.4,
+              label="sort-once", color="#e34a33")  # fmt: skip
+    ax[2].set_xticks(x, labels, fontsize=8)
+    ax[2].set_ylim(0, 1.05)
+    ax[2].legend()
+    ax[2].set_title("plan quality (higher is better)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -16,8 +16,11 @@ from loader_server.cli.spec_flags import spec_from_options, spec_options
 @click.option("--seconds", type=float, default=5.0, show_default=True, help="Per measurement.")
 @click.option("--consumers", type=int, default=2, show_default=True, help="Trainer ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG.")
 @spec_options
-def bench(dataset: Path, seconds: float, consumers: int, as_json: bool, **kw: Any) -> None:
+def bench(
+    dataset: Path, seconds: float, consumers: int, as_json: bool, plot: Path | None, **kw: Any
+) -> None:
     """Measure the service on DATASET side by side with its baselines, in one run.
 
     Starts a daemon, runs CONSUMERS client processes (ranks of one job, every batch
@@ -26,10 +29,16 @@ def bench(dataset: Path, seconds: float, consumers: int, as_json: bool, **kw: An
     Prints tokens/s, the ratio to single-core memcpy, padding efficiency, composition
     repeat, first-batch latency after a trainer restart, next() latency and RSS.
     """
-    from loader_server.bench.run import format_report, run_bench
+    from loader_server.bench.run import format_report, plot_report, run_bench
 
     report = run_bench(dataset, spec_from_options(**kw), seconds=seconds, consumers=consumers)
-    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    if plot is not None:
+        plot_report(report, plot)
+    if as_json:
+        report.pop("next_ms_samples", None)
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(format_report(report))
 
 
 COMMANDS = [bench]
