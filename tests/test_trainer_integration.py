@@ -110,8 +110,7 @@ def test_two_ranks_train_against_the_daemon(daemon, tmp_path):
     run(train_cmd(daemon.endpoint, run_dir, "two", 8, "--ckpt-every", "4"), tmp_path / "t.log")
     recs = records(run_dir)
     assert sorted(recs) == list(range(9))
-    assert recs[0]["tau"] == pytest.approx(recs[0]["tau"]) and "tau" in recs[8]
-    assert 1.0 <= recs[8]["tau"] <= 8.0
+    assert 1.0 <= recs[0]["tau"] <= 8.0 and 1.0 <= recs[8]["tau"] <= 8.0  # B = 8
     losses = [recs[s]["loss"] for s in range(1, 9)]
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2, losses
     assert all(0 <= recs[s]["data_wait_frac"] < 1 for s in range(1, 9))
@@ -140,7 +139,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_kill_and_resume_matches_uninterrupted(daemon, tmp_path):
-    steps, extra = 12, ("--ckpt-every", "4")
+    steps, extra = 12, ("--ckpt-every", "4", "--grad-accum", "2")
     whole = tmp_path / "whole"
     run(train_cmd(daemon.endpoint, whole, "whole", steps, *extra), tmp_path / "whole.log")
 

@@ -201,7 +201,7 @@ def test_loss_is_position_weighted_mean(target, drafter):
                 num += math.exp(-(k - 1) / 2.0) * float(ce)
                 den += math.exp(-(k - 1) / 2.0)
     assert out.num_blocks == int(valid.sum()) == 9
-    assert float(out.loss) == pytest.approx(num / den, rel=1e-5)
+    assert float(out.loss.detach()) == pytest.approx(num / den, rel=1e-5)
     assert out.count.tolist() == [9.0] * (B - 1)
 
 
@@ -209,7 +209,11 @@ def test_packed_and_padded_losses_agree(target, drafter):
     samples = _samples(4)
     cfg = LossConfig(block_size=B, num_anchors=5)
     losses = [
-        float(draft_loss(target, drafter, mk(samples), cfg, torch.Generator().manual_seed(1)).loss)
+        float(
+            draft_loss(
+                target, drafter, mk(samples), cfg, torch.Generator().manual_seed(1)
+            ).loss.detach()
+        )
         for mk in (pad_batch, pack_batch)
     ]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
@@ -255,10 +259,10 @@ def test_block_sees_only_context_before_anchor_and_itself(target, drafter):
 def test_packed_documents_do_not_leak(target, drafter):
     samples = _samples(2)
     cfg = LossConfig(block_size=B, num_anchors=4)
-    first = float(draft_loss(target, drafter, pack_batch(samples[:1]), cfg, _gen()).loss)
+    first = float(draft_loss(target, drafter, pack_batch(samples[:1]), cfg, _gen()).loss.detach())
     # Changing the second document changes nothing the first document's blocks see.
     other = [samples[0], ([7] * len(samples[1][0]), [0] * len(samples[1][0]))]
-    both = float(draft_loss(target, drafter, pack_batch(other), cfg, _gen()).loss)
+    both = float(draft_loss(target, drafter, pack_batch(other), cfg, _gen()).loss.detach())
     assert first == pytest.approx(both, rel=1e-5)
 
 

@@ -1,0 +1,183 @@
+"""Micro-batches as the trainer sees them, and an in-process batch source for tests.
+
+The trainer consumes objects shaped like the loader client's batches (``client.LoaderClient``
+yields them): ``input_ids``/``loss_mask`` ``[B, L]`` right-padded rows (``layout="padded"``)
+or one packed row ``[1, T]`` with ``position_ids`` and ``cu_seqlens``
+(``layout="packed"``), plus the position ``(epoch, step, micro)``. ``Batch`` is that shape as
+a plain dataclass; ``ListSource`` serves hand-built batches from a list of samples with the
+client's iterator/state API, so the training loop can be tested without a daemon.
+
+``DocView`` is the one representation the model code works on: every document of a batch as
+``(row, start, length)``. A padded row is one document starting at 0; a packed row holds
+``len(cu_seqlens) - 1`` documents. Working per document is what keeps a drafter block from
+ever seeing another document's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+PAD_ID = 0
+_SOURCE_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch (the fields of a loader-client batch the trainer uses)."""
+
+    input_ids: torch.Tensor  # int32 [B, L] (padded) or [1, T] (packed)
+    loss_mask: torch.Tensor  # uint8, same shape
+    lengths: torch.Tensor  # int32 [B] (padded) or per-document lengths (packed)
+    sample_ids: torch.Tensor  # int64
+    layout: str = "padded"
+    position_ids: torch.Tensor | None = None  # packed only
+    cu_seqlens: torch.Tensor | None = None  # packed only, int32 [n + 1]
+    epoch: int = 0
+    step: int = 0
+    micro: int = 0
+    bucket: int = 0
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            loss_mask=move(self.loss_mask),
+            position_ids=move(self.position_ids),
+        )
+
+
+@dataclass(frozen=True)
+class DocView:
+    """Every document of a batch: row index, start column and length (int64 tensors, CPU)."""
+
+    row: torch.Tensor
+    start: torch.Tensor
+    length: torch.Tensor
+
+    @staticmethod
+    def of(batch: Any) -> DocView:
+        """Documents of a padded or packed batch (``batch`` has the ``Batch`` fields)."""
+        if batch.layout == "packed":
+            cu = batch.cu_seqlens.to("cpu", torch.int64)
+            length = cu[1:] - cu[:-1]
+            return DocView(row=torch.zeros_like(length), start=cu[:-1].clone(), length=length)
+        if batch.layout != "padded":
+            raise ValueError(f"unknown batch layout {batch.layout!r}")
+        length = batch.lengths.to("cpu", torch.int64)
+        return DocView(
+            row=torch.arange(length.numel()), start=torch.zeros_like(length), length=length
+        )
+
+    def __len__(self) -> int:
+        return int(self.length.numel())
+
+    def gather(self, x: torch.Tensor, pad: float | int = 0) -> torch.Tensor:
+        """``x[row, start:start+length]`` for every document, right-padded: ``[D, Lmax, ...]``."""
+        width = int(self.length.max()) if len(self) else 0
+        col = torch.arange(width)
+        inside = col[None, :] < self.length[:, None]
+        src_col = (self.start[:, None] + col[None, :]).clamp(max=x.shape[1] - 1)
+        idx_row = self.row[:, None].expand_as(src_col).to(x.device)
+        out = x[idx_row, src_col.to(x.device)]
+        keep = inside.to(x.device).reshape(inside.shape + (1,) * (out.dim() - 2))
+        return torch.where(keep, out, torch.as_tensor(pad, dtype=out.dtype, device=x.device))
+
+    def select(self, keep: torch.Tensor) -> DocView:
+        return DocView(row=self.row[keep], start=self.start[keep], length=self.length[keep])
+
+
+def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: int) -> Batch:
+    """A padded batch from ``(input_ids, loss_mask)`` pairs (right padding with ``PAD_ID``)."""
+    lengths = [len(ids) for ids, _ in samples]
+    width = max(lengths)
+    ids = torch.full((len(samples), width), PAD_ID, dtype=torch.int32)
+    mask = torch.zeros((len(samples), width), dtype=torch.uint8)
+    for r, (s_ids, s_mask) in enumerate(samples):
+        ids[r, : len(s_ids)] = torch.as_tensor(s_ids, dtype=torch.int32)
+        mask[r, : len(s_mask)] = torch.as_tensor(s_mask, dtype=torch.uint8)
+    return Batch(
+        input_ids=ids,
+        loss_mask=mask,
+        lengths=torch.tensor(lengths, dtype=torch.int32),
+        sample_ids=torch.arange(len(samples), dtype=torch.int64),
+        **position,
+    )
+
+
+def pack_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: int) -> Batch:
+    """A packed batch: one row of concatenated documents with per-document positions."""
+    lengths = [len(ids) for ids, _ in samples]
+    ids = torch.cat([torch.as_tensor(s, dtype=torch.int32) for s, _ in samples])[None]
+    mask = torch.cat([torch.as_tensor(m, dtype=torch.uint8) for _, m in samples])[None]
+    pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])[None]
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    return Batch(
+        input_ids=ids,
+        loss_mask=mask,
+        lengths=torch.tensor(lengths, dtype=torch.int32),
+        sample_ids=torch.arange(len(samples), dtype=torch.int64),
+        layout="packed",
+        position_ids=pos,
+        cu_seqlens=cu,
+        **position,
+    )
+
+
+class ListSource:
+    """An in-process stand-in for ``LoaderClient``: fixed samples, fixed batches, every epoch.
+
+    Samples are cut in order into micro-batches of ``rows`` samples; a step is
+    ``grad_accum`` consecutive micro-batches (incomplete tail steps are dropped). The
+    position (next micro-batch to serve) is all the state there is, so resuming is exact.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[Sequence[int], Sequence[int]]],
+        *,
+        rows: int,
+        grad_accum: int = 1,
+        layout: str = "padded",
+        epochs: int | None = None,
+    ) -> None:
+        if rows < 1 or grad_accum < 1:
+            raise ValueError(f"rows and grad_accum must be >= 1, got {rows}, {grad_accum}")
+        make = pack_batch if layout == "packed" else pad_batch
+        chunks = [samples[i : i + rows] for i in range(0, len(samples) - rows + 1, rows)]
+        self.steps_per_epoch = len(chunks) // grad_accum
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{len(samples)} samples make no full step of {grad_accum}x{rows}")
+        self._micro_batches = [
+            (make(chunks[s * grad_accum + m]), s, m)
+            for s in range(self.steps_per_epoch)
+            for m in range(grad_accum)
+        ]
+        self.epochs = epochs
+        self.position = 0  # micro-batches served so far, over all epochs
+
+    def __iter__(self) -> Iterator[Batch]:
+        per_epoch = len(self._micro_batches)
+        while self.epochs is None or self.position < self.epochs * per_epoch:
+            epoch, k = divmod(self.position, per_epoch)
+            batch, step, micro = self._micro_batches[k]
+            self.position += 1
+            yield replace(batch, epoch=epoch, step=step, micro=micro)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"version": _SOURCE_STATE_VERSION, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("version") != _SOURCE_STATE_VERSION:
+            raise ValueError(f"ListSource state version {state.get('version')} is not supported")
+        self.position = int(state["position"])
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,67 @@
+"""Process-group setup for ``torchrun`` (one process per GPU, or per CPU slot).
+
+``torchrun`` exports ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and the rendezvous address);
+a plain ``python``/``dflash-train`` start has none of them and runs as a world of one
+without a process group. The backend is NCCL when the process has a GPU, gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: str | None = None) -> DistEnv:
+    """Read the torchrun environment, pick the device and start the process group."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return DistEnv(rank=rank, world_size=world, local_rank=local, device=dev)
+
+
+def local_env(device: str = "cpu") -> DistEnv:
+    """A world of one (tests, single-process runs) without reading the environment."""
+    return DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device(device))
+
+
+def all_reduce(t: torch.Tensor, env: DistEnv, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce (a no-op in a world of one). ``op``: ``"sum"`` or ``"max"``."""
+    if env.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def shutdown(env: DistEnv) -> None:
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()

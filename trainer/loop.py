@@ -1,0 +1,402 @@
+"""The training loop: one process per rank, micro-batches from the loader, exact resume.
+
+Each optimizer step consumes ``grad_accum`` micro-batches whose ``micro`` index runs
+0..grad_accum-1 for the same ``(epoch, step)``; the trainer checks that instead of counting
+on its own, because mixing micro-step and optimizer-step counters is the classic resume
+bug. Gradients are all-reduced only on the last micro-batch (``no_sync`` before it). After
+the optimizer step the loader client's position is exactly "the next step's micro 0", which
+is what a checkpoint stores; anchors are drawn from a generator keyed on
+``(seed, rank, epoch, step, micro)``, so a resumed run repeats the uninterrupted one.
+
+Timing: ``data_wait`` is the time blocked in ``next(loader)``; step time runs from the first
+``next`` to the end of the optimizer step and excludes evaluation and checkpointing, which
+are reported separately.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.distributed import DistEnv, all_reduce
+from trainer.drafter import DFlashDrafter
+from trainer.loss import LossConfig, draft_loss, zero_loss
+from trainer.metrics import MetricsWriter, metrics_path, read_metrics, summarize
+from trainer.target import Target
+from trainer.verifier import DrafterProposer, evaluate_tau
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """What the loop does. ``steps`` or ``epochs`` (times the loader's steps per epoch) sets
+    the length; ``warmup`` < 1 is a fraction of it, >= 1 a number of steps."""
+
+    run_dir: Path
+    loss: LossConfig = field(default_factory=LossConfig)
+    steps: int | None = None
+    epochs: int | None = None
+    grad_accum: int = 1
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 0  # 0: only before the first and after the last step
+    eval_new_tokens: int = 64
+    ckpt_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 3
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of steps and epochs")
+        for name in ("steps", "epochs"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if not (self.lr > 0 and self.warmup >= 0 and self.grad_clip > 0):
+            raise ValueError(f"bad lr/warmup/grad_clip: {self.lr}, {self.warmup}, {self.grad_clip}")
+        if self.eval_every < 0 or self.ckpt_every < 0 or self.keep_checkpoints < 1:
+            raise ValueError("eval_every and ckpt_every must be >= 0, keep_checkpoints >= 1")
+
+    def total_steps(self, steps_per_epoch: int | None) -> int:
+        if self.steps is not None:
+            return self.steps
+        if not steps_per_epoch:
+            raise ValueError("--epochs needs the loader's steps per epoch, which it did not report")
+        return self.epochs * steps_per_epoch
+
+    def warmup_steps(self, total: int) -> int:
+        return round(self.warmup * total) if self.warmup < 1 else int(self.warmup)
+
+
+def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0):
+    """LR multiplier: linear ramp over ``warmup`` steps, then cosine down to ``min_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def anchor_generator(seed: int, rank: int, epoch: int, step: int, micro: int) -> torch.Generator:
+    """A CPU generator keyed on the position, identical in an uninterrupted and a resumed run."""
+    key = hashlib.blake2b(struct.pack("<5q", seed, rank, epoch, step, micro), digest_size=8)
+    return torch.Generator().manual_seed(int.from_bytes(key.digest(), "little") >> 1)
+
+
+class Trainer:
+    """Owns the optimizer, the loop, evaluation, metrics and checkpoints of one rank."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        target: Target,
+        drafter: DFlashDrafter,
+        source: Any,
+        env: DistEnv,
+        eval_prompts: Sequence[torch.Tensor] = (),
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.cfg, self.env = cfg, env
+        self.target, self.drafter, self.source = target, drafter, source
+        self.eval_prompts = list(eval_prompts)[env.rank :: env.world_size]
+        self.meta = dict(meta or {})
+        self.model = self._wrap(drafter)
+        self.optimizer = torch.optim.AdamW(
+            drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
+        # Known only once the loader has answered (steps per epoch) with --epochs: see run().
+        self.total_steps: int | None = cfg.steps
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self._scheduler_state: dict[str, Any] | None = None
+        self._pending: tuple[Any, float] | None = None  # the batch peeked by run()
+        self.step = 0
+        self.epoch = 0
+        self.metrics = MetricsWriter(metrics_path(cfg.run_dir), enabled=env.is_main)
+
+    def _autocast(self) -> torch.autocast:
+        """bf16 autocast on CUDA; a no-op context on CPU."""
+        return torch.autocast("cuda", torch.bfloat16, enabled=self.env.device.type == "cuda")
+
+    def _wrap(self, drafter: DFlashDrafter) -> torch.nn.Module:
+        if not self.env.distributed:
+            return drafter
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+        return DDP(drafter, device_ids=ids)
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def save(self) -> Path:
+        shared = {
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "drafter_config": self.drafter.config.to_dict(),
+            "loss_config": asdict(self.cfg.loss),
+            "meta": self.meta,
+            "epoch": self.epoch,
+        }
+        per_rank = {"loader": self.source.state_dict(), "rng": ckpt.rng_state()}
+        return ckpt.save_checkpoint(
+            self.cfg.run_dir,
+            self.step,
+            self.env,
+            shared=shared,
+            per_rank=per_rank,
+            keep=self.cfg.keep_checkpoints,
+        )
+
+    def maybe_resume(self) -> bool:
+        """Load the newest checkpoint of the run if ``resume`` is set and one exists."""
+        path = ckpt.latest_checkpoint(self.cfg.run_dir) if self.cfg.resume else None
+        if path is None:
+            if self.cfg.resume:
+                log.info("no checkpoint in %s: starting fresh", self.cfg.run_dir)
+            return False
+        shared, mine = ckpt.load_checkpoint(path, self.env)
+        if shared["drafter_config"] != self.drafter.config.to_dict():
+            raise ValueError(f"{path}: drafter config differs from this run's")
+        if shared["loss_config"] != asdict(self.cfg.loss):
+            raise ValueError(f"{path}: loss config {shared['loss_config']} differs from this run's")
+        self.drafter.load_state_dict(shared["drafter"])
+        self.optimizer.load_state_dict(shared["optimizer"])
+        self._scheduler_state = shared["scheduler"]
+        self.step, self.epoch = int(shared["step"]), int(shared["epoch"])
+        self.source.load_state_dict(mine["loader"])
+        ckpt.set_rng_state(mine["rng"])
+        self.metrics.truncate_after(self.step)
+        log.info("rank %d resumed from %s at step %d", self.env.rank, path, self.step)
+        return True
+
+    # ---- evaluation --------------------------------------------------------------------
+
+    def evaluate(self) -> float | None:
+        """tau over this rank's share of the held-out prompts, combined over ranks."""
+        if not self.eval_prompts and not self.env.distributed:
+            return None
+        proposer = DrafterProposer(self.target, self.drafter)
+        with torch.no_grad(), self._autocast():
+            rep = evaluate_tau(
+                self.target,
+                proposer,
+                self.eval_prompts,
+                block_size=self.cfg.loss.block_size,
+                max_new_tokens=self.cfg.eval_new_tokens,
+            )
+        t = torch.tensor([rep.committed, rep.steps], dtype=torch.float64, device=self.env.device)
+        all_reduce(t, self.env)
+        return float(t[0] / t[1]) if t[1] > 0 else None
+
+    # ---- training ----------------------------------------------------------------------
+
+    def _micro_batches(self, it: Iterator[Any]) -> Iterator[tuple[Any, float]]:
+        """The step's micro-batches with the time spent waiting for each."""
+        first = None
+        for m in range(self.cfg.grad_accum):
+            if self._pending is not None:
+                (batch, waited), self._pending = self._pending, None
+            else:
+                t0 = time.perf_counter()
+                batch = next(it)
+                waited = time.perf_counter() - t0
+            if batch.micro != m:
+                raise RuntimeError(
+                    f"loader served micro {batch.micro} of step {batch.step}, trainer expected "
+                    f"micro {m}: --grad-accum must match the loader spec's grad_accum"
+                )
+            if first is None:
+                first = (batch.epoch, batch.step)
+            elif (batch.epoch, batch.step) != first:
+                raise RuntimeError(
+                    f"micro-batches of one step span {first} and {batch.epoch, batch.step}"
+                )
+            yield batch, waited
+
+    def train_step(self, it: Iterator[Any]) -> dict[str, Any]:
+        """One optimizer step; returns this rank's raw sums."""
+        cfg, b = self.cfg, self.cfg.loss.block_size
+        dev = self.env.device
+        t_start = time.perf_counter() - (self._pending[1] if self._pending else 0.0)
+        wait = 0.0
+        sums = torch.zeros(4 + 2 * (b - 1), dtype=torch.float64, device=dev)
+        for batch, waited in self._micro_batches(it):
+            wait += waited
+            self.epoch = int(batch.epoch)
+            # Used up before the next next(): the client reuses the slot after that.
+            on_dev = batch.to(dev, non_blocking=True)
+            gen = anchor_generator(cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro)
+            last = batch.micro == cfg.grad_accum - 1
+            sync = (
+                contextlib.nullcontext()
+                if last or not self.env.distributed
+                else self.model.no_sync()
+            )
+            with sync:
+                with self._autocast():
+                    out = draft_loss(self.target, self.model, on_dev, cfg.loss, gen)
+                    loss = out.loss if out.loss is not None else zero_loss(self.target, self.model)
+                (loss / cfg.grad_accum).backward()
+            sums[0] += out.weighted_ce_sum
+            sums[1] += out.weight_sum
+            sums[2] += out.num_tokens
+            sums[3] += out.num_blocks
+            sums[4 : 4 + b - 1] += out.correct
+            sums[4 + b - 1 :] += out.count
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        step_time = time.perf_counter() - t_start
+        return {"sums": sums, "wait": wait, "time": step_time, "grad_norm": grad_norm, "lr": lr}
+
+    def _record(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """Combine the ranks' sums (one sum and one max all-reduce) into a metrics record."""
+        b = self.cfg.loss.block_size
+        frac = raw["wait"] / max(raw["time"], 1e-9)
+        timing = torch.tensor([raw["time"], raw["wait"], frac], dtype=torch.float64)
+        sums = all_reduce(torch.cat([raw["sums"], timing.to(raw["sums"].device)]), self.env)
+        mx = all_reduce(timing[[0, 2]].to(self.env.device), self.env, op="max").cpu()
+        sums, n = sums.cpu(), self.env.world_size
+        correct, count = sums[4 : 4 + b - 1], sums[4 + b - 1 : 4 + 2 * (b - 1)]
+        step_time, wait, wait_frac = (sums[-3:] / n).tolist()
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "loss": float(sums[0] / sums[1]) if sums[1] > 0 else None,
+            "acc": float(correct.sum() / count.sum()) if count.sum() > 0 else None,
+            "acc_k": [round(float(c / max(k, 1)), 5) for c, k in zip(correct, count, strict=True)],
+            "lr": raw["lr"],
+            "grad_norm": float(raw["grad_norm"]),
+            "tokens": int(sums[2]),
+            "blocks": int(sums[3]),
+            "step_time_s": step_time,
+            "tokens_per_s": float(sums[2] / mx[0]),
+            "data_wait_s": wait,
+            "data_wait_frac": wait_frac,
+            "data_wait_frac_max": float(mx[1]),
+            "time": time.time(),
+        }
+
+    def _eval_record(self, rec: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        tau = self.evaluate()
+        if tau is not None:
+            rec.update(tau=tau, eval_s=time.perf_counter() - t0)
+
+    def run(self) -> dict[str, Any]:
+        """Train to ``total_steps`` (resuming first if asked); returns the run summary."""
+        cfg = self.cfg
+        if not cfg.resume and ckpt.latest_checkpoint(cfg.run_dir) is not None:
+            raise ValueError(
+                f"{cfg.run_dir} already has checkpoints: pass --resume to continue that run, "
+                "or choose a new --run-dir"
+            )
+        resumed = self.maybe_resume()
+        if not resumed and self.env.is_main:
+            self.metrics.truncate_after(-1)
+        if not resumed:
+            rec: dict[str, Any] = {"step": 0}
+            self._eval_record(rec)
+            self.metrics.write(rec)
+        it = iter(self.source)
+        if not self._start(it):
+            return {"steps": self.step, "resumed": resumed, "note": "loader has no more batches"}
+        bar = self._progress()
+        t_loop, first_step = time.perf_counter(), self.step
+        try:
+            while self.step < self.total_steps:
+                rec = self._record(self.train_step(it))
+                final = self.step == self.total_steps
+                if final or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                    self._eval_record(rec)
+                # The record goes out before the checkpoint: a kill in between replays the
+                # step, and the resume cuts the file back to the checkpoint's step.
+                self.metrics.write(rec)
+                if final or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
+                    t0 = time.perf_counter()
+                    path = self.save()
+                    log.debug("checkpoint %s in %.3fs", path, time.perf_counter() - t0)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(_postfix(rec), refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+            self.metrics.close()
+        wall = time.perf_counter() - t_loop
+        summary = summarize(read_metrics(metrics_path(cfg.run_dir))) if self.env.is_main else {}
+        summary.update(
+            wall_steps_per_s=(self.step - first_step) / wall if wall > 0 else None,
+            resumed=resumed,
+        )
+        return summary
+
+    def _start(self, it: Iterator[Any]) -> bool:
+        """Peek the first batch (the loader reports its steps per epoch with it), fix the
+        step count and build the LR schedule; False when the loader has nothing left."""
+        t0 = time.perf_counter()
+        try:
+            self._pending = (next(it), time.perf_counter() - t0)
+        except StopIteration:
+            return False
+        self.total_steps = self.cfg.total_steps(self.source.steps_per_epoch)
+        warmup = self.cfg.warmup_steps(self.total_steps)
+        factor = warmup_cosine(warmup, self.total_steps, self.cfg.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        if self._scheduler_state is not None:
+            self.scheduler.load_state_dict(self._scheduler_state)
+            # Building the scheduler stepped it once (step 0's LR); put back the saved LR.
+            for group, lr in zip(
+                self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
+            ):
+                group["lr"] = lr
+        log.info(
+            "rank %d: %d optimizer steps (%d warmup), starting at step %d",
+            self.env.rank,
+            self.total_steps,
+            warmup,
+            self.step,
+        )
+        return True
+
+    def _progress(self):
+        if not (self.cfg.progress and self.env.is_main):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
+
+
+def _postfix(rec: dict[str, Any]) -> dict[str, str]:
+    out = {"loss": f"{rec['loss']:.3f}" if rec["loss"] is not None else "-"}
+    if "tau" in rec:
+        out["tau"] = f"{rec['tau']:.2f}"
+    out["tok/s"] = f"{rec['tokens_per_s']:.0f}"
+    out["wait"] = f"{100 * rec['data_wait_frac']:.1f}%"
+    return out

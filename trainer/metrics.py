@@ -1,0 +1,98 @@
+"""Per-step metrics: one JSON object per optimizer step in ``RUN_DIR/metrics.jsonl``.
+
+Fields: ``step``, ``epoch``, ``loss`` (weighted block cross-entropy, all ranks and micro-
+batches), ``acc`` / ``acc_k`` (argmax accuracy overall / per block offset k = 1..B-1),
+``lr``, ``grad_norm``, ``tokens`` (real tokens this step, all ranks), ``blocks``,
+``step_time_s`` (mean over ranks), ``tokens_per_s`` (tokens / slowest rank's step time),
+``data_wait_s`` / ``data_wait_frac`` (time blocked in ``next(loader)`` and its share of the
+step time, mean over ranks) and ``data_wait_frac_max`` (worst rank); ``tau`` and ``eval_s``
+on steps where the verifier ran (step 0 is the untrained drafter). Only rank 0 writes.
+
+On resume the file is cut back to the checkpoint's step (atomically), so a run that was
+killed after its last checkpoint does not list the replayed steps twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def metrics_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "metrics.jsonl"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All complete records (a torn last line from a kill is skipped)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+class MetricsWriter:
+    """Appends records; ``truncate_after(step)`` drops records of later steps."""
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        self._file = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def truncate_after(self, step: int) -> None:
+        if not self.enabled or not self.path.exists():
+            return
+        keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._file is None:
+            self._file = open(self.path, "a")  # noqa: SIM115 (kept open for the run)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Headline numbers of a run: first/last loss and tau, median step rate, data wait."""
+    steps = [r for r in records if "loss" in r]
+    taus = [r for r in records if "tau" in r]
+    out: dict[str, Any] = {"steps": steps[-1]["step"] if steps else 0}
+    if steps:
+        times = sorted(r["step_time_s"] for r in steps)
+        waits = sorted(r["data_wait_frac"] for r in steps)
+        out.update(
+            first_loss=steps[0]["loss"],
+            last_loss=steps[-1]["loss"],
+            median_step_time_s=times[len(times) // 2],
+            median_steps_per_s=1.0 / max(times[len(times) // 2], 1e-9),
+            median_tokens_per_s=sorted(r["tokens_per_s"] for r in steps)[len(steps) // 2],
+            mean_data_wait_frac=sum(waits) / len(waits),
+            max_data_wait_frac=max(r["data_wait_frac_max"] for r in steps),
+        )
+    if taus:
+        out.update(first_tau=taus[0]["tau"], last_tau=taus[-1]["tau"])
+    return out
+
+
+def iter_series(records: list[dict[str, Any]], key: str) -> Iterator[tuple[int, float]]:
+    for r in records:
+        if key in r and r[key] is not None:
+            yield r["step"], r[key]

@@ -1,0 +1,69 @@
+"""``dflash-train plot RUN_DIR``: PNG curves from ``metrics.jsonl`` (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.metrics import iter_series, metrics_path, read_metrics
+
+
+def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
+    """Write loss, tau, throughput/data-wait and per-offset accuracy plots; return paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_metrics(metrics_path(run_dir))
+    if not records:
+        raise ValueError(f"no metrics in {metrics_path(run_dir)}")
+    out_dir = Path(out_dir) if out_dir else run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig: object, name: str) -> None:
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    losses = list(iter_series(records, "loss"))
+    if losses:
+        ax.plot(*zip(*losses, strict=True), lw=1)
+    ax.set(xlabel="optimizer step", ylabel="weighted block CE", title=f"loss: {run_dir.name}")
+    ax.grid(alpha=0.3)
+    save(fig, "loss.png")
+
+    taus = list(iter_series(records, "tau"))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if taus:
+        ax.plot(*zip(*taus, strict=True), marker="o")
+    ax.set(xlabel="optimizer step", ylabel="tau (tokens / step)", title="acceptance length")
+    ax.grid(alpha=0.3)
+    save(fig, "tau.png")
+
+    fig, ax1 = plt.subplots(figsize=(7, 4))
+    tps = list(iter_series(records, "tokens_per_s"))
+    if tps:
+        ax1.plot(*zip(*tps, strict=True), lw=1, color="tab:blue")
+    ax1.set(xlabel="optimizer step", ylabel="tokens/s (all ranks)")
+    ax2 = ax1.twinx()
+    wait = [(s, 100 * w) for s, w in iter_series(records, "data_wait_frac")]
+    if wait:
+        ax2.plot(*zip(*wait, strict=True), lw=1, color="tab:red")
+    ax2.set_ylabel("data wait (% of step)", color="tab:red")
+    ax1.set_title("throughput and data wait")
+    save(fig, "throughput.png")
+
+    last = next((r for r in reversed(records) if "acc_k" in r), None)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if last is not None:
+        ks = range(1, len(last["acc_k"]) + 1)
+        ax.bar(ks, last["acc_k"])
+        ax.set_title(f"accuracy by block offset (step {last['step']})")
+    ax.set(xlabel="block offset k", ylabel="argmax accuracy")
+    save(fig, "acc_by_offset.png")
+    return written

@@ -1,0 +1,208 @@
+"""``dflash-train regen``: rewrite each sample's response with the target's greedy output.
+
+Released DFlash drafters are trained on responses the target itself generated: the drafter
+learns to predict *the target*, which is what speculative decoding rewards. For a sample
+whose first supervised token is at ``s`` (``loss_mask`` 1), the prompt is ``ids[:s]`` (at
+least one token) and everything from ``s`` to the end is replaced by the target's greedy
+continuation of the prompt, as many tokens as there were (cut after an EOS if the model has
+one). The loss mask is kept, so the schema and, without EOS, the lengths stay the same:
+``input_ids`` ``list<int32>``, ``loss_mask`` ``list<uint8>``, one Arrow IPC file, which the
+loader serves as it is. Multi-turn samples (several supervised spans) get everything after
+the first span's start regenerated: right for one-turn chat data, approximate otherwise.
+
+Batching: samples are read in chunks; inside a chunk they are sorted by response length and
+generated ``batch_size`` at a time with left padding, so a batch runs about as many decoding
+steps as its longest member needs. The last ``holdout`` samples are left out of the corpus
+and their prompts written to a JSONL file (``{"sample": i, "prompt": [...]}``) the trainer
+uses as held-out verifier prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer.target import Target
+
+IDS_COLUMN, MASK_COLUMN = "input_ids", "loss_mask"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenSpec:
+    batch_size: int = 64
+    chunk_samples: int = 4096
+    holdout: int = 0
+    limit: int | None = None  # regenerate only the first N samples (after the holdout)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.chunk_samples < 1 or self.holdout < 0:
+            raise ValueError(
+                f"need batch_size, chunk_samples >= 1 and holdout >= 0, got "
+                f"{self.batch_size}, {self.chunk_samples}, {self.holdout}"
+            )
+
+
+def split_prompt(mask: np.ndarray) -> int:
+    """Index of the first supervised token (at least 1, so the prompt is never empty);
+    ``len(mask)`` when nothing is supervised (the sample is kept as it is)."""
+    hits = np.flatnonzero(mask)
+    return len(mask) if hits.size == 0 else max(int(hits[0]), 1)
+
+
+@torch.no_grad()
+def greedy_batch(target: Target, prompts: list[np.ndarray], max_new: list[int]) -> list[np.ndarray]:
+    """Greedy continuations, ``max_new[i]`` tokens for ``prompts[i]``, one left-padded batch."""
+    device = target.device
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attn = torch.zeros(len(prompts), width, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p) :] = torch.from_numpy(p.astype(np.int64))
+        attn[r, width - len(p) :] = 1
+    eos = getattr(target.model.generation_config, "eos_token_id", None)
+    out = target.model.generate(
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
+        max_new_tokens=max(max_new),
+        do_sample=False,
+        pad_token_id=0,
+    )
+    new = out[:, width:].cpu().numpy()
+    eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    result = []
+    for r, n in enumerate(max_new):
+        toks = new[r, :n]
+        stop = next((i for i, t in enumerate(toks) if int(t) in eos_ids), None)
+        result.append(toks if stop is None else toks[: stop + 1])
+    return result
+
+
+def _regen_chunk(
+    target: Target,
+    ids: list[np.ndarray],
+    masks: list[np.ndarray],
+    batch_size: int,
+    tick: Callable[[int], None],
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    splits = [split_prompt(m) for m in masks]
+    todo = sorted(
+        (i for i in range(len(ids)) if splits[i] < len(ids[i])),
+        key=lambda i: len(ids[i]) - splits[i],
+    )
+    out_ids, out_masks = list(ids), list(masks)
+    for lo in range(0, len(todo), batch_size):
+        part = todo[lo : lo + batch_size]
+        gen = greedy_batch(
+            target, [ids[i][: splits[i]] for i in part], [len(ids[i]) - splits[i] for i in part]
+        )
+        for i, g in zip(part, gen, strict=True):
+            out_ids[i] = np.concatenate([ids[i][: splits[i]], g]).astype(np.int32)
+            out_masks[i] = masks[i][: len(out_ids[i])].astype(np.uint8)
+        tick(len(part))
+    tick(len(ids) - len(todo))
+    return out_ids, out_masks
+
+
+def regen_corpus(
+    target: Target,
+    src: Path,
+    out: Path,
+    spec: RegenSpec,
+    *,
+    holdout_out: Path | None = None,
+    progress: bool = True,
+) -> dict[str, object]:
+    """Write the regenerated corpus to ``out`` (one Arrow IPC file, temp + rename)."""
+    import pyarrow as pa
+
+    from loader_server.dataset import open_dataset
+
+    ds = open_dataset(src)
+    n_keep = len(ds) - spec.holdout
+    if n_keep < 1:
+        raise ValueError(f"{src}: {len(ds)} samples leave none after a holdout of {spec.holdout}")
+    n = n_keep if spec.limit is None else min(spec.limit, n_keep)
+    if holdout_out is not None and spec.holdout:
+        _write_holdout(ds, range(n_keep, len(ds)), holdout_out)
+    schema = pa.schema([(IDS_COLUMN, pa.list_(pa.int32())), (MASK_COLUMN, pa.list_(pa.uint8()))])
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    bar = _bar(n, progress)
+    tokens = 0
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for lo in range(0, n, spec.chunk_samples):
+            rows = range(lo, min(lo + spec.chunk_samples, n))
+            ids = [np.asarray(ds.input_ids(i)) for i in rows]
+            masks = [_mask(ds, i, len(ids[k])) for k, i in enumerate(rows)]
+            new_ids, new_masks = _regen_chunk(target, ids, masks, spec.batch_size, bar.update)
+            tokens += sum(len(x) for x in new_ids)
+            writer.write_batch(_record_batch(new_ids, new_masks, schema))
+    os.replace(tmp, out)
+    bar.close()
+    return {"samples": n, "tokens": tokens, "holdout": spec.holdout, "out": str(out)}
+
+
+def _mask(ds: object, i: int, length: int) -> np.ndarray:
+    if not ds.has_loss_mask:
+        return np.ones(length, dtype=np.uint8)
+    return np.asarray(ds.loss_mask(i)).astype(np.uint8)
+
+
+def _record_batch(ids: list[np.ndarray], masks: list[np.ndarray], schema: object) -> object:
+    import pyarrow as pa
+
+    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
+    np.cumsum([len(x) for x in ids], out=offsets[1:])
+    flat_ids = np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
+    flat_mask = np.concatenate(masks).astype(np.uint8) if masks else np.zeros(0, np.uint8)
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids)),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_mask)),
+        ],
+        schema=schema,
+    )
+
+
+def _write_holdout(ds: object, rows: range, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for i in rows:
+            ids = np.asarray(ds.input_ids(i))
+            s = split_prompt(_mask(ds, i, len(ids)))
+            f.write(json.dumps({"sample": i, "prompt": ids[:s].tolist()}) + "\n")
+    os.replace(tmp, path)
+
+
+def load_prompts(path: Path, max_prompt_len: int | None = None) -> list[torch.Tensor]:
+    """Prompts from a JSONL file of ``{"prompt": [ids...]}`` lines (``regen --holdout``)."""
+    prompts = []
+    with open(path) as f:
+        for k, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)["prompt"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{path}:{k}: expected a JSON object with a 'prompt' list") from e
+            if not ids:
+                raise ValueError(f"{path}:{k}: empty prompt")
+            if max_prompt_len:
+                ids = ids[-max_prompt_len:]
+            prompts.append(torch.tensor(ids, dtype=torch.long))
+    return prompts
+
+
+def _bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="regen", unit="sample", disable=not enabled, dynamic_ncols=True)

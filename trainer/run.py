@@ -1,0 +1,183 @@
+"""Assemble one rank's training run from the ``dflash-train train`` options.
+
+Kept apart from the click layer so the steps (process group, target, drafter, loader client,
+trainer) read in order and each can be swapped in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.distributed import DistEnv, init_distributed, shutdown
+from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.loop import TrainConfig, Trainer
+from trainer.loss import LossConfig
+from trainer.regen import load_prompts
+from trainer.target import Target, TinyTargetSpec, load_target
+
+log = logging.getLogger(__name__)
+
+
+def parse_int_list(value: str | None) -> list[int] | None:
+    """``"0,1,2"`` -> ``[0, 1, 2]``; ``None``/empty -> ``None``."""
+    if not value:
+        return None
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError as e:
+        raise ValueError(f"expected comma-separated integers, got {value!r}") from e
+
+
+def parse_spec_pairs(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``("buckets=[770,1216]", "order=shuffled")`` -> a dict (values parsed as JSON when
+    they are JSON, else kept as strings)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--spec expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def target_from_opts(
+    opts: dict[str, Any], device: torch.device | str, layer_ids: list[int] | None = None
+) -> Target:
+    """The target named by ``--target`` (``tiny`` shaped by the ``--tiny-*`` options)."""
+    tiny = TinyTargetSpec(
+        vocab_size=opts["tiny_vocab"],
+        num_layers=opts["tiny_layers"],
+        hidden_size=opts["tiny_hidden"],
+        intermediate_size=3 * opts["tiny_hidden"],
+        seed=opts["tiny_seed"],
+    )
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return load_target(opts["target"], layer_ids=layer_ids, device=device, dtype=dtype, tiny=tiny)
+
+
+def loader_spec(opts: dict[str, Any]) -> dict[str, Any]:
+    """The BatchSpec fields the trainer passes to the loader (``--spec`` overrides)."""
+    spec = {
+        "token_budget": opts["token_budget"],
+        "max_batch_size": opts["max_batch_size"],
+        "max_seq_len": opts["max_seq_len"],
+        "layout": opts["layout"],
+        "grad_accum": opts["grad_accum"],
+        "seed": opts["seed"],
+    }
+    spec.update(parse_spec_pairs(opts["spec_pairs"]))
+    if spec["grad_accum"] != opts["grad_accum"]:
+        raise ValueError("--spec grad_accum must equal --grad-accum")
+    return spec
+
+
+def build_drafter(target: Target, opts: dict[str, Any], device: torch.device) -> DFlashDrafter:
+    cfg = DrafterConfig.from_target(
+        target.config,
+        num_target_layers=len(target.layer_ids),
+        num_layers=opts["drafter_layers"],
+        block_size=opts["block_size"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(opts["seed"])  # same init on every rank (DDP also broadcasts it)
+        mean_embed = target.embed_tokens.weight.detach().float().mean(0)
+        drafter = DFlashDrafter(cfg, mask_init=mean_embed.cpu())
+    return drafter.to(device)
+
+
+def eval_prompts(opts: dict[str, Any], vocab_size: int) -> list[torch.Tensor]:
+    if opts["eval_prompts"] is not None:
+        return load_prompts(opts["eval_prompts"])[: opts["num_eval_prompts"]]
+    log.warning(
+        "no --eval-prompts: tau is measured on %d random prompts, not held-out data",
+        opts["num_eval_prompts"],
+    )
+    g = torch.Generator().manual_seed(opts["seed"] + 1)
+    return [
+        torch.randint(0, vocab_size, (16,), generator=g) for _ in range(opts["num_eval_prompts"])
+    ]
+
+
+def train_config(opts: dict[str, Any]) -> TrainConfig:
+    return TrainConfig(
+        run_dir=opts["run_dir"],
+        loss=LossConfig(
+            block_size=opts["block_size"], num_anchors=opts["num_anchors"], gamma=opts["gamma"]
+        ),
+        steps=opts["steps"],
+        epochs=opts["epochs"],
+        grad_accum=opts["grad_accum"],
+        lr=opts["lr"],
+        warmup=opts["warmup"],
+        weight_decay=opts["weight_decay"],
+        grad_clip=opts["grad_clip"],
+        seed=opts["seed"],
+        eval_every=opts["eval_every"],
+        eval_new_tokens=opts["eval_new_tokens"],
+        ckpt_every=opts["ckpt_every"],
+        keep_checkpoints=opts["keep_checkpoints"],
+        resume=opts["resume"],
+        progress=not opts["no_progress"],
+    )
+
+
+def _write_config(env: DistEnv, run_dir: Path, opts: dict[str, Any], spec: dict[str, Any]) -> None:
+    if not env.is_main:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {k: (str(v) if isinstance(v, Path) else v) for k, v in opts.items()}
+    record.update(loader_spec=spec, world_size=env.world_size)
+    (run_dir / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def run_training(opts: dict[str, Any]) -> dict[str, Any] | None:
+    """Run one rank; returns the summary on rank 0 (None elsewhere)."""
+    cfg = train_config(opts)  # validates before anything is started
+    spec = loader_spec(opts)
+    env = init_distributed(opts["device"])
+    client = None
+    try:
+        target = target_from_opts(opts, env.device, parse_int_list(opts["layers"]))
+        drafter = build_drafter(target, opts, env.device)
+        from client import LoaderClient
+
+        client = LoaderClient(
+            opts["endpoint"],
+            job=opts["job"],
+            rank=env.rank,
+            world_size=env.world_size,
+            spec=spec,
+            epochs=opts["epochs"],
+            timeout_s=opts["timeout_s"],
+        )
+        _write_config(env, cfg.run_dir, opts, spec)
+        meta = {"target": opts["target"], "layer_ids": target.layer_ids, "loader_spec": spec}
+        trainer = Trainer(
+            cfg,
+            target=target,
+            drafter=drafter,
+            source=client,
+            env=env,
+            eval_prompts=eval_prompts(opts, target.vocab_size),
+            meta=meta,
+        )
+        summary = trainer.run()
+        if env.is_main:
+            summary["world_size"] = env.world_size
+            summary["pid"] = os.getpid()
+            (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            return summary
+        return None
+    finally:
+        if client is not None:
+            client.close()
+        shutdown(env)

@@ -1,0 +1,198 @@
+"""The frozen target model: a Hugging Face causal LM that supplies features and scores drafts.
+
+``load_target("tiny")`` builds a small random-weight Qwen3 (4 layers, hidden 128, vocab 512)
+from a fixed seed, so every rank and every process builds bit-identical weights without a
+download; any other value is a local directory loaded offline (``local_files_only``).
+
+The target runs in eval mode with gradients off. ``features`` returns the hidden states of
+the chosen layers concatenated on the last axis (``hidden_states[id + 1]`` is the output of
+layer ``id``), the conditioning a DFlash drafter is trained on. The same call serves training
+(whole rows, no cache) and verification (a block on top of a KV cache), so the two can never
+disagree about which activations a feature is.
+
+Packed rows are split per document by the ``position_ids`` (they restart at 0 for every
+document); the mask code of ``transformers`` only does this without a 2D attention mask and
+without a cache, which is how ``features`` calls it (a test checks packed == per document).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+TINY = "tiny"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyTargetSpec:
+    """Shape of the random-weight Qwen3 built for ``--target tiny``."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_positions: int = 8192
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must divide by num_heads {self.num_heads}, "
+                f"which must divide by num_kv_heads {self.num_kv_heads}"
+            )
+
+
+def build_tiny_model(spec: TinyTargetSpec) -> nn.Module:
+    """A seeded random-weight ``Qwen3ForCausalLM`` (identical in every process)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = Qwen3ForCausalLM(config)
+    return model
+
+
+def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """``n`` target layers spread evenly from layer 1 to ``L - 3`` (Qwen3-8B: [1, 9, 17, 25,
+    33]); small targets, where that rule repeats layers, get ``n`` distinct layers spread over
+    ``[0, L - 2]`` instead (4 layers: [0, 1, 2])."""
+    if num_layers < 1 or n < 1:
+        raise ValueError(f"need num_layers >= 1 and n >= 1, got {num_layers}, {n}")
+    hi = num_layers - 3
+    if hi - 1 >= n - 1 and n > 1:
+        return [round(1 + i * (hi - 1) / (n - 1)) for i in range(n)]
+    top = max(num_layers - 2, 0)
+    n = min(n, top + 1)
+    if n == 1:
+        return [top]
+    return sorted({round(i * top / (n - 1)) for i in range(n)})
+
+
+class Target:
+    """A frozen causal LM with access to its embedding, LM head and chosen-layer features."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.base = model.base_model
+        self.embed_tokens: nn.Module = model.get_input_embeddings()
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        config = model.config
+        self.hidden_size = int(config.hidden_size)
+        self.num_layers = int(config.num_hidden_layers)
+        self.vocab_size = int(config.vocab_size)
+        self.config = config
+        # transformers 5 renamed ``past_key_values`` to ``cache``; accept either.
+        params = inspect.signature(self.base.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.layer_ids = list(layer_ids) if layer_ids else default_layer_ids(self.num_layers)
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"layer ids {bad} out of range for a {self.num_layers}-layer target")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def feature_size(self) -> int:
+        return self.hidden_size * len(self.layer_ids)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Target:
+        self.model.to(device=device, dtype=dtype)
+        return self
+
+    @torch.no_grad()
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cache: object | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(features [R, T, n*H], last_hidden [R, T, H])`` for ``input_ids [R, T]``.
+
+        Rows are right-padded (causal attention keeps padding out of real positions) or
+        packed (``position_ids`` restart at 0 per document). With a ``cache`` (``new_cache()``)
+        the ids continue the cached sequence, and the cache is extended in place.
+        """
+        kwargs = {} if cache is None else {self._cache_kwarg: cache}
+        out = self.base(
+            input_ids=input_ids.long(),
+            position_ids=None if position_ids is None else position_ids.long(),
+            use_cache=cache is not None,
+            output_hidden_states=True,
+            **kwargs,
+        )
+        hs = out.hidden_states
+        feats = torch.cat([hs[i + 1] for i in self.layer_ids], dim=-1)
+        return feats, out.last_hidden_state
+
+    @staticmethod
+    def new_cache() -> object:
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    @staticmethod
+    def crop_cache(cache: object, keep: int) -> None:
+        """Keep the first ``keep`` positions (a negative ``crop`` means the same in transformers
+        4.x and 5.x, where a positive one changed meaning)."""
+        remove = cache.get_seq_length() - keep
+        if remove > 0:
+            cache.crop(-remove)
+
+    @torch.no_grad()
+    def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(last_hidden)
+
+
+def load_target(
+    name: str,
+    *,
+    layer_ids: list[int] | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    tiny: TinyTargetSpec | None = None,
+) -> Target:
+    """``"tiny"`` (a seeded random Qwen3) or a local Hugging Face model directory (offline)."""
+    if name == TINY:
+        model = build_tiny_model(tiny or TinyTargetSpec())
+    else:
+        path = Path(name)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--target {name!r} is neither 'tiny' nor a model directory")
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    target = Target(model, layer_ids).to(device, dtype)
+    log.info(
+        "target %s: %d layers, hidden %d, vocab %d, features from layers %s",
+        name,
+        target.num_layers,
+        target.hidden_size,
+        target.vocab_size,
+        target.layer_ids,
+    )
+    return target
