@@ -185,11 +185,29 @@ def optimal_bounds(lengths: np.ndarray, k: int) -> np.ndarray:
     return solve(lengths, k).bounds(k)
 
 
+#: ``auto`` keeps at least this many micro-batches per bucket: a bucket of m micro-batches
+#: re-pairs a same-batch pair in the next epoch with probability ~1/m, so this bounds the
+#: composition repeat near 1/24 ~ 0.04 on corpora too small for the efficiency target.
+MIN_MICRO_PER_BUCKET = 24
+
+
+def auto_bucket_cap(lengths: np.ndarray, spec: BatchSpec) -> int:
+    """Most buckets ``auto`` may use: about (expected micro-batches) / 24, in 1..64.
+
+    The reference corpus (~28K micro-batches an epoch) is far from the cap; a 500-sample
+    demo corpus gets one or two buckets, trading padding for per-epoch composition.
+    """
+    n, tokens = int(lengths.size), int(np.asarray(lengths).sum(dtype=np.int64))
+    micro = max(tokens / spec.token_budget, n / spec.max_batch_size)
+    return int(np.clip(micro // MIN_MICRO_PER_BUCKET, 1, MAX_AUTO_BUCKETS))
+
+
 def resolve_bounds(lengths: np.ndarray, spec: BatchSpec) -> np.ndarray:
     """The spec's bucket upper bounds for these (effective, >= 1) lengths.
 
-    Explicit bounds get ``max_seq_len`` appended; ``auto:K`` is the optimal K;
-    ``auto`` the smallest K <= 64 whose optimum reaches ``spec.target_efficiency``.
+    Explicit bounds get ``max_seq_len`` appended; ``auto:K`` is the optimal K; ``auto`` the
+    smallest K whose optimum reaches ``spec.target_efficiency``, at most
+    ``auto_bucket_cap`` (so every bucket holds enough micro-batches to reshuffle).
     Results are cached by histogram: later epochs of the same data skip the DP.
     """
     k = spec.auto_buckets
@@ -199,18 +217,20 @@ def resolve_bounds(lengths: np.ndarray, spec: BatchSpec) -> np.ndarray:
     if values.size == 0:
         return np.array([spec.max_seq_len], dtype=np.int64)
     target = None if k else spec.target_efficiency
-    bounds = _cached_bounds(values.tobytes(), counts.tobytes(), k, target)
+    cap = k or auto_bucket_cap(lengths, spec)
+    bounds = _cached_bounds(values.tobytes(), counts.tobytes(), cap, target)
     return np.frombuffer(bounds, dtype=np.int64).copy()
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_bounds(values: bytes, counts: bytes, k: int, target: float | None) -> bytes:
+def _cached_bounds(values: bytes, counts: bytes, max_k: int, target: float | None) -> bytes:
+    """``target`` None: the optimal ``max_k`` buckets; else the smallest k reaching the
+    target, or ``max_k`` when none does."""
     v = np.frombuffer(values, dtype=np.int64)
     c = np.frombuffer(counts, dtype=np.int64)
-    table = _solve_histogram(v, c, k or MAX_AUTO_BUCKETS, target)
-    if k:
-        return table.bounds(k).tobytes()
-    assert target is not None
+    table = _solve_histogram(v, c, max_k, target)
+    if target is None:
+        return table.bounds(max_k).tobytes()
     return table.bounds(table.smallest_k(target)).tobytes()
 
 

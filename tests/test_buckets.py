@@ -85,10 +85,25 @@ def test_resolve_bounds_for_each_form():
     two = bk.resolve_bounds(x, BatchSpec(buckets="auto:2"))
     np.testing.assert_array_equal(two, bk.optimal_bounds(x, 2))
     assert two[-1] == 500
-    auto = bk.resolve_bounds(x, BatchSpec(buckets="auto", target_efficiency=1.0))
-    assert padding_of(x, auto) == 0
+    many = np.repeat(x, 5000)  # enough micro-batches for every bucket auto wants
+    auto = bk.resolve_bounds(many, BatchSpec(buckets="auto", target_efficiency=1.0))
+    assert padding_of(many, auto) == 0
     empty = bk.resolve_bounds(np.zeros(0, np.int64), BatchSpec())
     np.testing.assert_array_equal(empty, [8192])
+
+
+def test_auto_keeps_enough_micro_batches_per_bucket_on_small_corpora():
+    spec = BatchSpec(buckets="auto", token_budget=2048, max_seq_len=512)
+    small = np.random.default_rng(0).integers(16, 512, 200)  # ~53K tokens: ~26 micro-batches
+    assert bk.auto_bucket_cap(small, spec) == 1
+    assert bk.resolve_bounds(small, spec).size == 1
+    big = np.random.default_rng(0).integers(16, 512, 50_000)
+    cap = bk.auto_bucket_cap(big, spec)
+    assert cap == min(64, int(big.sum() / 2048) // bk.MIN_MICRO_PER_BUCKET)
+    bounds = bk.resolve_bounds(big, spec)
+    assert 1 < bounds.size <= cap
+    micro_per_bucket = np.bincount(bk.assign(big, bounds)) * big.mean() / 2048
+    assert micro_per_bucket.min() >= bk.MIN_MICRO_PER_BUCKET / 4  # by tokens, roughly
 
 
 def test_resolve_bounds_is_cached_but_returns_fresh_arrays():
