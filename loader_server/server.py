@@ -10,6 +10,7 @@ session at once.
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
 import secrets
@@ -107,6 +108,17 @@ class LoaderServer:
             self._sock.curve_publickey = public
             self._sock.curve_secretkey = secret
         self._sock.bind(self.config.endpoint)
+        if self.config.endpoint.startswith("ipc://"):
+            self._restrict_socket(Path(self.config.endpoint[len("ipc://") :]))
+
+    def _restrict_socket(self, path: Path) -> None:
+        """The socket file gets the rings' access rule: who may read rings may connect."""
+        mode = self.config.shm_mode
+        # Connecting needs write permission on the socket: grant it where read is granted.
+        mode |= (mode & 0o444) >> 1
+        os.chmod(path, mode)
+        if self.config.group is not None:
+            os.chown(path, -1, grp.getgrnam(self.config.group).gr_gid)
 
     def serve_forever(
         self, should_stop: Callable[[], bool], tick: Callable[[], None] | None = None

@@ -293,13 +293,28 @@ def test_sigterm_tells_clients_unlinks_rings_exits_zero(daemons):
     assert "stopped" in d.log()
 
 
-def test_ring_mode_follows_config(daemons):
+def test_ring_and_socket_modes_follow_config(daemons):
+    d = daemons()
+    sock_path = Path(d.endpoint[len("ipc://") :])
+    assert stat.S_IMODE(sock_path.stat().st_mode) == 0o600  # owner only by default
+    d.stop()
     d = daemons("--shm-mode", "0640")
     client = LoaderClient(d.endpoint, job="m", rank=0, world_size=1)
     next(client)
     (ring,) = d.shm_dir.iterdir()
     assert stat.S_IMODE(ring.stat().st_mode) == 0o640
+    # group members may read rings, so they may connect (connecting needs write).
+    assert stat.S_IMODE(sock_path.stat().st_mode) == 0o660
     client.close()
+
+
+def test_client_imports_neither_pyarrow_nor_the_planner():
+    code = (
+        "import sys, client; from client import LoaderClient, Batch; "
+        "bad = [m for m in sys.modules if m.startswith('pyarrow') or m.startswith("
+        "('loader_server.planner', 'loader_server.dataset'))]; print(bad); assert not bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_second_daemon_on_same_endpoint_refuses(daemons, tmp_path, shm_dir, corpus_path):
