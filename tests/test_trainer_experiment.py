@@ -158,6 +158,7 @@ def test_tiny_experiment_end_to_end(tmp_path):
     assert plan["sorted"]["composition_repeat"] == 1.0  # frozen batches, by construction
     assert plan["shuffled"]["composition_repeat"] < 1.0
     assert len(results["corpus"]["bands"]) == 4
+    assert 0.0 <= results["summary"]["stratified"]["all_hard_frac"]["mean"] <= 1.0
     for name in ("loss", "heldout", "jumps", "mix"):
         png = out / f"experiment-{name}.png"
         assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
