@@ -103,24 +103,33 @@ class _Ring:
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         with warnings.catch_warnings():  # read-only by design: a write faults, never corrupts
             warnings.simplefilter("ignore", UserWarning)
-            self._bytes = torch.from_numpy(self.buf)  # one tensor; batches are views of it
-        self.layout = layout
+            whole = torch.from_numpy(self.buf)
+        # Typed full-capacity views of every field of every slot, made once: a batch is
+        # then one slice and one reshape per tensor.
+        self._fields: list[dict[str, torch.Tensor]] = []
+        for k in range(slots):
+            views = {}
+            for name, (dtype, offset, capacity) in layout.fields.items():
+                start = k * layout.slot_bytes + offset
+                nbytes = capacity * np.dtype(dtype).itemsize
+                views[name] = whole[start : start + nbytes].view(_TORCH_DTYPES[dtype])
+            self._fields.append(views)
         self.slots = slots
         self._registered = cuda.register(self.buf)
 
     def tensor(self, slot: int, name: str, count: int, shape: tuple[int, ...]) -> torch.Tensor:
-        dtype, offset, capacity = self.layout.fields[name]
-        if not 0 <= slot < self.slots or count > capacity:
-            raise P.ProtocolError(f"slot {slot} field {name}: {count} > capacity {capacity}")
-        start = slot * self.layout.slot_bytes + offset
-        nbytes = count * np.dtype(dtype).itemsize
-        return self._bytes[start : start + nbytes].view(_TORCH_DTYPES[dtype]).view(shape)
+        if not 0 <= slot < self.slots:
+            raise P.ProtocolError(f"slot {slot} outside the ring's {self.slots} slots")
+        field = self._fields[slot][name]
+        if count > field.shape[0]:
+            raise P.ProtocolError(f"field {name}: {count} elements > capacity {field.shape[0]}")
+        return field[:count].view(shape)
 
     def close(self) -> None:
         if self._registered:
             cuda.unregister(self.buf)
         self.buf = np.zeros(0, np.uint8)
-        del self._bytes
+        self._fields = []
         # A batch tensor may still reference the mapping; then GC unmaps it later.
         with contextlib.suppress(BufferError):
             self._mm.close()
@@ -376,7 +385,7 @@ class LoaderClient:
             sample_ids=ring.tensor(slot, "sample_ids", rows, (rows,)),
             position_ids=position_ids,
             cu_seqlens=cu,
-            max_seqlen=int(lengths.max()) if rows else 0,
+            max_seqlen=int(msg.get("maxlen", 0)),
             epoch=pos[0],
             step=pos[1],
             micro=pos[2],

@@ -16,7 +16,7 @@ Client -> daemon
 Daemon -> client
     welcome   s, shm (path), slots, slot_bytes, layout (field -> [offset, capacity]),
               steps (per epoch of the start epoch), instance, fingerprint, spec (effective)
-    batch     s, slot, pos, next, steps, bucket, rows, width, docs, tokens
+    batch     s, slot, pos, next, steps, bucket, rows, width, tokens, maxlen
     end       s: the requested epochs are done
     error     code, msg (s when tied to a session)
     stats     sessions, ... (see loader_server.server)

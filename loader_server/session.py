@@ -141,6 +141,7 @@ class Session:
             "rows": rows,
             "width": width,
             "tokens": tokens,
+            "maxlen": int(lens.max()) if rows else 0,
         }
         self.pos = nxt
         self.stats.batches += 1
