@@ -97,6 +97,8 @@ def build_drafter(target: Target, opts: dict[str, Any], device: torch.device) ->
 def eval_prompts(opts: dict[str, Any], vocab_size: int) -> list[torch.Tensor]:
     if opts["eval_prompts"] is not None:
         return load_prompts(opts["eval_prompts"])[: opts["num_eval_prompts"]]
+    if opts["num_eval_prompts"] == 0:
+        return []  # tau is not measured
     log.warning(
         "no --eval-prompts: tau is measured on %d random prompts, not held-out data",
         opts["num_eval_prompts"],
