@@ -160,9 +160,15 @@ class BatchSpec:
         return cls(**d)
 
     def key(self) -> str:
-        """16 hex digits identifying this spec (hash of ``to_dict`` with sorted keys)."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        """16 hex digits identifying this spec (hash of ``to_dict`` with sorted keys).
+
+        Computed once per instance (the daemon asks for it on every batch it serves)."""
+        cached = self.__dict__.get("_key")
+        if cached is None:
+            text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+            cached = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+            object.__setattr__(self, "_key", cached)  # not a field: eq/asdict ignore it
+        return cached
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
