@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from loader_server.launch import DaemonProcess
+
 DEMO_DIR = Path("demo-run")
 PY = sys.executable
 LOADER = [PY, "-m", "loader_server"]
@@ -36,20 +38,13 @@ def sh(*args: str, quiet: bool = False) -> str:
     return out.stdout or ""
 
 
-def start_daemon(corpus: Path, endpoint: str) -> subprocess.Popen:
+def start_daemon(corpus: Path, endpoint: str) -> DaemonProcess:
     log = DEMO_DIR / "daemon.log"
     print(f"$ dflash-loader serve --dataset {corpus} --endpoint {endpoint}  (log: {log})")
-    out = open(log, "wb")  # noqa: SIM115 - the daemon owns it until it stops
-    proc = subprocess.Popen([*LOADER, "serve", "--dataset", str(corpus), "--endpoint", endpoint,
-                             "--token-budget", "2048", "--max-seq-len", "512"],
-                            stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-    deadline = time.monotonic() + 60
-    while "READY endpoint=" not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"daemon did not start:\n{log.read_text()}")
-        time.sleep(0.05)
-    print("  " + next(x for x in log.read_text().splitlines() if "READY" in x))
-    return proc
+    d = DaemonProcess(corpus, endpoint, "--token-budget", "2048", "--max-seq-len", "512",
+                      log_path=log)  # fmt: skip
+    print("  " + d.ready_line())
+    return d
 
 
 def consume(endpoint: str, world: int, seconds: float) -> None:
@@ -144,8 +139,7 @@ def main() -> None:
         print("plots: " + ", ".join(plots))
         sh(*LOADER, "stats", "--endpoint", endpoint)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        print(f"daemon stopped with exit code {daemon.wait(30)}")
+        print(f"daemon stopped with exit code {daemon.stop()}")
 
 
 if __name__ == "__main__":

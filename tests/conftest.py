@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from loader_server import launch
 from loader_server.dataset import ArrowDataset, open_dataset
 from loader_server.planner import EpochPlan, plan_epoch
 from loader_server.spec import BatchSpec
@@ -53,8 +51,8 @@ def check_batch_tokens(ds: ArrowDataset, batch, max_seq_len: int = TEST_SPEC["ma
         assert not ids[r, n:].any() and not mask[r, n:].any()
 
 
-class DaemonProcess:
-    """A real `dflash-loader serve` subprocess; waits (bounded) for its READY line."""
+class DaemonProcess(launch.DaemonProcess):
+    """A real `dflash-loader serve` subprocess on TEST_SPEC, rings in ``shm_dir``."""
 
     def __init__(
         self,
@@ -65,42 +63,16 @@ class DaemonProcess:
         name: str = "loader",
         endpoint: str | None = None,
     ):
-        self.endpoint = endpoint or f"ipc://{workdir}/{name}.sock"
         self.shm_dir = shm_dir
-        self.log_path = workdir / f"{name}-{uuid.uuid4().hex[:6]}.log"
-        cmd = [
-            sys.executable, "-m", "loader_server", "serve",
-            "--dataset", str(dataset), "--endpoint", self.endpoint, "--shm-dir", str(shm_dir),
+        super().__init__(
+            dataset,
+            endpoint or f"ipc://{workdir}/{name}.sock",
+            "--shm-dir", str(shm_dir),
             *(f"--{k.replace('_', '-')}={v}" for k, v in TEST_SPEC.items()),
             *args,
-        ]  # fmt: skip
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        self.wait_ready()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if "READY endpoint=" in self.log():
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.02)
-        raise TimeoutError(f"daemon not ready after {READY_TIMEOUT_S} s:\n{self.log()}")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout_s)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        self.stop(signal.SIGKILL)
+            log_path=workdir / f"{name}-{uuid.uuid4().hex[:6]}.log",
+            ready_timeout_s=READY_TIMEOUT_S,
+        )  # fmt: skip
 
 
 @pytest.fixture

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -37,7 +36,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loader_server.launch import DaemonProcess
 
 log = logging.getLogger(__name__)
 
@@ -180,43 +182,17 @@ def write_corpora(cfg: ExperimentConfig) -> tuple[Path, Path]:
 
 
 @contextmanager
-def loader_daemon(dataset: Path, endpoint: str, log_path: Path) -> Iterator[subprocess.Popen]:
+def loader_daemon(dataset: Path, endpoint: str, log_path: Path) -> Iterator[DaemonProcess]:
     """A real ``loader_server serve`` subprocess, ready when this yields; SIGTERM (then
     SIGKILL) on exit."""
+    from loader_server.launch import DaemonProcess
+
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "loader_server", "serve", "--dataset", str(dataset)]
-    cmd += ["--endpoint", endpoint]
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            _wait_ready(proc, log_path)
-            yield proc
-        finally:
-            _stop(proc)
-
-
-def _wait_ready(proc: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while "READY endpoint=" not in log_path.read_text(errors="replace"):
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"loader daemon exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}"
-            )
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"loader daemon not ready after {READY_TIMEOUT_S} s ({log_path})")
-        time.sleep(0.05)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
+    daemon = DaemonProcess(dataset, endpoint, log_path=log_path, ready_timeout_s=READY_TIMEOUT_S)
     try:
-        proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        log.warning("loader daemon ignored SIGTERM for %.0f s: killing it", STOP_TIMEOUT_S)
-        proc.kill()
-        proc.wait(5)
+        yield daemon
+    finally:
+        daemon.stop(timeout_s=STOP_TIMEOUT_S)
 
 
 def run_finished(run_dir: Path, steps: int) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import numpy as np
 from loader_server import metrics
 from loader_server.bench.baseline import dataloader_throughput, sort_once_restart
 from loader_server.dataset import open_dataset
+from loader_server.launch import DaemonProcess
 from loader_server.planner import plan_epoch
 from loader_server.spec import BatchSpec
 
@@ -57,31 +57,12 @@ def rss_mb(pid: int, kind: str = "VmRSS") -> float:
     return float("nan")
 
 
-class _Daemon:
-    def __init__(self, dataset: Path, workdir: Path, spec: BatchSpec) -> None:
-        self.endpoint = f"ipc://{workdir}/bench.sock"
-        self.log = workdir / "daemon.log"
-        shm = Path("/dev/shm") if os.path.isdir("/dev/shm") else workdir
-        args = [f"--{k.replace('_', '-')}={v if not isinstance(v, list) else ','.join(map(str, v))}"
-                for k, v in spec.to_dict().items() if k != "world_size"]  # fmt: skip
-        t = time.perf_counter()
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "loader_server", "serve", "--dataset", str(dataset),
-                 "--endpoint", self.endpoint, "--shm-dir", str(shm), *args],
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        while "READY endpoint=" not in self.log.read_text(errors="replace"):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited:\n{self.log.read_text()}")
-            if time.perf_counter() - t > 120:
-                raise TimeoutError("daemon not ready after 120 s")
-            time.sleep(0.005)
-        self.ready_s = time.perf_counter() - t
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(30)
+def _start_daemon(dataset: Path, workdir: Path, spec: BatchSpec) -> DaemonProcess:
+    shm = Path("/dev/shm") if os.path.isdir("/dev/shm") else workdir
+    args = [f"--{k.replace('_', '-')}={v if not isinstance(v, list) else ','.join(map(str, v))}"
+            for k, v in spec.to_dict().items() if k != "world_size"]  # fmt: skip
+    return DaemonProcess(dataset, f"ipc://{workdir}/bench.sock", "--shm-dir", str(shm), *args,
+                         log_path=workdir / "daemon.log", ready_timeout_s=120)  # fmt: skip
 
 
 def _consumers(endpoint: str, world: int, seconds: float, job: str, **extra: Any) -> list[dict]:
@@ -124,7 +105,7 @@ def run_bench(
     spec = replace(spec, world_size=consumers)
     plan0 = plan_epoch(ds.lengths, spec, epoch=0)
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
-        d = _Daemon(dataset, Path(tmp), spec)
+        d = _start_daemon(dataset, Path(tmp), spec)
         try:
             r["daemon_ready_s"] = d.ready_s
             flat = _consumers(d.endpoint, consumers, seconds, "throughput")
@@ -140,8 +121,8 @@ def run_bench(
             r["next_ms_samples"] = lat["next_ms"]
             warm = _consumers(d.endpoint, 1, 0.2, "restart")[0]
             r["first_batch_warm_s"] = warm["first_batch_s"]
-            r["daemon_rss_mb"] = rss_mb(d.proc.pid, "RssAnon")
-            r["daemon_file_rss_mb"] = rss_mb(d.proc.pid, "RssFile")
+            r["daemon_rss_mb"] = rss_mb(d.pid, "RssAnon")
+            r["daemon_file_rss_mb"] = rss_mb(d.pid, "RssFile")
         finally:
             d.stop()
     batches = [plan0.micro(s, 0, 0) for s in range(plan0.num_steps)]
