@@ -43,7 +43,6 @@ class SessionStats:
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
     client_wait_s: float = 0.0
-    errors: int = 0
 
 
 class Session:

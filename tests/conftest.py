@@ -75,6 +75,17 @@ class DaemonProcess(launch.DaemonProcess):
         )  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def target():
+    """The tiny seeded random-weight Qwen3 target, frozen: built once for all trainer tests."""
+    import torch
+
+    from trainer.target import load_target
+
+    torch.set_num_threads(1)
+    return load_target("tiny")
+
+
 @pytest.fixture
 def shm_dir():
     """A private directory in /dev/shm (tmpfs), so leak checks see only this test's rings."""

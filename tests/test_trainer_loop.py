@@ -18,16 +18,10 @@ from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loop import TrainConfig, Trainer, warmup_cosine
 from trainer.loss import LossConfig
 from trainer.metrics import metrics_path, read_metrics
-from trainer.target import Target, load_target
+from trainer.target import Target
 from trainer.verifier import greedy_generate
 
 B = 8
-
-
-@pytest.fixture(scope="module")
-def target() -> Target:
-    torch.set_num_threads(1)
-    return load_target("tiny")
 
 
 @pytest.fixture(scope="module")

@@ -27,12 +27,6 @@ B = 4
 
 
 @pytest.fixture(scope="module")
-def target() -> Target:
-    torch.set_num_threads(1)
-    return load_target("tiny")
-
-
-@pytest.fixture(scope="module")
 def drafter(target) -> DFlashDrafter:
     cfg = DrafterConfig.from_target(target.config, num_target_layers=3, block_size=B)
     torch.manual_seed(0)

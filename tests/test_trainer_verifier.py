@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.drafter import DFlashDrafter, DrafterConfig
-from trainer.target import Target, load_target
+from trainer.target import Target
 from trainer.verifier import (
     DrafterProposer,
     evaluate_tau,
@@ -15,12 +15,6 @@ from trainer.verifier import (
 )
 
 B = 6
-
-
-@pytest.fixture(scope="module")
-def target() -> Target:
-    torch.set_num_threads(1)
-    return load_target("tiny")
 
 
 class Oracle:
