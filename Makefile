@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup_venv.sh
+$(STAMP): pyproject.toml scripts/setup_venv.sh loader_server/_native.c client/_ring.c
 	PY=$(PY) bash scripts/setup_venv.sh $(VENV)
 	touch $(STAMP)
 

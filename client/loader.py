@@ -29,12 +29,14 @@ import numpy as np
 import torch
 import zmq
 
-from client import cuda
+from client import _ring, cuda
 from client import protocol as P
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+# After the bell rang for a message rather than a batch: how long to wait for it to arrive.
+_MESSAGE_IN_FLIGHT_S = 0.1
 _TORCH_DTYPES = {"int32": torch.int32, "uint8": torch.uint8, "int64": torch.int64}
 
 
@@ -87,20 +89,15 @@ _TENSOR_FIELDS = ("input_ids", "loss_mask", "lengths", "sample_ids", "position_i
 
 
 class _Ring:
-    """A read-only mapping of the daemon's ring for one session."""
+    """A session's ring mapped read-only, and its control page mapped read-write."""
 
-    def __init__(self, path: str, slots: int, layout: P.SlotLayout) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            if size < slots * layout.slot_bytes:
-                raise P.ProtocolError(
-                    f"ring {path} is {size} bytes, expected {slots * layout.slot_bytes}"
-                )
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+    def __init__(self, path: str, control: str, slots: int, layout: P.SlotLayout) -> None:
+        header = P.header_bytes(slots)
+        self._mm = _map(path, header + slots * layout.slot_bytes, mmap.PROT_READ)
+        self._ctl = _map(control, P.CONTROL_BYTES, mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        meta = self.buf[P.META : P.META + slots * P.META_STRIDE].view(np.int64)
+        self._meta = meta.reshape(slots, P.META_STRIDE // 8)[:, : len(P.META_FIELDS)]
         with warnings.catch_warnings():  # read-only by design: a write faults, never corrupts
             warnings.simplefilter("ignore", UserWarning)
             whole = torch.from_numpy(self.buf)
@@ -110,16 +107,40 @@ class _Ring:
         for k in range(slots):
             views = {}
             for name, (dtype, offset, capacity) in layout.fields.items():
-                start = k * layout.slot_bytes + offset
+                start = header + k * layout.slot_bytes + offset
                 nbytes = capacity * np.dtype(dtype).itemsize
                 views[name] = whole[start : start + nbytes].view(_TORCH_DTYPES[dtype])
             self._fields.append(views)
         self.slots = slots
         self._registered = cuda.register(self.buf)
 
+    def produced(self) -> int:
+        return int(_ring.load(self._mm, P.PRODUCED))
+
+    def bell(self) -> int:
+        return int(_ring.bell(self._mm, P.BELL))
+
+    def wait(self, bell: int, timeout_s: float) -> bool:
+        """Sleep until the daemon rings the bell past ``bell`` (True) or the timeout."""
+        return bool(_ring.wait(self._mm, P.BELL, bell, timeout_s))
+
+    def daemon_wake(self) -> int:
+        return int(_ring.load(self._mm, P.WAKE_DAEMON))
+
+    def set_consumed(self, n: int) -> None:
+        _ring.store(self._ctl, P.CONSUMED, n)
+
+    def wake_client_at(self, n: int) -> None:
+        _ring.store(self._ctl, P.WAKE_CLIENT, n)
+
+    def set_wait(self, seconds: float) -> None:
+        _ring.store(self._ctl, P.WAIT_US, int(seconds * 1e6))
+
+    def meta(self, slot: int) -> list[int]:
+        """Slot ``slot``'s batch description (``P.META_FIELDS``); read after ``produced``."""
+        return self._meta[slot].tolist()
+
     def tensor(self, slot: int, name: str, count: int, shape: tuple[int, ...]) -> torch.Tensor:
-        if not 0 <= slot < self.slots:
-            raise P.ProtocolError(f"slot {slot} outside the ring's {self.slots} slots")
         field = self._fields[slot][name]
         if count > field.shape[0]:
             raise P.ProtocolError(f"field {name}: {count} elements > capacity {field.shape[0]}")
@@ -129,10 +150,23 @@ class _Ring:
         if self._registered:
             cuda.unregister(self.buf)
         self.buf = np.zeros(0, np.uint8)
+        self._meta = np.zeros((0, 0), np.int64)
         self._fields = []
         # A batch tensor may still reference the mapping; then GC unmaps it later.
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        for mm in (self._mm, self._ctl):
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+
+def _map(path: str, size: int, prot: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR if prot & mmap.PROT_WRITE else os.O_RDONLY)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            raise P.ProtocolError(f"{path} is {actual} bytes, expected {size}")
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+    finally:
+        os.close(fd)
 
 
 class LoaderClient:
@@ -194,7 +228,9 @@ class LoaderClient:
         self._sock: zmq.Socket | None = None
         self._sid: str | None = None
         self._ring: _Ring | None = None
-        self._held: int | None = None  # slot of the batch last returned
+        self._n = 0  # index in the session of the next batch to receive
+        self._consumed = 0  # batches released to the daemon (the control page's counter)
+        self._held = False  # the batch last returned (index _n - 1) is still in use
 
     # --- public API -----------------------------------------------------------------------
 
@@ -319,39 +355,62 @@ class LoaderClient:
                 P.E_MISMATCH, "daemon now serves another spec than this client's session had"
             )
         layout = P.SlotLayout.from_wire(msg.get("layout"), msg.get("slot_bytes"))
-        self._ring = _Ring(str(msg["shm"]), int(msg["slots"]), layout)
+        self._ring = _Ring(str(msg["shm"]), str(msg["ctl"]), int(msg["slots"]), layout)
         self._sid = str(msg["s"])
+        self._n = self._consumed = 0
         self.fingerprint = fingerprint
         self.effective_spec = msg.get("spec")
         self.steps_per_epoch = int(msg["steps"])
         log.debug("session %s open at %s", self._sid, self.position)
 
     def _receive(self) -> Batch | None:
-        """Wait for this session's next batch (None: the requested epochs are done)."""
+        """This session's next batch (None: the requested epochs are done).
+
+        A batch already in the ring is taken without a system call. Otherwise the client
+        sets its wake threshold and sleeps on the ring's bell, which the daemon rings for
+        the batch and after any message it sends this session; heartbeats go out every
+        ``heartbeat_s``, and silence for ``dead_after_s`` means the daemon is gone.
+        """
+        ring, n = self._ring, self._n
+        assert ring is not None
+        if ring.produced() > n:
+            return self._batch(n)
         t0 = time.monotonic()
         last_heard = t0
         next_hb = t0 + self.heartbeat_s
+        ring.wake_client_at(n + 1)
         try:
             while True:
-                now = time.monotonic()
-                msg = self._recv(min(next_hb, last_heard + self.dead_after_s) - now)
-                now = time.monotonic()
+                bell = ring.bell()  # before looking: a ring after this read wakes the wait
+                if ring.produced() > n:
+                    return self._batch(n)
+                msg = self._recv(0)
                 if msg is None:
-                    if now - last_heard >= self.dead_after_s:
-                        raise _Reconnect(
-                            f"no message from the daemon for {self.dead_after_s:.1f} s"
-                        )
-                    self._send("heartbeat", s=self._sid, w=self.wait_s + now - t0)
-                    next_hb = now + self.heartbeat_s
-                    continue
-                last_heard = now
+                    now = time.monotonic()
+                    timeout = min(next_hb, last_heard + self.dead_after_s) - now
+                    if timeout > 0 and ring.wait(bell, timeout):
+                        if ring.produced() > n:
+                            continue
+                        # Rung for a message, which may still be in flight through ZeroMQ.
+                        msg = self._recv(_MESSAGE_IN_FLIGHT_S)
+                        if msg is None:
+                            continue
+                    else:
+                        now = time.monotonic()
+                        if now - last_heard >= self.dead_after_s:
+                            raise _Reconnect(
+                                f"no message from the daemon for {self.dead_after_s:.1f} s"
+                            )
+                        if now >= next_hb:
+                            self._send("heartbeat", s=self._sid)
+                            next_hb = now + self.heartbeat_s
+                        continue
+                last_heard = time.monotonic()
                 if msg.get("s") not in (None, self._sid):
                     continue  # stale: from a session we already left
                 kind = msg["t"]
-                if kind == "batch":
-                    return self._batch(msg)
-                if kind == "end":
-                    return None
+                if kind == "end":  # sent after the last batch was published
+                    return self._batch(n) if ring.produced() > n else None
                 if kind == "bye":
                     raise _Reconnect("daemon is shutting down")
                 if kind == "error":
@@ -359,49 +418,60 @@ class LoaderClient:
                     if code in (P.E_UNKNOWN_SESSION, P.E_REPLACED):
                         raise _Reconnect(f"session lost: {msg.get('msg')}")
                     raise P.LoaderRequestError(code, str(msg.get("msg")))
+                # "hb": the daemon is alive; look at the ring again
         finally:
             self.wait_s += time.monotonic() - t0
+            ring.set_wait(self.wait_s)
 
-    def _batch(self, msg: dict[str, Any]) -> Batch:
-        pos = P.position(msg.get("pos"))
-        if pos != self.position:
-            raise _Reconnect(f"daemon sent {pos}, expected {self.position}")
+    def _batch(self, n: int) -> Batch:
         ring = self._ring
         assert ring is not None
-        slot, rows, width = int(msg["slot"]), int(msg["rows"]), int(msg["width"])
+        slot = n % ring.slots
+        seq, e, s, m, ne, ns, nm, steps, bucket, rows, width, _tokens, maxlen = ring.meta(slot)
+        if seq != n or (e, s, m) != self.position:
+            raise _Reconnect(
+                f"slot {slot} holds batch {seq} at {(e, s, m)}, expected {n} at {self.position}"
+            )
         layout = (self.effective_spec or {}).get("layout", "padded")
         if layout == "packed":
             shape: tuple[int, ...] = (1, width)
+            size = width
             position_ids = ring.tensor(slot, "position_ids", width, shape)
             cu = ring.tensor(slot, "cu_seqlens", rows + 1, (rows + 1,))
         else:
             shape = (rows, width)
+            size = rows * width
             position_ids = cu = None  # type: ignore[assignment]
-        lengths = ring.tensor(slot, "lengths", rows, (rows,))
         batch = Batch(
-            input_ids=ring.tensor(slot, "input_ids", rows * width if cu is None else width, shape),
-            loss_mask=ring.tensor(slot, "loss_mask", rows * width if cu is None else width, shape),
-            lengths=lengths,
+            input_ids=ring.tensor(slot, "input_ids", size, shape),
+            loss_mask=ring.tensor(slot, "loss_mask", size, shape),
+            lengths=ring.tensor(slot, "lengths", rows, (rows,)),
             sample_ids=ring.tensor(slot, "sample_ids", rows, (rows,)),
             position_ids=position_ids,
             cu_seqlens=cu,
-            max_seqlen=int(msg.get("maxlen", 0)),
-            epoch=pos[0],
-            step=pos[1],
-            micro=pos[2],
-            bucket=int(msg.get("bucket", -1)),
+            max_seqlen=maxlen,
+            epoch=e,
+            step=s,
+            micro=m,
+            bucket=bucket,
             layout=layout,
-            steps_per_epoch=int(msg.get("steps", self.steps_per_epoch or 0)),
+            steps_per_epoch=steps,
         )
-        self.steps_per_epoch = batch.steps_per_epoch
-        self.position = P.position(msg.get("next"), "next")
-        self._held = slot
+        self.steps_per_epoch = steps
+        self.position = (ne, ns, nm)
+        self._n = n + 1
+        self._held = True
         return batch
 
     def _release_held(self) -> None:
-        if self._held is not None and self._sid is not None:
-            self._send("release", s=self._sid, slot=self._held, w=self.wait_s)
-        self._held = None
+        """Give the held batch's slot back: a counter store, and a doorbell only if the
+        daemon sleeps waiting for exactly this."""
+        if self._held and self._ring is not None:
+            old, self._consumed = self._consumed, self._n
+            self._ring.set_consumed(self._n)
+            if P.crossed(old, self._n, self._ring.daemon_wake()):
+                self._send("release", s=self._sid)
+        self._held = False
 
     def _send(self, kind: str, **fields: Any) -> None:
         # zmq.Again: no daemon connected right now; the receive side notices and reconnects.
@@ -416,7 +486,7 @@ class LoaderClient:
 
     def _close_session(self) -> None:
         self._sid = None
-        self._held = None
+        self._held = False
         if self._ring is not None:
             self._ring.close()
             self._ring = None

@@ -2,30 +2,34 @@
 
 Transport: ZeroMQ ROUTER (daemon) / DEALER (one per client session). Every message is one
 msgpack frame holding a map with ``v`` (protocol version) and ``t`` (type). Tensors never
-travel over ZeroMQ: the daemon writes them into a shared-memory ring and announces the slot.
+travel over ZeroMQ: the daemon writes them into a shared-memory ring.
 
 Client -> daemon
     open      job, rank, world_size, spec (partial BatchSpec dict), pos [epoch, step, micro],
               epochs (total epochs to serve, or None)
-    release   s (session), slot, w (seconds the client waited for data so far)
-    heartbeat s, w
+    release   s (session): doorbell, "my consumed counter crossed your wake threshold"
+    heartbeat s
     stats     (no fields)
     close     s
     ping      (no fields): "is a daemon answering here?"
 
 Daemon -> client
-    welcome   s, shm (path), slots, slot_bytes, layout (field -> [offset, capacity]),
-              steps (per epoch of the start epoch), instance, fingerprint, spec (effective)
-    batch     s, slot, pos, next, steps, bucket, rows, width, tokens, maxlen
+    welcome   s, shm (ring path), ctl (control page path), slots, slot_bytes, layout
+              (field -> [dtype, offset, capacity]), steps (per epoch of the start epoch),
+              instance, fingerprint, spec (effective)
     end       s: the requested epochs are done
+    hb        s: answer to a heartbeat
     error     code, msg (s when tied to a session)
     stats     sessions, ... (see loader_server.server)
     pong      instance, pid
     bye       instance: the daemon is shutting down; reconnect later
 
-Positions are ``[epoch, step, micro]`` of the next micro-batch. ``next`` in a batch message
-is the position after it (the daemon knows where epochs end), so the client never needs the
-plan to know where it is.
+Batches and their releases do not travel as messages: they are counters in shared memory
+(see "ring header" below). A client that waits for a batch sleeps on its ring's bell (a
+futex), which the daemon rings for a batch and after every message it sends the session;
+a daemon that waits for free slots sleeps on its socket, where a ``release`` wakes it. A batch's
+position and the position after it (``next``: the daemon knows where epochs end) are in its
+slot's header, so the client never needs the plan to know where it is.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 DEFAULT_ENDPOINT = "ipc:///run/dflash-loader/loader.sock"
 # A control message is small; anything bigger is garbage or an attack. ZeroMQ drops the
 # peer that exceeds this (ZMQ_MAXMSGSIZE) before the daemon ever sees the bytes.
@@ -177,3 +181,52 @@ class SlotLayout:
                 raise ProtocolError(f"slot layout field {name!r} is invalid: {entry!r}")
             fields[name] = (dtype, entry[1], entry[2])
         return cls(fields, slot_bytes)
+
+
+# --- shared-memory ring: header and control page -------------------------------------------
+#
+# A ring file is a header (written by the daemon; clients map it read-only) followed by the
+# slots. Its control page (``<ring>.ctl``) is written by the client. Counters are uint64
+# words read and written with sequentially consistent atomics (``client._ring``).
+#
+#   header   PRODUCED     batches published; batch n lives in slot n % slots
+#            WAKE_DAEMON  the daemon sleeps until CONSUMED >= this (0: it does not)
+#            BELL         uint32 futex word: the daemon advances it and wakes the client
+#            META + k * META_STRIDE: slot k's batch, META_FIELDS as int64
+#   control  CONSUMED     batches the client is done with (it holds at most one more)
+#            WAKE_CLIENT  the client sleeps until PRODUCED >= this (0: it does not)
+#            WAIT_US      the client's total time spent waiting for data (for stats)
+#
+# Each side stores its counter, then loads the other's wake threshold; whoever moves a
+# counter across it wakes the other side (the bell for a client, a ``release`` message for
+# the daemon). So a busy pipeline exchanges no messages and makes no system calls, and a
+# sleeping side is always woken.
+
+PRODUCED, WAKE_DAEMON, BELL, META, META_STRIDE = 0, 64, 96, 128, 128
+CONSUMED, WAKE_CLIENT, WAIT_US, CONTROL_BYTES = 0, 64, 128, 4096
+META_FIELDS = (
+    "n",
+    "epoch",
+    "step",
+    "micro",
+    "next_epoch",
+    "next_step",
+    "next_micro",
+    "steps",
+    "bucket",
+    "rows",
+    "width",
+    "tokens",
+    "maxlen",
+)
+_PAGE = 4096
+
+
+def header_bytes(slots: int) -> int:
+    """Size of a ring's header for ``slots`` slots (whole pages, so slots stay aligned)."""
+    return -(-(META + slots * META_STRIDE) // _PAGE) * _PAGE
+
+
+def crossed(old: int, new: int, threshold: int) -> bool:
+    """Did a counter moving from ``old`` to ``new`` reach a wake threshold (0: none set)?"""
+    return threshold > 0 and old < threshold <= new

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from loader_server import _native
+
 log = logging.getLogger(__name__)
 
 IDS_COLUMN = "input_ids"
@@ -85,25 +87,30 @@ class ArrowDataset:
         self.lengths = lengths
         self.paths = list(dict.fromkeys(c.path for c in chunks))
         self.has_loss_mask = bool(chunks) and chunks[0].mask_offsets is not None
-        starts = np.zeros(len(chunks) + 1, dtype=np.int64)
-        np.cumsum([len(c.ids_offsets) - 1 for c in chunks], out=starts[1:])
-        self._chunk_starts = starts
-        # Per sample: which chunk holds it and where its tokens start in that chunk.
-        counts = np.diff(starts)
+        counts = [len(c.ids_offsets) - 1 for c in chunks]
         self._sample_chunk = np.repeat(np.arange(len(chunks), dtype=np.int32), counts)
-        self._sample_start = (
-            np.concatenate([c.ids_offsets[:-1] for c in chunks])
-            if chunks
-            else np.zeros(0, np.int64)
+        # Per sample, where its tokens start: an address inside the mapping (a bit address
+        # for bool masks). The native gather copies a whole micro-batch from these tables.
+        self._ids_kind = chunks[0].ids_values.dtype.itemsize if chunks else 4
+        self._ids_base = [_address(c.ids_values) for c in chunks]
+        self._ids_addr = _addresses(
+            [
+                (b, c.ids_offsets, self._ids_kind)
+                for b, c in zip(self._ids_base, chunks, strict=True)
+            ]
         )
-        self._mask_start = (
-            np.concatenate([c.mask_offsets[:-1] for c in chunks])  # type: ignore[index]
-            if self.has_loss_mask
+        self._mask_kind = _mask_kind(chunks[0]) if chunks else _native_ones
+        self._mask_base = [_mask_base(c) for c in chunks]
+        self._mask_addr = (
+            _addresses(
+                [
+                    (b, c.mask_offsets, max(self._mask_kind, 1))
+                    for b, c in zip(self._mask_base, chunks, strict=True)
+                ]
+            )
+            if self._mask_kind != _native_ones
             else None
         )
-        # Flat per-chunk lists: the hot copy loop indexes these, not dataclass attributes.
-        self._ids_values = [c.ids_values for c in chunks]
-        self._mask_values = [c.mask_values for c in chunks]
         self.fingerprint = _fingerprint(lengths, self.paths, path)
 
     @property
@@ -117,88 +124,85 @@ class ArrowDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    def _locate(self, i: int) -> tuple[_Chunk, int, int]:
+    def _locate(self, i: int) -> tuple[int, int]:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
-        return (
-            self._chunks[self._sample_chunk[i]],
-            int(self._sample_start[i]),
-            int(self.lengths[i]),
-        )
+        return int(self._sample_chunk[i]), int(self.lengths[i])
 
     def input_ids(self, i: int) -> np.ndarray:
         """Zero-copy view of sample ``i``'s token ids (dtype as stored)."""
-        chunk, start, n = self._locate(i)
-        return chunk.ids_values[start : start + n]
+        c, n = self._locate(i)
+        start = (int(self._ids_addr[i]) - self._ids_base[c]) // self._ids_kind
+        return self._chunks[c].ids_values[start : start + n]
 
     def loss_mask(self, i: int) -> np.ndarray:
         """Sample ``i``'s loss mask: a zero-copy view, or ones when the corpus has none."""
-        chunk, _, n = self._locate(i)
-        if self._mask_start is None:
+        c, n = self._locate(i)
+        if self._mask_addr is None:
             return np.ones(n, dtype=np.uint8)
-        start = int(self._mask_start[i])
+        chunk, offset = self._chunks[c], int(self._mask_addr[i]) - self._mask_base[c]
         if chunk.mask_bits is not None:
-            return _unpack_bits(chunk.mask_bits, chunk.mask_bit_offset + start, n)
+            return _unpack_bits(chunk.mask_bits, offset, n)
         assert chunk.mask_values is not None
+        start = offset // self._mask_kind
         return chunk.mask_values[start : start + n]
 
-    def write_rows(
+    def gather(
         self,
         sample_ids: Sequence[int] | np.ndarray,
+        max_len: int,
         ids_out: np.ndarray,
         mask_out: np.ndarray,
-        max_len: int,
-    ) -> None:
-        """Copy samples (each truncated to ``max_len``) into consecutive rows of 2-D outputs.
+        *,
+        width: int = 0,
+        pad_id: int = 0,
+    ) -> tuple[np.ndarray, int]:
+        """Copy samples (each truncated to ``max_len``) into ``ids_out``/``mask_out``.
 
-        ``ids_out``/``mask_out`` are ``[B, L]`` arrays (typically shared-memory slots); the
-        caller has filled the padding. One memcpy per row and field, no intermediate buffer.
+        ``width > 0``: padded rows of ``width`` elements (``[B, width]`` outputs), padding
+        set to ``pad_id`` (ids) and 0 (mask). ``width == 0``: packed, back to back. The
+        outputs are typically shared-memory slots: one native call per field writes every
+        row and its padding, with no intermediate buffer. Returns the truncated lengths and
+        their sum.
         """
-        ids_values, mask_values = self._ids_values, self._mask_values
-        for row, (c, start, mstart, n) in enumerate(self._rows(sample_ids, max_len)):
-            ids_out[row, :n] = ids_values[c][start : start + n]
-            mv = mask_values[c]
-            if mv is not None:  # the common case, inlined: this loop is the daemon's hot path
-                mask_out[row, :n] = mv[mstart : mstart + n]
-            else:
-                self._mask_into(c, mstart, n, mask_out[row, :n])
-
-    def write_packed(
-        self,
-        sample_ids: Sequence[int] | np.ndarray,
-        ids_out: np.ndarray,
-        mask_out: np.ndarray,
-        max_len: int,
-    ) -> None:
-        """Copy samples back to back into 1-D outputs (each truncated to ``max_len``)."""
-        pos = 0
-        for c, start, mstart, n in self._rows(sample_ids, max_len):
-            ids_out[pos : pos + n] = self._ids_values[c][start : start + n]
-            self._mask_into(c, mstart, n, mask_out[pos : pos + n])
-            pos += n
-
-    def _rows(self, sample_ids: Sequence[int] | np.ndarray, max_len: int) -> zip:
-        """(chunk, ids start, mask start, length) per sample, looked up vectorized."""
         idx = np.asarray(sample_ids, dtype=np.int64)
-        mstart = self._mask_start[idx] if self._mask_start is not None else np.zeros_like(idx)
-        return zip(
-            self._sample_chunk[idx].tolist(),
-            self._sample_start[idx].tolist(),
-            mstart.tolist(),
-            np.minimum(self.lengths[idx], max_len).tolist(),
-            strict=True,
+        lens = np.minimum(self.lengths[idx], max_len).astype(np.int64)
+        tokens = _native.gather(
+            ids_out, ids_out.itemsize, width, pad_id, self._ids_addr[idx], lens, self._ids_kind
         )
+        mask_addr = lens if self._mask_addr is None else self._mask_addr[idx]
+        _native.gather(mask_out, mask_out.itemsize, width, 0, mask_addr, lens, self._mask_kind)
+        return lens, tokens
 
-    def _mask_into(self, c: int, start: int, n: int, out: np.ndarray) -> None:
-        values = self._mask_values[c]
-        if values is not None:
-            out[:] = values[start : start + n]
-        elif self._mask_start is None:
-            out[:] = 1
-        else:
-            chunk = self._chunks[c]
-            assert chunk.mask_bits is not None
-            out[:] = _unpack_bits(chunk.mask_bits, chunk.mask_bit_offset + start, n)
+
+_native_ones, _native_bits = 0, -1  # _native.gather's source kinds besides element sizes
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _mask_kind(c: _Chunk) -> int:
+    if c.mask_offsets is None:
+        return _native_ones
+    if c.mask_bits is not None:
+        return _native_bits
+    assert c.mask_values is not None
+    return int(c.mask_values.dtype.itemsize)
+
+
+def _mask_base(c: _Chunk) -> int:
+    """Where a chunk's mask offsets count from: bytes, or bits for a bool mask."""
+    if c.mask_bits is not None:
+        return c.mask_bits.address * 8 + c.mask_bit_offset
+    return _address(c.mask_values) if c.mask_values is not None else 0
+
+
+def _addresses(parts: list[tuple[int, np.ndarray | None, int]]) -> np.ndarray:
+    """Per sample: base + offset * unit, over every chunk at once (int64)."""
+    return np.concatenate(
+        [base + offsets[:-1] * unit for base, offsets, unit in parts if offsets is not None]
+    )
 
 
 def open_dataset(
@@ -218,6 +222,7 @@ def open_dataset(
         chunks.extend(_read_shard(f))
     if not chunks:
         raise DatasetError(f"{root}: dataset is empty (no record batches)")
+    _check_uniform(chunks)
     lengths = np.concatenate([np.diff(c.ids_offsets) for c in chunks]).astype(np.int32)
     if lengths.size == 0:
         raise DatasetError(f"{root}: dataset is empty (0 samples)")
@@ -293,6 +298,27 @@ def _check_schema(path: Path, schema: pa.Schema) -> None:
             raise DatasetError(
                 f"{path}: column {name!r} has type {_type_name(t)}, expected one of {want}"
             )
+
+
+def _check_uniform(chunks: list[_Chunk]) -> None:
+    """Every shard must store its columns with the same types: one gather serves them all."""
+    first = chunks[0]
+    for c in chunks[1:]:
+        for name, want, got in (
+            (IDS_COLUMN, str(first.ids_values.dtype), str(c.ids_values.dtype)),
+            (MASK_COLUMN, _mask_type(first), _mask_type(c)),
+        ):
+            if got != want:
+                raise DatasetError(
+                    f"{c.path}: column {name!r} is {got} but {first.path} has {want}; "
+                    f"every shard must store the same column types"
+                )
+
+
+def _mask_type(c: _Chunk) -> str:
+    if c.mask_offsets is None:
+        return "absent"
+    return "bool" if c.mask_values is None else str(c.mask_values.dtype)
 
 
 def _type_name(t: pa.DataType) -> str:

@@ -90,6 +90,12 @@ class EpochPlan:
         m = self.index(step, rank, micro)
         return self.sample_ids[self.offsets[m] : self.offsets[m + 1]]
 
+    def micro_parts(self, step: int, rank: int, micro: int) -> tuple[np.ndarray, int, int]:
+        """``(micro, micro_len, micro_bucket)`` in one lookup (the daemon's hot path)."""
+        m = self.index(step, rank, micro)
+        ids = self.sample_ids[self.offsets[m] : self.offsets[m + 1]]
+        return ids, int(self.micro_lens[m]), int(self.micro_buckets[m])
+
     def micro_len(self, step: int, rank: int, micro: int) -> int:
         """Padded: longest effective row length L. Packed: total tokens T of the row."""
         return int(self.micro_lens[self.index(step, rank, micro)])

@@ -128,9 +128,16 @@ class LoaderServer:
         poller.register(self._sock, zmq.POLLIN)
         next_tick = 0.0
         while not should_stop():
-            busy = self._fill_one()
-            if dict(poller.poll(0 if busy else 20)):
-                self._drain(256)
+            if self._fill_one():
+                if poller.poll(0):
+                    self._drain(256)
+            else:
+                # Nothing to fill: ask the clients for a doorbell, look once more (a release
+                # may have landed before the request was visible), then sleep.
+                for sess in self.sessions.values():
+                    sess.arm()
+                if not self._fill_one() and poller.poll(20):
+                    self._drain(256)
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + 0.1
@@ -141,7 +148,7 @@ class LoaderServer:
     def shutdown(self) -> None:
         """Tell every client, unlink every ring, close the socket."""
         for sess in list(self.sessions.values()):
-            self._send(sess.peer, "bye", instance=self.instance)
+            self._tell(sess, "bye", instance=self.instance)
             self._drop(sess.sid, "daemon shutting down")
         self.plans.close()
         self._sock.close(linger=200)
@@ -189,6 +196,9 @@ class LoaderServer:
         log.warning("rejected request from %s: %s (%s)", peer.hex()[:12], text, code)
         extra = {"s": sid} if isinstance(sid, str) else {}
         self._send(peer, "error", code=code, msg=text, **extra)
+        sess = self.sessions.get(sid) if isinstance(sid, str) else None
+        if sess is not None:
+            sess.ring.ring_bell()
 
     def _send(self, peer: bytes, kind: str, **fields: Any) -> bool:
         try:
@@ -197,6 +207,11 @@ class LoaderServer:
         except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
             log.info("cannot reach client %s (%s)", peer.hex()[:12], e.strerror)
             return False
+
+    def _tell(self, sess: Session, kind: str, **fields: Any) -> None:
+        """Send a session's client a message and ring its bell: it may sleep on the ring."""
+        self._send(sess.peer, kind, s=sess.sid, **fields)
+        sess.ring.ring_bell()
 
     def _session(self, msg: dict[str, Any]) -> Session:
         sid = msg.get("s")
@@ -231,11 +246,9 @@ class LoaderServer:
             self.jobs.pop(job, None)  # the job's only session is being replaced: spec may change
         self._check_job(job, spec, world)
         if old is not None:  # a restarted trainer replaces its old session
-            old_peer = self.sessions[old].peer
-            if old_peer != peer:
-                self._send(
-                    old_peer, "error", s=old, code=P.E_REPLACED, msg="replaced by a new session"
-                )
+            old_sess = self.sessions[old]
+            if old_sess.peer != peer:
+                self._tell(old_sess, "error", code=P.E_REPLACED, msg="replaced by a new session")
             self._drop(old, "replaced by a new session of the same rank")
         if len(self.sessions) >= self.config.max_sessions:
             raise ValueError(f"too many sessions (max_sessions={self.config.max_sessions})")
@@ -246,6 +259,7 @@ class LoaderServer:
             "welcome",
             s=sess.sid,
             shm=str(sess.ring.path),
+            ctl=str(sess.ring.control_path),
             slots=sess.ring.num_slots,
             slot_bytes=sess.ring.layout.slot_bytes,
             layout=sess.ring.layout.to_wire(),
@@ -301,23 +315,10 @@ class LoaderServer:
         return sess
 
     def _on_release(self, peer: bytes, msg: dict[str, Any]) -> None:
-        sess = self._session(msg)
-        slot = msg.get("slot")
-        if not isinstance(slot, int):
-            raise ValueError(f"release needs an int slot, got {slot!r}")
-        sess.release(slot)
-        self._note_wait(sess, msg)
+        self._session(msg)  # a doorbell: the loop reads the counter; this proves liveness
 
     def _on_heartbeat(self, peer: bytes, msg: dict[str, Any]) -> None:
-        sess = self._session(msg)
-        self._note_wait(sess, msg)
-        self._send(peer, "hb", s=sess.sid)
-
-    @staticmethod
-    def _note_wait(sess: Session, msg: dict[str, Any]) -> None:
-        w = msg.get("w")
-        if isinstance(w, (int, float)) and w >= 0:
-            sess.stats.client_wait_s = float(w)
+        self._tell(self._session(msg), "hb")
 
     def _on_close(self, peer: bytes, msg: dict[str, Any]) -> None:
         sess = self._session(msg)
@@ -340,12 +341,12 @@ class LoaderServer:
                     "rank": s.rank,
                     "world_size": s.spec.world_size,
                     "pos": list(s.pos),
-                    "ring_fill": len(s.inflight),
+                    "ring_fill": s.produced - s.consumed,
                     "slots": s.ring.num_slots,
                     "batches": s.stats.batches,
                     "tokens": s.stats.tokens,
                     "tokens_per_s": s.stats.tokens / age,
-                    "client_wait_s": s.stats.client_wait_s,
+                    "client_wait_s": s.ring.client_wait_s(),
                     "age_s": age,
                 }
             )
@@ -367,19 +368,25 @@ class LoaderServer:
         order = list(self.sessions.values())
         for k in range(len(order)):
             sess = order[(self._rr + k) % len(order)]
-            if not sess.free or sess.ended:
+            if sess.ended:
+                continue
+            try:
+                sess.sync()
+            except ValueError as e:
+                self._tell(sess, "error", code=P.E_BAD_REQUEST, msg=str(e))
+                self._drop(sess.sid, str(e))
+                continue
+            if not sess.can_fill:
                 continue
             if sess.finished:
                 sess.ended = True
-                self._send(sess.peer, "end", s=sess.sid)
+                self._tell(sess, "end")
                 continue
             plan = self._plan_for(sess)
             if plan is None:
                 continue
             self._rr = (self._rr + k + 1) % max(len(order), 1)
-            announce = sess.fill(plan, self.dataset)
-            if not self._send(sess.peer, "batch", **announce):
-                self._drop(sess.sid, "client unreachable")
+            sess.fill(plan, self.dataset)
             return True
         return False
 
@@ -389,9 +396,7 @@ class LoaderServer:
             try:
                 plan = self.plans.try_get(sess.spec, sess.pos[0])
             except Exception as e:
-                self._send(
-                    sess.peer, "error", s=sess.sid, code=P.E_INTERNAL, msg=f"planning failed: {e}"
-                )
+                self._tell(sess, "error", code=P.E_INTERNAL, msg=f"planning failed: {e}")
                 self._drop(sess.sid, f"planning failed: {e}")
                 return None
             if plan is None:
@@ -401,15 +406,18 @@ class LoaderServer:
                     f"epoch {sess.pos[0]} has no steps: {self.dataset.num_samples} samples are "
                     f"too few for {sess.spec.micro_per_step} micro-batches per step"
                 )
-                self._send(sess.peer, "error", s=sess.sid, code=P.E_BAD_REQUEST, msg=text)
+                self._tell(sess, "error", code=P.E_BAD_REQUEST, msg=text)
                 self._drop(sess.sid, text)
                 return None
             if sess.pos[1] < plan.num_steps:
                 nxt = sess.pos[0] + 1
-                if sess.pos[1] + 1 >= plan.num_steps and not (
+                if sess.planned_ahead < nxt and not (
                     sess.end_epoch is not None and nxt >= sess.end_epoch
                 ):
+                    # Prepare the next epoch as soon as this one starts: on a small corpus
+                    # an epoch can take less time than planning the next.
                     self.plans.prefetch(sess.spec, nxt)
+                    sess.planned_ahead = nxt
                 return plan
             sess.pos = (sess.pos[0] + 1, 0, 0)  # a resume position past this epoch's end
             if sess.finished:

@@ -2,21 +2,22 @@
 
 A session produces this rank's micro-batches in plan order from a start position: for
 each epoch, step and micro index, ``plan.micro(step, rank, micro)`` gives the sample ids,
-which are copied straight from the memory-mapped corpus into a free slot. The client
-releases a slot when it asks for the next batch, so at most ``num_slots`` batches are
-in flight and the daemon never runs ahead of a slow trainer by more than the ring.
+which are copied straight from the memory-mapped corpus into slot ``n % slots`` (batch n of
+the session). The client's ``consumed`` counter says which slots are free again, so at most
+``num_slots`` batches are in flight and the daemon never runs ahead of a slow trainer by
+more than the ring.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from client import protocol as P
 from client.protocol import SlotLayout
+from loader_server import _native
 from loader_server.dataset import ArrowDataset
 from loader_server.planner import EpochPlan
 from loader_server.shm import ShmRing
@@ -42,7 +43,6 @@ class SessionStats:
     batches: int = 0
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
-    client_wait_s: float = 0.0
 
 
 class Session:
@@ -70,8 +70,9 @@ class Session:
         self.pos: Position = start  # next micro-batch to produce
         self.end_epoch = end_epoch
         self.pad_id = pad_id
-        self.free: deque[int] = deque(range(ring.num_slots))
-        self.inflight: dict[int, Position] = {}
+        self.produced = 0  # batches published into the ring
+        self.consumed = 0  # batches the client is done with, as last read
+        self.planned_ahead = -1  # the latest epoch whose plan this session asked for early
         self.last_seen = time.monotonic()
         self.ended = False  # `end` was sent
         self.stats = SessionStats()
@@ -80,11 +81,35 @@ class Session:
     def finished(self) -> bool:
         return self.end_epoch is not None and self.pos[0] >= self.end_epoch
 
-    def release(self, slot: int) -> None:
-        if slot not in self.inflight:
-            raise ValueError(f"slot {slot} is not in flight for session {self.sid}")
-        del self.inflight[slot]
-        self.free.append(slot)
+    @property
+    def can_fill(self) -> bool:
+        return self.produced - self.consumed < self.ring.num_slots
+
+    def sync(self) -> bool:
+        """Read the client's ``consumed`` counter; True if it moved (the client is alive).
+
+        Raises:
+            ValueError: the counter went backwards or past what was produced (a client
+                writing garbage into its control page).
+        """
+        consumed = self.ring.consumed()
+        if consumed == self.consumed:
+            return False
+        if not self.consumed < consumed <= self.produced:
+            raise ValueError(
+                f"session {self.sid}: consumed counter {consumed} outside "
+                f"[{self.consumed}, {self.produced}]"
+            )
+        self.consumed = consumed
+        self.last_seen = time.monotonic()
+        return True
+
+    def arm(self) -> None:
+        """Before the daemon sleeps: ask for a doorbell once half the ring is free again
+        (one message per half ring, not per batch, while the trainer is the slow side)."""
+        self.ring.wake_daemon_at(
+            self.produced - self.ring.num_slots + max(1, self.ring.num_slots // 2)
+        )
 
     def advance(self, plan: EpochPlan) -> Position:
         """Position after ``self.pos`` within ``plan`` (the plan of ``self.pos``'s epoch)."""
@@ -95,54 +120,39 @@ class Session:
             return (e, s + 1, 0)
         return (e + 1, 0, 0)
 
-    def fill(self, plan: EpochPlan, dataset: ArrowDataset) -> dict[str, Any]:
-        """Write the micro-batch at ``self.pos`` into a free slot; return the announcement."""
+    def fill(self, plan: EpochPlan, dataset: ArrowDataset) -> None:
+        """Write and publish the micro-batch at ``self.pos`` into the next slot, and wake
+        the client if it sleeps waiting for it."""
         _, s, m = self.pos
-        slot = self.free.popleft()
-        ids = plan.micro(s, self.rank, m)
-        width = int(plan.micro_len(s, self.rank, m))
-        lens = np.minimum(dataset.lengths[ids], self.spec.max_seq_len).astype(np.int32)
+        slot = self.produced % self.ring.num_slots
+        ids, width, bucket = plan.micro_parts(s, self.rank, m)
         rows = int(ids.size)
         ring, cap = self.ring, self.spec.max_seq_len
-        ring.field(slot, "sample_ids", rows)[:] = ids
-        ring.field(slot, "lengths", rows)[:] = lens
-        if self.spec.layout == "padded":
-            out_ids = ring.field(slot, "input_ids", rows * width, (rows, width))
-            out_mask = ring.field(slot, "loss_mask", rows * width, (rows, width))
-            out_ids.fill(self.pad_id)
-            out_mask.fill(0)
-            dataset.write_rows(ids, out_ids, out_mask, cap)
-            tokens = int(lens.sum())
-        else:
-            tokens = int(lens.sum())
+        padded = self.spec.layout == "padded"
+        size = rows * width if padded else width
+        lens, tokens = dataset.gather(
+            ids,
+            cap,
+            ring.field(slot, "input_ids", size),
+            ring.field(slot, "loss_mask", size),
+            width=width if padded else 0,
+            pad_id=self.pad_id,
+        )
+        maxlen = width if padded else int(lens.max(initial=0))
+        if not padded:
             assert tokens == width, f"packed row {self.pos}: {tokens} tokens, plan says {width}"
-            dataset.write_packed(
-                ids, ring.field(slot, "input_ids", width), ring.field(slot, "loss_mask", width), cap
-            )
             cu = ring.field(slot, "cu_seqlens", rows + 1)
             cu[0] = 0
             np.cumsum(lens, out=cu[1:])
-            starts = np.repeat(cu[:-1], lens)
-            np.subtract(
-                np.arange(width, dtype=np.int32),
-                starts,
-                out=ring.field(slot, "position_ids", width),
-            )
+            _native.positions(ring.field(slot, "position_ids", width), lens)
+        ring.field(slot, "sample_ids", rows)[:] = ids
+        ring.field(slot, "lengths", rows)[:] = lens
         nxt = self.advance(plan)
-        self.inflight[slot] = self.pos
-        msg = {
-            "s": self.sid,
-            "slot": slot,
-            "pos": list(self.pos),
-            "next": list(nxt),
-            "steps": plan.num_steps,
-            "bucket": int(plan.micro_bucket(s, self.rank, m)),
-            "rows": rows,
-            "width": width,
-            "tokens": tokens,
-            "maxlen": int(lens.max()) if rows else 0,
-        }
+        meta = (*self.pos, *nxt, plan.num_steps, bucket, rows, width, tokens, maxlen)
+        ring.publish(self.produced, meta)
+        self.produced += 1
         self.pos = nxt
         self.stats.batches += 1
         self.stats.tokens += tokens
-        return msg
+        if P.crossed(self.produced - 1, self.produced, ring.client_wake()):
+            ring.ring_bell()

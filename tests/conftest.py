@@ -148,13 +148,15 @@ def batch_crc(ds: ArrowDataset, ids: list[int], layout: str = "padded") -> int:
     import zlib
 
     cap = TEST_SPEC["max_seq_len"]
-    lens = [min(int(ds.lengths[i]), cap) for i in ids]
+    # Built from the per-sample views with plain numpy, independent of the daemon's gather.
+    rows = [ds.input_ids(i)[:cap].astype(np.int32) for i in ids]
+    masks = [ds.loss_mask(i)[:cap].astype(np.uint8) for i in ids]
     if layout == "padded":
-        out_ids = np.zeros((len(ids), max(lens)), np.int32)
-        out_mask = np.zeros((len(ids), max(lens)), np.uint8)
-        ds.write_rows(ids, out_ids, out_mask, cap)
+        width = max(r.size for r in rows)
+        out_ids = np.zeros((len(ids), width), np.int32)
+        out_mask = np.zeros((len(ids), width), np.uint8)
+        for k, (r, m) in enumerate(zip(rows, masks, strict=True)):
+            out_ids[k, : r.size], out_mask[k, : m.size] = r, m
     else:
-        out_ids = np.zeros(sum(lens), np.int32)
-        out_mask = np.zeros(sum(lens), np.uint8)
-        ds.write_packed(ids, out_ids, out_mask, cap)
+        out_ids, out_mask = np.concatenate(rows), np.concatenate(masks)
     return zlib.crc32(out_mask.tobytes(), zlib.crc32(out_ids.tobytes()))

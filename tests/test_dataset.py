@@ -139,17 +139,110 @@ def test_fingerprint_stable_and_content_sensitive(tmp_path):
     assert open_dataset(copy / "a.arrow").fingerprint == open_dataset(a).fingerprint
 
 
-def test_write_rows_and_packed(tmp_path):
+def test_gather_padded_and_packed(tmp_path):
     ds = open_dataset(_write(tmp_path / "d.arrow", _table()))
     ids = np.full((3, 4), -1, np.int32)
-    mask = np.zeros((3, 4), np.uint8)
-    ds.write_rows([2, 0, 1], ids, mask, max_len=4)
+    mask = np.full((3, 4), 7, np.uint8)
+    lens, tokens = ds.gather([2, 0, 1], 4, ids.ravel(), mask.ravel(), width=4, pad_id=-1)
+    assert lens.tolist() == [4, 3, 1] and tokens == 8
     assert ids.tolist() == [[5, 6, 7, 8], [1, 2, 3, -1], [4, -1, -1, -1]]
     assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 0], [1, 0, 0, 0]]
     flat, fmask = np.zeros(6, np.int32), np.zeros(6, np.uint8)
-    ds.write_packed([3, 0, 1], flat, fmask, max_len=8)
+    lens, tokens = ds.gather([3, 0, 1], 8, flat, fmask)
+    assert lens.tolist() == [2, 3, 1] and tokens == 6
     assert flat.tolist() == [10, 11, 1, 2, 3, 4]
     assert fmask.tolist() == [1, 0, 0, 1, 1, 1]
+
+
+def _oracle(ds, sample_ids, max_len, width):
+    """What gather must produce, built from the per-sample views with plain numpy."""
+    ids = [ds.input_ids(i)[:max_len].astype(np.int32) for i in sample_ids]
+    masks = [ds.loss_mask(i)[:max_len].astype(np.uint8) for i in sample_ids]
+    if width == 0:
+        return np.concatenate(ids), np.concatenate(masks)
+    out_ids = np.full((len(ids), width), 9, np.int32)
+    out_mask = np.zeros((len(ids), width), np.uint8)
+    for r, (a, m) in enumerate(zip(ids, masks, strict=True)):
+        out_ids[r, : a.size], out_mask[r, : m.size] = a, m
+    return out_ids.ravel(), out_mask.ravel()
+
+
+@pytest.mark.parametrize(
+    ("id_type", "mask_type"),
+    [
+        (pa.int32(), pa.uint8()),
+        (pa.int64(), pa.int8()),
+        (pa.uint32(), pa.bool_()),
+        (pa.int64(), pa.int64()),
+        (pa.int32(), pa.int16()),
+        (pa.int32(), pa.uint32()),
+        (pa.int32(), None),
+    ],
+)
+@pytest.mark.parametrize("large", [False, True], ids=["list", "large_list"])
+def test_gather_matches_per_sample_views(tmp_path, id_type, mask_type, large):
+    """Every stored type, sliced multi-chunk files, shards, truncation, padded and packed."""
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 50_000, rng.integers(0, 40)).tolist() for _ in range(60)]
+    masks = [(rng.integers(0, 2, len(r)) == 1).tolist() for r in rows]
+    lt = pa.large_list if large else pa.list_
+    for k, part in enumerate((slice(0, 25), slice(25, 60))):
+        cols = {"input_ids": pa.array(rows[part], type=lt(id_type))}
+        if mask_type is not None:
+            cols["loss_mask"] = pa.array(masks[part], type=lt(pa.bool_())).cast(lt(mask_type))
+        _write(tmp_path / f"s{k}.arrow", pa.table(cols), max_chunksize=7)
+    ds = open_dataset(tmp_path)
+    order = rng.permutation(60)
+    for width in (0, 40):
+        for max_len in (40, 9):
+            sel = order[:17]
+            want_ids, want_mask = _oracle(ds, sel, max_len, width)
+            got_ids = np.full(want_ids.size, 9, np.int32)
+            got_mask = np.full(want_mask.size, 5, np.uint8)
+            ds.gather(sel, max_len, got_ids, got_mask, width=width, pad_id=9)
+            np.testing.assert_array_equal(got_ids, want_ids)
+            np.testing.assert_array_equal(got_mask, want_mask)
+
+
+def test_native_gather_refuses_bad_arguments():
+    from loader_server import _native
+
+    src = np.arange(10, dtype=np.int32)
+    addr = np.array([src.__array_interface__["data"][0]], np.int64)
+    dst = np.zeros(4, np.int32)
+    with pytest.raises(ValueError, match="dst holds 4 elements, the rows need 5"):
+        _native.gather(dst, 4, 5, 0, addr, np.array([5]), 4)
+    with pytest.raises(ValueError, match="row 0 has length 5, outside"):
+        _native.gather(dst, 4, 4, 0, addr, np.array([5]), 4)
+    with pytest.raises(ValueError, match="src_kind 1 cannot be converted to 4-byte"):
+        _native.gather(dst, 4, 0, 0, addr, np.array([2]), 1)
+    with pytest.raises(TypeError, match="lens must be a 1-D int64 array"):
+        _native.gather(dst, 4, 0, 0, addr, np.array([2], np.int32), 4)
+    with pytest.raises(ValueError, match="addrs has 1 entries, lens 2"):
+        _native.gather(dst, 4, 0, 0, addr, np.array([1, 1]), 4)
+    frozen = np.zeros(4, np.int32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        _native.gather(frozen, 4, 0, 0, addr, np.array([1]), 4)
+    assert dst.tolist() == [0, 0, 0, 0]  # nothing written by a refused call
+    assert _native.gather(dst, 4, 0, 0, addr, np.array([3]), 4) == 3
+    assert dst.tolist() == [0, 1, 2, 0]
+    pos = np.full(6, -1, np.int32)
+    assert _native.positions(pos, np.array([2, 0, 3])) == 5
+    assert pos.tolist() == [0, 1, 0, 1, 2, -1]
+
+
+def test_shards_must_share_column_types(tmp_path):
+    _write(tmp_path / "a.arrow", _table())
+    _write(
+        tmp_path / "b.arrow",
+        _table(masks=[[bool(x) for x in m] for m in MASKS], mask_type=pa.bool_()),
+    )
+    msg = _error(tmp_path)
+    assert "b.arrow: column 'loss_mask' is bool but" in msg and "a.arrow has uint8" in msg
+    (tmp_path / "b.arrow").unlink()
+    _write(tmp_path / "b.arrow", _table(id_type=pa.int64()))
+    assert "column 'input_ids' is int64 but" in _error(tmp_path)
 
 
 # --- validation errors: one line naming file, column and row ---------------------------

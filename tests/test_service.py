@@ -98,8 +98,9 @@ def test_serve_uses_config_file_and_flags_override(tmp_path, shm_dir, corpus_pat
     c = LoaderClient(d.endpoint, job="cfg", rank=0, world_size=1)
     next(c)
     assert c.effective_spec["seed"] == 5 and c.effective_spec["token_budget"] == 4096
-    (ring,) = shm_dir.iterdir()
+    ring, ctl = sorted(shm_dir.iterdir())
     assert oct(ring.stat().st_mode & 0o777) == "0o640"
+    assert oct(ctl.stat().st_mode & 0o777) == "0o660"
     assert c._ring is not None and c._ring.slots == 3  # flag beat the file's 2
     c.close()
     assert d.stop() == 0

@@ -1,0 +1,146 @@
+/* Sequentially consistent 64-bit loads and stores on a shared-memory ring's counters.
+ *
+ * The daemon and a client exchange batches through two counters in shared memory
+ * (``produced`` in the ring header, ``consumed`` in the client's control page) and two
+ * wake thresholds. Each side stores its counter, then loads the other side's threshold;
+ * with sequentially consistent operations at least one of the two sees the other's write,
+ * so a wake-up is never lost (the Dekker pattern), and the stores publish the slot's data
+ * written before them on any CPU (x86 or ARM). Python and numpy offer no such operation.
+ *
+ * A side that has nothing to do sleeps on a futex (the ``bell`` word of the ring header) and
+ * the other side rings it: one system call each way, no message, no I/O thread.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+static uint64_t *word(Py_buffer *view, Py_ssize_t offset) {
+    if (offset < 0 || offset % 8 != 0 || offset + 8 > view->len) {
+        PyErr_Format(PyExc_ValueError, "offset %zd is not an aligned 8-byte word of a %zd-byte buffer",
+                     offset, view->len);
+        return NULL;
+    }
+    return (uint64_t *)((char *)view->buf + offset);
+}
+
+PyDoc_STRVAR(load_doc, "load(buffer, offset) -> int: atomic (seq_cst) load of a uint64.");
+
+static PyObject *load(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset;
+    if (!PyArg_ParseTuple(args, "y*n", &view, &offset)) return NULL;
+    uint64_t *p = word(&view, offset);
+    PyObject *result = p ? PyLong_FromUnsignedLongLong(__atomic_load_n(p, __ATOMIC_SEQ_CST)) : NULL;
+    PyBuffer_Release(&view);
+    return result;
+}
+
+PyDoc_STRVAR(store_doc, "store(buffer, offset, value): atomic (seq_cst) store of a uint64.");
+
+static PyObject *store(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset;
+    unsigned long long value;
+    if (!PyArg_ParseTuple(args, "w*nK", &view, &offset, &value)) return NULL;
+    uint64_t *p = word(&view, offset);
+    if (p) __atomic_store_n(p, (uint64_t)value, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&view);
+    if (!p) return NULL;
+    Py_RETURN_NONE;
+}
+
+static uint32_t *word32(Py_buffer *view, Py_ssize_t offset) {
+    if (offset < 0 || offset % 4 != 0 || offset + 4 > view->len) {
+        PyErr_Format(PyExc_ValueError, "offset %zd is not an aligned 4-byte word of a %zd-byte buffer",
+                     offset, view->len);
+        return NULL;
+    }
+    return (uint32_t *)((char *)view->buf + offset);
+}
+
+PyDoc_STRVAR(bell_doc, "bell(buffer, offset) -> int: atomic load of a uint32 bell (futex word).");
+
+static PyObject *bell(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset;
+    if (!PyArg_ParseTuple(args, "y*n", &view, &offset)) return NULL;
+    uint32_t *p = word32(&view, offset);
+    PyObject *result = p ? PyLong_FromUnsignedLong(__atomic_load_n(p, __ATOMIC_SEQ_CST)) : NULL;
+    PyBuffer_Release(&view);
+    return result;
+}
+
+PyDoc_STRVAR(wait_doc,
+"wait(buffer, offset, seen, timeout_s) -> bool\n\n"
+"Sleep until the bell at offset differs from seen (True) or timeout_s passes (False).\n"
+"The buffer may be a read-only shared mapping; the GIL is released while sleeping.");
+
+static PyObject *wait(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset;
+    unsigned int seen;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "y*nId", &view, &offset, &seen, &timeout)) return NULL;
+    uint32_t *p = word32(&view, offset);
+    if (p == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    if (timeout < 0) timeout = 0;
+    struct timespec ts;
+    ts.tv_sec = (time_t)timeout;
+    ts.tv_nsec = (long)((timeout - (double)ts.tv_sec) * 1e9);
+    long rc;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    rc = syscall(SYS_futex, p, FUTEX_WAIT, seen, &ts, NULL, 0);
+    err = errno;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (rc == 0 || err == EAGAIN) Py_RETURN_TRUE;  /* rung, or rung before we slept */
+    if (err == ETIMEDOUT) Py_RETURN_FALSE;
+    if (err == EINTR) {
+        if (PyErr_CheckSignals() < 0) return NULL;
+        Py_RETURN_TRUE;  /* the caller looks again, as after any wake-up */
+    }
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+PyDoc_STRVAR(ring_doc, "ring(buffer, offset): advance the bell at offset and wake its sleepers.");
+
+static PyObject *ring(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset;
+    if (!PyArg_ParseTuple(args, "w*n", &view, &offset)) return NULL;
+    uint32_t *p = word32(&view, offset);
+    if (p != NULL) {
+        __atomic_add_fetch(p, 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, p, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
+    PyBuffer_Release(&view);
+    if (p == NULL) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"load", load, METH_VARARGS, load_doc},
+    {"store", store, METH_VARARGS, store_doc},
+    {"bell", bell, METH_VARARGS, bell_doc},
+    {"wait", wait, METH_VARARGS, wait_doc},
+    {"ring", ring, METH_VARARGS, ring_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "client._ring", "Atomic counters for shared-memory rings.", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__ring(void) { return PyModule_Create(&module); }
