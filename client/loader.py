@@ -62,14 +62,11 @@ class Batch:
     bucket: int
     layout: str
     steps_per_epoch: int
+    num_tokens: int  # real (unpadded) tokens: the sum of ``lengths``
 
     @property
     def position(self) -> tuple[int, int, int]:
         return (self.epoch, self.step, self.micro)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """A copy of every tensor on ``device`` (DMA from the registered ring on CUDA)."""
@@ -101,15 +98,15 @@ class _Ring:
         with warnings.catch_warnings():  # read-only by design: a write faults, never corrupts
             warnings.simplefilter("ignore", UserWarning)
             whole = torch.from_numpy(self.buf)
-        # Typed full-capacity views of every field of every slot, made once: a batch is
-        # then one slice and one reshape per tensor.
-        self._fields: list[dict[str, torch.Tensor]] = []
+        # The ring as one tensor per dtype, and where each field of each slot starts in it:
+        # a batch tensor is then one ``as_strided`` call (no slicing, no reshape).
+        typed = {d: whole.view(t) for d, t in _TORCH_DTYPES.items()}
+        self._fields: list[dict[str, tuple[torch.Tensor, int, int]]] = []
         for k in range(slots):
             views = {}
             for name, (dtype, offset, capacity) in layout.fields.items():
                 start = header + k * layout.slot_bytes + offset
-                nbytes = capacity * np.dtype(dtype).itemsize
-                views[name] = whole[start : start + nbytes].view(_TORCH_DTYPES[dtype])
+                views[name] = (typed[dtype], start // np.dtype(dtype).itemsize, capacity)
             self._fields.append(views)
         self.slots = slots
         self._registered = cuda.register(self.buf)
@@ -140,11 +137,13 @@ class _Ring:
         """Slot ``slot``'s batch description (``P.META_FIELDS``); read after ``produced``."""
         return self._meta[slot].tolist()
 
-    def tensor(self, slot: int, name: str, count: int, shape: tuple[int, ...]) -> torch.Tensor:
-        field = self._fields[slot][name]
-        if count > field.shape[0]:
-            raise P.ProtocolError(f"field {name}: {count} elements > capacity {field.shape[0]}")
-        return field[:count].view(shape)
+    def tensor(self, slot: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Field ``name`` of ``slot`` as a ``shape`` tensor (1-D or 2-D, C order)."""
+        base, offset, capacity = self._fields[slot][name]
+        count = shape[0] * shape[1] if len(shape) == 2 else shape[0]
+        if count > capacity:
+            raise P.ProtocolError(f"field {name}: {count} elements > capacity {capacity}")
+        return base.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), offset)
 
     def close(self) -> None:
         if self._registered:
@@ -427,26 +426,24 @@ class LoaderClient:
         ring = self._ring
         assert ring is not None
         slot = n % ring.slots
-        seq, e, s, m, ne, ns, nm, steps, bucket, rows, width, _tokens, maxlen = ring.meta(slot)
+        seq, e, s, m, ne, ns, nm, steps, bucket, rows, width, tokens, maxlen = ring.meta(slot)
         if seq != n or (e, s, m) != self.position:
             raise _Reconnect(
                 f"slot {slot} holds batch {seq} at {(e, s, m)}, expected {n} at {self.position}"
             )
         layout = (self.effective_spec or {}).get("layout", "padded")
         if layout == "packed":
-            shape: tuple[int, ...] = (1, width)
-            size = width
-            position_ids = ring.tensor(slot, "position_ids", width, shape)
-            cu = ring.tensor(slot, "cu_seqlens", rows + 1, (rows + 1,))
+            shape = (1, width)
+            position_ids = ring.tensor(slot, "position_ids", shape)
+            cu = ring.tensor(slot, "cu_seqlens", (rows + 1,))
         else:
             shape = (rows, width)
-            size = rows * width
             position_ids = cu = None  # type: ignore[assignment]
         batch = Batch(
-            input_ids=ring.tensor(slot, "input_ids", size, shape),
-            loss_mask=ring.tensor(slot, "loss_mask", size, shape),
-            lengths=ring.tensor(slot, "lengths", rows, (rows,)),
-            sample_ids=ring.tensor(slot, "sample_ids", rows, (rows,)),
+            input_ids=ring.tensor(slot, "input_ids", shape),
+            loss_mask=ring.tensor(slot, "loss_mask", shape),
+            lengths=ring.tensor(slot, "lengths", (rows,)),
+            sample_ids=ring.tensor(slot, "sample_ids", (rows,)),
             position_ids=position_ids,
             cu_seqlens=cu,
             max_seqlen=maxlen,
@@ -456,6 +453,7 @@ class LoaderClient:
             bucket=bucket,
             layout=layout,
             steps_per_epoch=steps,
+            num_tokens=tokens,
         )
         self.steps_per_epoch = steps
         self.position = (ne, ns, nm)

@@ -1,10 +1,11 @@
-/* The daemon's hot loop in C: gather a micro-batch's rows from the mapped corpus into a slot.
+/* The daemon's hot loop in C: write one micro-batch from the mapped corpus into a slot.
  *
- * Python computes, vectorized, where each row starts (a byte address inside the dataset's
- * memory mapping) and how many elements it has; one call then copies every row of one
- * field into the slot, filling the padding of each row as it goes, with the GIL released.
- * This replaces ~60 small numpy operations per micro-batch (one per row and field, plus a
- * memset of the whole slot) by one pass over the destination.
+ * ArrowDataset keeps, per sample, its length and where its tokens start (a byte address
+ * inside the dataset's memory mapping). ``fill`` takes a micro-batch's sample ids and, in
+ * one call with the GIL released, writes every field of the slot: token ids and loss mask
+ * (padding each row as it goes, or back to back when packed), lengths, sample ids, and for
+ * the packed layout position ids and cu_seqlens. This replaces ~60 small numpy operations
+ * per micro-batch (one per row and field, plus a memset of the whole slot).
  *
  * Element conversion: the destination is never wider than the source (ids: int32 from
  * int32/uint32/int64; mask: uint8 from any 1-8 byte integer), so a conversion keeps the
@@ -13,7 +14,8 @@
  * source column: every real element is 1).
  *
  * Safety: the addresses come from ArrowDataset's own tables over mappings it keeps alive;
- * the destination's size is checked against what the rows need before anything is written.
+ * sample ids are checked against the tables, and every output's size against what the rows
+ * need, before anything is written.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -73,163 +75,173 @@ static void unpack_bits(char *dst, int dsz, int64_t bitaddr, Py_ssize_t n) {
     }
 }
 
-static int int64_vector(Py_buffer *view, const char *what) {
-    if (view->itemsize != 8 || view->ndim != 1 || view->format == NULL ||
-        (strcmp(view->format, "q") != 0 && strcmp(view->format, "l") != 0 &&
-         strcmp(view->format, "<q") != 0 && strcmp(view->format, "<l") != 0 &&
-         strcmp(view->format, "=q") != 0 && strcmp(view->format, "=l") != 0)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a 1-D int64 array", what);
+/* A buffer argument: its view, and whether it was acquired (None is allowed for some). */
+typedef struct {
+    Py_buffer view;
+    int held;
+} Arg;
+
+static int get_arg(PyObject *obj, Arg *arg, const char *name, Py_ssize_t itemsize, int writable,
+                   int optional) {
+    arg->held = 0;
+    if (obj == Py_None && optional) return 0;
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &arg->view, flags) < 0) return -1;
+    arg->held = 1;
+    if (arg->view.itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s must hold %zd-byte integers, not %zd-byte items", name,
+                     itemsize, arg->view.itemsize);
         return -1;
     }
     return 0;
 }
 
-PyDoc_STRVAR(gather_doc,
-"gather(dst, dst_itemsize, width, pad, addrs, lens, src_kind) -> int\n\n"
-"Copy row k (lens[k] elements starting at address addrs[k]) into dst.\n"
-"width > 0: padded, row k at element k*width, elements lens[k]..width-1 set to pad.\n"
-"width == 0: packed, rows back to back, no padding.\n"
-"src_kind: source element size in bytes (1, 2, 4 or 8, not narrower than dst_itemsize),\n"
-"0 (every element is 1, addrs unused) or -1 (Arrow bit-packed bools, addrs are bit\n"
-"addresses). Returns the number of real elements written.");
+static Py_ssize_t count(Arg *arg) { return arg->held ? arg->view.len / arg->view.itemsize : 0; }
 
-static PyObject *gather(PyObject *self, PyObject *args) {
-    PyObject *d_obj, *a_obj, *l_obj;
-    Py_buffer dst, addrs, lens;
-    int dsz, skind;
-    Py_ssize_t width;
+enum { SAMPLES, LENGTHS, IDS_ADDR, MASK_ADDR, OUT_IDS, OUT_MASK, OUT_LENGTHS, OUT_SAMPLES,
+       OUT_POSITIONS, OUT_CU, NARGS };
+
+PyDoc_STRVAR(fill_doc,
+"fill(sample_ids, lengths, ids_addr, ids_kind, mask_addr, mask_kind, max_len, width, pad,\n"
+"     out_ids, out_mask, out_lengths, out_sample_ids, out_positions, out_cu) -> (tokens, maxlen)\n\n"
+"Write the micro-batch of sample_ids (int64) into the out_* buffers. Per sample s of the\n"
+"dataset: lengths[s] (int32) elements, ids starting at address ids_addr[s] (int64) with\n"
+"ids_kind-byte elements, the mask at mask_addr[s] with mask_kind-byte elements (0: no mask,\n"
+"all ones, mask_addr None; -1: Arrow bools, bit addresses). Rows are cut to max_len.\n"
+"width > 0: padded, row k at element k*width of out_ids (int32) and out_mask (uint8),\n"
+"padding pad and 0. width == 0: packed back to back; then out_positions and out_cu\n"
+"(int32, or None) get position ids and cu_seqlens. out_lengths (int32) and out_sample_ids\n"
+"(int64) get one entry per row. Returns the real tokens written and the longest row.");
+
+static PyObject *fill(PyObject *self, PyObject *args) {
+    PyObject *o[NARGS];
+    int ids_kind, mask_kind;
+    Py_ssize_t max_len, width;
     long long pad;
-    if (!PyArg_ParseTuple(args, "OinLOOi", &d_obj, &dsz, &width, &pad, &a_obj, &l_obj, &skind))
+    if (!PyArg_ParseTuple(args, "OOOiOinnLOOOOOO", &o[SAMPLES], &o[LENGTHS], &o[IDS_ADDR],
+                          &ids_kind, &o[MASK_ADDR], &mask_kind, &max_len, &width, &pad,
+                          &o[OUT_IDS], &o[OUT_MASK], &o[OUT_LENGTHS], &o[OUT_SAMPLES],
+                          &o[OUT_POSITIONS], &o[OUT_CU]))
         return NULL;
-    if (PyObject_GetBuffer(d_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(a_obj, &addrs, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(l_obj, &lens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&addrs);
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
+    static const char *names[NARGS] = {"sample_ids", "the dataset's lengths", "ids_addr",
+                                       "mask_addr", "input_ids", "loss_mask", "lengths",
+                                       "the sample_ids output", "position_ids", "cu_seqlens"};
+    static const Py_ssize_t sizes[NARGS] = {8, 4, 8, 8, 4, 1, 4, 8, 4, 4};
+    static const int writable[NARGS] = {0, 0, 0, 0, 1, 1, 1, 1, 1, 1};
+    static const int optional[NARGS] = {0, 0, 0, 1, 0, 0, 0, 0, 1, 1};
+    Arg a[NARGS];
     PyObject *result = NULL;
-    if (int64_vector(&addrs, "addrs") < 0 || int64_vector(&lens, "lens") < 0) goto done;
-    if (dsz != 1 && dsz != 2 && dsz != 4 && dsz != 8) {
-        PyErr_Format(PyExc_ValueError, "dst_itemsize must be 1, 2, 4 or 8, got %d", dsz);
+    int k;
+    for (k = 0; k < NARGS; k++) a[k].held = 0;
+    for (k = 0; k < NARGS; k++)
+        if (get_arg(o[k], &a[k], names[k], sizes[k], writable[k], optional[k]) < 0) goto done;
+
+    if (!(ids_kind == 4 || ids_kind == 8)) {
+        PyErr_Format(PyExc_ValueError, "ids_kind must be 4 or 8 bytes, got %d", ids_kind);
         goto done;
     }
-    if (!(skind == SRC_ONES || skind == SRC_BITS ||
-          ((skind == 1 || skind == 2 || skind == 4 || skind == 8) && skind >= dsz))) {
-        PyErr_Format(PyExc_ValueError,
-                     "src_kind %d cannot be converted to %d-byte elements", skind, dsz);
+    if (!(mask_kind == SRC_ONES || mask_kind == SRC_BITS || mask_kind == 1 || mask_kind == 2 ||
+          mask_kind == 4 || mask_kind == 8)) {
+        PyErr_Format(PyExc_ValueError, "mask_kind %d is not 0, -1, 1, 2, 4 or 8", mask_kind);
         goto done;
     }
-    if (width < 0) {
-        PyErr_Format(PyExc_ValueError, "width must be >= 0, got %zd", width);
+    if ((mask_kind != SRC_ONES) != a[MASK_ADDR].held) {
+        PyErr_SetString(PyExc_ValueError, "mask_addr must be given exactly when mask_kind != 0");
         goto done;
     }
-    Py_ssize_t rows = lens.len / 8;
-    if (addrs.len / 8 != rows) {
-        PyErr_Format(PyExc_ValueError, "addrs has %zd entries, lens %zd", addrs.len / 8, rows);
+    if (width < 0 || max_len < 0) {
+        PyErr_Format(PyExc_ValueError, "width %zd and max_len %zd must be >= 0", width, max_len);
         goto done;
     }
-    const int64_t *a = (const int64_t *)addrs.buf, *l = (const int64_t *)lens.buf;
-    Py_ssize_t need = 0, total = 0;
-    for (Py_ssize_t k = 0; k < rows; k++) {
-        if (l[k] < 0 || (width > 0 && l[k] > width)) {
-            PyErr_Format(PyExc_ValueError, "row %zd has length %lld, outside [0, %zd]", k,
-                         (long long)l[k], width > 0 ? width : PY_SSIZE_T_MAX);
+    Py_ssize_t table = count(&a[LENGTHS]);
+    if (count(&a[IDS_ADDR]) != table || (a[MASK_ADDR].held && count(&a[MASK_ADDR]) != table)) {
+        PyErr_SetString(PyExc_ValueError, "lengths, ids_addr and mask_addr differ in length");
+        goto done;
+    }
+    const int64_t *samples = (const int64_t *)a[SAMPLES].view.buf;
+    const int32_t *lengths = (const int32_t *)a[LENGTHS].view.buf;
+    Py_ssize_t rows = count(&a[SAMPLES]), tokens = 0, maxlen = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        int64_t s = samples[r];
+        if (s < 0 || s >= table) {
+            PyErr_Format(PyExc_IndexError, "sample id %lld outside the dataset's %zd samples",
+                         (long long)s, table);
             goto done;
         }
-        total += (Py_ssize_t)l[k];
+        Py_ssize_t n = lengths[s] < max_len ? lengths[s] : max_len;
+        if (width > 0 && n > width) {
+            PyErr_Format(PyExc_ValueError, "row %zd has %zd tokens, more than width %zd", r, n,
+                         width);
+            goto done;
+        }
+        tokens += n;
+        if (n > maxlen) maxlen = n;
     }
-    need = width > 0 ? rows * width : total;
-    if (need > dst.len / dsz) {
-        PyErr_Format(PyExc_ValueError, "dst holds %zd elements, the rows need %zd",
-                     dst.len / dsz, need);
-        goto done;
+    Py_ssize_t need = width > 0 ? rows * width : tokens;
+    struct { int arg; Py_ssize_t need; } checks[] = {
+        {OUT_IDS, need}, {OUT_MASK, need}, {OUT_LENGTHS, rows}, {OUT_SAMPLES, rows},
+        {OUT_POSITIONS, tokens}, {OUT_CU, rows + 1}};
+    for (k = 0; k < 6; k++) {
+        Arg *b = &a[checks[k].arg];
+        if (b->held && count(b) < checks[k].need) {
+            PyErr_Format(PyExc_ValueError, "%s holds %zd elements, the micro-batch needs %zd",
+                         names[checks[k].arg], count(b), checks[k].need);
+            goto done;
+        }
     }
+
     Py_BEGIN_ALLOW_THREADS
-    char *out = (char *)dst.buf;
-    for (Py_ssize_t k = 0; k < rows; k++) {
-        Py_ssize_t n = (Py_ssize_t)l[k];
-        if (skind == SRC_ONES)
-            fill_value(out, dsz, 1, n);
-        else if (skind == SRC_BITS)
-            unpack_bits(out, dsz, a[k], n);
+    const int64_t *ids_addr = (const int64_t *)a[IDS_ADDR].view.buf;
+    const int64_t *mask_addr = a[MASK_ADDR].held ? (const int64_t *)a[MASK_ADDR].view.buf : NULL;
+    char *ids = (char *)a[OUT_IDS].view.buf, *mask = (char *)a[OUT_MASK].view.buf;
+    int32_t *out_len = (int32_t *)a[OUT_LENGTHS].view.buf;
+    int64_t *out_sid = (int64_t *)a[OUT_SAMPLES].view.buf;
+    int32_t *pos = a[OUT_POSITIONS].held ? (int32_t *)a[OUT_POSITIONS].view.buf : NULL;
+    int32_t *cu = a[OUT_CU].held ? (int32_t *)a[OUT_CU].view.buf : NULL;
+    int32_t start = 0;
+    if (cu) cu[0] = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        int64_t s = samples[r];
+        Py_ssize_t n = lengths[s] < max_len ? lengths[s] : max_len;
+        out_len[r] = (int32_t)n;
+        out_sid[r] = s;
+        copy_elems(ids, 4, (const char *)(uintptr_t)ids_addr[s], ids_kind, n);
+        if (mask_kind == SRC_ONES)
+            fill_value(mask, 1, 1, n);
+        else if (mask_kind == SRC_BITS)
+            unpack_bits(mask, 1, mask_addr[s], n);
         else
-            copy_elems(out, dsz, (const char *)(uintptr_t)a[k], skind, n);
+            copy_elems(mask, 1, (const char *)(uintptr_t)mask_addr[s], mask_kind, n);
+        if (pos)
+            for (Py_ssize_t j = 0; j < n; j++) pos[start + j] = (int32_t)j;
+        start += (int32_t)n;
+        if (cu) cu[r + 1] = start;
         if (width > 0) {
-            fill_value(out + (size_t)n * dsz, dsz, pad, width - n);
-            out += (size_t)width * dsz;
+            fill_value(ids + (size_t)n * 4, 4, pad, width - n);
+            fill_value(mask + n, 1, 0, width - n);
+            ids += (size_t)width * 4;
+            mask += width;
         } else {
-            out += (size_t)n * dsz;
+            ids += (size_t)n * 4;
+            mask += n;
         }
     }
     Py_END_ALLOW_THREADS
-    result = PyLong_FromSsize_t(total);
+    result = Py_BuildValue("nn", tokens, maxlen);
 done:
-    PyBuffer_Release(&lens);
-    PyBuffer_Release(&addrs);
-    PyBuffer_Release(&dst);
-    return result;
-}
-
-PyDoc_STRVAR(positions_doc,
-"positions(dst, lens) -> int\n\n"
-"Write 0..lens[k]-1 for each row k back to back into dst (int32): the position ids of a\n"
-"packed row. Returns the number of elements written.");
-
-static PyObject *positions(PyObject *self, PyObject *args) {
-    PyObject *d_obj, *l_obj;
-    if (!PyArg_ParseTuple(args, "OO", &d_obj, &l_obj)) return NULL;
-    Py_buffer dst, lens;
-    if (PyObject_GetBuffer(d_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(l_obj, &lens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    if (int64_vector(&lens, "lens") < 0) goto done;
-    if (dst.itemsize != 4) {
-        PyErr_SetString(PyExc_TypeError, "dst must be an int32 array");
-        goto done;
-    }
-    Py_ssize_t rows = lens.len / 8, total = 0;
-    const int64_t *l = (const int64_t *)lens.buf;
-    for (Py_ssize_t k = 0; k < rows; k++) {
-        if (l[k] < 0) {
-            PyErr_Format(PyExc_ValueError, "row %zd has negative length %lld", k, (long long)l[k]);
-            goto done;
-        }
-        total += (Py_ssize_t)l[k];
-    }
-    if (total > dst.len / 4) {
-        PyErr_Format(PyExc_ValueError, "dst holds %zd elements, the rows need %zd",
-                     dst.len / 4, total);
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    int32_t *out = (int32_t *)dst.buf;
-    for (Py_ssize_t k = 0; k < rows; k++)
-        for (int64_t j = 0; j < l[k]; j++) *out++ = (int32_t)j;
-    Py_END_ALLOW_THREADS
-    result = PyLong_FromSsize_t(total);
-done:
-    PyBuffer_Release(&lens);
-    PyBuffer_Release(&dst);
+    for (k = 0; k < NARGS; k++)
+        if (a[k].held) PyBuffer_Release(&a[k].view);
     return result;
 }
 
 static PyMethodDef methods[] = {
-    {"gather", gather, METH_VARARGS, gather_doc},
-    {"positions", positions, METH_VARARGS, positions_doc},
+    {"fill", fill, METH_VARARGS, fill_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "loader_server._native",
-    "Native row gather for the loader daemon's hot loop.", -1, methods,
+    "Native micro-batch fill for the loader daemon's hot loop.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,7 +1,20 @@
 # Type stubs for the C extension loader_server/_native.c.
 from typing import Any as Buffer  # collections.abc.Buffer needs Python 3.12
 
-def gather(
-    dst: Buffer, dst_itemsize: int, width: int, pad: int, addrs: Buffer, lens: Buffer, src_kind: int
-) -> int: ...
-def positions(dst: Buffer, lens: Buffer) -> int: ...
+def fill(
+    sample_ids: Buffer,
+    lengths: Buffer,
+    ids_addr: Buffer,
+    ids_kind: int,
+    mask_addr: Buffer | None,
+    mask_kind: int,
+    max_len: int,
+    width: int,
+    pad: int,
+    out_ids: Buffer,
+    out_mask: Buffer,
+    out_lengths: Buffer,
+    out_sample_ids: Buffer,
+    out_positions: Buffer | None,
+    out_cu: Buffer | None,
+) -> tuple[int, int]: ...

@@ -147,32 +147,46 @@ class ArrowDataset:
         start = offset // self._mask_kind
         return chunk.mask_values[start : start + n]
 
-    def gather(
+    def fill(
         self,
         sample_ids: Sequence[int] | np.ndarray,
         max_len: int,
-        ids_out: np.ndarray,
-        mask_out: np.ndarray,
         *,
+        input_ids: np.ndarray,
+        loss_mask: np.ndarray,
+        lengths: np.ndarray,
+        sample_ids_out: np.ndarray,
+        position_ids: np.ndarray | None = None,
+        cu_seqlens: np.ndarray | None = None,
         width: int = 0,
         pad_id: int = 0,
-    ) -> tuple[np.ndarray, int]:
-        """Copy samples (each truncated to ``max_len``) into ``ids_out``/``mask_out``.
+    ) -> tuple[int, int]:
+        """Write a micro-batch (each sample cut to ``max_len``) into the given outputs.
 
-        ``width > 0``: padded rows of ``width`` elements (``[B, width]`` outputs), padding
-        set to ``pad_id`` (ids) and 0 (mask). ``width == 0``: packed, back to back. The
-        outputs are typically shared-memory slots: one native call per field writes every
-        row and its padding, with no intermediate buffer. Returns the truncated lengths and
-        their sum.
+        ``width > 0``: padded rows of ``width`` elements in ``input_ids`` (int32) and
+        ``loss_mask`` (uint8), padding ``pad_id`` and 0. ``width == 0``: packed back to back,
+        with ``position_ids`` and ``cu_seqlens`` (int32) when given. ``lengths`` (int32) and
+        ``sample_ids_out`` (int64) get one entry per row. Outputs are flat arrays at least as
+        large as needed, typically a shared-memory slot's fields: one native call writes
+        them all, with no intermediate buffer. Returns (real tokens, longest row).
         """
-        idx = np.asarray(sample_ids, dtype=np.int64)
-        lens = np.minimum(self.lengths[idx], max_len).astype(np.int64)
-        tokens = _native.gather(
-            ids_out, ids_out.itemsize, width, pad_id, self._ids_addr[idx], lens, self._ids_kind
+        return _native.fill(
+            np.ascontiguousarray(sample_ids, dtype=np.int64),
+            self.lengths,
+            self._ids_addr,
+            self._ids_kind,
+            self._mask_addr,
+            self._mask_kind,
+            max_len,
+            width,
+            pad_id,
+            input_ids,
+            loss_mask,
+            lengths,
+            sample_ids_out,
+            position_ids,
+            cu_seqlens,
         )
-        mask_addr = lens if self._mask_addr is None else self._mask_addr[idx]
-        _native.gather(mask_out, mask_out.itemsize, width, 0, mask_addr, lens, self._mask_kind)
-        return lens, tokens
 
 
 _native_ones, _native_bits = 0, -1  # _native.gather's source kinds besides element sizes

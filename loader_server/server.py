@@ -31,6 +31,9 @@ from loader_server.shm import ShmRing, segment_name
 from loader_server.spec import BatchSpec
 
 log = logging.getLogger(__name__)
+# A session whose client released a slot or sent a message this recently is being consumed:
+# the daemon then sleeps at most 1 ms between looks at the ring counters.
+_BUSY_S = 0.2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,10 +136,11 @@ class LoaderServer:
                     self._drain(256)
             else:
                 # Nothing to fill: ask the clients for a doorbell, look once more (a release
-                # may have landed before the request was visible), then sleep.
+                # may have landed before the request was visible), then sleep: 1 ms while
+                # some trainer is consuming (the counters are read on waking), else 20 ms.
                 for sess in self.sessions.values():
                     sess.arm()
-                if not self._fill_one() and poller.poll(20):
+                if not self._fill_one() and poller.poll(self._sleep_ms()):
                     self._drain(256)
             now = time.monotonic()
             if now >= next_tick:
@@ -144,6 +148,11 @@ class LoaderServer:
                 self._expire(now)
                 if tick is not None:
                     tick()
+
+    def _sleep_ms(self) -> int:
+        now = time.monotonic()
+        busy = any(now - s.last_seen < _BUSY_S for s in self.sessions.values() if not s.ended)
+        return 1 if busy else 20
 
     def shutdown(self) -> None:
         """Tell every client, unlink every ring, close the socket."""

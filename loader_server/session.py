@@ -17,7 +17,6 @@ import numpy as np
 
 from client import protocol as P
 from client.protocol import SlotLayout
-from loader_server import _native
 from loader_server.dataset import ArrowDataset
 from loader_server.planner import EpochPlan
 from loader_server.shm import ShmRing
@@ -105,11 +104,11 @@ class Session:
         return True
 
     def arm(self) -> None:
-        """Before the daemon sleeps: ask for a doorbell once half the ring is free again
-        (one message per half ring, not per batch, while the trainer is the slow side)."""
-        self.ring.wake_daemon_at(
-            self.produced - self.ring.num_slots + max(1, self.ring.num_slots // 2)
-        )
+        """Before the daemon sleeps: ask for a doorbell when the client takes the last
+        batch in the ring. Refilling earlier is the daemon's own job (it looks at the
+        counters at least every millisecond while trainers consume), so a trainer that
+        keeps up never pays for a message."""
+        self.ring.wake_daemon_at(max(self.produced - 1, self.consumed + 1))
 
     def advance(self, plan: EpochPlan) -> Position:
         """Position after ``self.pos`` within ``plan`` (the plan of ``self.pos``'s epoch)."""
@@ -127,32 +126,28 @@ class Session:
         slot = self.produced % self.ring.num_slots
         ids, width, bucket = plan.micro_parts(s, self.rank, m)
         rows = int(ids.size)
-        ring, cap = self.ring, self.spec.max_seq_len
+        out = self.ring.slot(slot)
         padded = self.spec.layout == "padded"
-        size = rows * width if padded else width
-        lens, tokens = dataset.gather(
+        tokens, maxlen = dataset.fill(
             ids,
-            cap,
-            ring.field(slot, "input_ids", size),
-            ring.field(slot, "loss_mask", size),
+            self.spec.max_seq_len,
+            input_ids=out["input_ids"],
+            loss_mask=out["loss_mask"],
+            lengths=out["lengths"],
+            sample_ids_out=out["sample_ids"],
+            position_ids=None if padded else out["position_ids"],
+            cu_seqlens=None if padded else out["cu_seqlens"],
             width=width if padded else 0,
             pad_id=self.pad_id,
         )
-        maxlen = width if padded else int(lens.max(initial=0))
         if not padded:
             assert tokens == width, f"packed row {self.pos}: {tokens} tokens, plan says {width}"
-            cu = ring.field(slot, "cu_seqlens", rows + 1)
-            cu[0] = 0
-            np.cumsum(lens, out=cu[1:])
-            _native.positions(ring.field(slot, "position_ids", width), lens)
-        ring.field(slot, "sample_ids", rows)[:] = ids
-        ring.field(slot, "lengths", rows)[:] = lens
         nxt = self.advance(plan)
         meta = (*self.pos, *nxt, plan.num_steps, bucket, rows, width, tokens, maxlen)
-        ring.publish(self.produced, meta)
+        self.ring.publish(self.produced, meta)
         self.produced += 1
         self.pos = nxt
         self.stats.batches += 1
         self.stats.tokens += tokens
-        if P.crossed(self.produced - 1, self.produced, ring.client_wake()):
-            ring.ring_bell()
+        if P.crossed(self.produced - 1, self.produced, self.ring.client_wake()):
+            self.ring.ring_bell()

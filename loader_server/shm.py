@@ -78,17 +78,9 @@ class ShmRing:
             for k in range(num_slots)
         ]
 
-    def field(self, slot: int, name: str, count: int, shape: tuple[int, ...] = ()) -> np.ndarray:
-        """A writable view of ``count`` elements of ``name`` in ``slot`` (optionally reshaped)."""
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot {slot} outside the ring's {self.num_slots} slots")
-        full = self._fields[slot][name]
-        if count > full.shape[0]:
-            raise ValueError(
-                f"slot {slot} field {name}: {count} elements > capacity {full.shape[0]}"
-            )
-        view = full[:count]
-        return view.reshape(shape) if shape else view
+    def slot(self, slot: int) -> dict[str, np.ndarray]:
+        """Writable full-capacity views of every field of ``slot``."""
+        return self._fields[slot]
 
     def publish(self, n: int, meta: tuple[int, ...]) -> None:
         """Describe batch ``n`` (already written into slot ``n % num_slots``), then publish

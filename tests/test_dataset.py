@@ -139,23 +139,37 @@ def test_fingerprint_stable_and_content_sensitive(tmp_path):
     assert open_dataset(copy / "a.arrow").fingerprint == open_dataset(a).fingerprint
 
 
-def test_gather_padded_and_packed(tmp_path):
+def _outputs(tokens: int, rows: int, packed: bool = False) -> dict[str, np.ndarray]:
+    """Slot-like outputs, pre-filled with junk so unwritten elements show."""
+    out = {
+        "input_ids": np.full(tokens, -7, np.int32),
+        "loss_mask": np.full(tokens, 7, np.uint8),
+        "lengths": np.full(rows, -7, np.int32),
+        "sample_ids_out": np.full(rows, -7, np.int64),
+    }
+    if packed:
+        out["position_ids"] = np.full(tokens, -7, np.int32)
+        out["cu_seqlens"] = np.full(rows + 1, -7, np.int32)
+    return out
+
+
+def test_fill_padded_and_packed(tmp_path):
     ds = open_dataset(_write(tmp_path / "d.arrow", _table()))
-    ids = np.full((3, 4), -1, np.int32)
-    mask = np.full((3, 4), 7, np.uint8)
-    lens, tokens = ds.gather([2, 0, 1], 4, ids.ravel(), mask.ravel(), width=4, pad_id=-1)
-    assert lens.tolist() == [4, 3, 1] and tokens == 8
-    assert ids.tolist() == [[5, 6, 7, 8], [1, 2, 3, -1], [4, -1, -1, -1]]
-    assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 0], [1, 0, 0, 0]]
-    flat, fmask = np.zeros(6, np.int32), np.zeros(6, np.uint8)
-    lens, tokens = ds.gather([3, 0, 1], 8, flat, fmask)
-    assert lens.tolist() == [2, 3, 1] and tokens == 6
-    assert flat.tolist() == [10, 11, 1, 2, 3, 4]
-    assert fmask.tolist() == [1, 0, 0, 1, 1, 1]
+    out = _outputs(12, 3)
+    assert ds.fill([2, 0, 1], 4, width=4, pad_id=-1, **out) == (8, 4)
+    assert out["input_ids"].reshape(3, 4).tolist() == [[5, 6, 7, 8], [1, 2, 3, -1], [4, -1, -1, -1]]
+    assert out["loss_mask"].reshape(3, 4).tolist() == [[0, 0, 1, 1], [0, 1, 1, 0], [1, 0, 0, 0]]
+    assert out["lengths"].tolist() == [4, 3, 1] and out["sample_ids_out"].tolist() == [2, 0, 1]
+    out = _outputs(7, 3, packed=True)  # one more element than needed: left alone
+    assert ds.fill([3, 0, 1], 8, **out) == (6, 3)
+    assert out["input_ids"].tolist() == [10, 11, 1, 2, 3, 4, -7]
+    assert out["loss_mask"].tolist() == [1, 0, 0, 1, 1, 1, 7]
+    assert out["position_ids"].tolist() == [0, 1, 0, 1, 2, 0, -7]
+    assert out["cu_seqlens"].tolist() == [0, 2, 5, 6]
 
 
 def _oracle(ds, sample_ids, max_len, width):
-    """What gather must produce, built from the per-sample views with plain numpy."""
+    """What fill must produce, built from the per-sample views with plain numpy."""
     ids = [ds.input_ids(i)[:max_len].astype(np.int32) for i in sample_ids]
     masks = [ds.loss_mask(i)[:max_len].astype(np.uint8) for i in sample_ids]
     if width == 0:
@@ -180,7 +194,7 @@ def _oracle(ds, sample_ids, max_len, width):
     ],
 )
 @pytest.mark.parametrize("large", [False, True], ids=["list", "large_list"])
-def test_gather_matches_per_sample_views(tmp_path, id_type, mask_type, large):
+def test_fill_matches_per_sample_views(tmp_path, id_type, mask_type, large):
     """Every stored type, sliced multi-chunk files, shards, truncation, padded and packed."""
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 50_000, rng.integers(0, 40)).tolist() for _ in range(60)]
@@ -192,44 +206,49 @@ def test_gather_matches_per_sample_views(tmp_path, id_type, mask_type, large):
             cols["loss_mask"] = pa.array(masks[part], type=lt(pa.bool_())).cast(lt(mask_type))
         _write(tmp_path / f"s{k}.arrow", pa.table(cols), max_chunksize=7)
     ds = open_dataset(tmp_path)
-    order = rng.permutation(60)
+    sel = rng.permutation(60)[:17]
     for width in (0, 40):
         for max_len in (40, 9):
-            sel = order[:17]
             want_ids, want_mask = _oracle(ds, sel, max_len, width)
-            got_ids = np.full(want_ids.size, 9, np.int32)
-            got_mask = np.full(want_mask.size, 5, np.uint8)
-            ds.gather(sel, max_len, got_ids, got_mask, width=width, pad_id=9)
-            np.testing.assert_array_equal(got_ids, want_ids)
-            np.testing.assert_array_equal(got_mask, want_mask)
+            out = _outputs(want_ids.size, sel.size, packed=width == 0)
+            tokens, longest = ds.fill(sel, max_len, width=width, pad_id=9, **out)
+            want_lens = np.minimum(ds.lengths[sel], max_len)
+            assert (tokens, longest) == (want_lens.sum(), want_lens.max())
+            np.testing.assert_array_equal(out["input_ids"], want_ids)
+            np.testing.assert_array_equal(out["loss_mask"], want_mask)
+            np.testing.assert_array_equal(out["lengths"], want_lens)
+            np.testing.assert_array_equal(out["sample_ids_out"], sel)
+            if width == 0:
+                starts = np.repeat(np.cumsum(want_lens) - want_lens, want_lens)
+                np.testing.assert_array_equal(out["position_ids"], np.arange(tokens) - starts)
 
 
-def test_native_gather_refuses_bad_arguments():
-    from loader_server import _native
+def test_native_fill_refuses_bad_arguments(tmp_path):
+    ds = open_dataset(_write(tmp_path / "d.arrow", _table()))
+    out = _outputs(8, 2)
 
-    src = np.arange(10, dtype=np.int32)
-    addr = np.array([src.__array_interface__["data"][0]], np.int64)
-    dst = np.zeros(4, np.int32)
-    with pytest.raises(ValueError, match="dst holds 4 elements, the rows need 5"):
-        _native.gather(dst, 4, 5, 0, addr, np.array([5]), 4)
-    with pytest.raises(ValueError, match="row 0 has length 5, outside"):
-        _native.gather(dst, 4, 4, 0, addr, np.array([5]), 4)
-    with pytest.raises(ValueError, match="src_kind 1 cannot be converted to 4-byte"):
-        _native.gather(dst, 4, 0, 0, addr, np.array([2]), 1)
-    with pytest.raises(TypeError, match="lens must be a 1-D int64 array"):
-        _native.gather(dst, 4, 0, 0, addr, np.array([2], np.int32), 4)
-    with pytest.raises(ValueError, match="addrs has 1 entries, lens 2"):
-        _native.gather(dst, 4, 0, 0, addr, np.array([1, 1]), 4)
-    frozen = np.zeros(4, np.int32)
+    def fill(sample_ids, **kw):
+        return ds.fill(sample_ids, kw.pop("max_len", 8), **{**out, **kw})
+
+    with pytest.raises(ValueError, match="input_ids holds 8 elements, the micro-batch needs 10"):
+        fill([0, 2], width=5)
+    with pytest.raises(ValueError, match="row 1 has 5 tokens, more than width 4"):
+        fill([0, 2], width=4)
+    with pytest.raises(IndexError, match="sample id 4 outside the dataset's 4 samples"):
+        fill([0, 4])
+    with pytest.raises(IndexError, match="sample id -1 outside"):
+        fill([-1])
+    with pytest.raises(ValueError, match="lengths holds 2 elements, the micro-batch needs 3"):
+        fill([0, 1, 3])
+    with pytest.raises(TypeError, match="input_ids must hold 4-byte integers"):
+        fill([0], input_ids=np.zeros(8, np.int64))
+    frozen = np.zeros(8, np.int32)
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
-        _native.gather(frozen, 4, 0, 0, addr, np.array([1]), 4)
-    assert dst.tolist() == [0, 0, 0, 0]  # nothing written by a refused call
-    assert _native.gather(dst, 4, 0, 0, addr, np.array([3]), 4) == 3
-    assert dst.tolist() == [0, 1, 2, 0]
-    pos = np.full(6, -1, np.int32)
-    assert _native.positions(pos, np.array([2, 0, 3])) == 5
-    assert pos.tolist() == [0, 1, 0, 1, 2, -1]
+        fill([0], input_ids=frozen)
+    assert (out["input_ids"] == -7).all() and (out["lengths"] == -7).all()  # nothing written
+    assert fill([1, 0], max_len=2) == (3, 2)
+    assert out["input_ids"][:3].tolist() == [4, 1, 2] and out["lengths"].tolist() == [1, 2]
 
 
 def test_shards_must_share_column_types(tmp_path):

@@ -21,6 +21,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from loader_server.bench.consumer import touch
 from loader_server.dataset import IDS_COLUMN, MASK_COLUMN, _shard_files
 
 
@@ -59,7 +60,7 @@ class PlanBatches(Dataset):
             self._starts = np.cumsum([0] + [b.num_rows for b in self._record_batches])
         return self._record_batches
 
-    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, k: int) -> dict[str, Any]:
         record_batches = self._open()
         ids = np.asarray(self.batches[k])
         which = np.searchsorted(self._starts, ids, side="right") - 1
@@ -91,6 +92,7 @@ class PlanBatches(Dataset):
             "input_ids": torch.from_numpy(out_ids),
             "loss_mask": torch.from_numpy(out_mask),
             "lengths": torch.from_numpy(lens),
+            "num_tokens": int(lens.sum()),
         }
 
 
@@ -110,8 +112,8 @@ def dataloader_throughput(
     start = time.perf_counter()
     batch = first
     while time.perf_counter() - start < seconds:
-        checksum += int(batch["input_ids"].sum())
-        tokens += int(batch["lengths"].sum())
+        checksum += touch(batch["input_ids"])
+        tokens += batch["num_tokens"]
         nbytes += batch["input_ids"].numel() * 5
         n += 1
         try:

@@ -1,8 +1,8 @@
 """A benchmark consumer: one trainer rank that only reads batches (no model).
 
 Runs in its own process with the client's imports only (torch, zmq, msgpack; no pyarrow),
-so its RSS is what a trainer pays for the loader. Every batch is touched (a sum over
-``input_ids``) so zero-copy delivery is not mistaken for free delivery.
+so its RSS is what a trainer pays for the loader. Every batch is touched (``touch``: a sum
+over every element of ``input_ids``) so zero-copy delivery is not mistaken for free delivery.
 
     python -m loader_server.bench.consumer ENDPOINT --rank R --world W --seconds S
 """
@@ -17,6 +17,12 @@ import numpy as np
 import torch
 
 from client import LoaderClient
+
+
+def touch(input_ids: torch.Tensor) -> int:
+    """Read every element (an int32 sum: int64 accumulation would cost 5x more and measure
+    torch's reduction, not delivery). Both benchmark consumers touch batches this way."""
+    return int(input_ids.sum(dtype=torch.int32))
 
 
 def _rss_mb() -> float:
@@ -48,8 +54,8 @@ def main(
     checksum = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        checksum += int(batch.input_ids.sum())  # touch every element
-        tokens += int(batch.lengths.sum())
+        checksum += touch(batch.input_ids)
+        tokens += batch.num_tokens
         padded_bytes += batch.input_ids.numel() * 5  # int32 ids + uint8 mask
         batches += 1
         if pause_ms:
