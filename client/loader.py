@@ -377,7 +377,10 @@ class LoaderClient:
         t0 = time.monotonic()
         last_heard = t0
         next_hb = t0 + self.heartbeat_s
-        ring.wake_client_at(n + 1)
+        # Waiting means the daemon is the slow side: ask to be woken when two batches are
+        # ready, halving wake-ups at no cost in throughput (the second is taken at once).
+        # The daemon also rings after any message, such as "end" after the last batch.
+        ring.wake_client_at(n + min(2, ring.slots))
         try:
             while True:
                 bell = ring.bell()  # before looking: a ring after this read wakes the wait
