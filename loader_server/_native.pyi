@@ -18,3 +18,13 @@ def fill(
     out_positions: Buffer | None,
     out_cu: Buffer | None,
 ) -> tuple[int, int]: ...
+def populate(
+    sample_ids: Buffer,
+    lengths: Buffer,
+    ids_addr: Buffer,
+    ids_kind: int,
+    mask_addr: Buffer | None,
+    mask_kind: int,
+    max_len: int,
+    done: Buffer,
+) -> int: ...

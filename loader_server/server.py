@@ -26,6 +26,8 @@ import zmq.auth
 from client import protocol as P
 from loader_server.dataset import ArrowDataset
 from loader_server.plans import PlanCache
+from loader_server.readahead import DEPTH as READAHEAD_DEPTH
+from loader_server.readahead import Readahead
 from loader_server.session import Position, Session, slot_layout_for
 from loader_server.shm import ShmRing, segment_name
 from loader_server.spec import BatchSpec
@@ -76,6 +78,7 @@ class LoaderServer:
         self.config = config
         self.instance = secrets.token_hex(4)
         self.plans = PlanCache(dataset.lengths, dataset.fingerprint)
+        self.readahead = Readahead(dataset)
         self.sessions: dict[str, Session] = {}
         self.by_rank: dict[tuple[str, int], str] = {}
         self.jobs: dict[str, _Job] = {}
@@ -160,6 +163,7 @@ class LoaderServer:
             self._tell(sess, "bye", instance=self.instance)
             self._drop(sess.sid, "daemon shutting down")
         self.plans.close()
+        self.readahead.close()
         self._sock.close(linger=200)
         self._ctx.term()
 
@@ -396,8 +400,17 @@ class LoaderServer:
                 continue
             self._rr = (self._rr + k + 1) % max(len(order), 1)
             sess.fill(plan, self.dataset)
+            self._read_ahead(sess, plan)
             return True
         return False
+
+    def _read_ahead(self, sess: Session, plan: Any) -> None:
+        """Request the pages of the session's micro-batch ``READAHEAD_DEPTH`` further on."""
+        e, s, m = sess.pos
+        ga = sess.spec.grad_accum
+        step, micro = divmod(s * ga + m + READAHEAD_DEPTH, ga)
+        if e == plan.epoch and step < plan.num_steps:
+            self.readahead.submit(plan.micro(step, sess.rank, micro), sess.spec.max_seq_len)
 
     def _plan_for(self, sess: Session) -> Any:
         """The plan for the session's position, moving past epoch ends; None if not ready."""

@@ -354,3 +354,18 @@ def test_mask_values_checked(tmp_path, mask_type):
     p = _write(tmp_path / "d.arrow", _table(masks=masks, mask_type=mask_type), max_chunksize=3)
     with pytest.raises(DatasetError, match="row 3: mask value 2 is not 0 or 1"):
         open_dataset(p, check_values=True)
+
+
+@pytest.mark.parametrize("mask_type", [pa.uint8(), pa.bool_(), None])
+def test_populate_maps_each_sample_once(tmp_path, mask_type):
+    masks = {None: None, pa.uint8(): MASKS}.get(mask_type, [[x == 1 for x in m] for m in MASKS])
+    ds = open_dataset(_write(tmp_path / "d.arrow", _table(masks=masks, mask_type=mask_type)))
+    assert ds.needs_populate(np.array([0, 2]))
+    assert ds.populate(np.array([0, 2]), 8) == 2
+    assert not ds.needs_populate(np.array([2, 0])) and ds.needs_populate(np.array([0, 1]))
+    assert ds.populate(np.array([0, 1, 2, 3]), 8) == 2  # 0 and 2 were done already
+    with pytest.raises(IndexError, match="sample id 4 outside"):
+        ds.populate(np.array([4]), 8)
+    out = _outputs(11, 4, packed=True)  # populating changes nothing that fill writes
+    assert ds.fill([0, 1, 2, 3], 8, **out) == (11, 5)
+    assert out["input_ids"].tolist() == list(range(1, 12))
