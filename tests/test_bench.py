@@ -18,12 +18,12 @@ def test_bench_reports_every_figure(corpus_path, tmp_path):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TEST_SPEC.items()]
     png = tmp_path / "bench.png"
     out = subprocess.run(
-        [sys.executable, "-m", "loader_server", "bench", str(corpus_path), "--seconds", "0.5",
+        [sys.executable, "-m", "loader_server", "bench", str(corpus_path), "--seconds", "0.5", "--warmup", "0.3",
          "--json", "--plot", str(png), *flags],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip
     r = json.loads(out)
-    assert r["samples"] == 2000 and r["memcpy_gbps"] > 0
+    assert r["samples"] == 2000 and r["memcpy_gbps"] > 0 and r["warmup_s"] == 0.3
     assert r["service"]["tokens_per_s"] > 0 and r["dataloader"]["tokens_per_s"] > 0
     assert len(r["service"]["per_rank_tokens_per_s"]) == 2
     assert r["sorted_plan"]["repeat"] == 1.0 and r["ours_plan"]["repeat"] < 1.0

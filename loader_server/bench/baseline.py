@@ -97,7 +97,12 @@ class PlanBatches(Dataset):
 
 
 def dataloader_throughput(
-    path: Path, batches: list[np.ndarray], max_len: int, seconds: float, workers: int = 2
+    path: Path,
+    batches: list[np.ndarray],
+    max_len: int,
+    seconds: float,
+    workers: int = 2,
+    warmup: float = 0.0,
 ) -> dict[str, Any]:
     """Tokens/s a DataLoader with ``workers`` workers delivers into the main process."""
     torch.set_num_threads(1)  # same consumer conditions as the service's clients
@@ -109,8 +114,15 @@ def dataloader_throughput(
     first = next(it)
     first_batch_s = time.perf_counter() - t0
     tokens = nbytes = n = checksum = 0
-    start = time.perf_counter()
     batch = first
+    while time.perf_counter() - t0 < first_batch_s + warmup:
+        checksum += touch(batch["input_ids"])
+        try:
+            batch = next(it)
+        except StopIteration:  # a small corpus: warm up over another pass
+            it = iter(loader)
+            batch = next(it)
+    start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         checksum += touch(batch["input_ids"])
         tokens += batch["num_tokens"]

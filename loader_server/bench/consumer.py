@@ -40,9 +40,17 @@ def _rss_mb() -> float:
 @click.option("--world", type=int, default=1)
 @click.option("--seconds", type=float, default=5.0)
 @click.option("--pause-ms", type=float, default=0.0, help="Sleep between batches (full ring).")
+@click.option("--warmup", type=float, default=0.0, help="Read this long before measuring.")
 @click.option("--spec", default="{}", help="BatchSpec overrides as JSON.")
 def main(
-    endpoint: str, job: str, rank: int, world: int, seconds: float, pause_ms: float, spec: str
+    endpoint: str,
+    job: str,
+    rank: int,
+    world: int,
+    seconds: float,
+    pause_ms: float,
+    warmup: float,
+    spec: str,
 ) -> None:
     torch.set_num_threads(1)  # a data consumer: OpenMP spin on 2 busy cores costs ms per sum
     t0 = time.perf_counter()
@@ -52,7 +60,11 @@ def main(
     tokens = padded_bytes = batches = 0
     latencies = []
     checksum = 0
+    while time.perf_counter() - t0 < first_batch_s + warmup:
+        checksum += touch(batch.input_ids)
+        batch = next(client)
     start = time.perf_counter()
+    wait0 = client.wait_s
     while time.perf_counter() - start < seconds:
         checksum += touch(batch.input_ids)
         tokens += batch.num_tokens
@@ -76,7 +88,7 @@ def main(
                 "next_p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
                 "next_p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
                 "next_ms": np.round(lat[:: max(1, lat.size // 2000)], 4).tolist(),
-                "wait_fraction": client.wait_s / (time.perf_counter() - t0),
+                "wait_fraction": (client.wait_s - wait0) / elapsed,
                 "rss_mb": _rss_mb(),
                 "checksum": checksum,
             }

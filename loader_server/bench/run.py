@@ -89,10 +89,15 @@ def _plan_quality(lengths: np.ndarray, spec: BatchSpec, world: int) -> dict[str,
 
 
 def run_bench(
-    dataset: Path, spec: BatchSpec, *, seconds: float = 5.0, consumers: int = 2
+    dataset: Path,
+    spec: BatchSpec,
+    *,
+    seconds: float = 5.0,
+    consumers: int = 2,
+    warmup: float = 0.0,
 ) -> dict[str, Any]:
     """Measure everything; returns the numbers (``format_report`` prints them)."""
-    r: dict[str, Any] = {"dataset": str(dataset), "spec": spec.to_dict()}
+    r: dict[str, Any] = {"dataset": str(dataset), "spec": spec.to_dict(), "warmup_s": warmup}
     r["memcpy_gbps"] = memcpy_gbps()
     ds = open_dataset(dataset)
     r["samples"], r["tokens"] = ds.num_samples, ds.num_tokens
@@ -108,7 +113,7 @@ def run_bench(
         d = _start_daemon(dataset, Path(tmp), spec)
         try:
             r["daemon_ready_s"] = d.ready_s
-            flat = _consumers(d.endpoint, consumers, seconds, "throughput")
+            flat = _consumers(d.endpoint, consumers, seconds, "throughput", warmup=warmup)
             r["service"] = {
                 "tokens_per_s": sum(c["tokens_per_s"] for c in flat),
                 "bytes_per_s": sum(c["bytes_per_s"] for c in flat),
@@ -126,7 +131,9 @@ def run_bench(
         finally:
             d.stop()
     batches = [plan0.micro(s, 0, 0) for s in range(plan0.num_steps)]
-    r["dataloader"] = dataloader_throughput(dataset, batches, spec.max_seq_len, seconds)
+    r["dataloader"] = dataloader_throughput(
+        dataset, batches, spec.max_seq_len, seconds, warmup=warmup
+    )
     r["sort_once"] = sort_once_restart(dataset)
     return r
 
@@ -156,7 +163,8 @@ def format_report(r: dict[str, Any]) -> str:
     head = f"{'':<36}{'service':>18}{'DataLoader(2w)':>18}{'sort-once':>14}{'ratio':>22}"
     lines = [
         f"dataset {r['dataset']}: {r['samples']:,} samples, {r['tokens']:,} tokens; "
-        f"memcpy {r['memcpy_gbps']:.1f} GB/s (one core)",
+        f"memcpy {r['memcpy_gbps']:.1f} GB/s (one core); throughput measured "
+        + (f"after {r['warmup_s']:g} s of warm-up" if r["warmup_s"] else "from a cold daemon"),
         head,
         *(f"{a:<36}{b:>18}{c:>18}{d:>14}{e:>22}" for a, b, c, d, e in rows),
         "",

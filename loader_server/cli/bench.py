@@ -15,11 +15,25 @@ from loader_server.cli.spec_flags import spec_from_options, spec_options
 @click.argument("dataset", type=click.Path(exists=True, path_type=Path))
 @click.option("--seconds", type=float, default=5.0, show_default=True, help="Per measurement.")
 @click.option("--consumers", type=int, default=2, show_default=True, help="Trainer ranks.")
+@click.option(
+    "--warmup",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Seconds every throughput consumer reads before measuring (0: from a cold daemon, "
+    "which on a corpus new to it includes mapping its pages).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG.")
 @spec_options
 def bench(
-    dataset: Path, seconds: float, consumers: int, as_json: bool, plot: Path | None, **kw: Any
+    dataset: Path,
+    seconds: float,
+    consumers: int,
+    warmup: float,
+    as_json: bool,
+    plot: Path | None,
+    **kw: Any,
 ) -> None:
     """Measure the service on DATASET side by side with its baselines, in one run.
 
@@ -31,7 +45,9 @@ def bench(
     """
     from loader_server.bench.run import format_report, plot_report, run_bench
 
-    report = run_bench(dataset, spec_from_options(**kw), seconds=seconds, consumers=consumers)
+    report = run_bench(
+        dataset, spec_from_options(**kw), seconds=seconds, consumers=consumers, warmup=warmup
+    )
     if plot is not None:
         plot_report(report, plot)
     if as_json:
