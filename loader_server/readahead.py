@@ -33,9 +33,15 @@ class Readahead:
 
     def __init__(self, dataset: ArrowDataset) -> None:
         self._dataset = dataset
+        self._unpopulated = dataset.num_samples  # written by the thread, read by the server
         self._queue: queue.SimpleQueue[tuple[np.ndarray, int] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="readahead", daemon=True)
         self._thread.start()
+
+    @property
+    def active(self) -> bool:
+        """False once every sample has been populated: nothing left to read ahead."""
+        return self._unpopulated > 0
 
     def submit(self, sample_ids: np.ndarray, max_len: int) -> None:
         """Ask for these samples' pages (a no-op once they have all been populated)."""
@@ -45,7 +51,7 @@ class Readahead:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             try:
-                self._dataset.populate(*item)
+                self._unpopulated -= self._dataset.populate(*item)
             except Exception:  # a hint: the fill faults the pages in itself
                 log.exception("read-ahead failed")
 

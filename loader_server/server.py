@@ -406,6 +406,8 @@ class LoaderServer:
 
     def _read_ahead(self, sess: Session, plan: Any) -> None:
         """Request the pages of the session's micro-batch ``READAHEAD_DEPTH`` further on."""
+        if not self.readahead.active:
+            return
         e, s, m = sess.pos
         ga = sess.spec.grad_accum
         step, micro = divmod(s * ga + m + READAHEAD_DEPTH, ga)

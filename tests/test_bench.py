@@ -18,8 +18,8 @@ def test_bench_reports_every_figure(corpus_path, tmp_path):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TEST_SPEC.items()]
     png = tmp_path / "bench.png"
     out = subprocess.run(
-        [sys.executable, "-m", "loader_server", "bench", str(corpus_path), "--seconds", "0.5", "--warmup", "0.3",
-         "--json", "--plot", str(png), *flags],
+        [sys.executable, "-m", "loader_server", "bench", str(corpus_path), "--seconds", "0.5",
+         "--warmup", "0.3", "--json", "--plot", str(png), *flags],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip
     r = json.loads(out)

@@ -369,3 +369,22 @@ def test_populate_maps_each_sample_once(tmp_path, mask_type):
     out = _outputs(11, 4, packed=True)  # populating changes nothing that fill writes
     assert ds.fill([0, 1, 2, 3], 8, **out) == (11, 5)
     assert out["input_ids"].tolist() == list(range(1, 12))
+
+
+def test_readahead_thread_populates_until_nothing_is_left(tmp_path):
+    import time
+
+    from loader_server.readahead import Readahead
+
+    ds = open_dataset(_write(tmp_path / "d.arrow", _table()))
+    ra = Readahead(ds)
+    try:
+        assert ra.active
+        ra.submit(np.array([0, 1]), 8)
+        ra.submit(np.array([1, 2, 3]), 8)
+        deadline = time.monotonic() + 10
+        while ra.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ra.active and not ds.needs_populate(np.arange(4))
+    finally:
+        ra.close()
