@@ -114,6 +114,14 @@ class ArrowDataset:
         self.fingerprint = _fingerprint(lengths, self.paths, path)
         # Samples whose pages ``populate`` has mapped into this process (one byte each).
         self._populated = np.zeros(lengths.shape[0], np.uint8)
+        # What _native.fill and _native.populate need to find any sample's tokens.
+        self._native_table = (
+            self.lengths,
+            self._ids_addr,
+            self._ids_kind,
+            self._mask_addr,
+            self._mask_kind,
+        )
 
     @property
     def num_samples(self) -> int:
@@ -174,11 +182,7 @@ class ArrowDataset:
         """
         return _native.fill(
             np.ascontiguousarray(sample_ids, dtype=np.int64),
-            self.lengths,
-            self._ids_addr,
-            self._ids_kind,
-            self._mask_addr,
-            self._mask_kind,
+            *self._native_table,
             max_len,
             width,
             pad_id,
@@ -204,11 +208,7 @@ class ArrowDataset:
         """
         return _native.populate(
             np.ascontiguousarray(sample_ids, dtype=np.int64),
-            self.lengths,
-            self._ids_addr,
-            self._ids_kind,
-            self._mask_addr,
-            self._mask_kind,
+            *self._native_table,
             max_len,
             self._populated,
         )
