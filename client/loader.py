@@ -403,10 +403,15 @@ class LoaderClient:
                             raise _Reconnect(
                                 f"no message from the daemon for {self.dead_after_s:.1f} s"
                             )
-                        if now >= next_hb:
-                            self._send("heartbeat", s=self._sid)
-                            next_hb = now + self.heartbeat_s
-                        continue
+                        if now < next_hb:
+                            continue
+                        self._send("heartbeat", s=self._sid)
+                        next_hb = now + self.heartbeat_s
+                        # The answer rings the bell, but a daemon that no longer knows this
+                        # session (restarted, or it expired) answers without one.
+                        msg = self._recv(_MESSAGE_IN_FLIGHT_S)
+                        if msg is None:
+                            continue
                 last_heard = time.monotonic()
                 if msg.get("s") not in (None, self._sid):
                     continue  # stale: from a session we already left

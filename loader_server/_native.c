@@ -179,6 +179,11 @@ static PyObject *fill(PyObject *self, PyObject *args) {
                          (long long)s, table);
             goto done;
         }
+        if (lengths[s] < 0) {
+            PyErr_Format(PyExc_ValueError, "sample %lld has negative length %d", (long long)s,
+                         (int)lengths[s]);
+            goto done;
+        }
         Py_ssize_t n = lengths[s] < max_len ? lengths[s] : max_len;
         if (width > 0 && n > width) {
             PyErr_Format(PyExc_ValueError, "row %zd has %zd tokens, more than width %zd", r, n,
@@ -294,12 +299,19 @@ static PyObject *populate(PyObject *self, PyObject *args) {
     }
     const int64_t *samples = (const int64_t *)a[0].view.buf;
     Py_ssize_t rows = count(&a[0]), populated = 0;
-    for (Py_ssize_t r = 0; r < rows; r++)
+    const int32_t *lens = (const int32_t *)a[1].view.buf;
+    for (Py_ssize_t r = 0; r < rows; r++) {
         if (samples[r] < 0 || samples[r] >= table) {
             PyErr_Format(PyExc_IndexError, "sample id %lld outside the dataset's %zd samples",
                          (long long)samples[r], table);
             goto done;
         }
+        if (lens[samples[r]] < 0) {
+            PyErr_Format(PyExc_ValueError, "sample %lld has negative length %d",
+                         (long long)samples[r], (int)lens[samples[r]]);
+            goto done;
+        }
+    }
     Py_BEGIN_ALLOW_THREADS
     const int32_t *lengths = (const int32_t *)a[1].view.buf;
     const int64_t *ids_addr = (const int64_t *)a[2].view.buf;

@@ -375,6 +375,19 @@ def _list_parts(
         raise DatasetError(f"{path}: column {name!r}, row {first_row + row}: null list")
     offsets = arr.offsets.to_numpy().astype(np.int64, copy=False)
     values = arr.values
+    # The native fill trusts offsets (they locate every row it copies): a corrupt file must
+    # fail here, not read past its data. Arrow's own open-time check covers less.
+    back = np.flatnonzero(np.diff(offsets) < 0)
+    if back.size:
+        raise DatasetError(
+            f"{path}: column {name!r}, row {first_row + int(back[0])}: corrupt list offsets "
+            f"(they decrease)"
+        )
+    if offsets.size and (offsets[0] < 0 or offsets[-1] > len(values)):
+        raise DatasetError(
+            f"{path}: column {name!r}: corrupt list offsets ({int(offsets[0])}..."
+            f"{int(offsets[-1])} outside the {len(values)} values)"
+        )
     if values.null_count:
         # Nulls anywhere in the child buffer matter only inside this array's slice.
         child_nulls = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))

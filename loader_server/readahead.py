@@ -33,7 +33,8 @@ class Readahead:
 
     def __init__(self, dataset: ArrowDataset) -> None:
         self._dataset = dataset
-        self._unpopulated = dataset.num_samples  # written by the thread, read by the server
+        # Samples a plan can serve (empty ones never are); written by the thread.
+        self._unpopulated = int(np.count_nonzero(dataset.lengths))
         self._queue: queue.SimpleQueue[tuple[np.ndarray, int] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="readahead", daemon=True)
         self._thread.start()

@@ -267,6 +267,8 @@ class LoaderServer:
             raise ValueError(f"too many sessions (max_sessions={self.config.max_sessions})")
         sess = self._new_session(peer, job, rank, spec, start, epochs)
         plan = self.plans.get(spec, start[0])  # the first batch needs it anyway
+        for ahead in range(READAHEAD_DEPTH):  # later ones are requested as it fills
+            self._read_ahead(sess, plan, ahead)
         self._send(
             peer,
             "welcome",
@@ -397,6 +399,7 @@ class LoaderServer:
                 continue
             plan = self._plan_for(sess)
             if plan is None:
+                sess.nudge()
                 continue
             self._rr = (self._rr + k + 1) % max(len(order), 1)
             sess.fill(plan, self.dataset)
@@ -404,15 +407,24 @@ class LoaderServer:
             return True
         return False
 
-    def _read_ahead(self, sess: Session, plan: Any) -> None:
-        """Request the pages of the session's micro-batch ``READAHEAD_DEPTH`` further on."""
+    def _read_ahead(self, sess: Session, plan: Any, ahead: int = READAHEAD_DEPTH) -> None:
+        """Request the pages of the session's micro-batch ``ahead`` further on (in the next
+        epoch's plan if this one ends first and that plan is ready)."""
         if not self.readahead.active:
             return
         e, s, m = sess.pos
         ga = sess.spec.grad_accum
-        step, micro = divmod(s * ga + m + READAHEAD_DEPTH, ga)
-        if e == plan.epoch and step < plan.num_steps:
-            self.readahead.submit(plan.micro(step, sess.rank, micro), sess.spec.max_seq_len)
+        step, micro = divmod(s * ga + m + ahead, ga)
+        if e != plan.epoch:
+            return
+        if step >= plan.num_steps:
+            if sess.end_epoch is not None and e + 1 >= sess.end_epoch:
+                return
+            step -= plan.num_steps
+            plan = self.plans.try_get(sess.spec, e + 1)
+            if plan is None or step >= plan.num_steps:
+                return
+        self.readahead.submit(plan.micro(step, sess.rank, micro), sess.spec.max_seq_len)
 
     def _plan_for(self, sess: Session) -> Any:
         """The plan for the session's position, moving past epoch ends; None if not ready."""

@@ -103,6 +103,12 @@ class Session:
         self.last_seen = time.monotonic()
         return True
 
+    def nudge(self) -> None:
+        """The daemon cannot fill this session now (say the next epoch's plan is not ready):
+        a client asleep waiting for two batches while one is ready is woken to take it."""
+        if self.produced > self.consumed and self.ring.client_wake() > self.produced:
+            self.ring.ring_bell()
+
     def arm(self) -> None:
         """Before the daemon sleeps: ask for a doorbell when the client takes the last
         batch in the ring. Refilling earlier is the daemon's own job (it looks at the

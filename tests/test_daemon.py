@@ -406,3 +406,48 @@ def test_garbage_in_a_control_page_ends_only_that_session(daemons, corpus):
         for _ in range(10):  # batches already in the ring are still delivered
             next(victim)
     assert len(consume(other)) + 1 == len(plan_sequence(corpus, 1, range(1), world_size=2))
+
+
+def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
+    corpus, tmp_path, shm_dir, monkeypatch
+):
+    """A waiting client asks to be woken for two batches. When the daemon cannot make the
+    second (epoch 1's plan takes 3 s here), it must still wake the client for the first.
+    The server runs in this process so that planning and filling can be slowed down."""
+    import loader_server.plans as plans
+    from loader_server.dataset import ArrowDataset
+    from loader_server.server import LoaderServer, ServerConfig
+
+    real_plan, real_fill = plans.plan_epoch, ArrowDataset.fill
+
+    def slow_plan(lengths, spec, *, epoch):
+        if epoch >= 1:
+            time.sleep(3.0)
+        return real_plan(lengths, spec, epoch=epoch)
+
+    def slow_fill(self, *args, **kwargs):
+        time.sleep(0.2)  # the client is asleep on the bell before the batch is published
+        return real_fill(self, *args, **kwargs)
+
+    monkeypatch.setattr(plans, "plan_epoch", slow_plan)
+    monkeypatch.setattr(ArrowDataset, "fill", slow_fill)
+    endpoint = f"ipc://{tmp_path}/inproc.sock"
+    server = LoaderServer(corpus, ServerConfig(endpoint=endpoint, shm_dir=shm_dir))
+    server.bind()
+    stop = threading.Event()
+    loop = threading.Thread(target=server.serve_forever, args=(stop.is_set,))
+    loop.start()
+    try:
+        steps = expected_plan(corpus, 0).num_steps
+        client = LoaderClient(endpoint, job="n", rank=0, world_size=1, spec=TEST_SPEC,
+                              heartbeat_s=5.0, dead_after_s=20.0)  # fmt: skip
+        client.load_state_dict({**client.state_dict(), "position": [0, steps - 1, 0]})
+        t = time.monotonic()
+        last = next(client)  # the last batch of epoch 0, the only one before epoch 1's plan
+        assert last.position == (0, steps - 1, 0)
+        assert time.monotonic() - t < 1.5, "a ready batch waited for the next epoch's plan"
+        client.close()
+    finally:
+        stop.set()
+        loop.join(10)
+        server.shutdown()

@@ -388,3 +388,22 @@ def test_readahead_thread_populates_until_nothing_is_left(tmp_path):
         assert not ra.active and not ds.needs_populate(np.arange(4))
     finally:
         ra.close()
+
+
+@pytest.mark.parametrize(
+    ("offsets", "what"),
+    [
+        ([0, 5_000_000, 100], "row 1: corrupt list offsets (they decrease)"),
+        ([0, 50, 10, 100], "row 1: corrupt list offsets (they decrease)"),
+    ],
+)
+def test_corrupt_offsets_are_refused(tmp_path, offsets, what):
+    """The native fill trusts offsets, so a corrupt file must fail at open, not be read."""
+    values = pa.array(np.arange(100, dtype=np.int32))
+    ids = pa.Array.from_buffers(
+        pa.list_(pa.int32()), len(offsets) - 1, [None, pa.py_buffer(np.array(offsets, np.int32))],
+        children=[values],
+    )  # fmt: skip
+    p = _write(tmp_path / "bad.arrow", pa.table({"input_ids": ids}))
+    msg = _error(p)
+    assert "bad.arrow: column 'input_ids'" in msg and what in msg
