@@ -427,6 +427,7 @@ class LoaderClient:
                     raise P.LoaderRequestError(code, str(msg.get("msg")))
                 # "hb": the daemon is alive; look at the ring again
         finally:
+            ring.wake_client_at(0)  # awake again: no bells wanted (see Session.nudge)
             self.wait_s += time.monotonic() - t0
             ring.set_wait(self.wait_s)
 

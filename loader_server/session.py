@@ -105,7 +105,8 @@ class Session:
 
     def nudge(self) -> None:
         """The daemon cannot fill this session now (say the next epoch's plan is not ready):
-        a client asleep waiting for two batches while one is ready is woken to take it."""
+        a client asleep waiting for two batches while one is ready is woken to take it (it
+        clears its threshold once awake, so this rings once)."""
         if self.produced > self.consumed and self.ring.client_wake() > self.produced:
             self.ring.ring_bell()
 
