@@ -222,8 +222,11 @@ class LoaderServer:
             return False
 
     def _tell(self, sess: Session, kind: str, **fields: Any) -> None:
-        """Send a session's client a message and ring its bell: it may sleep on the ring."""
-        self._send(sess.peer, kind, s=sess.sid, **fields)
+        """Send a session's client a message and ring its bell: it may sleep on the ring.
+        A client ZeroMQ cannot reach (ROUTER_MANDATORY) is gone: its session ends now."""
+        if not self._send(sess.peer, kind, s=sess.sid, **fields):
+            self._drop(sess.sid, "client unreachable")
+            return
         sess.ring.ring_bell()
 
     def _session(self, msg: dict[str, Any]) -> Session:
