@@ -4,6 +4,10 @@
 read-only mapping is page-locked once with ``cudaHostRegister`` (slow: do it once per
 mapping, never per batch). Copies from it with ``non_blocking=True`` then run at pinned
 speed (~55 GB/s on Gen5 versus 10-17 GB/s pageable). Without CUDA this is a no-op.
+
+Such a copy is only queued when ``to`` returns, so the slot must not be handed back to the
+daemon before it has run: ``record_copy_event`` marks the end of the copies, and the client
+synchronizes on that event before releasing the slot (the CUDA copy rule, ``client.loader``).
 """
 
 from __future__ import annotations
@@ -45,3 +49,10 @@ def register(buf: np.ndarray) -> bool:
 def unregister(buf: np.ndarray) -> None:
     if buf.nbytes and torch.cuda.is_available():
         torch.cuda.cudart().cudaHostUnregister(region(buf)[0])
+
+
+def record_copy_event(device: torch.device) -> torch.cuda.Event:
+    """An event on ``device``'s current stream, complete once the copies queued so far are."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

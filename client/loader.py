@@ -5,6 +5,13 @@ the next one and wraps the slot's bytes as torch tensors over a read-only mappin
 ring (no copy). A batch's tensors are valid until the next ``next()``: copy them (for
 example ``batch.to("cuda", non_blocking=True)``) to keep them longer.
 
+CUDA copy rule: ``batch.to("cuda", non_blocking=True)`` only queues a DMA from the ring,
+which the GPU performs later. It records a CUDA event after the copies on the slot's guard,
+and the client never hands a slot back to the daemon (the ``consumed`` store in ``next()``)
+nor unmaps the ring (``close``, reconnects) before every event recorded on it has completed.
+Synchronous copies and CPU targets record nothing, and with no event pending a release makes
+no CUDA call at all.
+
 The client holds the position (``[epoch, step, micro]`` of the next batch); the daemon holds
 nothing a restart could lose. If the daemon goes away (no message for ``dead_after_s``, a
 ``bye``, or "unknown session" after a daemon restart) the client reconnects with backoff
@@ -22,7 +29,7 @@ import secrets
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,6 +45,23 @@ STATE_VERSION = 1
 # After the bell rang for a message rather than a batch: how long to wait for it to arrive.
 _MESSAGE_IN_FLIGHT_S = 0.1
 _TORCH_DTYPES = {"int32": torch.int32, "uint8": torch.uint8, "int64": torch.int64}
+
+
+@dataclass(eq=False)
+class _SlotGuard:
+    """One ring slot's pending asynchronous copies: CUDA events recorded by ``Batch.to``.
+
+    Shared by the client and the batches that view the slot; the client waits on it before
+    the slot is released or the ring unmapped.
+    """
+
+    pending: list[Any] = field(default_factory=list)
+
+    def wait(self) -> None:
+        """Block until every recorded copy has finished, then forget them."""
+        for event in self.pending:
+            event.synchronize()
+        self.pending.clear()
 
 
 @dataclass(frozen=True)
@@ -63,14 +87,33 @@ class Batch:
     layout: str
     steps_per_epoch: int
     num_tokens: int  # real (unpadded) tokens: the sum of ``lengths``
+    # The ring slot's guard while the tensors are views of the ring; None for copies.
+    _guard: _SlotGuard | None = field(default=None, repr=False, compare=False)
 
     @property
     def position(self) -> tuple[int, int, int]:
         return (self.epoch, self.step, self.micro)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        """A copy of every tensor on ``device`` (DMA from the registered ring on CUDA)."""
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        """A copy of every tensor on ``device`` (DMA from the registered ring on CUDA).
+
+        With ``non_blocking=True`` to a CUDA device from the ring, the copies are only queued:
+        a CUDA event recorded on the current stream right after them is attached to the
+        slot's guard, and the client waits for it before the slot goes back to the daemon
+        (the next ``next()``) or the ring is unmapped, so the DMA never reads a slot the
+        daemon is refilling. The GPU tensors themselves follow the usual stream semantics.
+        A CPU target returns the ring views themselves (still valid only until ``next()``).
+        """
+        dev = torch.device(device)
+        out = self._map(lambda t: t.to(dev, non_blocking=non_blocking))
+        guard = self._guard
+        if guard is None:
+            return out
+        if dev.type == "cpu":
+            return replace(out, _guard=guard)  # still views of the ring
+        if non_blocking and dev.type == "cuda":
+            guard.pending.append(cuda.record_copy_event(dev))
+        return out
 
     def clone(self) -> Batch:
         """A private CPU copy that outlives the slot."""
@@ -79,7 +122,7 @@ class Batch:
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         present = {k: getattr(self, k) for k in _TENSOR_FIELDS}
         moved: dict[str, Any] = {k: fn(t) for k, t in present.items() if t is not None}
-        return replace(self, **moved)
+        return replace(self, _guard=None, **moved)
 
 
 _TENSOR_FIELDS = ("input_ids", "loss_mask", "lengths", "sample_ids", "position_ids", "cu_seqlens")
@@ -109,6 +152,7 @@ class _Ring:
                 views[name] = (typed[dtype], start // np.dtype(dtype).itemsize, capacity)
             self._fields.append(views)
         self.slots = slots
+        self.guards = [_SlotGuard() for _ in range(slots)]
         self._registered = cuda.register(self.buf)
 
     def produced(self) -> int:
@@ -145,7 +189,14 @@ class _Ring:
             raise P.ProtocolError(f"field {name}: {count} elements > capacity {capacity}")
         return base.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), offset)
 
+    def settle(self) -> None:
+        """Wait for every asynchronous copy still reading any slot (see ``Batch.to``)."""
+        for guard in self.guards:
+            if guard.pending:
+                guard.wait()
+
     def close(self) -> None:
+        self.settle()  # a DMA must not outlive the mapping or its registration
         if self._registered:
             cuda.unregister(self.buf)
         self.buf = np.zeros(0, np.uint8)
@@ -286,6 +337,8 @@ class LoaderClient:
             self._close_session()
 
     def close(self) -> None:
+        if self._ring is not None:
+            self._ring.settle()  # copies from the ring finish before the daemon drops it
         if self._sid is not None and self._sock is not None:
             self._sock.send(P.encode("close", s=self._sid), zmq.NOBLOCK)
         self._close_session()
@@ -463,6 +516,7 @@ class LoaderClient:
             layout=layout,
             steps_per_epoch=steps,
             num_tokens=tokens,
+            _guard=ring.guards[slot],
         )
         self.steps_per_epoch = steps
         self.position = (ne, ns, nm)
@@ -472,8 +526,12 @@ class LoaderClient:
 
     def _release_held(self) -> None:
         """Give the held batch's slot back: a counter store, and a doorbell only if the
-        daemon sleeps waiting for exactly this."""
+        daemon sleeps waiting for exactly this. Asynchronous CUDA copies from the slot
+        (``Batch.to``) are waited for first; with none pending this costs no CUDA call."""
         if self._held and self._ring is not None:
+            guard = self._ring.guards[(self._n - 1) % self._ring.slots]
+            if guard.pending:
+                guard.wait()
             old, self._consumed = self._consumed, self._n
             self._ring.set_consumed(self._n)
             if P.crossed(old, self._n, self._ring.daemon_wake()):

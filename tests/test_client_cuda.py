@@ -52,3 +52,102 @@ def test_registered_mapping_copies_to_gpu(tmp_path):
     torch.cuda.synchronize()
     assert torch.equal(dev.cpu(), host)
     cuda.unregister(buf)
+
+
+# --- the CUDA copy rule: a slot goes back to the daemon only after copies from it ran -------
+
+
+def _consumed(client) -> int:
+    """The control page's ``consumed`` counter, as the daemon reads it."""
+    from client import _ring
+    from client import protocol as P
+
+    return int(_ring.load(client._ring._ctl, P.CONSUMED))
+
+
+class _StandInEvent:
+    """Stands in for a ``torch.cuda.Event`` (CPU machine): it only records the client's
+    ``consumed`` counter at the moment ``synchronize()`` is called. The CUDA event itself is
+    not under test here; the client's ordering (wait first, then release) is."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.seen: list[int] = []
+
+    def synchronize(self) -> None:
+        self.seen.append(_consumed(self.client))
+
+
+@pytest.mark.integration
+def test_cpu_target_records_nothing_and_release_works(daemons, monkeypatch):
+    """``to("cpu", non_blocking=True)`` is no copy: no event, no CUDA call, the ring views
+    keep the slot's guard; ``clone`` drops it; releasing the slot works as before."""
+    from client import LoaderClient
+    from client import cuda as client_cuda
+
+    def no_cuda(device):
+        raise AssertionError("a CPU target must not record a CUDA event")
+
+    monkeypatch.setattr(client_cuda, "record_copy_event", no_cuda)
+    d = daemons()
+    with LoaderClient(d.endpoint, job="cpu", rank=0, world_size=1, epochs=1) as client:
+        batch = next(client)
+        moved = batch.to("cpu", non_blocking=True)
+        assert moved.input_ids.data_ptr() == batch.input_ids.data_ptr()  # the ring itself
+        assert moved._guard is batch._guard is not None
+        assert batch._guard.pending == []
+        assert batch.clone()._guard is None
+        assert torch.equal(moved.input_ids, batch.input_ids)
+        assert _consumed(client) == 0
+        second = next(client)
+        assert _consumed(client) == 1 and second.position != batch.position
+    if not torch.cuda.is_available():
+        assert not torch.cuda.is_initialized()  # the CPU path never initialised CUDA
+
+
+@pytest.mark.integration
+def test_pending_copies_are_waited_for_before_the_slot_is_released(daemons):
+    """A copy pending on the held slot's guard is synchronized before ``consumed`` is stored
+    (``next()``) and before the ring is unmapped (``close()``); the guard is then empty.
+    ``_StandInEvent`` stands in for the CUDA event (see its docstring)."""
+    from client import LoaderClient
+
+    d = daemons()
+    client = LoaderClient(d.endpoint, job="order", rank=0, world_size=1, epochs=1)
+    first = next(client)
+    event = _StandInEvent(client)
+    first._guard.pending.append(event)
+    second = next(client)
+    assert event.seen == [0]  # waited while the slot was still held
+    assert _consumed(client) == 1
+    assert first._guard.pending == []
+    assert second._guard is not first._guard  # another slot, another guard
+
+    third = next(client)
+    assert event.seen == [0]  # cleared: not synchronized again
+    late = _StandInEvent(client)
+    third._guard.pending.append(late)
+    ring = client._ring
+    client.close()
+    assert late.seen == [2]  # before the session (and the mapping) went away
+    assert third._guard.pending == [] and client._ring is None
+    assert all(not g.pending for g in ring.guards)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_non_blocking_cuda_copy_records_an_event_that_release_waits_for(daemons):
+    from client import LoaderClient
+
+    d = daemons()
+    with LoaderClient(d.endpoint, job="gpu", rank=0, world_size=1, epochs=1) as client:
+        batch = next(client)
+        host = batch.clone()
+        synced = batch.to("cuda")  # synchronous: nothing to wait for
+        assert batch._guard.pending == [] and synced._guard is None
+        dev = batch.to("cuda", non_blocking=True)
+        assert dev._guard is None and len(batch._guard.pending) == 1
+        event = batch._guard.pending[0]
+        next(client)
+        assert event.query() and batch._guard.pending == []
+        assert torch.equal(dev.input_ids.cpu(), host.input_ids)

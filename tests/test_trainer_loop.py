@@ -37,9 +37,11 @@ def samples(target) -> list[tuple[list[int], list[int]]]:
 
 
 def make_drafter(target: Target, seed: int = 0) -> DFlashDrafter:
-    cfg = DrafterConfig.from_target(target.config, num_target_layers=3, block_size=B)
+    cfg = DrafterConfig.from_target(
+        target.config, num_target_layers=3, block_size=B, mask_token_id=511
+    )
     torch.manual_seed(seed)
-    return DFlashDrafter(cfg, target.embed_tokens.weight.mean(0))
+    return DFlashDrafter(cfg)
 
 
 def make_trainer(target, source, run_dir: Path, drafter_seed: int = 0, **kw) -> Trainer:
@@ -156,8 +158,15 @@ def test_checkpoint_contents_and_retention(target, samples, tmp_path):
 
 def test_micro_index_must_match_grad_accum(target, samples, tmp_path):
     tr = make_trainer(target, ListSource(samples, rows=4, grad_accum=1), tmp_path, grad_accum=2)
-    with pytest.raises(RuntimeError, match="expected micro 1"):
+    with pytest.raises(RuntimeError, match="serves grad_accum 1, the trainer was told 2"):
         tr.run()
+
+
+def test_grad_accum_comes_from_the_loader_when_unset(target, samples, tmp_path):
+    tr = make_trainer(target, ListSource(samples, rows=3, grad_accum=2), tmp_path, steps=2)
+    tr.run()
+    assert tr.grad_accum == 2 and tr.source.position == 4  # 2 steps of 2 micro-batches
+    assert json.loads((tmp_path / "loader_spec.json").read_text())["grad_accum"] == 2
 
 
 def test_packed_batches_and_batches_without_blocks(target, samples, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,17 +11,34 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.batches import DocView, pack_batch, pad_batch
-from trainer.drafter import DFlashDrafter, DrafterConfig, block_attention_mask
+from trainer.attention import BlockChunk, block_attention
+from trainer.batches import Batch, pack_batch, pad_batch
+from trainer.drafter import (
+    DFlashDrafter,
+    DraftBlocks,
+    DrafterConfig,
+    apply_rotary,
+    plan_chunks,
+    rotary,
+)
 from trainer.loss import (
     LossConfig,
-    block_hidden,
-    block_targets,
+    cap_anchors,
     draft_loss,
+    linear_cross_entropy,
+    plan_blocks,
     position_weights,
     sample_anchors,
+    zero_loss,
 )
-from trainer.target import Target, TinyTargetSpec, build_tiny_model, default_layer_ids, load_target
+from trainer.target import (
+    Target,
+    TinyTargetSpec,
+    build_tiny_model,
+    default_layer_ids,
+    load_target,
+    mask_token_id,
+)
 from trainer.verifier import DrafterProposer
 
 B = 4
@@ -28,9 +46,11 @@ B = 4
 
 @pytest.fixture(scope="module")
 def drafter(target) -> DFlashDrafter:
-    cfg = DrafterConfig.from_target(target.config, num_target_layers=3, block_size=B)
+    cfg = DrafterConfig.from_target(
+        target.config, num_target_layers=3, block_size=B, mask_token_id=511
+    )
     torch.manual_seed(0)
-    d = DFlashDrafter(cfg, target.embed_tokens.weight.mean(0))
+    d = DFlashDrafter(cfg)
     # Random (not freshly initialized) norms so that leaks could not hide behind symmetry.
     with torch.no_grad():
         for p in d.parameters():
@@ -41,9 +61,16 @@ def drafter(target) -> DFlashDrafter:
 # ---- mask ---------------------------------------------------------------------------------
 
 
+def _chunk(ctx_len: int, anchors: list[int], b: int, docs=None, blk_docs=None) -> BlockChunk:
+    docs = torch.zeros(ctx_len, dtype=torch.long) if docs is None else torch.tensor(docs)
+    pos = torch.cat([torch.arange(int((docs == d).sum())) for d in docs.unique()])
+    blk = torch.zeros(len(anchors), dtype=torch.long) if blk_docs is None else blk_docs
+    return BlockChunk(docs, pos, torch.as_tensor(blk), torch.tensor(anchors), b)
+
+
 def test_mask_hand_checked():
     # Context of 5 positions, blocks of 2 at anchors 1 and 3.
-    m = block_attention_mask(torch.tensor([[1, 3]]), torch.tensor([[True, True]]), 5, 2)
+    m = _chunk(5, [1, 3], 2).dense_mask()
     expected = torch.tensor(
         [
             # ctx t0..t4   | block keys b0 b1 (block 0) b2 b3 (block 1)
@@ -54,18 +81,35 @@ def test_mask_hand_checked():
         ],
         dtype=torch.bool,
     )
-    assert torch.equal(m[0], expected)
+    assert torch.equal(m, expected)
 
 
-def test_mask_invalid_block_sees_only_itself():
-    m = block_attention_mask(torch.tensor([[2, 0]]), torch.tensor([[True, False]]), 3, 2)
-    assert torch.equal(m[0, 2:], torch.tensor([[0, 0, 0, 0, 0, 1, 1]] * 2, dtype=torch.bool))
-    assert torch.equal(m[0, :2, :3], torch.tensor([[1, 1, 0]] * 2, dtype=torch.bool))
+def test_mask_blocks_see_only_their_own_document():
+    # Two documents of 3 and 2 positions packed; one block in each, anchors 2 and 1.
+    m = _chunk(5, [2, 1], 1, docs=[0, 0, 0, 1, 1], blk_docs=torch.tensor([0, 1])).dense_mask()
+    assert m.tolist() == [
+        [True, True, False, False, False, True, False],
+        [False, False, False, True, False, False, True],
+    ]
 
 
 def test_mask_anchor_zero_sees_no_context():
-    m = block_attention_mask(torch.tensor([[0]]), torch.tensor([[True]]), 4, 3)
-    assert not m[0, :, :4].any() and m[0, :, 4:].all()
+    m = _chunk(4, [0], 3).dense_mask()
+    assert not m[:, :4].any() and m[:, 4:].all()
+
+
+def test_flex_rule_equals_dense_mask():
+    """flex_attention's BlockMask (eager on CPU) and SDPA's dense mask give one output."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(0)
+    docs = [0] * 40 + [1] * 30 + [2] * 20
+    chunk = _chunk(90, [5, 17, 39, 0, 12, 29, 3], 4, docs, torch.tensor([0, 0, 0, 1, 1, 1, 2]))
+    q = torch.randn(1, 4, chunk.num_queries, 16, generator=g)
+    k = torch.randn(1, 2, chunk.num_keys, 16, generator=g)
+    v = torch.randn(1, 2, chunk.num_keys, 16, generator=g)
+    dense = block_attention(q, k, v, chunk, "sdpa")
+    flex = block_attention(q, k, v, chunk, "flex")
+    assert torch.allclose(dense, flex, atol=1e-5)
 
 
 # ---- anchors ------------------------------------------------------------------------------
@@ -147,17 +191,26 @@ def test_position_weights():
     assert torch.allclose(w, torch.tensor([math.exp(-(k - 1) / 7) for k in range(1, 16)]))
 
 
-def test_block_targets_hand_checked():
-    ids = torch.arange(100, 110)[None]
-    lm = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 1, 1]])
-    labels, w = block_targets(ids, lm, torch.tensor([[3, 0]]), torch.tensor([[True, False]]), 4, 2)
-    # Anchor 3: offsets k = 1, 2, 3 predict tokens 4, 5, 6 (ids 104, 105, 106).
-    assert labels[0, 0].tolist() == [104, 105, 106]
+def test_plan_blocks_hand_checked():
+    ids = torch.arange(100, 110)[None].int()
+    lm = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 1, 1]], dtype=torch.uint8)
+    batch = Batch(input_ids=ids, loss_mask=lm, lengths=torch.tensor([10]), sample_ids=ids[0])
+    # B=2: supervised anchors with a + 2 <= 10.
+    plan = plan_blocks(batch, LossConfig(block_size=2, gamma=2.0), torch.Generator())
+    assert plan.blk_anchor.tolist() == [1, 2, 3, 4, 5, 6, 8]
+    assert plan.labels[:, 0].tolist() == [102, 103, 104, 105, 106, 107, 109]
+    # loss_mask[7] == 0 drops offset 1 of anchor 6.
+    assert plan.weights[:, 0].tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    # B=4 needs 8 supervised tokens (there are 8) and a + 4 <= 10.
+    plan = plan_blocks(batch, LossConfig(block_size=4, gamma=2.0), torch.Generator())
     e = math.exp(-0.5)
-    assert torch.allclose(w[0, 0], torch.tensor([1.0, e, e * e]))
-    assert not w[0, 1].any()  # invalid anchor
-    labels, w = block_targets(ids, lm, torch.tensor([[5]]), torch.tensor([[True]]), 4, 2)
-    assert w[0, 0, 1] == 0 and w[0, 0, 0] > 0  # loss_mask[7] == 0 drops offset 2
+    assert plan.blk_anchor.tolist() == [1, 2, 3, 4, 5, 6]
+    assert plan.labels[4].tolist() == [106, 107, 108]
+    assert torch.allclose(plan.weights[0], torch.tensor([1.0, e, e * e]))
+    assert torch.allclose(plan.weights[4], torch.tensor([1.0, 0.0, e * e]))
+    assert torch.allclose(plan.weights[5], torch.tensor([0.0, e, e * e]))
+    lm[0, 1] = 0  # 7 supervised < 2B: the document is skipped
+    assert plan_blocks(batch, LossConfig(block_size=4), torch.Generator()) is None
 
 
 def _samples(n_docs: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -170,33 +223,140 @@ def _samples(n_docs: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+def one_doc_blocks(feats: torch.Tensor, ids: torch.Tensor, anchors: list[int]) -> DraftBlocks:
+    """Every slot of blocks at ``anchors`` of the single document ``ids [1, L]``."""
+    n = ids.shape[1]
+    zeros = torch.zeros(n, dtype=torch.long)
+    a = torch.tensor(anchors)
+    return DraftBlocks(
+        feats=feats,
+        ctx_row=zeros,
+        ctx_col=torch.arange(n),
+        ctx_doc=zeros,
+        ctx_pos=torch.arange(n),
+        blk_doc=torch.zeros(len(anchors), dtype=torch.long),
+        blk_anchor=a,
+        anchor_ids=ids[0, a].long(),
+        chunks=plan_chunks([0] * len(anchors), anchors, [0], 0),
+    )
+
+
+def hidden_of(target, drafter, feats, ids, anchors) -> torch.Tensor:
+    with torch.no_grad():
+        h = drafter(target.embed_tokens, one_doc_blocks(feats, ids, anchors))
+    return h.view(len(anchors), B, -1)
+
+
 def test_loss_is_position_weighted_mean(target, drafter):
     batch = pad_batch(_samples(3))
     cfg = LossConfig(block_size=B, num_anchors=3, gamma=2.0)
     out = draft_loss(target, drafter, batch, cfg, torch.Generator().manual_seed(5))
-    # Recompute by hand with the same anchors.
-    docs = DocView.of(batch)
-    lm = docs.gather(batch.loss_mask)
-    pos, valid = sample_anchors(
-        lm, docs.length, num_anchors=3, block_size=B, generator=torch.Generator().manual_seed(5)
-    )
-    ids = batch.input_ids.long()
-    feats, _ = target.features(batch.input_ids)
-    with torch.no_grad():
-        hidden = block_hidden(target, drafter, feats, ids, pos, valid, B)
+    # Recompute by hand with the same anchors, one document at a time.
+    plan = plan_blocks(batch, cfg, torch.Generator().manual_seed(5))
+    feats = target.train_features(batch.input_ids)
     num = den = 0.0
     for d in range(3):
-        for j in range(pos.shape[1]):
-            if not valid[d, j]:
-                continue
+        n = int(batch.lengths[d])
+        ids = batch.input_ids[d : d + 1, :n].long()
+        anchors = plan.blk_anchor[plan.blk_doc == d].tolist()
+        hidden = hidden_of(target, drafter, feats[d : d + 1, :n], ids, anchors)
+        for j, a in enumerate(anchors):
             for k in range(1, B):
-                logits = target.lm_head(hidden[d, j, k])
-                ce = F.cross_entropy(logits[None], ids[d, pos[d, j] + k][None])
+                ce = F.cross_entropy(target.lm_head(hidden[j, k])[None], ids[0, a + k][None])
                 num += math.exp(-(k - 1) / 2.0) * float(ce)
                 den += math.exp(-(k - 1) / 2.0)
-    assert out.num_blocks == int(valid.sum()) == 9
+    assert out.num_blocks == 9 and len(plan.blk_doc) == 9
     assert float(out.loss.detach()) == pytest.approx(num / den, rel=1e-5)
     assert out.count.tolist() == [9.0] * (B - 1)
+
+
+def reference_hidden(drafter, target, feats, ids, anchors) -> torch.Tensor:
+    """Today's (pre-chunking) computation, written out: all blocks of one document in one
+    attention call against a dense ``[A*B, T + A*B]`` mask. ``[A, B, H]``."""
+    cfg, b = drafter.config, B
+    a = torch.tensor(anchors)
+    n = ids.shape[1]
+    t = torch.arange(n)
+    blk = torch.arange(len(anchors) * b) // b
+    mask = torch.cat([t[None, :] < a[blk][:, None], blk[:, None] == blk[None, :]], dim=1)
+    ctx = drafter.hidden_norm(drafter.fc(feats[0]))
+    pos = (a[:, None] + torch.arange(b)).view(-1)
+    cos_k, sin_k = rotary(torch.cat([t, pos]), cfg.head_dim, cfg.rope_theta)
+    cos_q, sin_q = rotary(pos, cfg.head_dim, cfg.rope_theta)
+    h = drafter.block_inputs(target.embed_tokens, ids[0, a].long())
+    for layer in drafter.layers:
+        att = layer.self_attn
+        x = layer.input_layernorm(h)
+        kv_in = torch.cat([ctx, x])
+        q = apply_rotary(att.q_norm(att._split(att.q_proj(x), att.heads)), cos_q, sin_q)
+        k = apply_rotary(att.k_norm(att._split(att.k_proj(kv_in), att.kv_heads)), cos_k, sin_k)
+        v = att._split(att.v_proj(kv_in), att.kv_heads)
+        rep = att.heads // att.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+        h = h + att.o_proj(o.transpose(1, 2).reshape(h.shape[0], -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return drafter.norm(h).view(len(anchors), b, -1)
+
+
+def test_chunked_blocks_equal_the_dense_reference(target, drafter):
+    ids = torch.tensor(_samples(1, seed=4)[0][0])[None]
+    feats = target.train_features(ids)
+    anchors = [3, 7, 8, 12, 16]
+    with torch.no_grad():
+        ref = reference_hidden(drafter, target, feats, ids, anchors)
+        for chunk_blocks in (1, 2, 5):
+            blocks = replace(
+                one_doc_blocks(feats, ids, anchors),
+                chunks=plan_chunks([0] * 5, anchors, [0], chunk_blocks),
+            )
+            got = drafter(target.embed_tokens, blocks).view(5, B, -1)
+            assert torch.allclose(got, ref, atol=1e-5), chunk_blocks
+
+
+def _loss_and_grads(target, drafter, batch, chunk_size, attention="sdpa"):
+    drafter.zero_grad(set_to_none=True)
+    cfg = LossConfig(block_size=B, num_anchors=7, max_anchors=0)
+    out = draft_loss(
+        target, drafter, batch, cfg, _gen(), chunk_size=chunk_size, attention=attention
+    )
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    return out, grads
+
+
+@pytest.mark.parametrize("make", [pad_batch, pack_batch])
+def test_chunked_loss_and_gradients_equal_unchunked(target, drafter, make):
+    """Chunk sizes below one block, between, and above every slot give the reference loss,
+    gradients and accuracy counts (fp32)."""
+    batch = make(_samples(4, seed=2))
+    ref, ref_grads = _loss_and_grads(target, drafter, batch, 0)
+    slots = int(ref.count.sum())
+    for chunk in (2, B - 1, 3 * B + 1, 10 * slots):
+        out, grads = _loss_and_grads(target, drafter, batch, chunk)
+        assert torch.allclose(out.loss, ref.loss, rtol=1e-5), chunk
+        assert torch.equal(out.correct, ref.correct) and torch.equal(out.count, ref.count)
+        for name, g in grads.items():
+            assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), (chunk, name)
+    drafter.zero_grad(set_to_none=True)
+
+
+def test_linear_cross_entropy_matches_autograd():
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False).requires_grad_(False)
+    h = torch.randn(13, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (13,), generator=g)
+    w = torch.rand(13, generator=g)
+    ref, ref_hits = linear_cross_entropy(h, head, labels, w, 0)
+    (ref_grad,) = torch.autograd.grad(ref * 3.0, h)
+    for chunk in (1, 4, 13, 100):
+        got, hits = linear_cross_entropy(h, head, labels, w, chunk)
+        (grad,) = torch.autograd.grad(got * 3.0, h)
+        assert torch.allclose(got, ref, rtol=1e-6) and torch.equal(hits, ref_hits)
+        assert torch.allclose(grad, ref_grad, atol=1e-6)
+    trainable = torch.nn.Linear(8, 50, bias=False)
+    with pytest.raises(ValueError, match="frozen head"):
+        linear_cross_entropy(h, trainable, labels, w, 4)
 
 
 def test_packed_and_padded_losses_agree(target, drafter):
@@ -222,6 +382,57 @@ def test_no_supervised_blocks_gives_no_loss(target, drafter):
     assert out.loss is None and out.num_blocks == 0
 
 
+def test_zero_loss_reaches_every_parameter(target, drafter):
+    drafter.zero_grad(set_to_none=True)
+    zero_loss(target, drafter).backward()
+    assert all(p.grad is not None and not p.grad.any() for p in drafter.parameters())
+    drafter.zero_grad(set_to_none=True)
+
+
+# ---- anchor cap per micro-batch -----------------------------------------------------------
+
+
+def test_anchor_cap_is_fair_and_deterministic():
+    valid = torch.zeros(4, 50, dtype=torch.bool)
+    valid[0, :50] = True
+    valid[1, :3] = True  # few anchors: keeps all, its share goes to the others
+    valid[2, :20] = True
+    valid[3, :10] = True
+    kept = [cap_anchors(valid, 25, torch.Generator().manual_seed(s)) for s in (1, 1, 2)]
+    assert torch.equal(kept[0], kept[1]) and not torch.equal(kept[0], kept[2])
+    per_doc = kept[0].sum(1).tolist()
+    assert sum(per_doc) == 25 and per_doc[1] == 3
+    assert max(per_doc[0], per_doc[2], per_doc[3]) - min(per_doc[0], per_doc[2], per_doc[3]) <= 1
+    assert not (kept[0] & ~valid).any()
+    assert torch.equal(cap_anchors(valid, 0, torch.Generator()), valid)  # 0: no cap
+    assert torch.equal(cap_anchors(valid, 83, torch.Generator()), valid)  # not binding
+
+
+def test_draft_loss_respects_the_anchor_cap(target, drafter):
+    batch = pad_batch(_samples(4))
+    cfg = LossConfig(block_size=B, num_anchors=6, max_anchors=9)
+    out = draft_loss(target, drafter, batch, cfg, _gen())
+    assert out.num_blocks == 9 and out.capped_blocks == 4 * 6 - 9
+    again = draft_loss(target, drafter, batch, cfg, _gen())
+    assert float(again.loss) == float(out.loss)
+
+
+# ---- MASK ----------------------------------------------------------------------------------
+
+
+def test_mask_slot_is_the_targets_embedding_row(target):
+    cfg = DrafterConfig.from_target(
+        target.config, num_target_layers=3, block_size=B, mask_token_id=7
+    )
+    d = DFlashDrafter(cfg)
+    assert d.mask_embedding is None
+    assert not any("mask" in n for n, _ in d.named_parameters())
+    x = d.block_inputs(target.embed_tokens, torch.tensor([3, 9]))
+    emb = target.embed_tokens.weight
+    assert torch.equal(x[0], emb[3]) and torch.equal(x[B], emb[9])
+    assert all(torch.equal(x[i], emb[7]) for i in (1, B - 1, B + 1, 2 * B - 1))
+
+
 # ---- no leaks: a block's output depends on nothing it must not see -------------------------
 
 
@@ -229,25 +440,22 @@ def test_block_sees_only_context_before_anchor_and_itself(target, drafter):
     torch.manual_seed(3)
     ids = torch.randint(1, 512, (1, 24))
     feats = torch.randn(1, 24, drafter.config.num_target_layers * drafter.config.hidden_size)
-    pos = torch.tensor([[6, 11, 17]])
-    valid = torch.ones(1, 3, dtype=torch.bool)
-    with torch.no_grad():
-        base = block_hidden(target, drafter, feats, ids, pos, valid, B)
-        # Change context at and after anchor 11, and the anchor tokens of blocks 0 and 2.
-        feats2 = feats.clone()
-        feats2[:, 11:] = torch.randn_like(feats2[:, 11:])
-        ids2 = ids.clone()
-        ids2[0, 6], ids2[0, 17] = (ids[0, 6] + 1) % 512, (ids[0, 17] + 1) % 512
-        moved = block_hidden(target, drafter, feats2, ids2, pos, valid, B)
-    assert torch.allclose(base[0, 1], moved[0, 1], atol=1e-6)  # block 1 unaffected
-    assert not torch.allclose(base[0, 0], moved[0, 0])  # its own anchor changed
-    assert not torch.allclose(base[0, 2], moved[0, 2])  # its context changed
+    anchors = [6, 11, 17]
+    base = hidden_of(target, drafter, feats, ids, anchors)
+    # Change context at and after anchor 11, and the anchor tokens of blocks 0 and 2.
+    feats2 = feats.clone()
+    feats2[:, 11:] = torch.randn_like(feats2[:, 11:])
+    ids2 = ids.clone()
+    ids2[0, 6], ids2[0, 17] = (ids[0, 6] + 1) % 512, (ids[0, 17] + 1) % 512
+    moved = hidden_of(target, drafter, feats2, ids2, anchors)
+    assert torch.allclose(base[1], moved[1], atol=1e-6)  # block 1 unaffected
+    assert not torch.allclose(base[0], moved[0])  # its own anchor changed
+    assert not torch.allclose(base[2], moved[2])  # its context changed
     # ... and it does depend on the context just before its anchor.
     feats3 = feats.clone()
     feats3[:, 10] += 1.0
-    with torch.no_grad():
-        touched = block_hidden(target, drafter, feats3, ids, pos, valid, B)
-    assert not torch.allclose(base[0, 1], touched[0, 1])
+    touched = hidden_of(target, drafter, feats3, ids, anchors)
+    assert not torch.allclose(base[1], touched[1])
 
 
 def test_packed_documents_do_not_leak(target, drafter):
@@ -267,13 +475,11 @@ def _gen() -> torch.Generator:
 def test_training_and_inference_see_the_same_block(target, drafter):
     """The verifier's draft logits at an anchor equal training's: no off-by-one."""
     ids = torch.tensor(_samples(1)[0][0])[None]
-    feats, _ = target.features(ids)
+    feats = target.train_features(ids)
     a = 12
+    hidden = hidden_of(target, drafter, feats, ids, [a])
     with torch.no_grad():
-        hidden = block_hidden(
-            target, drafter, feats, ids, torch.tensor([[a]]), torch.ones(1, 1, dtype=bool), B
-        )
-        train_logits = target.lm_head(hidden[0, 0, 1:])
+        train_logits = target.lm_head(hidden[0, 1:])
         infer_logits = DrafterProposer(target, drafter).logits(ids[0, : a + 1], feats[0, :a])
     assert torch.allclose(train_logits, infer_logits, atol=1e-5)
 
@@ -317,3 +523,40 @@ def test_default_layer_ids():
     assert default_layer_ids(2) == [0]
     with pytest.raises(ValueError, match="out of range"):
         Target(build_tiny_model(TinyTargetSpec()), [4])
+
+
+@pytest.mark.parametrize("layer_ids", [[0, 1, 2], [1, 3], [3]])
+def test_captured_features_equal_output_hidden_states(target, layer_ids):
+    """Hooks capture exactly ``hidden_states[id + 1]`` (the last layer's normed, as HF
+    reports it); ``train_features`` stops early and gives the same values."""
+    t = Target(target.model, layer_ids)
+    ids = torch.tensor(_samples(2)[1][0])[None]
+    with torch.no_grad():
+        hs = target.base(input_ids=ids, output_hidden_states=True).hidden_states
+    expected = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+    assert torch.allclose(t.features(ids)[0], expected, atol=1e-6)
+    assert torch.allclose(t.train_features(ids), expected, atol=1e-6)
+
+
+def test_train_features_stop_after_the_deepest_layer(target):
+    t = Target(target.model, [0, 1])
+    ran = []
+    handles = [
+        layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+        for i, layer in enumerate(t.layers)
+    ]
+    try:
+        t.train_features(torch.arange(1, 9)[None])
+    finally:
+        for h in handles:
+            h.remove()
+    assert ran == [0, 1]
+
+
+def test_mask_token_id_from_config_tokenizer_or_none(tmp_path, target):
+    assert mask_token_id(target) == TinyTargetSpec().mask_token_id == 511
+    plain = Target(build_tiny_model(TinyTargetSpec()))
+    plain.config.mask_token_id = None
+    assert mask_token_id(plain) is None
+    plain.config.dflash_config = {"mask_token_id": 42}
+    assert mask_token_id(plain) == 42

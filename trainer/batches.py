@@ -161,6 +161,8 @@ class ListSource:
             for m in range(grad_accum)
         ]
         self.epochs = epochs
+        # What a LoaderClient reports after its session opens (the spec it is served).
+        self.effective_spec = {"grad_accum": grad_accum, "layout": layout}
         self.position = 0  # micro-batches served so far, over all epochs
 
     def __iter__(self) -> Iterator[Batch]:

@@ -73,6 +73,41 @@ def _target_options(f):
 @click.option("--drafter-layers", type=int, default=1, show_default=True)
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--num-anchors", type=int, default=512, show_default=True, help="Per document.")
+@click.option(
+    "--max-anchors",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="Anchors (blocks) per micro-batch, drawn fairly across its documents; 0: no cap. "
+    "Compute and activation memory follow it (the reference recipe: 4 x 512 per GPU).",
+)
+@click.option(
+    "--loss-chunk",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Supervised slots per LM-head chunk (and chunk/block-size blocks per drafter "
+    "chunk): logits exist for this many slots at once. 0: unchunked (reference; memory "
+    "grows with anchors).",
+)
+@click.option(
+    "--attention",
+    type=click.Choice(["auto", "sdpa", "flex"]),
+    default="auto",
+    show_default=True,
+    help="Drafter attention kernel; auto: flex_attention on CUDA, SDPA elsewhere.",
+)
+@click.option(
+    "--mask-token-id",
+    type=int,
+    help="Token id whose frozen target embedding is the MASK slot (default: the target's "
+    "mask token from its config or tokenizer, e.g. Qwen3's <|MASK|> 151669).",
+)
+@click.option(
+    "--learned-mask",
+    is_flag=True,
+    help="Train a MASK vector instead (NOT loadable by SGLang/vLLM/Transformers DFlash).",
+)
 @click.option("--gamma", type=float, default=7.0, show_default=True, help="Loss decay.")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.option("--warmup", type=float, default=0.04, show_default=True, help="<1: fraction.")
@@ -80,14 +115,22 @@ def _target_options(f):
 @click.option("--grad-clip", type=float, default=1.0, show_default=True)
 @click.option("--steps", type=int, help="Optimizer steps (or --epochs).")
 @click.option("--epochs", type=int, help="Epochs of the loader's plan (or --steps).")
-@click.option("--grad-accum", type=int, default=1, show_default=True)
-@click.option("--token-budget", type=int, default=4096, show_default=True)
-@click.option("--max-batch-size", type=int, default=64, show_default=True)
-@click.option("--max-seq-len", type=int, default=2048, show_default=True)
 @click.option(
-    "--layout", type=click.Choice(["padded", "packed"]), default="padded", show_default=True
+    "--grad-accum", type=int, help="Micro-batches per optimizer step [default: the daemon's]."
 )
-@click.option("--spec", "spec_pairs", multiple=True, help="Extra loader spec KEY=VALUE (JSON).")
+@click.option("--token-budget", type=int, help="Padded tokens per micro-batch [daemon's].")
+@click.option("--max-batch-size", type=int, help="Rows per micro-batch [daemon's].")
+@click.option("--max-seq-len", type=int, help="Longer samples are cut or dropped [daemon's].")
+@click.option(
+    "--layout", type=click.Choice(["padded", "packed"]), help="Micro-batch layout [daemon's]."
+)
+@click.option(
+    "--spec",
+    "spec_pairs",
+    multiple=True,
+    help="Other loader spec fields KEY=VALUE (JSON values), e.g. seed=3 or "
+    "buckets=[770,1216]. Fields not given come from the daemon's configured spec.",
+)
 @click.option("--run-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint, if any.")
 @click.option("--eval-every", type=int, default=0, show_default=True, help="0: start and end.")
@@ -96,7 +139,13 @@ def _target_options(f):
 @click.option("--eval-new-tokens", type=int, default=64, show_default=True)
 @click.option("--ckpt-every", type=int, default=0, show_default=True, help="0: at the end.")
 @click.option("--keep-checkpoints", type=int, default=3, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Trainer seed (init, anchors); the loader's plan seed is the daemon's or --spec seed=N.",
+)
 @click.option("--timeout-s", type=float, default=60.0, show_default=True)
 @click.option("--device", help="Default: cuda:LOCAL_RANK when a GPU is present, else cpu.")
 @click.option("--no-progress", is_flag=True)

@@ -1,23 +1,25 @@
 """The DFlash drafter: a few Qwen3-style layers that denoise a whole block in one pass.
 
-A block is ``[anchor, MASK x (B-1)]`` placed at positions ``anchor_pos .. anchor_pos+B-1``.
-Queries come only from the block's B tokens. Keys and values are the block's own tokens
-plus the *context*: the target's hidden states at the chosen layers for every position
-before the anchor, concatenated (``n*H``), projected to ``H`` (no bias) and RMS-normalized
-once, then fed through each layer's own ``k_proj``/``v_proj`` (so every layer sees the
-target, not only the first). Attention is bidirectional inside a block; which context
-positions a block may see is entirely the mask's business (``block_attention_mask``).
+A block is ``[anchor, MASK x (B-1)]`` placed at positions ``anchor .. anchor+B-1``. Queries
+come only from the block's B tokens. Keys and values are the block's own tokens plus the
+*context*: the target's hidden states at the chosen layers for every position before the
+anchor, concatenated (``n*H``), projected to ``H`` (no bias) and RMS-normalized once, then
+fed through each layer's own ``k_proj``/``v_proj`` (so every layer sees the target, not only
+the first). Attention is bidirectional inside a block; which context keys a block may see
+is ``trainer.attention``'s rule.
 
-The drafter has no embedding or LM head of its own: the caller embeds the anchor with the
-target's frozen ``embed_tokens`` and scores the output with the target's frozen ``lm_head``.
-Keeping them outside this module keeps DDP from broadcasting and checkpointing frozen
-target weights. The MASK token is one learned vector (``mask_embedding``, initialized to the
-mean target embedding) rather than a row of the target's vocabulary, because a target need
-not have a spare token id and its embedding is frozen.
+The drafter has no embedding or LM head of its own: block tokens are embedded with the
+target's frozen ``embed_tokens`` and scored with its frozen ``lm_head`` by the caller. The
+MASK slot is, as in the reference model and every serving engine, the frozen embedding row
+of ``mask_token_id``; a learned MASK vector (``mask_token_id=None``) remains as an explicit
+opt-in that serving engines cannot load.
 
-Training packs many blocks per document into one call: ``A`` anchors give ``A*B`` queries
-against ``T`` context keys plus the ``A*B`` block keys; the mask keeps every block to its own
-``B`` keys and to the context strictly before its own anchor.
+Memory: one ``forward`` drafts every block of a micro-batch, but in chunks of
+``chunk_blocks`` blocks. The context's keys and values are computed once per layer; each
+chunk (its layers, attention and the slots it returns) runs under activation checkpointing,
+so what stays alive across chunks is the context and the returned hidden states, not the
+chunk's activations, and attention masks exist per chunk only. Peak memory then follows
+the chunk size, not the number of anchors.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainer.attention import BlockChunk, block_attention
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +48,8 @@ class DrafterConfig:
     block_size: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # None: a learned MASK vector (opt-in; serving engines embed mask_token_id instead).
+    mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -58,6 +65,8 @@ class DrafterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} must divide by num_kv_heads {self.num_kv_heads}"
@@ -97,10 +106,10 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [R, heads, S, d]`` by ``cos/sin [R, S, d]`` (the half-split convention)."""
+    """Rotate ``x [..., S, d]`` by ``cos/sin [S, d]`` (the half-split convention)."""
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None].to(x.dtype) + rot * sin[:, None].to(x.dtype)
+    return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -128,26 +137,43 @@ class DrafterAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        return x.view(x.shape[0], x.shape[1], heads, self.head_dim).transpose(1, 2)
+        """``[S, heads*d]`` -> ``[1, heads, S, d]``."""
+        return x.view(1, x.shape[0], heads, self.head_dim).transpose(1, 2)
+
+    def keys_values(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed, rotated keys and values ``[1, kv_heads, S, d]`` of inputs ``x [S, H]``."""
+        k = apply_rotary(self.k_norm(self._split(self.k_proj(x), self.kv_heads)), *rope)
+        return k, self._split(self.v_proj(x), self.kv_heads)
 
     def forward(
         self,
         x: torch.Tensor,
-        ctx: torch.Tensor,
-        rope_q: tuple[torch.Tensor, torch.Tensor],
-        rope_k: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        ctx_kv: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        chunk: BlockChunk,
+        backend: str,
     ) -> torch.Tensor:
-        kv_in = torch.cat([ctx, x], dim=1)
-        q = self.q_norm(self._split(self.q_proj(x), self.heads))
-        k = self.k_norm(self._split(self.k_proj(kv_in), self.kv_heads))
-        v = self._split(self.v_proj(kv_in), self.kv_heads)
-        q, k = apply_rotary(q, *rope_q), apply_rotary(k, *rope_k)
-        if self.kv_heads != self.heads:
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+        """Block inputs ``x [n*B, H]`` attend to ``ctx_kv`` (this chunk's context) and their
+        own blocks; returns ``[n*B, H]``."""
+        q = apply_rotary(self.q_norm(self._split(self.q_proj(x), self.heads)), *rope)
+        k_blk, v_blk = self.keys_values(x, rope)
+        k = torch.cat([ctx_kv[0].to(k_blk.dtype), k_blk], dim=2)
+        v = torch.cat([ctx_kv[1].to(v_blk.dtype), v_blk], dim=2)
+        out = block_attention(q, k, v, chunk, backend)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DrafterLayer(nn.Module):
@@ -156,20 +182,58 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DrafterAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.mlp = DrafterMLP(cfg)
 
-    def forward(self, h: torch.Tensor, ctx: torch.Tensor, rope_q, rope_k, mask) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_k, mask)
-        x = self.post_attention_layernorm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, h, ctx_kv, rope, chunk: BlockChunk, backend: str) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx_kv, rope, chunk, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass(frozen=True)
+class DraftBlocks:
+    """Every block of a micro-batch (document-major, anchors ascending) and its context.
+
+    ``feats [R, L, n*H]``: the target features of the micro-batch's rows; the packed context
+    is ``feats[ctx_row, ctx_col]`` with ``ctx_doc``/``ctx_pos`` its document and position
+    (``[S]`` each, documents contiguous). ``blk_doc``/``blk_anchor``/``anchor_ids`` ``[N]``:
+    each block's document, anchor position and anchor token. ``keep [N, B]`` (optional):
+    the slots whose hidden states ``forward`` returns (default: all). ``chunks``: the
+    ``(block_lo, block_hi, ctx_lo, ctx_hi)`` ranges drafted together (``plan_chunks``).
+    """
+
+    feats: torch.Tensor
+    ctx_row: torch.Tensor
+    ctx_col: torch.Tensor
+    ctx_doc: torch.Tensor
+    ctx_pos: torch.Tensor
+    blk_doc: torch.Tensor
+    blk_anchor: torch.Tensor
+    anchor_ids: torch.Tensor
+    chunks: tuple[tuple[int, int, int, int], ...]
+    keep: torch.Tensor | None = None
+
+
+def plan_chunks(
+    blk_doc: list[int], blk_anchor: list[int], doc_start: list[int], chunk_blocks: int
+) -> tuple[tuple[int, int, int, int], ...]:
+    """Cut ``N`` document-major blocks into runs of ``chunk_blocks`` (0: one run) with the
+    packed-context range each run needs: from its first document's start to its last
+    block's anchor (a block sees only positions before its anchor)."""
+    n = len(blk_doc)
+    step = chunk_blocks if chunk_blocks > 0 else max(n, 1)
+    out = []
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        ctx_hi = doc_start[blk_doc[hi - 1]] + blk_anchor[hi - 1]
+        out.append((lo, hi, doc_start[blk_doc[lo]], ctx_hi))
+    return tuple(out)
 
 
 class DFlashDrafter(nn.Module):
-    """Projection of target features, K decoder layers, final norm and the MASK vector."""
+    """Projection of target features, K decoder layers, final norm (and, opt-in, a learned
+    MASK vector)."""
 
-    def __init__(self, cfg: DrafterConfig, mask_init: torch.Tensor | None = None) -> None:
+    def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
@@ -177,58 +241,68 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        init = torch.zeros(h) if mask_init is None else mask_init.detach().float().clone()
-        self.mask_embedding = nn.Parameter(init)
+        # Learned MASK (opt-in, not servable); set from the target's mean embedding by the
+        # caller. With a mask_token_id the MASK is the target's frozen embedding row.
+        self.mask_embedding = nn.Parameter(torch.zeros(h)) if cfg.mask_token_id is None else None
 
-    def block_inputs(self, anchor_embeds: torch.Tensor) -> torch.Tensor:
-        """``[anchor, MASK x (B-1)]`` inputs for ``anchor_embeds [R, A, H]``: ``[R, A*B, H]``."""
-        r, a, h = anchor_embeds.shape
-        b = self.config.block_size
-        x = anchor_embeds.to(self.mask_embedding.dtype)
-        masks = self.mask_embedding.expand(r, a, b - 1, h)
-        return torch.cat([x[:, :, None], masks], dim=2).reshape(r, a * b, h)
+    def block_inputs(self, embed: nn.Module, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """``[anchor, MASK x (B-1)]`` embeddings for ``anchor_ids [n]``: ``[n*B, H]``."""
+        b, dtype = self.config.block_size, self.fc.weight.dtype
+        n = anchor_ids.numel()
+        if self.mask_embedding is None:
+            ids = anchor_ids.new_full((n, b), self.config.mask_token_id)
+            ids[:, 0] = anchor_ids
+            return embed(ids.view(-1)).to(dtype)
+        x = embed(anchor_ids).to(dtype)
+        masks = self.mask_embedding.to(dtype).expand(n, b - 1, -1)
+        return torch.cat([x[:, None], masks], dim=1).reshape(n * b, -1)
 
-    def forward(
-        self,
-        anchor_embeds: torch.Tensor,
-        target_feats: torch.Tensor,
-        block_pos: torch.Tensor,
-        ctx_pos: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Hidden states ``[R, A*B, H]`` of the block tokens (after the final norm).
+    def forward(self, embed: nn.Module, blocks: DraftBlocks, backend: str = "sdpa") -> torch.Tensor:
+        """Hidden states (after the final norm) of every block slot, ``[N*B, H]``, or of the
+        slots ``blocks.keep`` selects, in block-major order.
 
-        Args:
-            anchor_embeds: ``[R, A, H]`` target embeddings of the ``A`` anchor tokens.
-            target_feats: ``[R, T, n*H]`` concatenated target hidden states of the context.
-            block_pos, ctx_pos: ``[R, A*B]`` and ``[R, T]`` RoPE positions.
-            mask: ``[R, A*B, T + A*B]`` bool, True where a query may attend
-                (``block_attention_mask``).
+        ``embed`` is the target's frozen embedding. Chunks run under activation
+        checkpointing when there is more than one (recomputed in backward).
         """
-        ctx = self.hidden_norm(self.fc(target_feats.to(self.fc.weight.dtype)))
-        d, theta = self.config.head_dim, self.config.rope_theta
-        rope_q = rotary(block_pos, d, theta)
-        rope_k = rotary(torch.cat([ctx_pos, block_pos], dim=1), d, theta)
-        h = self.block_inputs(anchor_embeds)
-        for layer in self.layers:
-            h = layer(h, ctx, rope_q, rope_k, mask)
-        return self.norm(h)
+        ctx = self.hidden_norm(self.fc(blocks.feats.to(self.fc.weight.dtype)))
+        ctx = ctx[blocks.ctx_row, blocks.ctx_col]
+        cfg = self.config
+        rope = rotary(blocks.ctx_pos, cfg.head_dim, cfg.rope_theta)
+        ctx_kv = [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
+        checkpointed = len(blocks.chunks) > 1 and torch.is_grad_enabled()
+        outs = []
+        for chunk in blocks.chunks:
+            args = (embed, blocks, ctx_kv, chunk, backend)
+            if checkpointed:
+                outs.append(checkpoint(self._chunk, *args, use_reentrant=False))
+            else:
+                outs.append(self._chunk(*args))
+        return torch.cat(outs) if len(outs) != 1 else outs[0]
 
-
-def block_attention_mask(
-    anchor_pos: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int
-) -> torch.Tensor:
-    """Who may attend to whom, for ``A`` blocks per row: ``[R, A*B, ctx_len + A*B]`` bool.
-
-    Query ``j*B + k`` (block ``j``, offset ``k``) sees context key ``t`` iff block ``j`` is
-    valid and ``t < anchor_pos[j]`` (strictly before its anchor), and block key ``i*B + m``
-    iff ``i == j`` (its own block, in both directions). Every query sees at least its own
-    block, so no softmax row is empty.
-    """
-    r, a = anchor_pos.shape
-    t = torch.arange(ctx_len, device=anchor_pos.device)
-    ctx_ok = (t[None, None, :] < anchor_pos[:, :, None]) & valid[:, :, None]
-    ctx_ok = ctx_ok.repeat_interleave(block_size, dim=1)
-    blk = torch.arange(a * block_size, device=anchor_pos.device) // block_size
-    same = (blk[:, None] == blk[None, :]).expand(r, -1, -1)
-    return torch.cat([ctx_ok, same], dim=-1)
+    def _chunk(
+        self,
+        embed: nn.Module,
+        blocks: DraftBlocks,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        chunk: tuple[int, int, int, int],
+        backend: str,
+    ) -> torch.Tensor:
+        lo, hi, c_lo, c_hi = chunk
+        cfg, b = self.config, self.config.block_size
+        anchors = blocks.blk_anchor[lo:hi]
+        rules = BlockChunk(
+            ctx_doc=blocks.ctx_doc[c_lo:c_hi],
+            ctx_pos=blocks.ctx_pos[c_lo:c_hi],
+            blk_doc=blocks.blk_doc[lo:hi],
+            blk_anchor=anchors,
+            block_size=b,
+        )
+        pos = (anchors[:, None] + torch.arange(b, device=anchors.device)).view(-1)
+        rope = rotary(pos, cfg.head_dim, cfg.rope_theta)
+        h = self.block_inputs(embed, blocks.anchor_ids[lo:hi])
+        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
+            h = layer(h, (k[:, :, c_lo:c_hi], v[:, :, c_lo:c_hi]), rope, rules, backend)
+        h = self.norm(h)
+        if blocks.keep is not None:
+            h = h[blocks.keep[lo:hi].reshape(-1)]
+        return h

@@ -78,6 +78,9 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from trainer.metrics import metrics_path, read_metrics
 
     config = json.loads((run_dir / "config.json").read_text())
+    served = run_dir / "loader_spec.json"  # the spec the daemon served (trainer writes it)
+    if served.is_file():
+        config["loader_spec"] = json.loads(served.read_text())
     records = [r for r in read_metrics(metrics_path(run_dir)) if r["step"] >= 1]
     if [r["step"] for r in records] != list(range(1, len(records) + 1)):
         raise ValueError(f"{run_dir}: metrics.jsonl does not hold steps 1..n once each")
@@ -85,10 +88,12 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def effective_spec(config: dict[str, Any]) -> Any:
-    """The BatchSpec the daemon planned this run with (its defaults + the trainer's fields)."""
+    """The BatchSpec the daemon planned this run with (as served, else its defaults + the
+    trainer's fields)."""
     from loader_server.spec import BatchSpec
 
-    return BatchSpec.from_dict({**config["loader_spec"], "world_size": config["world_size"]})
+    spec = config.get("loader_spec") or config["requested_loader_spec"]
+    return BatchSpec.from_dict({**spec, "world_size": config["world_size"]})
 
 
 def step_hard_frac(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import struct
@@ -29,12 +30,13 @@ from typing import Any
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer.attention import BACKENDS, resolve_backend
 from trainer.distributed import DistEnv, all_reduce
 from trainer.drafter import DFlashDrafter
-from trainer.loss import LossConfig, draft_loss, zero_loss
+from trainer.loss import DEFAULT_CHUNK_SIZE, LossConfig, draft_loss, zero_loss
 from trainer.metrics import MetricsWriter, metrics_path, read_metrics, summarize
 from trainer.target import Target
-from trainer.verifier import DrafterProposer, evaluate_tau
+from trainer.verifier import DrafterProposer, eos_ids, evaluate_tau
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,9 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     steps: int | None = None
     epochs: int | None = None
-    grad_accum: int = 1
+    grad_accum: int | None = None  # None: the loader's spec decides
+    loss_chunk: int = DEFAULT_CHUNK_SIZE  # supervised slots per LM-head chunk (0: unchunked)
+    attention: str = "auto"  # drafter attention kernel (trainer.attention)
     lr: float = 6e-4
     min_lr_ratio: float = 0.0
     warmup: float = 0.04
@@ -69,8 +73,12 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        if self.grad_accum < 1:
+        if self.grad_accum is not None and self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 0 (0: unchunked), got {self.loss_chunk}")
+        if self.attention not in BACKENDS:
+            raise ValueError(f"attention must be one of {BACKENDS}, got {self.attention!r}")
         if not (self.lr > 0 and self.warmup >= 0 and self.grad_clip > 0):
             raise ValueError(f"bad lr/warmup/grad_clip: {self.lr}, {self.warmup}, {self.grad_clip}")
         if self.eval_every < 0 or self.ckpt_every < 0 or self.keep_checkpoints < 1:
@@ -97,6 +105,12 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+# The per-rank scalar sums of a step, in the order of the all-reduced tensor (then the
+# per-offset hits and counts, then timing).
+_SCALARS = ("ce", "weight", "tokens", "blocks", "capped", "micro")
+_S = {name: i for i, name in enumerate(_SCALARS)}
 
 
 def anchor_generator(seed: int, rank: int, epoch: int, step: int, micro: int) -> torch.Generator:
@@ -135,6 +149,9 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.metrics = MetricsWriter(metrics_path(cfg.run_dir), enabled=env.is_main)
+        self.attention = resolve_backend(cfg.attention, env.device)
+        # Known once the loader has answered (its spec decides when the user did not).
+        self.grad_accum = cfg.grad_accum or 1
 
     def _autocast(self) -> torch.autocast:
         """bf16 autocast on CUDA; a no-op context on CPU."""
@@ -194,8 +211,10 @@ class Trainer:
 
     # ---- evaluation --------------------------------------------------------------------
 
-    def evaluate(self) -> float | None:
-        """tau over this rank's share of the held-out prompts, combined over ranks."""
+    def evaluate(self) -> dict[str, float] | None:
+        """tau over this rank's share of the held-out prompts, combined over ranks: ``tau``
+        (mean over prompts of each prompt's committed tokens per step, as published) and
+        ``tau_pooled`` (committed tokens over all steps)."""
         if not self.eval_prompts and not self.env.distributed:
             return None
         proposer = DrafterProposer(self.target, self.drafter)
@@ -206,17 +225,24 @@ class Trainer:
                 self.eval_prompts,
                 block_size=self.cfg.loss.block_size,
                 max_new_tokens=self.cfg.eval_new_tokens,
+                eos_token_ids=eos_ids(self.target.config),
             )
-        t = torch.tensor([rep.committed, rep.steps], dtype=torch.float64, device=self.env.device)
-        all_reduce(t, self.env)
-        return float(t[0] / t[1]) if t[1] > 0 else None
+        t = torch.tensor(
+            [rep.committed, rep.steps, rep.prompt_tau_sum, rep.prompts],
+            dtype=torch.float64,
+            device=self.env.device,
+        )
+        committed, steps, tau_sum, prompts = all_reduce(t, self.env).tolist()
+        if steps <= 0 or prompts <= 0:
+            return None
+        return {"tau": tau_sum / prompts, "tau_pooled": committed / steps}
 
     # ---- training ----------------------------------------------------------------------
 
     def _micro_batches(self, it: Iterator[Any]) -> Iterator[tuple[Any, float]]:
         """The step's micro-batches with the time spent waiting for each."""
         first = None
-        for m in range(self.cfg.grad_accum):
+        for m in range(self.grad_accum):
             if self._pending is not None:
                 (batch, waited), self._pending = self._pending, None
             else:
@@ -242,14 +268,14 @@ class Trainer:
         dev = self.env.device
         t_start = time.perf_counter() - (self._pending[1] if self._pending else 0.0)
         wait = 0.0
-        sums = torch.zeros(4 + 2 * (b - 1), dtype=torch.float64, device=dev)
+        sums = torch.zeros(len(_SCALARS) + 2 * (b - 1), dtype=torch.float64, device=dev)
         for batch, waited in self._micro_batches(it):
             wait += waited
             self.epoch = int(batch.epoch)
             # Used up before the next next(): the client reuses the slot after that.
             on_dev = batch.to(dev, non_blocking=True)
             gen = anchor_generator(cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro)
-            last = batch.micro == cfg.grad_accum - 1
+            last = batch.micro == self.grad_accum - 1
             sync = (
                 contextlib.nullcontext()
                 if last or not self.env.distributed
@@ -257,15 +283,26 @@ class Trainer:
             )
             with sync:
                 with self._autocast():
-                    out = draft_loss(self.target, self.model, on_dev, cfg.loss, gen)
+                    out = draft_loss(
+                        self.target,
+                        self.model,
+                        on_dev,
+                        cfg.loss,
+                        gen,
+                        chunk_size=cfg.loss_chunk,
+                        attention=self.attention,
+                    )
                     loss = out.loss if out.loss is not None else zero_loss(self.target, self.model)
-                (loss / cfg.grad_accum).backward()
-            sums[0] += out.weighted_ce_sum
-            sums[1] += out.weight_sum
-            sums[2] += out.num_tokens
-            sums[3] += out.num_blocks
-            sums[4 : 4 + b - 1] += out.correct
-            sums[4 + b - 1 :] += out.count
+                (loss / self.grad_accum).backward()
+            sums[_S["ce"]] += out.weighted_ce_sum
+            sums[_S["weight"]] += out.weight_sum
+            sums[_S["tokens"]] += out.num_tokens
+            sums[_S["blocks"]] += out.num_blocks
+            sums[_S["capped"]] += out.capped_blocks
+            sums[_S["micro"]] += 1
+            n = len(_SCALARS)
+            sums[n : n + b - 1] += out.correct
+            sums[n + b - 1 :] += out.count
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -283,20 +320,25 @@ class Trainer:
         sums = all_reduce(torch.cat([raw["sums"], timing.to(raw["sums"].device)]), self.env)
         mx = all_reduce(timing[[0, 2]].to(self.env.device), self.env, op="max").cpu()
         sums, n = sums.cpu(), self.env.world_size
-        correct, count = sums[4 : 4 + b - 1], sums[4 + b - 1 : 4 + 2 * (b - 1)]
+        k = len(_SCALARS)
+        correct, count = sums[k : k + b - 1], sums[k + b - 1 : k + 2 * (b - 1)]
         step_time, wait, wait_frac = (sums[-3:] / n).tolist()
+        total = {name: float(sums[i]) for name, i in _S.items()}
         return {
             "step": self.step,
             "epoch": self.epoch,
-            "loss": float(sums[0] / sums[1]) if sums[1] > 0 else None,
+            "loss": total["ce"] / total["weight"] if total["weight"] > 0 else None,
             "acc": float(correct.sum() / count.sum()) if count.sum() > 0 else None,
             "acc_k": [round(float(c / max(k, 1)), 5) for c, k in zip(correct, count, strict=True)],
             "lr": raw["lr"],
             "grad_norm": float(raw["grad_norm"]),
-            "tokens": int(sums[2]),
-            "blocks": int(sums[3]),
+            "tokens": int(total["tokens"]),
+            "blocks": int(total["blocks"]),
+            "anchors_per_micro": total["blocks"] / max(total["micro"], 1),
+            "anchors_capped": int(total["capped"]),
             "step_time_s": step_time,
-            "tokens_per_s": float(sums[2] / mx[0]),
+            "tokens_per_s": total["tokens"] / float(mx[0]),
+            "anchors_per_s": total["blocks"] / float(mx[0]),
             "data_wait_s": wait,
             "data_wait_frac": wait_frac,
             "data_wait_frac_max": float(mx[1]),
@@ -305,9 +347,9 @@ class Trainer:
 
     def _eval_record(self, rec: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        tau = self.evaluate()
-        if tau is not None:
-            rec.update(tau=tau, eval_s=time.perf_counter() - t0)
+        taus = self.evaluate()
+        if taus is not None:
+            rec.update(taus, eval_s=time.perf_counter() - t0)
 
     def run(self) -> dict[str, Any]:
         """Train to ``total_steps`` (resuming first if asked); returns the run summary."""
@@ -365,6 +407,7 @@ class Trainer:
             self._pending = (next(it), time.perf_counter() - t0)
         except StopIteration:
             return False
+        self._adopt_loader_spec()
         self.total_steps = self.cfg.total_steps(self.source.steps_per_epoch)
         warmup = self.cfg.warmup_steps(self.total_steps)
         factor = warmup_cosine(warmup, self.total_steps, self.cfg.min_lr_ratio)
@@ -384,6 +427,24 @@ class Trainer:
             self.step,
         )
         return True
+
+    def _adopt_loader_spec(self) -> None:
+        """Take ``grad_accum`` from the spec the loader actually serves (the daemon's
+        configured one where the user set nothing), log it and keep it with checkpoints."""
+        spec = dict(getattr(self.source, "effective_spec", None) or {})
+        served = int(spec.get("grad_accum", self.cfg.grad_accum or 1))
+        if self.cfg.grad_accum is not None and served != self.cfg.grad_accum:
+            raise RuntimeError(
+                f"the loader serves grad_accum {served}, the trainer was told {self.cfg.grad_accum}"
+            )
+        self.grad_accum = served
+        if spec:
+            self.meta["loader_spec"] = spec
+            log.info("rank %d: loader spec %s", self.env.rank, json.dumps(spec, sort_keys=True))
+            if self.env.is_main:
+                self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+                path = self.cfg.run_dir / "loader_spec.json"
+                path.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
 
     def _progress(self):
         if not (self.cfg.progress and self.env.is_main):

@@ -1,20 +1,28 @@
-"""The DFlash training objective on one micro-batch.
+"""The DFlash training objective on one micro-batch, in memory bounded by a chunk size.
 
 1. The frozen target runs once over the batch (padded rows, or one packed row split per
    document by its position ids) and yields the chosen-layer features of every position.
 2. Documents with fewer than ``2*B`` supervised tokens are skipped. In each remaining
    document up to ``num_anchors`` anchors are drawn without replacement from the positions
-   ``a`` with ``loss_mask[a] == 1`` and room for a full block (``a + B <= length``). The
-   draw uses a generator seeded by the caller (the trainer keys it on the seed, rank and
-   loader position), so anchors change every step and a resumed run draws the same ones.
-3. Each anchor opens a block ``[x_a, MASK x (B-1)]`` that sees the document's features at
-   positions ``< a`` and its own block only. Block offset ``k`` predicts ``x_{a+k}``
-   (k = 1..B-1), weighted ``exp(-(k-1)/gamma)`` (and by ``loss_mask`` at ``a+k``): early
-   offsets matter most because a draft is only accepted up to its first miss.
+   ``a`` with ``loss_mask[a] == 1`` and room for a full block (``a + B <= length``); then at
+   most ``max_anchors`` are kept for the whole micro-batch, round-robin over its documents
+   in random order (``cap_anchors``), so a micro-batch of many short documents cannot
+   multiply memory and time. The draws use a generator seeded by the caller (the trainer
+   keys it on the seed, rank and loader position): anchors change every step, and a resumed
+   run draws the same ones.
+3. Each anchor opens a block ``[x_a, MASK x (B-1)]`` that sees its document's features at
+   positions ``< a`` and its own block only (``trainer.attention``). Block offset ``k``
+   predicts ``x_{a+k}`` (k = 1..B-1), weighted ``exp(-(k-1)/gamma)`` (and by ``loss_mask`` at
+   ``a+k``): early offsets matter most because a draft is only accepted up to its first miss.
 
-The drafter works on a per-document view (``DocView.gather``), so a block can never see
-another document, packed or not, and the attention cost is ``A*B x (L + A*B)`` per
-document rather than per packed row. Logits are computed only at supervised block slots.
+Memory. The drafter drafts blocks in chunks of ``chunk_size // B`` blocks under activation
+checkpointing and returns hidden states only for supervised slots; the frozen LM head and
+the weighted cross-entropy then run ``chunk_size`` slots at a time in one fused pass
+(``linear_cross_entropy``) that computes the gradient of the hidden states as it goes, so
+full-vocabulary logits exist for one chunk only and the head costs the same two matrix
+products as the unchunked path (the head is frozen: no weight gradient). At a 151,936-token
+vocabulary one fp32 logit row is 0.58 MB; the unchunked path (``chunk_size=0``) keeps about
+3 such copies per supervised slot, up to ``15 * anchors`` slots per micro-batch.
 """
 
 from __future__ import annotations
@@ -26,16 +34,20 @@ import torch
 import torch.nn.functional as F
 
 from trainer.batches import DocView
-from trainer.drafter import DFlashDrafter, block_attention_mask
+from trainer.drafter import DFlashDrafter, DraftBlocks, plan_chunks
 from trainer.target import Target
+
+DEFAULT_CHUNK_SIZE = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """Block size, anchors per document and the position decay of the loss weights."""
+    """Block size, anchors per document and per micro-batch, and the position decay of the
+    loss weights: everything that decides the objective (checkpoints must agree on it)."""
 
     block_size: int = 16
     num_anchors: int = 512
+    max_anchors: int = 2048  # per micro-batch; 0: no cap
     gamma: float = 7.0
 
     def __post_init__(self) -> None:
@@ -43,6 +55,8 @@ class LossConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
+        if self.max_anchors < 0:
+            raise ValueError(f"max_anchors must be >= 0 (0: no cap), got {self.max_anchors}")
         if not (math.isfinite(self.gamma) and self.gamma > 0):
             raise ValueError(f"gamma must be a positive number, got {self.gamma}")
 
@@ -84,6 +98,26 @@ def sample_anchors(
     return torch.where(valid, idx, torch.zeros_like(idx)), valid
 
 
+def cap_anchors(valid: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Keep at most ``max_anchors`` of the valid anchors ``[D, A]``, fairly across documents.
+
+    Each document's anchors are ranked in random order; the cap takes every document's
+    first-ranked anchor, then every second, and so on (the last round in random document
+    order). A document with few anchors keeps all of them and leaves its share to the others.
+    Draws from ``generator`` only when the cap binds.
+    """
+    if max_anchors <= 0 or int(valid.sum()) <= max_anchors:
+        return valid
+    keys = torch.rand(valid.shape, generator=generator)
+    keys = torch.where(valid, keys, torch.full_like(keys, 2.0))
+    rank = keys.argsort(dim=1).argsort(dim=1).to(keys.dtype)
+    order = torch.where(valid, rank + keys / 2, torch.full_like(keys, math.inf))
+    chosen = torch.topk(order.flatten(), max_anchors, largest=False).indices
+    out = torch.zeros(valid.numel(), dtype=torch.bool)
+    out[chosen] = True
+    return out.view_as(valid)
+
+
 @dataclass
 class LossOutput:
     """One micro-batch's loss and the sums that metrics aggregate across micro-batches/ranks."""
@@ -93,51 +127,145 @@ class LossOutput:
     weight_sum: torch.Tensor
     correct: torch.Tensor  # float64 [B-1]: argmax hits per block offset k = 1..B-1
     count: torch.Tensor  # float64 [B-1]: supervised slots per offset
-    num_blocks: int
+    num_blocks: int  # anchors trained on (after the per-micro-batch cap)
     num_tokens: int  # real tokens in the micro-batch (throughput)
+    capped_blocks: int = 0  # anchors drawn but dropped by the per-micro-batch cap
 
 
-def block_hidden(
-    target: Target,
-    drafter: torch.nn.Module,
-    feats: torch.Tensor,
-    ids: torch.Tensor,
-    pos: torch.Tensor,
-    valid: torch.Tensor,
-    block_size: int,
-) -> torch.Tensor:
-    """Drafter outputs ``[D, A, B, H]`` for anchors ``pos [D, A]`` of documents ``ids [D, L]``
-    with target features ``feats [D, L, n*H]`` (each block sees ``feats[:, :anchor]``)."""
-    n_doc, width = ids.shape
-    a, b = pos.shape[1], block_size
-    anchor_embeds = target.embed_tokens(ids.gather(1, pos))
-    block_pos = (pos[:, :, None] + torch.arange(b, device=pos.device)).reshape(n_doc, a * b)
-    ctx_pos = torch.arange(width, device=pos.device).expand(n_doc, width)
-    mask = block_attention_mask(pos, valid, width, b)
-    hidden = drafter(anchor_embeds, feats, block_pos, ctx_pos, mask)
-    return hidden.view(n_doc, a, b, -1)
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Weighted CE of ``h @ W.T`` chunk by chunk, with ``d/dh`` computed in the same pass.
+
+    Frozen ``W`` only (the LM head): no weight gradient. Saves ``grad_h`` (``[N, H]``), never
+    logits; backward scales it by the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, weights, chunk: int):  # type: ignore[override]
+        n = h.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        hits = torch.empty(n, dtype=torch.bool, device=h.device)
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            logits = (h[lo:hi] @ weight.t()).float()
+            lab, w = labels[lo:hi], weights[lo:hi].float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += ((lse - logits.gather(1, lab[:, None])[:, 0]) * w).sum()
+            hits[lo:hi] = logits.argmax(-1) == lab
+            if grad_h is not None:
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                probs[torch.arange(hi - lo, device=h.device), lab] -= 1.0
+                probs.mul_(w[:, None])
+                grad_h[lo:hi] = (probs.to(weight.dtype) @ weight).to(h.dtype)
+            del logits
+        ctx.save_for_backward(grad_h if grad_h is not None else h.new_empty(0))
+        ctx.mark_non_differentiable(hits)
+        return total, hits
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_hits):  # type: ignore[override]
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_total.to(grad_h.dtype), None, None, None, None
 
 
-def block_targets(
-    ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    pos: torch.Tensor,
-    valid: torch.Tensor,
-    block_size: int,
-    gamma: float,
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels and weights ``[D, A, B-1]`` of block offsets ``k = 1..B-1``: the label is
-    ``ids[anchor + k]``, the weight ``exp(-(k-1)/gamma)`` where the anchor is valid and
-    ``loss_mask[anchor + k] == 1``, else 0."""
-    n_doc, width = ids.shape
-    a = pos.shape[1]
-    offsets = torch.arange(1, block_size, device=pos.device)
-    label_pos = (pos[:, :, None] + offsets).clamp(max=width - 1).flatten(1)
-    labels = ids.gather(1, label_pos).view(n_doc, a, block_size - 1)
-    supervised = loss_mask.bool().gather(1, label_pos).view(n_doc, a, block_size - 1)
-    supervised = supervised & valid[:, :, None]
-    decay = position_weights(block_size, gamma).to(pos.device)
-    return labels, decay * supervised
+    """``(sum of weights * CE(head(hidden), labels), argmax hits [N])``.
+
+    ``chunk_size > 0``: logits for at most ``chunk_size`` rows exist at once (fused pass,
+    frozen head). ``0``: the plain path (all logits, autograd), kept as the reference.
+    """
+    if chunk_size <= 0:
+        logits = head(hidden).float()
+        ce = F.cross_entropy(logits, labels, reduction="none")
+        return (ce * weights).sum(), logits.argmax(-1) == labels
+    weight = head.weight
+    if weight.requires_grad:
+        raise ValueError("the chunked LM head needs a frozen head (no weight gradient)")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("the chunked LM head supports a head without bias only")
+    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_size)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The micro-batch's blocks (CPU tensors): documents kept, anchors, labels and weights."""
+
+    docs: DocView  # documents with >= 2B supervised tokens
+    blk_doc: torch.Tensor  # [N] index into docs
+    blk_anchor: torch.Tensor  # [N] position in the document
+    labels: torch.Tensor  # [N, B-1] token at anchor + k
+    weights: torch.Tensor  # [N, B-1] float32, 0 where unsupervised
+    capped: int  # anchors dropped by the cap
+
+
+def plan_blocks(batch: object, cfg: LossConfig, generator: torch.Generator) -> BlockPlan | None:
+    """Draw the micro-batch's anchors and their targets (None: nothing to train on)."""
+    b = cfg.block_size
+    docs = DocView.of(batch)
+    ids_cpu, lm_cpu = batch.input_ids.cpu(), batch.loss_mask.cpu()
+    lm = docs.gather(lm_cpu)
+    keep = lm.sum(1) >= 2 * b
+    if not bool(keep.any()):
+        return None
+    docs, lm = docs.select(keep), lm[keep]
+    pos, valid = sample_anchors(
+        lm, docs.length, num_anchors=cfg.num_anchors, block_size=b, generator=generator
+    )
+    drawn = int(valid.sum())
+    valid = cap_anchors(valid, cfg.max_anchors, generator)
+    if drawn == 0:
+        return None
+    blk_doc, slot = valid.nonzero(as_tuple=True)  # document-major, anchors ascending
+    blk_anchor = pos[blk_doc, slot]
+    offsets = torch.arange(1, b)
+    cols = (docs.start[blk_doc] + blk_anchor)[:, None] + offsets
+    rows = docs.row[blk_doc][:, None].expand_as(cols)
+    labels = ids_cpu[rows, cols].long()
+    supervised = lm_cpu[rows, cols].bool()
+    weights = position_weights(b, cfg.gamma) * supervised
+    return BlockPlan(docs, blk_doc, blk_anchor, labels, weights, drawn - int(valid.sum()))
+
+
+def draft_blocks(
+    plan: BlockPlan, batch: object, feats: torch.Tensor, chunk_size: int, b: int
+) -> DraftBlocks:
+    """The drafter's input for ``plan``: packed context of the kept documents, blocks, the
+    supervised slots to return, and the chunks (``chunk_size // B`` blocks each)."""
+    docs, device = plan.docs, feats.device
+    doc_ids = torch.arange(len(docs))
+    ctx_doc = doc_ids.repeat_interleave(docs.length)
+    doc_start = torch.zeros(len(docs), dtype=torch.int64)
+    doc_start[1:] = docs.length.cumsum(0)[:-1]
+    ctx_pos = torch.arange(int(docs.length.sum())) - doc_start[ctx_doc]
+    keep = torch.cat([torch.zeros(len(plan.blk_doc), 1, dtype=torch.bool), plan.weights > 0], 1)
+    chunk_blocks = max(1, chunk_size // b) if chunk_size > 0 else 0
+    chunks = plan_chunks(
+        plan.blk_doc.tolist(), plan.blk_anchor.tolist(), doc_start.tolist(), chunk_blocks
+    )
+    anchor_cols = docs.start[plan.blk_doc] + plan.blk_anchor
+    anchor_ids = batch.input_ids.cpu()[docs.row[plan.blk_doc], anchor_cols]
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    return DraftBlocks(
+        feats=feats,
+        ctx_row=dev(docs.row[ctx_doc]),
+        ctx_col=dev(docs.start[ctx_doc] + ctx_pos),
+        ctx_doc=dev(ctx_doc),
+        ctx_pos=dev(ctx_pos),
+        blk_doc=dev(plan.blk_doc),
+        blk_anchor=dev(plan.blk_anchor),
+        anchor_ids=dev(anchor_ids.long()),
+        chunks=chunks,
+        keep=dev(keep),
+    )
 
 
 def draft_loss(
@@ -146,53 +274,43 @@ def draft_loss(
     batch: object,
     cfg: LossConfig,
     generator: torch.Generator,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    attention: str = "sdpa",
 ) -> LossOutput:
-    """The weighted block cross-entropy of ``drafter`` (possibly DDP-wrapped) on ``batch``."""
+    """The weighted block cross-entropy of ``drafter`` (possibly DDP-wrapped) on ``batch``.
+
+    ``chunk_size``: supervised slots per LM-head chunk, and ``chunk_size // B`` blocks per
+    drafter chunk (0: unchunked, the reference path). ``attention``: ``sdpa`` or ``flex``.
+    """
     core: DFlashDrafter = getattr(drafter, "module", drafter)
     b = cfg.block_size
     if core.config.block_size != b:
         raise ValueError(f"drafter block size {core.config.block_size} != loss block size {b}")
-    docs = DocView.of(batch)
-    num_tokens = int(docs.length.sum())
-    lm_all = docs.gather(batch.loss_mask)
-    keep = lm_all.to("cpu").sum(1) >= 2 * b
-    if not bool(keep.any()):
-        return _empty(b, num_tokens, lm_all.device)
-    docs, lm = docs.select(keep), lm_all[keep.to(lm_all.device)]
-    pos, valid = sample_anchors(
-        lm, docs.length, num_anchors=cfg.num_anchors, block_size=b, generator=generator
-    )
-    if not bool(valid.any()):
-        return _empty(b, num_tokens, lm_all.device)
-
+    num_tokens = int(DocView.of(batch).length.sum())
+    plan = plan_blocks(batch, cfg, generator)
+    if plan is None:
+        return _empty(b, num_tokens, target.device)
     packed = batch.layout == "packed"
-    feats, _ = target.features(batch.input_ids, batch.position_ids if packed else None)
+    feats = target.train_features(batch.input_ids, batch.position_ids if packed else None)
     device = feats.device
-    feats = docs.gather(feats)
-    ids = docs.gather(batch.input_ids).long()
-    pos, valid, lm = pos.to(device), valid.to(device), lm.to(device)
-    hidden = block_hidden(target, drafter, feats, ids, pos, valid, b)[:, :, 1:]
-    labels, weights = block_targets(ids, lm, pos, valid, b, cfg.gamma)
-    sel = weights > 0
-    weights = weights[sel]
-    logits = target.lm_head(hidden[sel]).float()
-    target_ids = labels[sel]
-    ce = F.cross_entropy(logits, target_ids, reduction="none")
-    weighted = (ce * weights).sum()
-    loss = weighted / weights.sum()
-
-    k_idx = torch.arange(b - 1, device=device).expand_as(sel)[sel]
-    hits = (logits.argmax(-1) == target_ids).double()
-    correct = torch.bincount(k_idx, weights=hits, minlength=b - 1)
-    count = torch.bincount(k_idx, minlength=b - 1).double()
+    blocks = draft_blocks(plan, batch, feats, chunk_size, b)
+    hidden = drafter(target.embed_tokens, blocks, attention)
+    sel = plan.weights > 0
+    labels = plan.labels[sel].to(device, non_blocking=True)
+    weights = plan.weights[sel].to(device, non_blocking=True)
+    weighted, hits = linear_cross_entropy(hidden, target.lm_head, labels, weights, chunk_size)
+    weight_sum = weights.sum()
+    k_idx = torch.arange(b - 1).expand_as(sel)[sel].to(device, non_blocking=True)
     return LossOutput(
-        loss=loss,
+        loss=weighted / weight_sum,
         weighted_ce_sum=weighted.detach().double(),
-        weight_sum=weights.sum().double(),
-        correct=correct,
-        count=count,
-        num_blocks=int(valid.sum()),
+        weight_sum=weight_sum.double(),
+        correct=torch.bincount(k_idx, weights=hits.double(), minlength=b - 1),
+        count=torch.bincount(k_idx, minlength=b - 1).double(),
+        num_blocks=len(plan.blk_doc),
         num_tokens=num_tokens,
+        capped_blocks=plan.capped,
     )
 
 
@@ -204,15 +322,22 @@ def _empty(block_size: int, num_tokens: int, device: torch.device) -> LossOutput
 
 def zero_loss(target: Target, drafter: torch.nn.Module) -> torch.Tensor:
     """A loss of exactly 0 that still runs ``drafter`` (possibly DDP-wrapped) over one dummy
-    block, so every parameter gets a (zero) gradient and DDP's all-reduce stays in step with
-    the other ranks when a micro-batch has no block to train on."""
+    block without context, so every parameter gets a (zero) gradient and DDP's all-reduce
+    stays in step with the other ranks when a micro-batch has no block to train on."""
     core: DFlashDrafter = getattr(drafter, "module", drafter)
-    device = core.mask_embedding.device
-    b, h = core.config.block_size, core.config.hidden_size
-    feats = torch.zeros(1, 1, core.config.num_target_layers * h, device=device)
-    anchor = torch.zeros(1, 1, h, device=device)
-    block_pos = torch.arange(b, device=device)[None]
-    mask = torch.ones(1, b, 1 + b, dtype=torch.bool, device=device)
-    ctx_pos = torch.zeros(1, 1, dtype=torch.long, device=device)
-    hidden = drafter(anchor, feats, block_pos, ctx_pos, mask)
-    return hidden.sum() * 0.0
+    device = core.fc.weight.device
+    feats = torch.zeros(1, 1, core.fc.in_features, device=device)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    blocks = DraftBlocks(
+        feats=feats,
+        ctx_row=empty,
+        ctx_col=empty,
+        ctx_doc=empty,
+        ctx_pos=empty,
+        blk_doc=one,
+        blk_anchor=one,
+        anchor_ids=one,
+        chunks=((0, 1, 0, 0),),
+    )
+    return drafter(target.embed_tokens, blocks, "sdpa").sum() * 0.0

@@ -19,7 +19,7 @@ from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loop import TrainConfig, Trainer
 from trainer.loss import LossConfig
 from trainer.regen import load_prompts
-from trainer.target import Target, TinyTargetSpec, load_target
+from trainer.target import Target, TinyTargetSpec, load_target, mask_token_id
 
 log = logging.getLogger(__name__)
 
@@ -64,33 +64,62 @@ def target_from_opts(
     return load_target(opts["target"], layer_ids=layer_ids, device=device, dtype=dtype, tiny=tiny)
 
 
+SPEC_OPTIONS = ("token_budget", "max_batch_size", "max_seq_len", "layout", "grad_accum")
+
+
 def loader_spec(opts: dict[str, Any]) -> dict[str, Any]:
-    """The BatchSpec fields the trainer passes to the loader (``--spec`` overrides)."""
-    spec = {
-        "token_budget": opts["token_budget"],
-        "max_batch_size": opts["max_batch_size"],
-        "max_seq_len": opts["max_seq_len"],
-        "layout": opts["layout"],
-        "grad_accum": opts["grad_accum"],
-        "seed": opts["seed"],
-    }
-    spec.update(parse_spec_pairs(opts["spec_pairs"]))
-    if spec["grad_accum"] != opts["grad_accum"]:
+    """The BatchSpec fields the user set (flags, then ``--spec``); the daemon's configured
+    spec supplies every other field."""
+    spec = {k: opts[k] for k in SPEC_OPTIONS if opts.get(k) is not None}
+    extra = parse_spec_pairs(opts["spec_pairs"])
+    if "grad_accum" in extra and "grad_accum" in spec and extra["grad_accum"] != spec["grad_accum"]:
         raise ValueError("--spec grad_accum must equal --grad-accum")
+    spec.update(extra)
     return spec
 
 
+def resolve_mask_token(target: Target, opts: dict[str, Any]) -> int | None:
+    """The MASK token id (None: the opt-in learned vector). Refuses ids outside the
+    target's embedding, and a target that names none without ``--mask-token-id``."""
+    vocab = int(target.embed_tokens.weight.shape[0])
+    if opts["learned_mask"]:
+        if opts["mask_token_id"] is not None:
+            raise ValueError("--learned-mask and --mask-token-id exclude each other")
+        log.warning(
+            "--learned-mask: the MASK slot is a trained vector; SGLang, vLLM and Transformers "
+            "embed a mask token id instead, so this drafter cannot be served as trained"
+        )
+        return None
+    found = opts["mask_token_id"]
+    if found is None:
+        found = mask_token_id(target, None if opts["target"] == "tiny" else opts["target"])
+    if found is None:
+        raise ValueError(
+            f"target {opts['target']!r} names no mask token (no mask_token_id in its config, "
+            "no mask token or <|MASK|> in its tokenizer): pass --mask-token-id ID, a token "
+            "id the data never uses (or --learned-mask, which serving engines cannot load)"
+        )
+    if not 0 <= found < vocab:
+        raise ValueError(f"mask token id {found} is outside the target's embedding ({vocab} rows)")
+    return int(found)
+
+
 def build_drafter(target: Target, opts: dict[str, Any], device: torch.device) -> DFlashDrafter:
+    mask_id = resolve_mask_token(target, opts)
     cfg = DrafterConfig.from_target(
         target.config,
         num_target_layers=len(target.layer_ids),
         num_layers=opts["drafter_layers"],
         block_size=opts["block_size"],
+        mask_token_id=mask_id,
     )
+    log.info("drafter MASK: %s", "learned vector" if mask_id is None else f"token {mask_id}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(opts["seed"])  # same init on every rank (DDP also broadcasts it)
-        mean_embed = target.embed_tokens.weight.detach().float().mean(0)
-        drafter = DFlashDrafter(cfg, mask_init=mean_embed.cpu())
+        drafter = DFlashDrafter(cfg)
+    if drafter.mask_embedding is not None:
+        with torch.no_grad():
+            drafter.mask_embedding.copy_(target.embed_tokens.weight.float().mean(0).cpu())
     return drafter.to(device)
 
 
@@ -113,8 +142,13 @@ def train_config(opts: dict[str, Any]) -> TrainConfig:
     return TrainConfig(
         run_dir=opts["run_dir"],
         loss=LossConfig(
-            block_size=opts["block_size"], num_anchors=opts["num_anchors"], gamma=opts["gamma"]
+            block_size=opts["block_size"],
+            num_anchors=opts["num_anchors"],
+            max_anchors=opts["max_anchors"],
+            gamma=opts["gamma"],
         ),
+        loss_chunk=opts["loss_chunk"],
+        attention=opts["attention"],
         steps=opts["steps"],
         epochs=opts["epochs"],
         grad_accum=opts["grad_accum"],
@@ -137,7 +171,7 @@ def _write_config(env: DistEnv, run_dir: Path, opts: dict[str, Any], spec: dict[
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {k: (str(v) if isinstance(v, Path) else v) for k, v in opts.items()}
-    record.update(loader_spec=spec, world_size=env.world_size)
+    record.update(requested_loader_spec=spec, world_size=env.world_size)
     (run_dir / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
@@ -162,7 +196,7 @@ def run_training(opts: dict[str, Any]) -> dict[str, Any] | None:
             timeout_s=opts["timeout_s"],
         )
         _write_config(env, cfg.run_dir, opts, spec)
-        meta = {"target": opts["target"], "layer_ids": target.layer_ids, "loader_spec": spec}
+        meta = {"target": opts["target"], "layer_ids": target.layer_ids}
         trainer = Trainer(
             cfg,
             target=target,

@@ -6,9 +6,15 @@ download; any other value is a local directory loaded offline (``local_files_onl
 
 The target runs in eval mode with gradients off. ``features`` returns the hidden states of
 the chosen layers concatenated on the last axis (``hidden_states[id + 1]`` is the output of
-layer ``id``), the conditioning a DFlash drafter is trained on. The same call serves training
-(whole rows, no cache) and verification (a block on top of a KV cache), so the two can never
-disagree about which activations a feature is.
+layer ``id``), the conditioning a DFlash drafter is trained on. Forward hooks on those layers
+capture them (no ``output_hidden_states`` copy of every layer); for training,
+``train_features`` stops the decoder after the deepest chosen layer and never runs the LM
+head. Training and verification share the capture, so the two can never disagree about
+which activations a feature is.
+
+The MASK token of a DFlash block is a real token id whose (frozen) embedding row the drafter
+reads, as serving engines do: ``mask_token_id`` finds it in the target's config or
+tokenizer (Qwen3: ``<|MASK|>`` = 151669). The tiny target reserves its last id.
 
 Packed rows are split per document by the ``position_ids`` (they restart at 0 for every
 document); the mask code of ``transformers`` only does this without a 2D attention mask and
@@ -21,6 +27,7 @@ import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,6 +49,10 @@ class TinyTargetSpec:
     intermediate_size: int = 384
     max_positions: int = 8192
     seed: int = 0
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.vocab_size - 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -68,6 +79,7 @@ def build_tiny_model(spec: TinyTargetSpec) -> nn.Module:
         head_dim=spec.hidden_size // spec.num_heads,
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=False,
+        mask_token_id=spec.mask_token_id,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
@@ -91,6 +103,10 @@ def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
     return sorted({round(i * top / (n - 1)) for i in range(n)})
 
 
+class _StopForward(Exception):
+    """Raised by the deepest feature layer's hook: nothing after it is needed."""
+
+
 class Target:
     """A frozen causal LM with access to its embedding, LM head and chosen-layer features."""
 
@@ -107,6 +123,7 @@ class Target:
         # transformers 5 renamed ``past_key_values`` to ``cache``; accept either.
         params = inspect.signature(self.base.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.layers = self.base.layers
         self.layer_ids = list(layer_ids) if layer_ids else default_layer_ids(self.num_layers)
         bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
         if bad:
@@ -131,23 +148,63 @@ class Target:
         position_ids: torch.Tensor | None = None,
         cache: object | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(features [R, T, n*H], last_hidden [R, T, H])`` for ``input_ids [R, T]``.
-
-        Rows are right-padded (causal attention keeps padding out of real positions) or
-        packed (``position_ids`` restart at 0 per document). With a ``cache`` (``new_cache()``)
-        the ids continue the cached sequence, and the cache is extended in place.
-        """
-        kwargs = {} if cache is None else {self._cache_kwarg: cache}
-        out = self.base(
-            input_ids=input_ids.long(),
-            position_ids=None if position_ids is None else position_ids.long(),
-            use_cache=cache is not None,
-            output_hidden_states=True,
-            **kwargs,
-        )
-        hs = out.hidden_states
-        feats = torch.cat([hs[i + 1] for i in self.layer_ids], dim=-1)
+        """``(features [R, T, n*H], last_hidden [R, T, H])`` for ``input_ids [R, T]``: the
+        whole decoder stack (verification). With a ``cache`` (``new_cache()``) the ids
+        continue the cached sequence, and the cache is extended in place."""
+        feats, out = self._run(input_ids, position_ids, cache, stop_early=False)
         return feats, out.last_hidden_state
+
+    @torch.no_grad()
+    def train_features(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Features ``[R, T, n*H]`` only: the decoder stops after the deepest chosen layer,
+        and neither the other layers' hidden states nor the LM head are computed."""
+        return self._run(input_ids, position_ids, None, stop_early=True)[0]
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        cache: object | None,
+        *,
+        stop_early: bool,
+    ) -> tuple[torch.Tensor, Any]:
+        """Rows are right-padded (causal attention keeps padding out of real positions) or
+        packed (``position_ids`` restart at 0 per document). Forward hooks on the chosen
+        decoder layers capture their outputs (``hidden_states[id + 1]``); the last layer's
+        is normed, as ``output_hidden_states`` reports it."""
+        captured: dict[int, torch.Tensor] = {}
+        deepest = max(self.layer_ids)
+        stop = stop_early and deepest < self.num_layers - 1
+
+        def hook(i: int):
+            def grab(module: nn.Module, args: object, output: object) -> None:
+                captured[i] = output[0] if isinstance(output, tuple) else output
+                if stop and i == deepest:
+                    raise _StopForward
+
+            return grab
+
+        handles = [self.layers[i].register_forward_hook(hook(i)) for i in set(self.layer_ids)]
+        kwargs = {} if cache is None else {self._cache_kwarg: cache}
+        out = None
+        try:
+            out = self.base(
+                input_ids=input_ids.long(),
+                position_ids=None if position_ids is None else position_ids.long(),
+                use_cache=cache is not None,
+                **kwargs,
+            )
+        except _StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        last = self.num_layers - 1
+        if last in captured:
+            captured[last] = self.base.norm(captured[last])
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1), out
 
     @staticmethod
     def new_cache() -> object:
@@ -196,3 +253,28 @@ def load_target(
         target.layer_ids,
     )
     return target
+
+
+MASK_TOKEN = "<|MASK|>"
+
+
+def mask_token_id(target: Target, source: str | None = None) -> int | None:
+    """The target's MASK token id: ``mask_token_id`` or ``dflash_config.mask_token_id`` in
+    its config, else the tokenizer in ``source`` (a model directory): its mask token, or
+    ``<|MASK|>`` where the vocabulary has it. None when neither names one."""
+    cfg = target.config
+    dflash = getattr(cfg, "dflash_config", None) or {}
+    for value in (getattr(cfg, "mask_token_id", None), dflash.get("mask_token_id")):
+        if value is not None:
+            return int(value)
+    if source is None or not any(
+        (Path(source) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    if tok.mask_token_id is not None:
+        return int(tok.mask_token_id)
+    found = tok.convert_tokens_to_ids(MASK_TOKEN)
+    return int(found) if found is not None and found != tok.unk_token_id else None

@@ -13,20 +13,41 @@ State after the prompt's prefill: the committed tokens end with the target's own
    all are right); ``g_{j+1}`` is the next anchor and the cache is cut back to the
    positions before it.
 
-tau = committed tokens / steps. Output equals the target's plain greedy decoding token for
-token (greedy speculative decoding is lossless; a test checks it), so tau measures speed
-only. Temperature 0 only.
+Generation stops after ``max_new_tokens`` tokens or at the first end-of-sequence token
+(``eos_token_ids``, see ``eos_ids``): a step whose committed tokens contain an EOS commits
+up to and including the first one and is the last step; it counts, with only the tokens it
+committed up to the EOS. If the prefill's own first token is EOS there are no steps at all.
+The last step may commit tokens past ``max_new_tokens``: they count (as in z-lab's
+benchmark) but are cut from the output.
+
+Output equals the target's plain greedy decoding (``greedy_generate`` with the same EOS ids)
+token for token (greedy speculative decoding is lossless; a test checks it), so tau measures
+speed only. Temperature 0 only.
+
+Two statistics of the acceptance length (``TauReport``):
+
+* ``tau`` -- the reference statistic, the one z-lab's DFlash benchmark reports ("Average
+  Acceptance length") and so the one to compare with published numbers: the mean over
+  prompts of each prompt's own tau (its committed tokens / its steps). Every prompt weighs
+  the same, however many steps it took. A prompt with no steps (EOS as the very first
+  token) has no tau and contributes nothing to it (neither to the sum nor to the count).
+* ``tau_pooled`` -- committed tokens / steps, both summed over all prompts: the mean over
+  steps, so long generations weigh more. The two differ unless every prompt has the same
+  tau.
+
+``TauReport`` keeps sums only (``committed``, ``steps``, ``prompt_tau_sum``, ``prompts``), so
+ranks can all-reduce them and compute either statistic from the totals.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from trainer.drafter import DFlashDrafter, block_attention_mask
+from trainer.drafter import DFlashDrafter, DraftBlocks
 from trainer.target import Target
 
 
@@ -35,6 +56,25 @@ class Proposer(Protocol):
         """``num`` draft tokens after ``committed [n]`` (whose last token is the anchor);
         ``ctx [n-1, n_layers*H]`` are the target's features of the positions before it."""
         ...
+
+
+def one_block(ctx: torch.Tensor, anchor_id: torch.Tensor, anchor_pos: int) -> DraftBlocks:
+    """The drafter's input for one block at ``anchor_pos`` over context features
+    ``ctx [anchor_pos, n*H]`` (the same rule as training: the whole prefix, its own block)."""
+    device = ctx.device
+    zeros = torch.zeros(anchor_pos, dtype=torch.long, device=device)
+    positions = torch.arange(anchor_pos, device=device)
+    return DraftBlocks(
+        feats=ctx[None],
+        ctx_row=zeros,
+        ctx_col=positions,
+        ctx_doc=zeros,
+        ctx_pos=positions,
+        blk_doc=torch.zeros(1, dtype=torch.long, device=device),
+        blk_anchor=torch.tensor([anchor_pos], device=device),
+        anchor_ids=anchor_id.view(1).long(),
+        chunks=((0, 1, 0, anchor_pos),),
+    )
 
 
 class DrafterProposer:
@@ -46,19 +86,12 @@ class DrafterProposer:
     @torch.no_grad()
     def logits(self, committed: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B-1, V]`` for the tokens after the anchor ``committed[-1]``."""
-        b = self.drafter.config.block_size
-        device = ctx.device
         anchor_pos = committed.numel() - 1
         if ctx.shape[0] != anchor_pos:
             raise ValueError(f"context has {ctx.shape[0]} positions, anchor is at {anchor_pos}")
-        emb = self.target.embed_tokens(committed[-1:].view(1, 1))
-        block_pos = torch.arange(anchor_pos, anchor_pos + b, device=device)[None]
-        ctx_pos = torch.arange(anchor_pos, device=device)[None]
-        anchor = torch.tensor([[anchor_pos]], device=device)
-        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
-        mask = block_attention_mask(anchor, valid, anchor_pos, b)
-        hidden = self.drafter(emb, ctx[None], block_pos, ctx_pos, mask)
-        return self.target.lm_head(hidden[0, 1:].to(self.target.lm_head.weight.dtype))
+        blocks = one_block(ctx, committed[-1:], anchor_pos)
+        hidden = self.drafter(self.target.embed_tokens, blocks, "sdpa")
+        return self.target.lm_head(hidden[1:].to(self.target.lm_head.weight.dtype))
 
     def propose(self, committed: torch.Tensor, ctx: torch.Tensor, num: int) -> torch.Tensor:
         b = self.drafter.config.block_size
@@ -67,11 +100,33 @@ class DrafterProposer:
         return self.logits(committed, ctx).argmax(-1)
 
 
+def eos_ids(config: Any) -> tuple[int, ...]:
+    """The end-of-sequence ids of a Hugging Face config's ``eos_token_id`` (an int, a list of
+    ints or None/absent; a ``GenerationConfig`` works too), in order, without duplicates."""
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(dict.fromkeys(int(e) for e in eos))
+
+
+def _first_eos(tokens: torch.Tensor, eos_token_ids: Sequence[int]) -> int | None:
+    """Index of the first token of ``tokens [n]`` in ``eos_token_ids``, or None."""
+    if not eos_token_ids:
+        return None
+    eos = torch.as_tensor(list(eos_token_ids), dtype=tokens.dtype, device=tokens.device)
+    hits = torch.isin(tokens, eos).nonzero()
+    return int(hits[0, 0]) if hits.numel() else None
+
+
 @dataclass
 class SpecResult:
-    tokens: torch.Tensor  # the generated tokens (exactly max_new_tokens)
+    tokens: torch.Tensor  # the generated tokens: max_new_tokens, or fewer when ending at EOS
     steps: int  # draft-verify steps (the prefill's first token is not a step)
-    committed: int  # tokens committed by those steps
+    committed: int  # tokens committed by those steps (== sum(acceptance_lengths))
+    # Tokens committed by each step (j + 1, or fewer for a step cut at EOS); len == steps.
+    acceptance_lengths: list[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -86,8 +141,10 @@ def speculative_generate(
     *,
     block_size: int,
     max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
 ) -> SpecResult:
-    """Greedy speculative decoding of ``max_new_tokens`` tokens after ``prompt [P]`` (P >= 1)."""
+    """Greedy speculative decoding of up to ``max_new_tokens`` tokens after ``prompt [P]``
+    (P >= 1), ending after the first token in ``eos_token_ids`` (which is kept)."""
     if prompt.numel() < 1 or max_new_tokens < 1:
         raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
     device = target.device
@@ -96,8 +153,9 @@ def speculative_generate(
     feats, last = target.features(prompt[None], cache=cache)
     ctx = feats[0]
     committed = torch.cat([prompt, target.logits(last[0, -1:]).argmax(-1)])
-    steps = total = 0
-    while committed.numel() - prompt.numel() < max_new_tokens:
+    lengths: list[int] = []
+    done = _first_eos(committed[-1:], eos_token_ids) is not None
+    while not done and committed.numel() - prompt.numel() < max_new_tokens:
         drafts = proposer.propose(committed, ctx, block_size - 1).to(device, torch.long)
         start = committed.numel() - 1
         block = torch.cat([committed[-1:], drafts])
@@ -105,26 +163,42 @@ def speculative_generate(
         feats, last = target.features(block[None], pos, cache=cache)
         greedy = target.logits(last[0]).argmax(-1)
         j = int((drafts == greedy[:-1]).long().cumprod(0).sum())
-        committed = torch.cat([committed, drafts[:j], greedy[j : j + 1]])
-        ctx = torch.cat([ctx, feats[0, : j + 1]])
-        target.crop_cache(cache, committed.numel() - 1)
-        steps += 1
-        total += j + 1
-    new = committed[prompt.numel() : prompt.numel() + max_new_tokens]
-    return SpecResult(tokens=new, steps=steps, committed=total)
+        new = torch.cat([drafts[:j], greedy[j : j + 1]])
+        stop = _first_eos(new, eos_token_ids)
+        if stop is not None:
+            new, done = new[: stop + 1], True
+        committed = torch.cat([committed, new])
+        lengths.append(new.numel())
+        if not done:
+            ctx = torch.cat([ctx, feats[0, : j + 1]])
+            target.crop_cache(cache, committed.numel() - 1)
+    out = committed[prompt.numel() : prompt.numel() + max_new_tokens]
+    return SpecResult(
+        tokens=out, steps=len(lengths), committed=sum(lengths), acceptance_lengths=lengths
+    )
 
 
 @torch.no_grad()
-def greedy_generate(target: Target, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Plain greedy decoding with a KV cache (the reference speculative decoding must match)."""
+def greedy_generate(
+    target: Target,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    eos_token_ids: Sequence[int] = (),
+) -> torch.Tensor:
+    """Plain greedy decoding with a KV cache (the reference speculative decoding must match):
+    ``max_new_tokens`` tokens, or fewer ending with the first token in ``eos_token_ids``."""
     device = target.device
     ids = prompt.to(device, torch.long)
+    eos = set(int(e) for e in eos_token_ids)
     cache = target.new_cache()
     _, last = target.features(ids[None], cache=cache)
     out = []
-    for _ in range(max_new_tokens):
+    for k in range(max_new_tokens):
         nxt = target.logits(last[0, -1:]).argmax(-1)
         out.append(nxt)
+        if int(nxt) in eos or k == max_new_tokens - 1:
+            break
         pos = torch.tensor([[ids.numel() + len(out) - 1]], device=device)
         _, last = target.features(nxt[None], pos, cache=cache)
     return torch.cat(out)
@@ -132,11 +206,21 @@ def greedy_generate(target: Target, prompt: torch.Tensor, max_new_tokens: int) -
 
 @dataclass
 class TauReport:
-    committed: int
-    steps: int
+    """Sums over prompts (all-reducible across ranks); see the module docstring."""
+
+    committed: int  # committed tokens, summed over prompts
+    steps: int  # draft-verify steps, summed over prompts
+    prompt_tau_sum: float = 0.0  # sum of each prompt's committed / steps (prompts with steps)
+    prompts: int = 0  # prompts with at least one step (those in prompt_tau_sum)
 
     @property
     def tau(self) -> float:
+        """The reference statistic (z-lab's benchmark): mean over prompts of per-prompt tau."""
+        return self.prompt_tau_sum / self.prompts if self.prompts else 0.0
+
+    @property
+    def tau_pooled(self) -> float:
+        """Committed tokens / steps over all prompts together (the mean over steps)."""
         return self.committed / self.steps if self.steps else 0.0
 
 
@@ -147,13 +231,22 @@ def evaluate_tau(
     *,
     block_size: int,
     max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
 ) -> TauReport:
-    """Committed tokens and steps summed over ``prompts`` (tau = committed / steps)."""
-    committed = steps = 0
+    """Speculative decoding of every prompt; both tau statistics' sums over ``prompts``."""
+    rep = TauReport(committed=0, steps=0)
     for p in prompts:
         r = speculative_generate(
-            target, proposer, p, block_size=block_size, max_new_tokens=max_new_tokens
+            target,
+            proposer,
+            p,
+            block_size=block_size,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_token_ids,
         )
-        committed += r.committed
-        steps += r.steps
-    return TauReport(committed=committed, steps=steps)
+        rep.committed += r.committed
+        rep.steps += r.steps
+        if r.steps:
+            rep.prompt_tau_sum += r.tau
+            rep.prompts += 1
+    return rep

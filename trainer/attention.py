@@ -1,0 +1,140 @@
+"""Who a drafter block may attend to, without a dense mask for the whole micro-batch.
+
+The rule (the reference DFlash training mask): a query of block ``j`` (document ``d_j``,
+anchor ``a_j``) sees the context keys of its own document at positions ``< a_j``, and the
+``B`` keys of its own block, in both directions; nothing else. Training runs blocks in
+*chunks* (``BlockChunk``): the keys of a chunk are the packed context of the documents its
+blocks belong to (a contiguous slice of the micro-batch's packed context, since blocks are
+ordered document-major) followed by the chunk's own block keys. A chunk's mask is
+``[c*B, span + c*B]``, bounded by the chunk size, never ``[A*B, T + A*B]`` for all anchors.
+
+Two kernels apply the same rule:
+
+- ``sdpa``: ``scaled_dot_product_attention`` with the chunk's boolean mask (CPU, and the CUDA
+  fallback);
+- ``flex``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from the rule
+  (``mask_mod``), which lets the fused kernel skip the empty tiles (every tile of another
+  document, every tile past the chunk's last anchor). Compiled on CUDA; eager elsewhere
+  (correct but unfused: only tests use that).
+
+Verification uses the same object with one block whose context is the whole prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "sdpa", "flex")
+
+
+@dataclass(frozen=True)
+class BlockChunk:
+    """A chunk of ``n`` blocks and the context keys they may draw on.
+
+    ``ctx_doc``/``ctx_pos`` ``[S]``: document and in-document position of each context key
+    (the slice of the packed context the chunk's documents occupy); ``blk_doc``/``blk_anchor``
+    ``[n]``: each block's document and anchor position. All int64, on the model's device.
+    """
+
+    ctx_doc: torch.Tensor
+    ctx_pos: torch.Tensor
+    blk_doc: torch.Tensor
+    blk_anchor: torch.Tensor
+    block_size: int
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.blk_doc.numel()) * self.block_size
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.ctx_doc.numel()) + self.num_queries
+
+    def query_rule(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per query slot: its block index, document and anchor (``[n*B]`` each)."""
+        b = self.block_size
+        q_blk = torch.arange(self.num_queries, device=self.blk_doc.device) // b
+        return q_blk, self.blk_doc[q_blk], self.blk_anchor[q_blk]
+
+    def dense_mask(self) -> torch.Tensor:
+        """``[n*B, S + n*B]`` bool, True where a query may attend."""
+        q_blk, q_doc, q_anchor = self.query_rule()
+        ctx_ok = (self.ctx_doc[None, :] == q_doc[:, None]) & (
+            self.ctx_pos[None, :] < q_anchor[:, None]
+        )
+        own = q_blk[:, None] == q_blk[None, :]
+        return torch.cat([ctx_ok, own], dim=1)
+
+    def mask_mod(self) -> Callable[..., torch.Tensor]:
+        """The rule as a flex-attention ``mask_mod(b, h, q_idx, kv_idx)``."""
+        q_blk, q_doc, q_anchor = self.query_rule()
+        span, b = int(self.ctx_doc.numel()), self.block_size
+        # One sentinel entry so block keys (kv_idx >= span) index safely.
+        ctx_doc = torch.cat([self.ctx_doc, self.ctx_doc.new_full((1,), -1)])
+        ctx_pos = torch.cat([self.ctx_pos, self.ctx_pos.new_zeros(1)])
+
+        def rule(bi, hi, q_idx, kv_idx):
+            is_ctx = kv_idx < span
+            c = torch.clamp(kv_idx, max=span)
+            ctx_ok = is_ctx & (ctx_doc[c] == q_doc[q_idx]) & (ctx_pos[c] < q_anchor[q_idx])
+            own = (~is_ctx) & ((kv_idx - span) // b == q_blk[q_idx])
+            return ctx_ok | own
+
+        return rule
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``auto`` means ``flex`` on CUDA when this torch has it, else ``sdpa``."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+    if name != "auto":
+        return name
+    return "flex" if device.type == "cuda" and _flex_available() else "sdpa"
+
+
+def _flex_available() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk, backend: str
+) -> torch.Tensor:
+    """Attention of ``q [1, h, n*B, d]`` over ``k, v [1, kv_h, S + n*B, d]`` under the rule."""
+    if backend == "flex":
+        return _flex(q, k, v, chunk)
+    mask = chunk.dense_mask()
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask = create_block_mask(
+        chunk.mask_mod(), None, None, chunk.num_queries, chunk.num_keys, device=q.device
+    )
+    gqa = k.shape[1] != q.shape[1]
+    return _flex_kernel(q.device.type)(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+@cache
+def _flex_kernel(device_type: str) -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type != "cuda":
+        return flex_attention  # eager: the unfused reference implementation
+    return torch.compile(flex_attention, dynamic=True)
