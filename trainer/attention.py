@@ -65,13 +65,32 @@ class BlockChunk:
         return q_blk, self.blk_doc[q_blk], self.blk_anchor[q_blk]
 
     def dense_mask(self) -> torch.Tensor:
-        """``[n*B, S + n*B]`` bool, True where a query may attend."""
+        """``[n*B, S + n*B]`` bool, True where a query may attend (built once per chunk)."""
+        cached = self.__dict__.get("_dense")
+        if cached is None:
+            cached = self._dense_mask()
+            object.__setattr__(self, "_dense", cached)
+        return cached
+
+    def _dense_mask(self) -> torch.Tensor:
         q_blk, q_doc, q_anchor = self.query_rule()
         ctx_ok = (self.ctx_doc[None, :] == q_doc[:, None]) & (
             self.ctx_pos[None, :] < q_anchor[:, None]
         )
         own = q_blk[:, None] == q_blk[None, :]
         return torch.cat([ctx_ok, own], dim=1)
+
+    def block_mask(self) -> object:
+        """The flex-attention ``BlockMask`` of the rule, built once per chunk (every layer of
+        the drafter reuses it); compiled on CUDA, where building it eagerly costs more than
+        the attention itself."""
+        cached = self.__dict__.get("_block_mask")
+        if cached is None:
+            device = self.blk_doc.device
+            build = _mask_builder(device.type)
+            cached = build(self.mask_mod(), None, None, self.num_queries, self.num_keys, device)
+            object.__setattr__(self, "_block_mask", cached)
+        return cached
 
     def mask_mod(self) -> Callable[..., torch.Tensor]:
         """The rule as a flex-attention ``mask_mod(b, h, q_idx, kv_idx)``."""
@@ -112,6 +131,7 @@ def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk, backend: str
 ) -> torch.Tensor:
     """Attention of ``q [1, h, n*B, d]`` over ``k, v [1, kv_h, S + n*B, d]`` under the rule."""
+    k, v = k.to(q.dtype), v.to(q.dtype)  # autocast may leave normed q/k and plain v apart
     if backend == "flex":
         return _flex(q, k, v, chunk)
     mask = chunk.dense_mask()
@@ -122,13 +142,17 @@ def block_attention(
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk) -> torch.Tensor:
+    gqa = k.shape[1] != q.shape[1]
+    return _flex_kernel(q.device.type)(q, k, v, block_mask=chunk.block_mask(), enable_gqa=gqa)
+
+
+@cache
+def _mask_builder(device_type: str) -> Callable[..., object]:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    mask = create_block_mask(
-        chunk.mask_mod(), None, None, chunk.num_queries, chunk.num_keys, device=q.device
-    )
-    gqa = k.shape[1] != q.shape[1]
-    return _flex_kernel(q.device.type)(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if device_type != "cuda":
+        return create_block_mask
+    return torch.compile(create_block_mask, dynamic=True)
 
 
 @cache

@@ -60,6 +60,11 @@ def _target_options(f):
     f = click.option("--tiny-layers", type=int, default=4, show_default=True)(f)
     f = click.option("--tiny-hidden", type=int, default=128, show_default=True)(f)
     f = click.option("--tiny-seed", type=int, default=0, show_default=True)(f)
+    f = click.option("--tiny-heads", type=int, default=4, show_default=True)(f)
+    f = click.option("--tiny-kv-heads", type=int, default=2, show_default=True)(f)
+    f = click.option(
+        "--tiny-intermediate", type=int, help="MLP width of the tiny target [3 x hidden]."
+    )(f)
     return f
 
 

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import math
+import resource
 import struct
 import time
 from collections.abc import Iterator, Sequence
@@ -318,7 +319,8 @@ class Trainer:
         frac = raw["wait"] / max(raw["time"], 1e-9)
         timing = torch.tensor([raw["time"], raw["wait"], frac], dtype=torch.float64)
         sums = all_reduce(torch.cat([raw["sums"], timing.to(raw["sums"].device)]), self.env)
-        mx = all_reduce(timing[[0, 2]].to(self.env.device), self.env, op="max").cpu()
+        peaks = torch.tensor([*timing[[0, 2]].tolist(), *_memory_peaks_gb(self.env.device)])
+        mx = all_reduce(peaks.to(self.env.device), self.env, op="max").cpu()
         sums, n = sums.cpu(), self.env.world_size
         k = len(_SCALARS)
         correct, count = sums[k : k + b - 1], sums[k + b - 1 : k + 2 * (b - 1)]
@@ -342,6 +344,8 @@ class Trainer:
             "data_wait_s": wait,
             "data_wait_frac": wait_frac,
             "data_wait_frac_max": float(mx[1]),
+            "rss_peak_gb": round(float(mx[2]), 3),  # max over ranks, since the process began
+            "gpu_mem_peak_gb": round(float(mx[3]), 3),  # max over ranks (0 on CPU)
             "time": time.time(),
         }
 
@@ -452,6 +456,13 @@ class Trainer:
         from tqdm.auto import tqdm
 
         return tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
+
+
+def _memory_peaks_gb(device: torch.device) -> tuple[float, float]:
+    """Peak resident memory of this process and peak CUDA memory allocated, in GiB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    gpu = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return rss, gpu
 
 
 def _postfix(rec: dict[str, Any]) -> dict[str, str]:

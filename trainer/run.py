@@ -57,7 +57,9 @@ def target_from_opts(
         vocab_size=opts["tiny_vocab"],
         num_layers=opts["tiny_layers"],
         hidden_size=opts["tiny_hidden"],
-        intermediate_size=3 * opts["tiny_hidden"],
+        intermediate_size=opts.get("tiny_intermediate") or 3 * opts["tiny_hidden"],
+        num_heads=opts.get("tiny_heads", 4),
+        num_kv_heads=opts.get("tiny_kv_heads", 2),
         seed=opts["tiny_seed"],
     )
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

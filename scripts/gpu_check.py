@@ -1,0 +1,291 @@
+"""The trainer at real scale on one GPU (run by ``scripts/gpu_check.sh``).
+
+Stages, each writing its figures to ``OUT/gpu_check.json`` as soon as it has them:
+
+1. ``env``: GPU, torch, transformers.
+2. ``head``: peak CUDA memory and time of the LM head + weighted cross-entropy, forward and
+   backward, at hidden 4096 and vocabulary 151,936 in bf16, chunked (1024 slots) vs
+   unchunked, for one document at the reference recipe (512 anchors x 15 slots) and for the
+   default per-micro-batch anchor cap (2048 x 15).
+3. ``copy_rule``: the daemon serves a synthetic corpus (Qwen3 vocabulary); a client copies
+   every batch to the GPU with ``non_blocking=True`` and compares it, after the slot went
+   back to the daemon, with a CPU copy taken before.
+4. ``train``: ``dflash-train train`` with a random-weight target of Qwen3-8B's shape (36
+   layers, hidden 4096, 32/8 heads, MLP 12288, vocabulary 151,936) in bf16 and a 1-layer
+   drafter, at the daemon's default spec and the trainer's defaults, for 30 steps: step
+   time, tokens/s, anchors/s, peak GPU memory, data wait (``auto``: flex_attention); then
+   half as many steps with ``--attention sdpa`` for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN3_8B = {
+    "--tiny-vocab": "151936",
+    "--tiny-layers": "36",
+    "--tiny-hidden": "4096",
+    "--tiny-heads": "32",
+    "--tiny-kv-heads": "8",
+    "--tiny-intermediate": "12288",
+}
+
+
+class Report:
+    def __init__(self, out: Path) -> None:
+        self.path = out / "gpu_check.json"
+        self.data: dict[str, object] = {}
+
+    def put(self, stage: str, values: dict[str, object]) -> None:
+        self.data[stage] = values
+        self.path.write_text(json.dumps(self.data, indent=2) + "\n")
+        print(f"== {stage}: {json.dumps(values)}", flush=True)
+
+    def run(self, stage: str, fn, *args) -> object:
+        t0 = time.perf_counter()
+        try:
+            values = fn(*args)
+        except BaseException as e:  # a failed stage is a figure too; go on to the next
+            traceback.print_exc()
+            self.put(stage, {"error": f"{type(e).__name__}: {e}"[:2000]})
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            return None
+        values["stage_s"] = round(time.perf_counter() - t0, 1)
+        self.put(stage, values)
+        return values
+
+
+def env_stage() -> dict[str, object]:
+    import transformers
+
+    p = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": p.name,
+        "gpu_mem_gb": round(p.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def head_stage() -> dict[str, object]:
+    from trainer.loss import linear_cross_entropy
+
+    dev = torch.device("cuda")
+    hidden, vocab = 4096, 151936
+    head = torch.nn.Linear(hidden, vocab, bias=False, device=dev, dtype=torch.bfloat16)
+    head.requires_grad_(False)
+    out: dict[str, object] = {}
+    for anchors in (512, 2048):
+        n = anchors * 15
+        g = torch.Generator(device=dev).manual_seed(0)
+        h = torch.randn(n, hidden, device=dev, dtype=torch.bfloat16, generator=g)
+        labels = torch.randint(0, vocab, (n,), device=dev, generator=g)
+        w = torch.rand(n, device=dev, generator=g)
+        for chunk in (1024, 0):
+            key = f"{anchors}_anchors_{'chunked' if chunk else 'unchunked'}"
+            try:
+                peak, secs = _measure_head(linear_cross_entropy, h, head, labels, w, chunk)
+                out[key] = {"peak_gb": round(peak, 2), "ms": round(secs * 1e3, 1)}
+            except torch.OutOfMemoryError:
+                out[key] = "out of memory"
+            torch.cuda.empty_cache()
+    return out
+
+
+def _measure_head(fn, h, head, labels, w, chunk) -> tuple[float, float]:
+    torch.cuda.synchronize()
+    for _ in range(3):  # the first run warms up kernels; report the last
+        x = h.detach().requires_grad_(True)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", torch.bfloat16):
+            total, _ = fn(x, head, labels, w, chunk)
+        total.backward()
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        del x, total
+    return peak, secs
+
+
+def attention_stage() -> dict[str, object]:
+    """Compiled flex_attention (BlockMask) against SDPA with the dense chunk mask, bf16, on
+    one chunk of 64 blocks of 16 over an 8,192-token document: agreement and time."""
+    from trainer.attention import BlockChunk, block_attention
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    n_ctx, b = 8192, 16
+    anchors = torch.sort(torch.randperm(n_ctx - b, device=dev, generator=g)[:64]).values
+    chunk = BlockChunk(
+        torch.zeros(n_ctx, dtype=torch.long, device=dev),
+        torch.arange(n_ctx, device=dev),
+        torch.zeros(64, dtype=torch.long, device=dev),
+        anchors,
+        b,
+    )
+    q = torch.randn(1, 32, chunk.num_queries, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, 8, chunk.num_keys, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    out: dict[str, object] = {}
+    results = {}
+    for backend in ("sdpa", "flex"):
+        for rep in range(4):  # the first call compiles (flex); each rep builds its mask anew
+            fresh = replace(chunk)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if backend == "flex":
+                fresh.block_mask()
+            else:
+                fresh.dense_mask()
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            results[backend] = block_attention(q, k, v, fresh, backend)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            if rep == 0:
+                out[f"{backend}_first_ms"] = round((t2 - t0) * 1e3, 1)
+        out[f"{backend}_mask_ms"] = round((t1 - t0) * 1e3, 2)
+        out[f"{backend}_kernel_ms"] = round((t2 - t1) * 1e3, 2)
+    diff = (results["flex"].float() - results["sdpa"].float()).abs().max()
+    out["max_abs_diff"] = float(diff)
+    return out
+
+
+def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
+    corpus = work / "corpus.arrow"
+    if not corpus.exists():
+        subprocess.run(
+            [sys.executable, "-m", "loader_server", "synth", str(corpus), "--samples", "6000",
+             "--median-len", "1500", "--max-len", "8192", "--vocab-size", "151936",
+             "--content", "learnable"],
+            check=True,
+        )  # fmt: skip
+    endpoint = f"ipc://{work}/loader.sock"
+    shm = work / "shm"
+    shm.mkdir(exist_ok=True)
+    with open(work / "daemon.log", "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loader_server", "serve", "--dataset", str(corpus),
+             "--endpoint", endpoint, "--shm-dir", str(shm)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while b"READY" not in (work / "daemon.log").read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError((work / "daemon.log").read_text()[-2000:])
+        time.sleep(0.2)
+    return proc, endpoint
+
+
+def copy_stage(endpoint: str) -> dict[str, object]:
+    from client import LoaderClient
+
+    checked = mismatched = 0
+    with LoaderClient(endpoint, job="copy-check", rank=0, world_size=1) as client:
+        it = iter(client)
+        prev = None
+        t0 = time.perf_counter()
+        for _ in range(60):
+            batch = next(it)  # releases the previous slot: its copy must have finished
+            if prev is not None:
+                ref, on_gpu = prev
+                same = torch.equal(on_gpu.input_ids.cpu(), ref.input_ids) and torch.equal(
+                    on_gpu.loss_mask.cpu(), ref.loss_mask
+                )
+                checked += 1
+                mismatched += not same
+            ref = batch.clone()
+            on_gpu = batch.to("cuda", non_blocking=True)
+            prev = (ref, on_gpu)
+        secs = time.perf_counter() - t0
+    return {"batches_checked": checked, "mismatched": mismatched, "s": round(secs, 2)}
+
+
+def train_stage(
+    endpoint: str, work: Path, steps: int, attention: str = "auto"
+) -> dict[str, object]:
+    run_dir = work / f"run-{attention}"
+    cmd = [
+        sys.executable, "-m", "trainer.cli", "train", "--endpoint", endpoint,
+        "--run-dir", str(run_dir), "--target", "tiny",
+        *[x for kv in QWEN3_8B.items() for x in kv],
+        "--steps", str(steps), "--num-eval-prompts", "2", "--eval-new-tokens", "16",
+        "--no-progress", "--attention", attention, "--job", f"gpu-check-{attention}",
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    log_path = work / f"train-{attention}.log"
+    with open(log_path, "wb") as log:
+        res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=330)
+    wall = time.perf_counter() - t0
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r.get("loss") is not None or r.get("tokens")]
+    if res.returncode != 0 or not train:
+        raise RuntimeError(log_path.read_text(errors="replace")[-3000:])
+    steady = train[3:] or train
+    spec = json.loads((run_dir / "loader_spec.json").read_text())
+
+    def med(key: str) -> float:
+        return round(statistics.median(r[key] for r in steady), 4)
+
+    return {
+        "steps": len(train),
+        "wall_s": round(wall, 1),
+        "first_step_s": round(train[0]["step_time_s"], 2),
+        "step_time_s": med("step_time_s"),
+        "tokens_per_s": med("tokens_per_s"),
+        "anchors_per_s": med("anchors_per_s"),
+        "anchors_per_micro": med("anchors_per_micro"),
+        "data_wait_frac": med("data_wait_frac"),
+        "gpu_mem_peak_gb": max(r["gpu_mem_peak_gb"] for r in train),
+        "loss_first": train[0]["loss"],
+        "loss_last": train[-1]["loss"],
+        "tau": [r.get("tau") for r in recs if "tau" in r],
+        "spec": {k: spec[k] for k in ("token_budget", "max_batch_size", "max_seq_len")},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "dflash-gpu-check"
+    work.mkdir(exist_ok=True)
+    report = Report(args.out)
+    report.run("env", env_stage)
+    report.run("head", head_stage)
+    report.run("attention", attention_stage)
+    daemon = None
+    try:
+        daemon, endpoint = start_daemon(work)
+        report.run("copy_rule", copy_stage, endpoint)
+        report.run("train", train_stage, endpoint, work, args.steps)
+        report.run("train_sdpa", train_stage, endpoint, work, args.steps // 2, "sdpa")
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(timeout=30)
+        for log in [work / "daemon.log", *work.glob("train*.log")]:
+            (args.out / log.name).write_text(log.read_text(errors="replace")[-200_000:])
+    print(json.dumps(report.data, indent=2))
+
+
+if __name__ == "__main__":
+    main()
