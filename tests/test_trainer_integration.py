@@ -28,12 +28,12 @@ RUN_TIMEOUT_S = 240.0
 
 
 class Daemon:
-    def __init__(self, dataset: Path, workdir: Path, shm_dir: Path) -> None:
+    def __init__(self, dataset: Path, workdir: Path, shm_dir: Path, *flags: str) -> None:
         self.endpoint = f"ipc://{workdir}/loader.sock"
         self.log_path = workdir / "daemon.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         cmd = [sys.executable, "-m", "loader_server", "serve", "--dataset", str(dataset)]
-        cmd += ["--endpoint", self.endpoint, "--shm-dir", str(shm_dir)]
+        cmd += ["--endpoint", self.endpoint, "--shm-dir", str(shm_dir), *flags]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while "READY endpoint=" not in self.log():
@@ -178,3 +178,34 @@ def test_kill_and_resume_matches_uninterrupted(daemon, tmp_path):
     # The daemon never reloaded its dataset: one process, one "opened" line.
     assert daemon.proc.poll() is None
     assert daemon.log().count("opened") == 1
+
+
+def test_trainer_follows_the_daemons_spec(tmp_path):
+    """A trainer given no spec flags asks for nothing: the daemon's configured spec applies
+    (here a small budget, short samples and 2 micro-batches per step), and the trainer logs
+    and records the spec it was actually served."""
+    corpus = tmp_path / "corpus.arrow"
+    write_corpus(corpus, SynthSpec(num_samples=300, seed=5, median_len=150, max_len=400,
+                                   vocab_size=512, content="learnable"))  # fmt: skip
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp_path
+    shm = base / f"dflash-trainer-test-{uuid.uuid4().hex[:8]}"
+    shm.mkdir()
+    flags = ("--token-budget", "512", "--max-seq-len", "128", "--grad-accum", "2")
+    d = Daemon(corpus, tmp_path, shm, *flags)
+    run_dir = tmp_path / "run"
+    try:
+        cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", d.endpoint,
+               "--run-dir", str(run_dir), "--steps", "3", "--block-size", "8",
+               "--num-anchors", "4", "--num-eval-prompts", "0", "--no-progress"]  # fmt: skip
+        run(cmd, tmp_path / "t.log")
+    finally:
+        d.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+    served = json.loads((run_dir / "loader_spec.json").read_text())
+    assert (served["token_budget"], served["max_seq_len"], served["grad_accum"]) == (512, 128, 2)
+    assert json.loads((run_dir / "config.json").read_text())["requested_loader_spec"] == {}
+    assert '"token_budget": 512' in (tmp_path / "t.log").read_text()  # logged as served
+    recs = records(run_dir)
+    assert sorted(recs) == [0, 1, 2, 3]
+    # Two micro-batches of at most 512 padded tokens, rows cut at 128, per step.
+    assert all(0 < recs[s]["tokens"] <= 2 * 512 for s in (1, 2, 3))

@@ -18,6 +18,7 @@ from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loop import TrainConfig, Trainer, warmup_cosine
 from trainer.loss import LossConfig
 from trainer.metrics import metrics_path, read_metrics
+from trainer.run import loader_spec, resolve_mask_token
 from trainer.target import Target
 from trainer.verifier import greedy_generate
 
@@ -96,11 +97,20 @@ def losses(run_dir: Path) -> dict[int, float]:
 def test_loss_decreases_and_tau_is_reported(target, samples, tmp_path):
     src = ListSource(samples, rows=4)
     tr = make_trainer(target, src, tmp_path, steps=30, eval_every=15)
+    embedding = target.embed_tokens.weight.clone()
     summary = tr.run()
+    # The MASK slot is the target's frozen row 511: no drafter parameter, target untouched.
+    assert not any("mask" in name for name in tr.drafter.state_dict())
+    assert torch.equal(target.embed_tokens.weight, embedding)
+    x = tr.drafter.block_inputs(target.embed_tokens, torch.tensor([5]))
+    assert torch.equal(x[1:], embedding[511].expand(B - 1, -1))
     recs = read_metrics(metrics_path(tmp_path))
     by_step = {r["step"]: r for r in recs}
     assert sorted(by_step) == list(range(31))
     assert "tau" in by_step[0] and "tau" in by_step[15] and "tau" in by_step[30]
+    assert all(1.0 <= by_step[s]["tau_pooled"] <= B for s in (0, 15, 30))
+    assert by_step[30]["anchors_per_micro"] == by_step[30]["blocks"] and by_step[30]["blocks"] > 0
+    assert by_step[30]["anchors_capped"] == 0 and by_step[30]["rss_peak_gb"] > 0
     first = sum(by_step[s]["loss"] for s in range(1, 6)) / 5
     last = sum(by_step[s]["loss"] for s in range(26, 31)) / 5
     assert last < first - 0.5, (first, last)
@@ -206,3 +216,43 @@ def test_epochs_set_the_length_from_the_loader(target, samples, tmp_path):
     assert tr.total_steps == 6 and summary["steps"] == 6
     recs = [r for r in read_metrics(metrics_path(tmp_path)) if "loss" in r]
     assert [r["epoch"] for r in recs] == [0, 0, 0, 1, 1, 1]
+
+
+def _opts(**kw):
+    base = dict(
+        token_budget=None,
+        max_batch_size=None,
+        max_seq_len=None,
+        layout=None,
+        grad_accum=None,
+        spec_pairs=(),
+        learned_mask=False,
+        mask_token_id=None,
+        target="tiny",
+    )
+    return {**base, **kw}
+
+
+def test_loader_spec_holds_only_what_the_user_set():
+    assert loader_spec(_opts()) == {}
+    assert loader_spec(_opts(token_budget=2048, spec_pairs=("seed=3", "buckets=[100]"))) == {
+        "token_budget": 2048,
+        "seed": 3,
+        "buckets": [100],
+    }
+    with pytest.raises(ValueError, match="must equal --grad-accum"):
+        loader_spec(_opts(grad_accum=2, spec_pairs=("grad_accum=4",)))
+
+
+def test_mask_token_resolution(target):
+    assert resolve_mask_token(target, _opts()) == 511  # the tiny target's reserved id
+    assert resolve_mask_token(target, _opts(mask_token_id=7)) == 7
+    assert resolve_mask_token(target, _opts(learned_mask=True)) is None
+    with pytest.raises(ValueError, match="outside the target's embedding"):
+        resolve_mask_token(target, _opts(mask_token_id=512))
+    with pytest.raises(ValueError, match="exclude each other"):
+        resolve_mask_token(target, _opts(learned_mask=True, mask_token_id=3))
+    plain = Target(target.model)
+    plain.config = type(target.config).from_dict({**target.config.to_dict(), "mask_token_id": None})
+    with pytest.raises(ValueError, match="names no mask token"):
+        resolve_mask_token(plain, _opts())

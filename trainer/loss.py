@@ -147,17 +147,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
-            logits = (h[lo:hi] @ weight.t()).float()
-            lab, w = labels[lo:hi], weights[lo:hi].float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, lab[:, None])[:, 0]) * w).sum()
-            hits[lo:hi] = logits.argmax(-1) == lab
-            if grad_h is not None:
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-                probs[torch.arange(hi - lo, device=h.device), lab] -= 1.0
-                probs.mul_(w[:, None])
-                grad_h[lo:hi] = (probs.to(weight.dtype) @ weight).to(h.dtype)
-            del logits
+            # One function call per chunk: its logits are freed before the next chunk's exist.
+            ce, hits[lo:hi], grad = _chunk_ce(
+                h[lo:hi], weight, labels[lo:hi], weights[lo:hi], grad_h is not None
+            )
+            total += ce
+            if grad is not None:
+                grad_h[lo:hi] = grad
         ctx.save_for_backward(grad_h if grad_h is not None else h.new_empty(0))
         ctx.mark_non_differentiable(hits)
         return total, hits
@@ -166,6 +162,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total, grad_hits):  # type: ignore[override]
         (grad_h,) = ctx.saved_tensors
         return grad_h * grad_total.to(grad_h.dtype), None, None, None, None
+
+
+def _chunk_ce(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Weighted CE sum, argmax hits and (if ``need_grad``) ``d/dh`` for one chunk of rows.
+
+    One ``[rows, vocab]`` fp32 buffer holds the logits, then (in place) the softmax, then the
+    gradient of the logits: ``logsumexp`` and ``softmax`` would each allocate another.
+    """
+    logits = (h @ weight.t()).float()
+    w = weights.float()
+    picked = logits.gather(1, labels[:, None])[:, 0]
+    hits = logits.argmax(-1) == labels
+    top = logits.amax(-1, keepdim=True)
+    probs = logits.sub_(top).exp_()  # in place: the logits are not needed any more
+    total = probs.sum(-1, keepdim=True)
+    ce = ((top[:, 0] + total[:, 0].log() - picked) * w).sum()
+    if not need_grad:
+        return ce, hits, None
+    probs.div_(total)
+    probs[torch.arange(h.shape[0], device=h.device), labels] -= 1.0
+    probs.mul_(w[:, None])
+    return ce, hits, (probs.to(weight.dtype) @ weight).to(h.dtype)
 
 
 def linear_cross_entropy(
