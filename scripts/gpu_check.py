@@ -264,6 +264,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--no-sdpa", action="store_true", help="Skip the SDPA comparison run.")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "dflash-gpu-check"
@@ -277,7 +278,8 @@ def main() -> None:
         daemon, endpoint = start_daemon(work)
         report.run("copy_rule", copy_stage, endpoint)
         report.run("train", train_stage, endpoint, work, args.steps)
-        report.run("train_sdpa", train_stage, endpoint, work, args.steps // 2, "sdpa")
+        if not args.no_sdpa:
+            report.run("train_sdpa", train_stage, endpoint, work, args.steps // 2, "sdpa")
     finally:
         if daemon is not None:
             daemon.terminate()

@@ -2,7 +2,8 @@
 # The trainer's GPU check: one CUDA GPU, about 5 minutes. From the repository root:
 #
 #   bash scripts/gpu_wheels.sh        # here, with network: wheels the GPU machine lacks (.whl/)
-#   bash scripts/gpu_check.sh [OUT]   # there: figures to stdout and OUT/gpu_check.json
+#   bash scripts/gpu_check.sh [OUT] [--steps N] [--no-sdpa]   # there: figures to stdout and
+#                                     # OUT/gpu_check.json
 #
 # Needs python3 with torch (CUDA), transformers, pyarrow, msgpack, click and numpy; pyzmq is
 # installed from .whl/ when missing (nothing is downloaded), and the two C extensions are
@@ -11,6 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-gpu-check-out}}
+shift || true
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 
@@ -32,4 +34,4 @@ cc=${CC:-$(command -v gcc || command -v cc)}
 "$cc" -O2 -shared -fPIC -I"$inc" client/_ring.c -o "client/_ring$suffix" || exit 1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-timeout --signal=INT 460 python3 scripts/gpu_check.py --out "$OUT_DIR"
+timeout --signal=INT 460 python3 scripts/gpu_check.py --out "$OUT_DIR" "$@"

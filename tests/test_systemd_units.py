@@ -11,15 +11,10 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - the venv is 3.11; tomli is tomllib's backport
-    tomllib = pytest.importorskip("tomli")
+import tomllib  # Python >= 3.11, as pyproject.toml requires
 
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
 LOADER_UNIT = "dflash-loader.service"
