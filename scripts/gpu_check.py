@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -221,6 +222,7 @@ def train_stage(
     endpoint: str, work: Path, steps: int, attention: str = "auto"
 ) -> dict[str, object]:
     run_dir = work / f"run-{attention}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun on the same machine starts afresh
     cmd = [
         sys.executable, "-m", "trainer.cli", "train", "--endpoint", endpoint,
         "--run-dir", str(run_dir), "--target", "tiny",

@@ -256,3 +256,11 @@ def test_mask_token_resolution(target):
     plain.config = type(target.config).from_dict({**target.config.to_dict(), "mask_token_id": None})
     with pytest.raises(ValueError, match="names no mask token"):
         resolve_mask_token(plain, _opts())
+
+
+def test_resume_refuses_a_different_served_spec(target, samples, tmp_path):
+    make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=2).run()
+    packed = ListSource(samples, rows=4, layout="packed")
+    tr = make_trainer(target, packed, tmp_path, steps=4, resume=True)
+    with pytest.raises(RuntimeError, match=r"another batch spec.*'layout': \('padded', 'packed'\)"):
+        tr.run()

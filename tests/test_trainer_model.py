@@ -560,3 +560,24 @@ def test_mask_token_id_from_config_tokenizer_or_none(tmp_path, target):
     assert mask_token_id(plain) is None
     plain.config.dflash_config = {"mask_token_id": 42}
     assert mask_token_id(plain) == 42
+
+
+def test_anchor_cap_last_round_ignores_how_many_anchors_a_document_has():
+    """Two documents, 2 and 100 anchors, cap 3: the third anchor goes to either document
+    about half the time (a shared key would always favour the larger one)."""
+    valid = torch.zeros(2, 100, dtype=torch.bool)
+    valid[0, :2] = True
+    valid[1, :] = True
+    small_wins = sum(
+        int(cap_anchors(valid, 3, torch.Generator().manual_seed(s))[0].sum()) == 2
+        for s in range(400)
+    )
+    assert 140 <= small_wins <= 260
+
+
+def test_plan_chunks_context_covers_every_block():
+    # Documents start at 0, 10, 30; blocks in any order within a chunk.
+    doc_start = [0, 10, 30]
+    chunks = plan_chunks([0, 1, 1, 2, 2], [5, 8, 3, 2, 7], doc_start, 3)
+    assert chunks == ((0, 3, 0, 18), (3, 5, 30, 37))
+    assert plan_chunks([0, 0], [4, 9], [0], 0) == ((0, 2, 0, 9),)

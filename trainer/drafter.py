@@ -119,7 +119,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        # Computed in fp32 and returned in the input's dtype, as Qwen3's norm does: under
+        # CUDA autocast rms_norm would otherwise turn bf16 activations into fp32 ones.
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.to(x.dtype)
 
 
 class DrafterAttention(nn.Module):
@@ -216,16 +219,19 @@ class DraftBlocks:
 def plan_chunks(
     blk_doc: list[int], blk_anchor: list[int], doc_start: list[int], chunk_blocks: int
 ) -> tuple[tuple[int, int, int, int], ...]:
-    """Cut ``N`` document-major blocks into runs of ``chunk_blocks`` (0: one run) with the
-    packed-context range each run needs: from its first document's start to its last
-    block's anchor (a block sees only positions before its anchor)."""
+    """Cut ``N`` blocks into runs of ``chunk_blocks`` (0: one run) with the packed-context
+    range each run needs: from the start of its first document to the furthest anchor of
+    its blocks (a block sees only positions before its anchor). Document-major blocks keep
+    that range tight; any order stays correct."""
     n = len(blk_doc)
     step = chunk_blocks if chunk_blocks > 0 else max(n, 1)
     out = []
     for lo in range(0, n, step):
         hi = min(lo + step, n)
-        ctx_hi = doc_start[blk_doc[hi - 1]] + blk_anchor[hi - 1]
-        out.append((lo, hi, doc_start[blk_doc[lo]], ctx_hi))
+        docs, anchors = blk_doc[lo:hi], blk_anchor[lo:hi]
+        ctx_lo = min(doc_start[d] for d in docs)
+        ctx_hi = max(doc_start[d] + a for d, a in zip(docs, anchors, strict=True))
+        out.append((lo, hi, ctx_lo, ctx_hi))
     return tuple(out)
 
 
@@ -264,7 +270,10 @@ class DFlashDrafter(nn.Module):
         ``embed`` is the target's frozen embedding. Chunks run under activation
         checkpointing when there is more than one (recomputed in backward).
         """
-        ctx = self.hidden_norm(self.fc(blocks.feats.to(self.fc.weight.dtype)))
+        feats = blocks.feats  # under autocast the projection casts; else match the weights
+        if not torch.is_autocast_enabled(feats.device.type):
+            feats = feats.to(self.fc.weight.dtype)
+        ctx = self.hidden_norm(self.fc(feats))
         ctx = ctx[blocks.ctx_row, blocks.ctx_col]
         cfg = self.config
         rope = rotary(blocks.ctx_pos, cfg.head_dim, cfg.rope_theta)
@@ -273,8 +282,10 @@ class DFlashDrafter(nn.Module):
         outs = []
         for chunk in blocks.chunks:
             args = (embed, blocks, ctx_kv, chunk, backend)
-            if checkpointed:
-                outs.append(checkpoint(self._chunk, *args, use_reentrant=False))
+            if checkpointed:  # nothing random inside: no RNG state to keep
+                outs.append(
+                    checkpoint(self._chunk, *args, use_reentrant=False, preserve_rng_state=False)
+                )
             else:
                 outs.append(self._chunk(*args))
         return torch.cat(outs) if len(outs) != 1 else outs[0]

@@ -151,6 +151,9 @@ class Trainer:
         self.epoch = 0
         self.metrics = MetricsWriter(metrics_path(cfg.run_dir), enabled=env.is_main)
         self.attention = resolve_backend(cfg.attention, env.device)
+        generation = getattr(target.model, "generation_config", None)
+        self._eos = tuple(dict.fromkeys(eos_ids(target.config) + eos_ids(generation)))
+        self._checkpoint_spec: dict[str, Any] | None = None  # the spec a resumed run had
         # Known once the loader has answered (its spec decides when the user did not).
         self.grad_accum = cfg.grad_accum or 1
 
@@ -204,6 +207,7 @@ class Trainer:
         self.optimizer.load_state_dict(shared["optimizer"])
         self._scheduler_state = shared["scheduler"]
         self.step, self.epoch = int(shared["step"]), int(shared["epoch"])
+        self._checkpoint_spec = (shared.get("meta") or {}).get("loader_spec")
         self.source.load_state_dict(mine["loader"])
         ckpt.set_rng_state(mine["rng"])
         self.metrics.truncate_after(self.step)
@@ -226,7 +230,7 @@ class Trainer:
                 self.eval_prompts,
                 block_size=self.cfg.loss.block_size,
                 max_new_tokens=self.cfg.eval_new_tokens,
-                eos_token_ids=eos_ids(self.target.config),
+                eos_token_ids=self._eos,
             )
         t = torch.tensor(
             [rep.committed, rep.steps, rep.prompt_tau_sum, rep.prompts],
@@ -434,7 +438,8 @@ class Trainer:
 
     def _adopt_loader_spec(self) -> None:
         """Take ``grad_accum`` from the spec the loader actually serves (the daemon's
-        configured one where the user set nothing), log it and keep it with checkpoints."""
+        configured one where the user set nothing), check that every rank and the resumed
+        checkpoint were served the same spec, log it and keep it with checkpoints."""
         spec = dict(getattr(self.source, "effective_spec", None) or {})
         served = int(spec.get("grad_accum", self.cfg.grad_accum or 1))
         if self.cfg.grad_accum is not None and served != self.cfg.grad_accum:
@@ -442,13 +447,42 @@ class Trainer:
                 f"the loader serves grad_accum {served}, the trainer was told {self.cfg.grad_accum}"
             )
         self.grad_accum = served
-        if spec:
-            self.meta["loader_spec"] = spec
-            log.info("rank %d: loader spec %s", self.env.rank, json.dumps(spec, sort_keys=True))
-            if self.env.is_main:
-                self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
-                path = self.cfg.run_dir / "loader_spec.json"
-                path.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+        if not spec:
+            return
+        self._check_ranks_agree(spec)  # first: a collective every rank reaches
+        if self._checkpoint_spec is not None and self._checkpoint_spec != spec:
+            diff = {
+                k: (self._checkpoint_spec.get(k), spec.get(k))
+                for k in sorted(set(spec) | set(self._checkpoint_spec))
+                if self._checkpoint_spec.get(k) != spec.get(k)
+            }
+            raise RuntimeError(
+                f"the loader now serves another batch spec than the checkpoint was trained on "
+                f"(field: (checkpoint, served)): {diff}; resuming would replay the saved position "
+                "in a different plan. Set those fields on the trainer (--spec KEY=VALUE) or "
+                "restore the daemon's [spec]"
+            )
+        self.meta["loader_spec"] = spec
+        log.info("rank %d: loader spec %s", self.env.rank, json.dumps(spec, sort_keys=True))
+        if self.env.is_main:
+            self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            path = self.cfg.run_dir / "loader_spec.json"
+            path.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+
+    def _check_ranks_agree(self, spec: dict[str, Any]) -> None:
+        """Every rank must be served one spec (one daemon per node: their configs could
+        differ, and ranks with different grad_accum would hang in the all-reduce)."""
+        if not self.env.distributed:
+            return
+        digest = hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=6)
+        key = float(int.from_bytes(digest.digest(), "little"))  # exact in float64
+        t = torch.tensor([key, -key], dtype=torch.float64, device=self.env.device)
+        hi, neg_lo = all_reduce(t, self.env, op="max").tolist()
+        if hi != -neg_lo:
+            raise RuntimeError(
+                f"ranks were served different batch specs (rank {self.env.rank}: "
+                f"{json.dumps(spec, sort_keys=True)}); give every node's daemon the same [spec]"
+            )
 
     def _progress(self):
         if not (self.cfg.progress and self.env.is_main):

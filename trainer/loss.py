@@ -102,16 +102,18 @@ def cap_anchors(valid: torch.Tensor, max_anchors: int, generator: torch.Generato
     """Keep at most ``max_anchors`` of the valid anchors ``[D, A]``, fairly across documents.
 
     Each document's anchors are ranked in random order; the cap takes every document's
-    first-ranked anchor, then every second, and so on (the last round in random document
-    order). A document with few anchors keeps all of them and leaves its share to the others.
-    Draws from ``generator`` only when the cap binds.
+    first-ranked anchor, then every second, and so on, with the documents of the last
+    round in a random order of their own (independent of how many anchors each has). A
+    document with few anchors keeps all of them and leaves its share to the others. Draws
+    from ``generator`` only when the cap binds.
     """
     if max_anchors <= 0 or int(valid.sum()) <= max_anchors:
         return valid
     keys = torch.rand(valid.shape, generator=generator)
     keys = torch.where(valid, keys, torch.full_like(keys, 2.0))
     rank = keys.argsort(dim=1).argsort(dim=1).to(keys.dtype)
-    order = torch.where(valid, rank + keys / 2, torch.full_like(keys, math.inf))
+    tie = torch.rand(valid.shape[0], 1, generator=generator) / 2  # document order per round
+    order = torch.where(valid, rank + tie, torch.full_like(keys, math.inf))
     chosen = torch.topk(order.flatten(), max_anchors, largest=False).indices
     out = torch.zeros(valid.numel(), dtype=torch.bool)
     out[chosen] = True
