@@ -27,10 +27,8 @@ def one(anchors: int, chunk: int) -> dict[str, float]:
     from trainer.batches import pad_batch
     from trainer.drafter import DFlashDrafter, DrafterConfig
     from trainer.loss import LossConfig, draft_loss
-    from trainer.run import tune_host_allocator
     from trainer.target import Target, TinyTargetSpec, build_tiny_model
 
-    tune_host_allocator()  # as `dflash-train train` does on CPU
     torch.manual_seed(0)
     spec = TinyTargetSpec(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=3 * HIDDEN)
     target = Target(build_tiny_model(spec), [0, 1, 2])

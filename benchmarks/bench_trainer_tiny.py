@@ -30,12 +30,6 @@ def measure(steps: int) -> dict[str, float]:
     from trainer.loss import LossConfig, draft_loss
     from trainer.target import Target, TinyTargetSpec, build_tiny_model
 
-    try:  # as `dflash-train train` does on CPU (absent in older trees)
-        from trainer.run import tune_host_allocator
-
-        tune_host_allocator()
-    except ImportError:
-        pass
     torch.manual_seed(0)
     torch.set_num_threads(1)
     target = Target(build_tiny_model(TinyTargetSpec()))

@@ -98,7 +98,7 @@ def test_mask_anchor_zero_sees_no_context():
     assert not m[:, :4].any() and m[:, 4:].all()
 
 
-def test_flex_rule_equals_dense_mask():
+def test_per_document_sdpa_and_flex_equal_the_dense_mask():
     """flex_attention's BlockMask (eager on CPU) and SDPA's dense mask give one output."""
     pytest.importorskip("torch.nn.attention.flex_attention")
     g = torch.Generator().manual_seed(0)
@@ -107,9 +107,13 @@ def test_flex_rule_equals_dense_mask():
     q = torch.randn(1, 4, chunk.num_queries, 16, generator=g)
     k = torch.randn(1, 2, chunk.num_keys, 16, generator=g)
     v = torch.randn(1, 2, chunk.num_keys, 16, generator=g)
-    dense = block_attention(q, k, v, chunk, "sdpa")
+    per_doc = block_attention(q, k, v, chunk, "sdpa")
     flex = block_attention(q, k, v, chunk, "flex")
-    assert torch.allclose(dense, flex, atol=1e-5)
+    assert torch.allclose(per_doc, flex, atol=1e-5)
+    # ... and both equal one SDPA call over the whole chunk with its dense mask.
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    dense = F.scaled_dot_product_attention(q, kk, vv, attn_mask=chunk.dense_mask()[None, None])
+    assert torch.allclose(per_doc, dense, atol=1e-5)
 
 
 # ---- anchors ------------------------------------------------------------------------------
@@ -581,3 +585,13 @@ def test_plan_chunks_context_covers_every_block():
     chunks = plan_chunks([0, 1, 1, 2, 2], [5, 8, 3, 2, 7], doc_start, 3)
     assert chunks == ((0, 3, 0, 18), (3, 5, 30, 37))
     assert plan_chunks([0, 0], [4, 9], [0], 0) == ((0, 2, 0, 9),)
+
+
+def test_host_allocator_threshold_follows_the_chunk_count():
+    from trainer import hostmem
+
+    many = hostmem.fit_chunks(hostmem.MANY_CHUNKS + 1)
+    if many is None:
+        pytest.skip("not glibc")
+    assert many == hostmem.SMALL_THRESHOLD_BYTES
+    assert hostmem.fit_chunks(1) == hostmem.DEFAULT_THRESHOLD_BYTES

@@ -10,8 +10,10 @@ ordered document-major) followed by the chunk's own block keys. A chunk's mask i
 
 Two kernels apply the same rule:
 
-- ``sdpa``: ``scaled_dot_product_attention`` with the chunk's boolean mask (CPU, and the CUDA
-  fallback);
+- ``sdpa``: ``scaled_dot_product_attention`` with a dense boolean mask, the chunk regrouped
+  as one padded row per document (each document's queries against its own context up to
+  its last anchor and its own blocks), so short documents do not pay for each other's
+  context (CPU, and the CUDA fallback);
 - ``flex``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from the rule
   (``mask_mod``), which lets the fused kernel skip the empty tiles (every tile of another
   document, every tile past the chunk's last anchor). Compiled on CUDA; eager elsewhere
@@ -80,6 +82,14 @@ class BlockChunk:
         own = q_blk[:, None] == q_blk[None, :]
         return torch.cat([ctx_ok, own], dim=1)
 
+    def per_document(self) -> PerDocument:
+        """The chunk regrouped by document for SDPA (built once per chunk)."""
+        cached = self.__dict__.get("_per_document")
+        if cached is None:
+            cached = _per_document(self)
+            object.__setattr__(self, "_per_document", cached)
+        return cached
+
     def block_mask(self) -> object:
         """The flex-attention ``BlockMask`` of the rule, built once per chunk (every layer of
         the drafter reuses it); compiled on CUDA, where building it eagerly costs more than
@@ -134,11 +144,76 @@ def block_attention(
     k, v = k.to(q.dtype), v.to(q.dtype)  # autocast may leave normed q/k and plain v apart
     if backend == "flex":
         return _flex(q, k, v, chunk)
-    mask = chunk.dense_mask()
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+    return _sdpa_per_document(q, k, v, chunk)
+
+
+def _sdpa_per_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk
+) -> torch.Tensor:
+    """SDPA with a dense mask, one padded row per document of the chunk.
+
+    A chunk spanning many short documents would otherwise pay for every document's
+    context with every query; per document the work is its own queries x (its context up
+    to its last anchor + its own block keys), as a padded batch in one call.
+    """
+    idx = chunk.per_document()
+    qd = q[0][:, idx.q_index].transpose(0, 1)  # [D, h, maxQ, d]
+    kd = k[0][:, idx.k_index].transpose(0, 1)  # [D, kv_h, maxK, d]
+    vd = v[0][:, idx.k_index].transpose(0, 1)
+    if kd.shape[1] != qd.shape[1]:
+        kd = kd.repeat_interleave(qd.shape[1] // kd.shape[1], dim=1)
+        vd = vd.repeat_interleave(qd.shape[1] // vd.shape[1], dim=1)
+    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=idx.mask[:, None])
+    return out.transpose(0, 1)[:, idx.slot_doc, idx.slot_row][None]
+
+
+@dataclass(frozen=True)
+class PerDocument:
+    """A chunk regrouped by document: ``q_index [D, maxQ]`` and ``k_index [D, maxK]`` pick
+    each document's queries and keys (context, then its blocks) out of the chunk's,
+    ``mask [D, maxQ, maxK]`` is the rule (padding excluded; padded query rows see one key so
+    that no softmax row is empty), and query slot ``i`` of the chunk is row
+    ``slot_row[i]`` of document ``slot_doc[i]``."""
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    mask: torch.Tensor
+    slot_doc: torch.Tensor
+    slot_row: torch.Tensor
+
+
+def _per_document(chunk: BlockChunk) -> PerDocument:
+    b, dev = chunk.block_size, chunk.blk_doc.device
+    n, span = int(chunk.blk_doc.numel()), int(chunk.ctx_doc.numel())
+    docs, blk_j = torch.unique_consecutive(chunk.blk_doc, return_inverse=True)
+    d = int(docs.numel())
+    nblk = torch.bincount(blk_j, minlength=d)
+    first_blk = torch.cumsum(nblk, 0) - nblk
+    # Each document's context: a contiguous run of the chunk's context slice.
+    on = chunk.ctx_doc[None, :] == docs[:, None]  # [D, S]
+    ctx_len = on.sum(1)
+    ctx_first = on.float().argmax(1) if span else torch.zeros_like(ctx_len)
+    max_q, max_c = int(nblk.max()) * b, int(ctx_len.max()) if span else 0
+    rows = torch.arange(max_q, device=dev)
+    q_valid = rows[None, :] < nblk[:, None] * b  # [D, maxQ]
+    q_index = torch.where(q_valid, first_blk[:, None] * b + rows[None, :], 0)
+    cols = torch.arange(max_c, device=dev)
+    c_valid = cols[None, :] < ctx_len[:, None]
+    c_index = torch.where(c_valid, ctx_first[:, None] + cols[None, :], 0)
+    k_index = torch.cat([c_index, span + q_index], dim=1)
+    # Rule: context key c of document j iff its position < the query's anchor; block keys of
+    # the query's own block.
+    q_blk = torch.where(q_valid, first_blk[:, None] + rows[None, :] // b, 0)
+    q_anchor = chunk.blk_anchor[q_blk]  # [D, maxQ]
+    c_pos = chunk.ctx_pos[c_index] if span else c_index  # [D, maxC]
+    ctx_ok = c_valid[:, None, :] & (c_pos[:, None, :] < q_anchor[:, :, None])
+    own = (rows[None, :, None] // b == rows[None, None, :] // b) & q_valid[:, None, :]
+    mask = torch.cat([ctx_ok, own], dim=2) & q_valid[:, :, None]
+    mask[:, :, max_c] |= ~q_valid  # padded query rows: one (block) key, output unused
+    slots = torch.arange(n * b, device=dev)
+    slot_doc = blk_j[slots // b]
+    slot_row = slots - first_blk[slot_doc] * b
+    return PerDocument(q_index, k_index, mask, slot_doc, slot_row)
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk) -> torch.Tensor:

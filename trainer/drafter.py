@@ -19,7 +19,8 @@ Memory: one ``forward`` drafts every block of a micro-batch, but in chunks of
 chunk (its layers, attention and the slots it returns) runs under activation checkpointing,
 so what stays alive across chunks is the context and the returned hidden states, not the
 chunk's activations, and attention masks exist per chunk only. Peak memory then follows
-the chunk size, not the number of anchors.
+the chunk size, not the number of anchors. A micro-batch of at most ``KEEP_CHUNKS`` chunks
+keeps its activations instead (no recompute; still bounded by the chunk size).
 """
 
 from __future__ import annotations
@@ -235,6 +236,9 @@ def plan_chunks(
     return tuple(out)
 
 
+KEEP_CHUNKS = 2  # chunks per micro-batch drafted without activation checkpointing
+
+
 class DFlashDrafter(nn.Module):
     """Projection of target features, K decoder layers, final norm (and, opt-in, a learned
     MASK vector)."""
@@ -268,7 +272,7 @@ class DFlashDrafter(nn.Module):
         slots ``blocks.keep`` selects, in block-major order.
 
         ``embed`` is the target's frozen embedding. Chunks run under activation
-        checkpointing when there is more than one (recomputed in backward).
+        checkpointing when there are more than ``KEEP_CHUNKS`` (recomputed in backward).
         """
         feats = blocks.feats  # under autocast the projection casts; else match the weights
         if not torch.is_autocast_enabled(feats.device.type):
@@ -278,7 +282,9 @@ class DFlashDrafter(nn.Module):
         cfg = self.config
         rope = rotary(blocks.ctx_pos, cfg.head_dim, cfg.rope_theta)
         ctx_kv = [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
-        checkpointed = len(blocks.chunks) > 1 and torch.is_grad_enabled()
+        # Up to KEEP_CHUNKS chunks keep their activations (memory still bounded by the chunk
+        # size); more are recomputed in backward.
+        checkpointed = len(blocks.chunks) > KEEP_CHUNKS and torch.is_grad_enabled()
         outs = []
         for chunk in blocks.chunks:
             args = (embed, blocks, ctx_kv, chunk, backend)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trainer import hostmem
 from trainer.batches import DocView
 from trainer.drafter import DFlashDrafter, DraftBlocks, plan_chunks
 from trainer.target import Target
@@ -321,6 +322,8 @@ def draft_loss(
     feats = target.train_features(batch.input_ids, batch.position_ids if packed else None)
     device = feats.device
     blocks = draft_blocks(plan, batch, feats, chunk_size, b)
+    if device.type == "cpu":
+        hostmem.fit_chunks(len(blocks.chunks))
     hidden = drafter(target.embed_tokens, blocks, attention)
     sel = plan.weights > 0
     labels = plan.labels[sel].to(device, non_blocking=True)

@@ -6,8 +6,6 @@ trainer) read in order and each can be swapped in tests.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -24,28 +22,6 @@ from trainer.regen import load_prompts
 from trainer.target import Target, TinyTargetSpec, load_target, mask_token_id
 
 log = logging.getLogger(__name__)
-
-
-# glibc's mallopt parameter M_MMAP_THRESHOLD, and the value the trainer sets on CPU.
-_M_MMAP_THRESHOLD = -3
-HOST_MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def tune_host_allocator() -> bool:
-    """Serve host allocations of 1 MiB and more with mmap (returned to the system on free).
-
-    On CPU the drafter's chunks allocate and free many 1-32 MB activations while small
-    outputs stay alive between them; glibc's default raises its mmap threshold to 32 MB
-    after the first large free and then serves those from the heap, which fragments and
-    grows with the number of chunks (measured: peak RSS +0.45 GB at 2,048 anchors, none with
-    the fixed threshold, at +16% step time). Returns False where it cannot be set (not
-    glibc). Has no effect on tensors in GPU memory.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):
-        return False
 
 
 def parse_int_list(value: str | None) -> list[int] | None:
@@ -206,8 +182,6 @@ def run_training(opts: dict[str, Any]) -> dict[str, Any] | None:
     cfg = train_config(opts)  # validates before anything is started
     spec = loader_spec(opts)
     env = init_distributed(opts["device"])
-    if env.device.type == "cpu":
-        tune_host_allocator()
     client = None
     try:
         target = target_from_opts(opts, env.device, parse_int_list(opts["layers"]))
