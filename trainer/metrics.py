@@ -5,8 +5,11 @@ batches), ``acc`` / ``acc_k`` (argmax accuracy overall / per block offset k = 1.
 ``lr``, ``grad_norm``, ``tokens`` (real tokens this step, all ranks), ``blocks``,
 ``step_time_s`` (mean over ranks), ``tokens_per_s`` (tokens / slowest rank's step time),
 ``data_wait_s`` / ``data_wait_frac`` (time blocked in ``next(loader)`` and its share of the
-step time, mean over ranks) and ``data_wait_frac_max`` (worst rank); ``tau`` and ``eval_s``
-on steps where the verifier ran (step 0 is the untrained drafter). Only rank 0 writes.
+step time, mean over ranks) and ``data_wait_frac_max`` (worst rank), ``anchors_per_micro``,
+``anchors_capped``, ``anchors_per_s``, ``rss_peak_gb`` / ``gpu_mem_peak_gb`` (largest over
+ranks); ``tau`` (mean over prompts of each prompt's tokens per step, as published),
+``tau_pooled`` (all prompts' tokens over all their steps) and ``eval_s`` on steps where the
+verifier ran (step 0 is the untrained drafter). Only rank 0 writes.
 
 On resume the file is cut back to the checkpoint's step (atomically), so a run that was
 killed after its last checkpoint does not list the replayed steps twice.
@@ -89,6 +92,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         )
     if taus:
         out.update(first_tau=taus[0]["tau"], last_tau=taus[-1]["tau"])
+        if "tau_pooled" in taus[-1]:
+            out.update(last_tau_pooled=taus[-1]["tau_pooled"])
     return out
 
 

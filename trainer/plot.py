@@ -37,10 +37,13 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     ax.grid(alpha=0.3)
     save(fig, "loss.png")
 
-    taus = list(iter_series(records, "tau"))
     fig, ax = plt.subplots(figsize=(7, 4))
-    if taus:
-        ax.plot(*zip(*taus, strict=True), marker="o")
+    for key, label in (("tau", "tau (per-prompt mean, as published)"), ("tau_pooled", "pooled")):
+        taus = list(iter_series(records, key))
+        if taus:
+            ax.plot(*zip(*taus, strict=True), marker="o", label=label)
+    if ax.lines:
+        ax.legend()
     ax.set(xlabel="optimizer step", ylabel="tau (tokens / step)", title="acceptance length")
     ax.grid(alpha=0.3)
     save(fig, "tau.png")
