@@ -296,6 +296,7 @@ class Trainer:
                         gen,
                         chunk_size=cfg.loss_chunk,
                         attention=self.attention,
+                        host_batch=batch,  # valid until the next next(): anchors planned there
                     )
                     loss = out.loss if out.loss is not None else zero_loss(self.target, self.model)
                 (loss / self.grad_accum).backward()

@@ -229,6 +229,7 @@ class BlockPlan:
     labels: torch.Tensor  # [N, B-1] token at anchor + k
     weights: torch.Tensor  # [N, B-1] float32, 0 where unsupervised
     capped: int  # anchors dropped by the cap
+    ids: torch.Tensor  # the batch's input_ids on the host
 
 
 def plan_blocks(batch: object, cfg: LossConfig, generator: torch.Generator) -> BlockPlan | None:
@@ -256,12 +257,10 @@ def plan_blocks(batch: object, cfg: LossConfig, generator: torch.Generator) -> B
     labels = ids_cpu[rows, cols].long()
     supervised = lm_cpu[rows, cols].bool()
     weights = position_weights(b, cfg.gamma) * supervised
-    return BlockPlan(docs, blk_doc, blk_anchor, labels, weights, drawn - int(valid.sum()))
+    return BlockPlan(docs, blk_doc, blk_anchor, labels, weights, drawn - int(valid.sum()), ids_cpu)
 
 
-def draft_blocks(
-    plan: BlockPlan, batch: object, feats: torch.Tensor, chunk_size: int, b: int
-) -> DraftBlocks:
+def draft_blocks(plan: BlockPlan, feats: torch.Tensor, chunk_size: int, b: int) -> DraftBlocks:
     """The drafter's input for ``plan``: packed context of the kept documents, blocks, the
     supervised slots to return, and the chunks (``chunk_size // B`` blocks each)."""
     docs, device = plan.docs, feats.device
@@ -276,7 +275,7 @@ def draft_blocks(
         plan.blk_doc.tolist(), plan.blk_anchor.tolist(), doc_start.tolist(), chunk_blocks
     )
     anchor_cols = docs.start[plan.blk_doc] + plan.blk_anchor
-    anchor_ids = batch.input_ids.cpu()[docs.row[plan.blk_doc], anchor_cols]
+    anchor_ids = plan.ids[docs.row[plan.blk_doc], anchor_cols]
 
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
@@ -304,24 +303,28 @@ def draft_loss(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     attention: str = "sdpa",
+    host_batch: object | None = None,
 ) -> LossOutput:
     """The weighted block cross-entropy of ``drafter`` (possibly DDP-wrapped) on ``batch``.
 
     ``chunk_size``: supervised slots per LM-head chunk, and ``chunk_size // B`` blocks per
     drafter chunk (0: unchunked, the reference path). ``attention``: ``sdpa`` or ``flex``.
+    ``host_batch``: the same batch in host memory (the loader's ring), where anchors are
+    planned without copying ids and mask back from the GPU (default: ``batch``).
     """
     core: DFlashDrafter = getattr(drafter, "module", drafter)
     b = cfg.block_size
     if core.config.block_size != b:
         raise ValueError(f"drafter block size {core.config.block_size} != loss block size {b}")
-    num_tokens = int(DocView.of(batch).length.sum())
-    plan = plan_blocks(batch, cfg, generator)
+    host = batch if host_batch is None else host_batch
+    num_tokens = int(DocView.of(host).length.sum())
+    plan = plan_blocks(host, cfg, generator)
     if plan is None:
         return _empty(b, num_tokens, target.device)
     packed = batch.layout == "packed"
     feats = target.train_features(batch.input_ids, batch.position_ids if packed else None)
     device = feats.device
-    blocks = draft_blocks(plan, batch, feats, chunk_size, b)
+    blocks = draft_blocks(plan, feats, chunk_size, b)
     if device.type == "cpu":
         hostmem.fit_chunks(len(blocks.chunks))
     hidden = drafter(target.embed_tokens, blocks, attention)
