@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
 QWEN3_8B = {
     "--tiny-vocab": "151936",
     "--tiny-layers": "36",
@@ -153,7 +152,7 @@ def attention_stage() -> dict[str, object]:
             if backend == "flex":
                 fresh.block_mask()
             else:
-                fresh.dense_mask()
+                fresh.per_document()
             torch.cuda.synchronize()
             t1 = time.perf_counter()
             results[backend] = block_attention(q, k, v, fresh, backend)

@@ -227,27 +227,10 @@ def _samples(n_docs: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def one_doc_blocks(feats: torch.Tensor, ids: torch.Tensor, anchors: list[int]) -> DraftBlocks:
-    """Every slot of blocks at ``anchors`` of the single document ``ids [1, L]``."""
-    n = ids.shape[1]
-    zeros = torch.zeros(n, dtype=torch.long)
-    a = torch.tensor(anchors)
-    return DraftBlocks(
-        feats=feats,
-        ctx_row=zeros,
-        ctx_col=torch.arange(n),
-        ctx_doc=zeros,
-        ctx_pos=torch.arange(n),
-        blk_doc=torch.zeros(len(anchors), dtype=torch.long),
-        blk_anchor=a,
-        anchor_ids=ids[0, a].long(),
-        chunks=plan_chunks([0] * len(anchors), anchors, [0], 0),
-    )
-
-
 def hidden_of(target, drafter, feats, ids, anchors) -> torch.Tensor:
     with torch.no_grad():
-        h = drafter(target.embed_tokens, one_doc_blocks(feats, ids, anchors))
+        blocks = DraftBlocks.one_document(feats, anchors, ids[0, anchors])
+        h = drafter(target.embed_tokens, blocks)
     return h.view(len(anchors), B, -1)
 
 
@@ -311,7 +294,7 @@ def test_chunked_blocks_equal_the_dense_reference(target, drafter):
         ref = reference_hidden(drafter, target, feats, ids, anchors)
         for chunk_blocks in (1, 2, 5):
             blocks = replace(
-                one_doc_blocks(feats, ids, anchors),
+                DraftBlocks.one_document(feats, anchors, ids[0, anchors]),
                 chunks=plan_chunks([0] * 5, anchors, [0], chunk_blocks),
             )
             got = drafter(target.embed_tokens, blocks).view(5, B, -1)

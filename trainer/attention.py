@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,12 @@ class BlockChunk:
     blk_anchor: torch.Tensor
     block_size: int
 
+    def _once(self, key: str, build: Callable[[], object]) -> Any:
+        """``build()``, computed once per chunk (every layer of the drafter reuses it)."""
+        if key not in self.__dict__:
+            object.__setattr__(self, key, build())
+        return self.__dict__[key]
+
     @property
     def num_queries(self) -> int:
         return int(self.blk_doc.numel()) * self.block_size
@@ -68,11 +75,7 @@ class BlockChunk:
 
     def dense_mask(self) -> torch.Tensor:
         """``[n*B, S + n*B]`` bool, True where a query may attend (built once per chunk)."""
-        cached = self.__dict__.get("_dense")
-        if cached is None:
-            cached = self._dense_mask()
-            object.__setattr__(self, "_dense", cached)
-        return cached
+        return self._once("_dense", self._dense_mask)
 
     def _dense_mask(self) -> torch.Tensor:
         q_blk, q_doc, q_anchor = self.query_rule()
@@ -84,23 +87,18 @@ class BlockChunk:
 
     def per_document(self) -> PerDocument:
         """The chunk regrouped by document for SDPA (built once per chunk)."""
-        cached = self.__dict__.get("_per_document")
-        if cached is None:
-            cached = _per_document(self)
-            object.__setattr__(self, "_per_document", cached)
-        return cached
+        return self._once("_per_document", lambda: _per_document(self))
 
     def block_mask(self) -> object:
         """The flex-attention ``BlockMask`` of the rule, built once per chunk (every layer of
         the drafter reuses it); compiled on CUDA, where building it eagerly costs more than
         the attention itself."""
-        cached = self.__dict__.get("_block_mask")
-        if cached is None:
-            device = self.blk_doc.device
-            build = _mask_builder(device.type)
-            cached = build(self.mask_mod(), None, None, self.num_queries, self.num_keys, device)
-            object.__setattr__(self, "_block_mask", cached)
-        return cached
+        device = self.blk_doc.device
+        build = _mask_builder(device.type)
+        return self._once(
+            "_block_mask",
+            lambda: build(self.mask_mod(), None, None, self.num_queries, self.num_keys, device),
+        )
 
     def mask_mod(self) -> Callable[..., torch.Tensor]:
         """The rule as a flex-attention ``mask_mod(b, h, q_idx, kv_idx)``."""

@@ -216,6 +216,27 @@ class DraftBlocks:
     chunks: tuple[tuple[int, int, int, int], ...]
     keep: torch.Tensor | None = None
 
+    @staticmethod
+    def one_document(
+        feats: torch.Tensor, anchors: list[int], anchor_ids: torch.Tensor
+    ) -> DraftBlocks:
+        """Every slot of blocks at ``anchors`` over one document whose features are
+        ``feats [1, n, n*H]`` (verification, the dummy block, tests): one chunk."""
+        device, n = feats.device, feats.shape[1]
+        zeros = torch.zeros(n, dtype=torch.long, device=device)
+        positions = torch.arange(n, device=device)
+        return DraftBlocks(
+            feats=feats,
+            ctx_row=zeros,
+            ctx_col=positions,
+            ctx_doc=zeros,
+            ctx_pos=positions,
+            blk_doc=torch.zeros(len(anchors), dtype=torch.long, device=device),
+            blk_anchor=torch.tensor(anchors, dtype=torch.long, device=device),
+            anchor_ids=anchor_ids.reshape(-1).long().to(device),
+            chunks=plan_chunks([0] * len(anchors), anchors, [0], 0),
+        )
+
 
 def plan_chunks(
     blk_doc: list[int], blk_anchor: list[int], doc_start: list[int], chunk_blocks: int

@@ -358,18 +358,6 @@ def zero_loss(target: Target, drafter: torch.nn.Module) -> torch.Tensor:
     stays in step with the other ranks when a micro-batch has no block to train on."""
     core: DFlashDrafter = getattr(drafter, "module", drafter)
     device = core.fc.weight.device
-    feats = torch.zeros(1, 1, core.fc.in_features, device=device)
-    empty = torch.zeros(0, dtype=torch.long, device=device)
-    one = torch.zeros(1, dtype=torch.long, device=device)
-    blocks = DraftBlocks(
-        feats=feats,
-        ctx_row=empty,
-        ctx_col=empty,
-        ctx_doc=empty,
-        ctx_pos=empty,
-        blk_doc=one,
-        blk_anchor=one,
-        anchor_ids=one,
-        chunks=((0, 1, 0, 0),),
-    )
+    feats = torch.zeros(1, 1, core.fc.in_features, device=device)  # anchor 0 sees none of it
+    blocks = DraftBlocks.one_document(feats, [0], torch.zeros(1, dtype=torch.long))
     return drafter(target.embed_tokens, blocks, "sdpa").sum() * 0.0

@@ -58,25 +58,6 @@ class Proposer(Protocol):
         ...
 
 
-def one_block(ctx: torch.Tensor, anchor_id: torch.Tensor, anchor_pos: int) -> DraftBlocks:
-    """The drafter's input for one block at ``anchor_pos`` over context features
-    ``ctx [anchor_pos, n*H]`` (the same rule as training: the whole prefix, its own block)."""
-    device = ctx.device
-    zeros = torch.zeros(anchor_pos, dtype=torch.long, device=device)
-    positions = torch.arange(anchor_pos, device=device)
-    return DraftBlocks(
-        feats=ctx[None],
-        ctx_row=zeros,
-        ctx_col=positions,
-        ctx_doc=zeros,
-        ctx_pos=positions,
-        blk_doc=torch.zeros(1, dtype=torch.long, device=device),
-        blk_anchor=torch.tensor([anchor_pos], device=device),
-        anchor_ids=anchor_id.view(1).long(),
-        chunks=((0, 1, 0, anchor_pos),),
-    )
-
-
 class DrafterProposer:
     """Drafts a block with a DFlash drafter in one forward pass."""
 
@@ -89,7 +70,7 @@ class DrafterProposer:
         anchor_pos = committed.numel() - 1
         if ctx.shape[0] != anchor_pos:
             raise ValueError(f"context has {ctx.shape[0]} positions, anchor is at {anchor_pos}")
-        blocks = one_block(ctx, committed[-1:], anchor_pos)
+        blocks = DraftBlocks.one_document(ctx[None], [anchor_pos], committed[-1:])
         hidden = self.drafter(self.target.embed_tokens, blocks, "sdpa")
         return self.target.lm_head(hidden[1:].to(self.target.lm_head.weight.dtype))
 
