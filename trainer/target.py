@@ -251,7 +251,11 @@ def load_target(
     else:
         path = Path(name)
         if not (path / "config.json").is_file():
-            raise ValueError(f"--target {name!r} is neither 'tiny' nor a model directory")
+            raise ValueError(
+                f"--target {name!r} is neither 'tiny' nor a model directory (with config.json); "
+                "nothing is downloaded at run time: fetch the model first, e.g. "
+                "`huggingface-cli download Qwen/Qwen3-8B --local-dir DIR`, and pass DIR"
+            )
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
