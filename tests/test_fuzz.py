@@ -138,7 +138,10 @@ def _fuzz(daemons, examples: int) -> None:
     assert fuzzer.sent >= examples and fuzzer.replies > examples // 10
     grown_mb = (_rss_kb(d.proc.pid) - (base_kb or 0)) / 1024
     assert grown_mb < 10, f"daemon RSS grew {grown_mb:.1f} MB under fuzzing"
-    assert during / elapsed > 50, f"legit client got {during / elapsed:.0f} batches/s while fuzzed"
+    # Starvation shows as ~0 batches/s; on the 2-core CI machine an unstarved client got
+    # 47-103 batches/s (47 in a clean-clone CI run, under the old bound of 50).
+    rate = during / elapsed
+    assert rate > 20, f"legit client got {rate:.0f} batches/s while fuzzed"
     stats = subprocess.run(
         [sys.executable, "-m", "loader_server", "stats", "--endpoint", d.endpoint, "--json"],
         capture_output=True, text=True, timeout=30, check=True,
