@@ -1,9 +1,9 @@
 """Daemon lifecycle: starting -> serving -> draining -> stopped.
 
-Starting: check the endpoint is ours to take (binding an ipc path silently unlinks another
-daemon's socket, so we ask first whether anyone answers there), sweep shared-memory
-segments of dead instances, open the dataset, bind, log one ``READY`` line and tell
-systemd. Serving: the server loop; signal handlers only set a flag. Draining: say
+Starting: check the endpoint is ours to take and the shared-memory folder takes a ring
+(``loader_server.endpoint``: no path the daemon did not create is ever removed), sweep
+shared-memory segments of dead instances, open the dataset, bind, log one ``READY`` line
+and tell systemd. Serving: the server loop; signal handlers only set a flag. Draining: say
 ``STOPPING=1``, tell clients ``bye``, unlink every ring (in ``finally``, so an error path
 cleans up too). Exit status 0 after SIGTERM/SIGINT.
 """
@@ -11,27 +11,23 @@ cleans up too). Exit status 0 after SIGTERM/SIGINT.
 from __future__ import annotations
 
 import enum
-import ipaddress
 import logging
 import os
 import signal
 import time
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import zmq
-
-from client import protocol as P
 from loader_server.config import DaemonConfig
 from loader_server.dataset import open_dataset
+from loader_server.endpoint import EndpointBusyError, check_endpoint, check_shm_dir
 from loader_server.prometheus import start_exporter
 from loader_server.sdnotify import Notifier
 from loader_server.server import LoaderServer, ServerConfig
 from loader_server.shm import sweep_dead_segments
 
 log = logging.getLogger(__name__)
-_IPC_PATH_MAX = 107
+__all__ = ["Daemon", "EndpointBusyError", "State"]
 
 
 class State(enum.Enum):
@@ -39,68 +35,6 @@ class State(enum.Enum):
     SERVING = "serving"
     DRAINING = "draining"
     STOPPED = "stopped"
-
-
-class EndpointBusyError(RuntimeError):
-    """Another live daemon answers on the endpoint."""
-
-
-def check_endpoint(config: DaemonConfig) -> None:
-    """Refuse endpoints we must not take: a live daemon's, too long, or insecure tcp."""
-    ep = config.endpoint
-    if ep.startswith("ipc://"):
-        path = Path(ep[len("ipc://") :])
-        if len(str(path)) > _IPC_PATH_MAX:
-            raise ValueError(f"ipc path {path} is longer than {_IPC_PATH_MAX} characters")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            pid = ping(ep, timeout_s=0.5)
-            if pid is not None:
-                raise EndpointBusyError(
-                    f"another dflash-loader daemon (pid {pid}) is serving on {ep}; stop it "
-                    f"first or choose another --endpoint"
-                )
-            log.info("removing stale socket %s (nobody answers there)", path)
-    elif ep.startswith("tcp://"):
-        host = ep[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-        if config.curve_secret_key_file is None:
-            if not config.insecure_tcp:
-                raise ValueError(
-                    f"refusing tcp endpoint {ep} without CURVE keys: anyone who can connect "
-                    f"could read the corpus. Set curve_secret_key_file, or --insecure-tcp on "
-                    f"loopback for testing"
-                )
-            if not _is_loopback(host):
-                raise ValueError(f"--insecure-tcp is allowed on loopback only, not {host!r}")
-    else:
-        raise ValueError(f"endpoint must be ipc://PATH or tcp://HOST:PORT, got {ep!r}")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def ping(endpoint: str, timeout_s: float = 1.0) -> int | None:
-    """The pid of the daemon answering on ``endpoint``, or None if nobody answers in time."""
-    ctx: zmq.Context = zmq.Context.instance()
-    sock: zmq.Socket = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(P.encode("ping"))
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
-        msg = P.decode(sock.recv())
-        return int(msg.get("pid", -1)) if msg["t"] == "pong" else None
-    except (zmq.ZMQError, P.ProtocolError):
-        return None
-    finally:
-        sock.close()
 
 
 class Daemon:
@@ -141,7 +75,11 @@ class Daemon:
 
     def _start(self) -> None:
         c = self.config
-        check_endpoint(c)
+        check_endpoint(
+            c.endpoint, curve=c.curve_secret_key_file is not None, insecure_tcp=c.insecure_tcp
+        )
+        free = check_shm_dir(c.shm_dir)
+        log.info("shm dir %s: %.1f MiB free", c.shm_dir, free / 2**20)
         sweep_dead_segments(c.shm_dir)
         self.notifier.status(f"opening {c.dataset}")
         t = time.perf_counter()

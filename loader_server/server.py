@@ -10,7 +10,6 @@ session at once.
 
 from __future__ import annotations
 
-import grp
 import logging
 import os
 import secrets
@@ -25,6 +24,7 @@ import zmq.auth
 
 from client import protocol as P
 from loader_server.dataset import ArrowDataset
+from loader_server.endpoint import IpcAddress, listen_ipc, remove_socket, socket_identity
 from loader_server.plans import PlanCache
 from loader_server.readahead import DEPTH as READAHEAD_DEPTH
 from loader_server.readahead import Readahead
@@ -100,6 +100,7 @@ class LoaderServer:
             "ping": self._on_ping,
         }
         self._rr = 0
+        self._ipc: tuple[IpcAddress, tuple[int, int] | None] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -113,18 +114,26 @@ class LoaderServer:
             self._sock.curve_server = True
             self._sock.curve_publickey = public
             self._sock.curve_secretkey = secret
-        self._sock.bind(self.config.endpoint)
         if self.config.endpoint.startswith("ipc://"):
-            self._restrict_socket(Path(self.config.endpoint[len("ipc://") :]))
+            self._bind_ipc()
+        else:
+            self._sock.bind(self.config.endpoint)
 
-    def _restrict_socket(self, path: Path) -> None:
-        """The socket file gets the rings' access rule: who may read rings may connect."""
-        mode = self.config.shm_mode
-        # Connecting needs write permission on the socket: grant it where read is granted.
-        mode |= (mode & 0o444) >> 1
-        os.chmod(path, mode)
-        if self.config.group is not None:
-            os.chown(path, -1, grp.getgrnam(self.config.group).gr_gid)
+    def _bind_ipc(self) -> None:
+        """Bind the socket file ourselves (``bind(2)`` never replaces a path, unlike
+        ZeroMQ's ipc bind) and hand the descriptor to ZeroMQ. The file gets the rings'
+        access rule: who may read rings may connect (connecting needs write permission)."""
+        addr = IpcAddress.parse(self.config.endpoint)
+        mode = self.config.shm_mode | (self.config.shm_mode & 0o444) >> 1
+        fd = listen_ipc(addr, mode, self.config.group)
+        self._ipc = (addr, socket_identity(addr))
+        try:
+            self._sock.setsockopt(zmq.USE_FD, fd)
+            self._sock.bind(self.config.endpoint)
+        except zmq.ZMQError as e:
+            os.close(fd)
+            remove_socket(*self._ipc)
+            raise ValueError(f"cannot bind {self.config.endpoint}: {e}") from None
 
     def serve_forever(
         self, should_stop: Callable[[], bool], tick: Callable[[], None] | None = None
@@ -166,6 +175,8 @@ class LoaderServer:
         self.readahead.close()
         self._sock.close(linger=200)
         self._ctx.term()
+        if self._ipc is not None:
+            remove_socket(*self._ipc)
 
     # --- messages ------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,8 @@ from client.protocol import SlotLayout
 log = logging.getLogger(__name__)
 
 PREFIX = "dflash-"
-_NAME = re.compile(rf"^{PREFIX}(\d+)-([0-9a-f]+)-.+$")
+# dflash-<daemon pid>-<instance: 8 hex>-<session: 12 hex>[.ctl]: nothing else is swept.
+_NAME = re.compile(rf"^{PREFIX}(\d+)-([0-9a-f]{{8}})-([0-9a-f]{{12}})(\.ctl)?$")
 
 
 class ShmRing:
@@ -150,11 +152,20 @@ def segment_name(instance: str, session: str) -> str:
 
 
 def sweep_dead_segments(directory: Path) -> list[Path]:
-    """Unlink rings whose owning daemon process no longer exists. Returns what was removed."""
+    """Unlink rings whose owning daemon process no longer exists. Returns what was removed.
+
+    Only regular files named exactly as this daemon names rings (``segment_name``), owned
+    by this user, whose daemon pid is dead: nothing else in the folder is touched."""
     removed = []
     for p in directory.glob(f"{PREFIX}*"):
         m = _NAME.match(p.name)
-        if m is None or p.stat().st_uid != os.getuid():
+        if m is None:
+            continue
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             continue
         pid = int(m.group(1))
         if pid != os.getpid() and not _alive(pid):

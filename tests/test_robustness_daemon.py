@@ -1,0 +1,150 @@
+"""Mistakes and accidents of real machines, against a real daemon subprocess.
+
+Nothing a user or a bad corpus does may kill the daemon, corrupt a batch or delete a file:
+endpoints that name other files, a full or read-only shared-memory folder, a corpus
+truncated or rewritten while it is served, clients that ask for too much, signals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import DaemonProcess
+
+from client import LoaderClient
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).parent.parent
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    """``dflash-loader ARGS`` in a subprocess (this checkout's code)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "loader_server", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env,
+    )  # fmt: skip
+
+
+def one_line_error(p: subprocess.CompletedProcess) -> str:
+    """A CLI failure: non-zero exit, no traceback, and one ``Error:`` line; returns it."""
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    errors = [x for x in p.stderr.splitlines() if x.startswith("Error:")]
+    assert len(errors) == 1, p.stderr
+    return errors[0]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, *options: str):
+    """A small tmpfs at ``path`` (needs root and mount(8)); skips the test otherwise."""
+    path.mkdir(parents=True, exist_ok=True)
+    opts = ",".join((f"size={size}", *options))
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
+                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    except FileNotFoundError:
+        pytest.skip("mount(8) is not available")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def serve_args(corpus: Path, endpoint: str, shm_dir: Path) -> list[str]:
+    return ["serve", "--dataset", str(corpus), "--endpoint", endpoint, "--shm-dir", str(shm_dir)]
+
+
+# --- 1. the daemon never removes a path it did not create -----------------------------------
+
+
+def test_endpoint_on_a_regular_file_is_refused_and_the_file_kept(tmp_path, shm_dir, corpus_path):
+    victim = tmp_path / "precious.arrow"
+    victim.write_bytes(b"ARROW1 not a socket")
+    p = run_cli(*serve_args(corpus_path, f"ipc://{victim}", shm_dir))
+    line = one_line_error(p)
+    assert str(victim) in line and "not a socket" in line and "regular file" in line
+    assert victim.read_bytes() == b"ARROW1 not a socket"
+    assert "removing stale socket" not in p.stderr
+
+
+def test_abstract_endpoint_touches_no_file(tmp_path, shm_dir, corpus_path, monkeypatch):
+    name = f"dflash-test-{uuid.uuid4().hex[:8]}"
+    decoy = tmp_path / f"@{name}"
+    decoy.write_text("keep me")
+    monkeypatch.chdir(tmp_path)
+    d = DaemonProcess(corpus_path, tmp_path, shm_dir, endpoint=f"ipc://@{name}")
+    try:
+        with LoaderClient(d.endpoint, job="abs", rank=0, world_size=1) as c:
+            next(c)
+        assert decoy.read_text() == "keep me"
+    finally:
+        assert d.stop() == 0
+    assert decoy.read_text() == "keep me"
+
+
+def test_stale_socket_is_replaced_but_a_listening_one_is_not(tmp_path, shm_dir, corpus_path):
+    path = tmp_path / "loader.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))  # bound, never listened, closed: a socket file nobody serves
+    stale.close()
+    d = DaemonProcess(corpus_path, tmp_path, shm_dir, endpoint=f"ipc://{path}")
+    assert "removed stale socket" in d.log()
+    assert d.stop() == 0
+    assert not path.exists()  # the daemon removes the socket it created, at shutdown
+
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(str(path))
+    other.listen(1)  # another program serving there
+    try:
+        line = one_line_error(run_cli(*serve_args(corpus_path, f"ipc://{path}", shm_dir)))
+        assert "something listens on" in line
+        assert path.exists()
+    finally:
+        other.close()
+
+
+def test_shm_dir_and_endpoint_folder_are_checked_before_ready(tmp_path, shm_dir, corpus_path):
+    ep = f"ipc://{tmp_path}/a.sock"
+    missing = tmp_path / "no-such-dir"
+    line = one_line_error(run_cli(*serve_args(corpus_path, ep, missing)))
+    assert str(missing) in line and "does not exist" in line
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    line = one_line_error(run_cli(*serve_args(corpus_path, f"ipc://{a_file}/x.sock", shm_dir)))
+    assert str(a_file) in line
+    with tmpfs(tmp_path / "ro", "1m", "ro") as ro:
+        line = one_line_error(run_cli(*serve_args(corpus_path, ep, ro)))
+        assert str(ro) in line and "cannot hold rings" in line and "Read-only" in line
+        line = one_line_error(run_cli(*serve_args(corpus_path, f"ipc://{ro}/x.sock", shm_dir)))
+        assert str(ro) in line and "not writable" in line
+
+
+def test_sweep_removes_only_dead_daemons_rings(tmp_path, shm_dir, corpus_path):
+    dead_pid = 2**22 + 12345  # above pid_max's default: never a live process
+    dead = shm_dir / f"dflash-{dead_pid}-0123abcd-0123456789ab"
+    dead_ctl = shm_dir / (dead.name + ".ctl")
+    keep = [
+        shm_dir / f"dflash-{dead_pid}-notes.txt",  # not our name pattern
+        shm_dir / f"dflash-{dead_pid}-0123abcd-0123456789ab.bak",
+        shm_dir / "unrelated",
+    ]
+    for p in (dead, dead_ctl, *keep):
+        p.write_bytes(b"x")
+    linked = shm_dir / f"dflash-{dead_pid}-0123abcd-ba9876543210"
+    linked.symlink_to(corpus_path)  # a symlink with our name: never followed or removed
+    d = DaemonProcess(corpus_path, tmp_path, shm_dir)
+    d.stop()
+    assert not dead.exists() and not dead_ctl.exists()
+    assert all(p.exists() for p in keep) and linked.is_symlink()
