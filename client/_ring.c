@@ -9,6 +9,9 @@
  *
  * A side that has nothing to do sleeps on a futex (the ``bell`` word of the ring header) and
  * the other side rings it: one system call each way, no message, no I/O thread.
+ *
+ * Every access runs under a SIGBUS guard (_guard.h): a control page truncated by whoever
+ * may write it raises OSError(EFAULT) in the process that touches it, instead of killing it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -19,6 +22,56 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "_guard.h"
+
+/* OSError(EFAULT, ...): the word lies past the end of its (truncated) file. */
+static PyObject *fault(void) {
+    PyObject *args = Py_BuildValue(
+        "(is)", EFAULT, "a shared-memory counter lies past the end of its file (truncated)");
+    if (args != NULL) {
+        PyErr_SetObject(PyExc_OSError, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+/* The guarded accesses: 0, or -1 when the word's page lies past the end of its file. */
+static int load64(uint64_t *p, uint64_t *out) {
+    guard_frame frame;
+    guard_active = &frame;
+    if (sigsetjmp(frame.jump, 0) != 0) return -1;
+    *out = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    guard_active = NULL;
+    return 0;
+}
+
+static int store64(uint64_t *p, uint64_t value) {
+    guard_frame frame;
+    guard_active = &frame;
+    if (sigsetjmp(frame.jump, 0) != 0) return -1;
+    __atomic_store_n(p, value, __ATOMIC_SEQ_CST);
+    guard_active = NULL;
+    return 0;
+}
+
+static int load32(uint32_t *p, uint32_t *out) {
+    guard_frame frame;
+    guard_active = &frame;
+    if (sigsetjmp(frame.jump, 0) != 0) return -1;
+    *out = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    guard_active = NULL;
+    return 0;
+}
+
+static int bump32(uint32_t *p) {
+    guard_frame frame;
+    guard_active = &frame;
+    if (sigsetjmp(frame.jump, 0) != 0) return -1;
+    __atomic_add_fetch(p, 1, __ATOMIC_SEQ_CST);
+    guard_active = NULL;
+    return 0;
+}
 
 static uint64_t *word(Py_buffer *view, Py_ssize_t offset) {
     if (offset < 0 || offset % 8 != 0 || offset + 8 > view->len) {
@@ -36,9 +89,11 @@ static PyObject *load(PyObject *self, PyObject *args) {
     Py_ssize_t offset;
     if (!PyArg_ParseTuple(args, "y*n", &view, &offset)) return NULL;
     uint64_t *p = word(&view, offset);
-    PyObject *result = p ? PyLong_FromUnsignedLongLong(__atomic_load_n(p, __ATOMIC_SEQ_CST)) : NULL;
+    uint64_t value = 0;
+    int rc = p == NULL ? 1 : load64(p, &value);
     PyBuffer_Release(&view);
-    return result;
+    if (rc > 0) return NULL;
+    return rc < 0 ? fault() : PyLong_FromUnsignedLongLong(value);
 }
 
 PyDoc_STRVAR(store_doc, "store(buffer, offset, value): atomic (seq_cst) store of a uint64.");
@@ -49,9 +104,10 @@ static PyObject *store(PyObject *self, PyObject *args) {
     unsigned long long value;
     if (!PyArg_ParseTuple(args, "w*nK", &view, &offset, &value)) return NULL;
     uint64_t *p = word(&view, offset);
-    if (p) __atomic_store_n(p, (uint64_t)value, __ATOMIC_SEQ_CST);
+    int rc = p == NULL ? 1 : store64(p, (uint64_t)value);
     PyBuffer_Release(&view);
-    if (!p) return NULL;
+    if (rc > 0) return NULL;
+    if (rc < 0) return fault();
     Py_RETURN_NONE;
 }
 
@@ -71,9 +127,11 @@ static PyObject *bell(PyObject *self, PyObject *args) {
     Py_ssize_t offset;
     if (!PyArg_ParseTuple(args, "y*n", &view, &offset)) return NULL;
     uint32_t *p = word32(&view, offset);
-    PyObject *result = p ? PyLong_FromUnsignedLong(__atomic_load_n(p, __ATOMIC_SEQ_CST)) : NULL;
+    uint32_t value = 0;
+    int rc = p == NULL ? 1 : load32(p, &value);
     PyBuffer_Release(&view);
-    return result;
+    if (rc > 0) return NULL;
+    return rc < 0 ? fault() : PyLong_FromUnsignedLong(value);
 }
 
 PyDoc_STRVAR(wait_doc,
@@ -120,12 +178,11 @@ static PyObject *ring(PyObject *self, PyObject *args) {
     Py_ssize_t offset;
     if (!PyArg_ParseTuple(args, "w*n", &view, &offset)) return NULL;
     uint32_t *p = word32(&view, offset);
-    if (p != NULL) {
-        __atomic_add_fetch(p, 1, __ATOMIC_SEQ_CST);
-        syscall(SYS_futex, p, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-    }
+    int rc = p == NULL ? 1 : bump32(p);
+    if (rc == 0) syscall(SYS_futex, p, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
     PyBuffer_Release(&view);
-    if (p == NULL) return NULL;
+    if (rc > 0) return NULL;
+    if (rc < 0) return fault();
     Py_RETURN_NONE;
 }
 
@@ -143,4 +200,7 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__ring(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__ring(void) {
+    if (guard_install() != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    return PyModule_Create(&module);
+}

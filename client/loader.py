@@ -168,14 +168,22 @@ class _Ring:
     def daemon_wake(self) -> int:
         return int(_ring.load(self._mm, P.WAKE_DAEMON))
 
+    def _store(self, offset: int, value: int) -> None:
+        try:
+            _ring.store(self._ctl, offset, value)
+        except OSError as e:  # EFAULT: someone truncated the file under this mapping
+            raise P.ProtocolError(
+                f"this session's control page was truncated under the client ({e.strerror})"
+            ) from None
+
     def set_consumed(self, n: int) -> None:
-        _ring.store(self._ctl, P.CONSUMED, n)
+        self._store(P.CONSUMED, n)
 
     def wake_client_at(self, n: int) -> None:
-        _ring.store(self._ctl, P.WAKE_CLIENT, n)
+        self._store(P.WAKE_CLIENT, n)
 
     def set_wait(self, seconds: float) -> None:
-        _ring.store(self._ctl, P.WAIT_US, int(seconds * 1e6))
+        self._store(P.WAIT_US, int(seconds * 1e6))
 
     def meta(self, slot: int) -> list[int]:
         """Slot ``slot``'s batch description (``P.META_FIELDS``); read after ``produced``."""

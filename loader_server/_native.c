@@ -8,14 +8,18 @@
  * per micro-batch (one per row and field, plus a memset of the whole slot).
  *
  * Element conversion: the destination is never wider than the source (ids: int32 from
- * int32/uint32/int64; mask: uint8 from any 1-8 byte integer), so a conversion keeps the
- * low bytes, exactly as numpy's unsafe cast does. Two special sources: SRC_BITS (an Arrow
- * bool buffer; addresses are then bit addresses, byte address * 8 + bit) and SRC_ONES (no
- * source column: every real element is 1).
+ * int32/uint32/int64; mask: uint8 from any 1-8 byte integer). Values are served exactly or
+ * not at all: the copy loop ORs every source element, so an id outside [0, 2^31) or a mask
+ * value outside {0, 1} (which a conversion would wrap) raises BadValue naming the sample
+ * and position, at the cost of one OR per element in a loop the compiler vectorizes. Two
+ * special sources: SRC_BITS (an Arrow bool buffer; addresses are then bit addresses, byte
+ * address * 8 + bit) and SRC_ONES (no source column: every real element is 1).
  *
  * Safety: the addresses come from ArrowDataset's own tables over mappings it keeps alive;
  * sample ids are checked against the tables, and every output's size against what the rows
- * need, before anything is written.
+ * need, before anything is written. The copy runs under a SIGBUS guard (client/_guard.h):
+ * a corpus file truncated under the daemon raises Fault (an OSError, errno EFAULT) naming
+ * the sample, instead of killing the daemon.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -24,6 +28,8 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include "../client/_guard.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22 /* Linux 5.14 */
@@ -36,27 +42,48 @@
 #define SRC_ONES 0
 #define SRC_BITS (-1)
 
-#define CONVERT(DT, ST)                                                                     \
+/* Copy n elements, converting; returns the OR of every source element (as uint64), from
+ * which the caller tells whether some value does not fit the destination exactly. */
+#define COPY_OR(DT, ST)                                                                     \
     do {                                                                                    \
         DT *d_ = (DT *)dst;                                                                 \
         const ST *s_ = (const ST *)src;                                                     \
-        for (Py_ssize_t j_ = 0; j_ < n; j_++) d_[j_] = (DT)s_[j_];                          \
+        ST acc_ = 0;                                                                        \
+        for (Py_ssize_t j_ = 0; j_ < n; j_++) {                                             \
+            ST v_ = s_[j_];                                                                 \
+            d_[j_] = (DT)v_;                                                                \
+            acc_ |= v_;                                                                     \
+        }                                                                                   \
+        acc = (uint64_t)acc_;                                                               \
     } while (0)
 
-static void copy_elems(char *dst, int dsz, const char *src, int ssz, Py_ssize_t n) {
-    if (dsz == ssz) {
-        memcpy(dst, src, (size_t)n * (size_t)dsz);
-        return;
-    }
+static uint64_t copy_elems(char *dst, int dsz, const char *src, int ssz, Py_ssize_t n) {
+    uint64_t acc = 0;
     switch (dsz * 16 + ssz) {
-        case 1 * 16 + 2: CONVERT(uint8_t, uint16_t); break;
-        case 1 * 16 + 4: CONVERT(uint8_t, uint32_t); break;
-        case 1 * 16 + 8: CONVERT(uint8_t, uint64_t); break;
-        case 2 * 16 + 4: CONVERT(uint16_t, uint32_t); break;
-        case 2 * 16 + 8: CONVERT(uint16_t, uint64_t); break;
-        case 4 * 16 + 8: CONVERT(uint32_t, uint64_t); break;
+        case 1 * 16 + 1: COPY_OR(uint8_t, uint8_t); break;
+        case 1 * 16 + 2: COPY_OR(uint8_t, uint16_t); break;
+        case 1 * 16 + 4: COPY_OR(uint8_t, uint32_t); break;
+        case 1 * 16 + 8: COPY_OR(uint8_t, uint64_t); break;
+        case 4 * 16 + 4: COPY_OR(uint32_t, uint32_t); break;
+        case 4 * 16 + 8: COPY_OR(uint32_t, uint64_t); break;
         default: break; /* rejected by the caller */
     }
+    return acc;
+}
+
+/* First element of src (ssz-byte unsigned) with a bit of `bad` set, or -1. */
+static Py_ssize_t first_bad(const char *src, int ssz, Py_ssize_t n, uint64_t bad) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        uint64_t v;
+        switch (ssz) {
+            case 1: v = ((const uint8_t *)src)[j]; break;
+            case 2: v = ((const uint16_t *)src)[j]; break;
+            case 4: v = ((const uint32_t *)src)[j]; break;
+            default: v = ((const uint64_t *)src)[j]; break;
+        }
+        if (v & bad) return j;
+    }
+    return -1;
 }
 
 static void fill_value(char *dst, int dsz, int64_t value, Py_ssize_t n) {
@@ -108,6 +135,115 @@ static int get_arg(PyObject *obj, Arg *arg, const char *name, Py_ssize_t itemsiz
 }
 
 static Py_ssize_t count(Arg *arg) { return arg->held ? arg->view.len / arg->view.itemsize : 0; }
+
+/* One micro-batch's copy, outside the GIL and under a SIGBUS guard (see fill). */
+typedef struct {
+    const int64_t *samples;
+    const int32_t *lengths;
+    const int64_t *ids_addr, *mask_addr;
+    int ids_kind, mask_kind;
+    Py_ssize_t rows, max_len, width;
+    long long pad;
+    char *ids, *mask;
+    int32_t *out_len;
+    int64_t *out_sid;
+    int32_t *pos, *cu;
+    volatile Py_ssize_t row;   /* the row being copied (a fault's sample) */
+    const char *bad_column;    /* set when a value cannot be served exactly */
+    Py_ssize_t bad_index;
+} fill_job;
+
+/* Source bits that make a value unservable: ids must lie in [0, 2^31) (int32 slots), mask
+ * values in {0, 1}; sources are read as unsigned, so negative values set high bits. */
+#define IDS_BAD(kind) ((kind) == 4 ? (uint64_t)0x80000000u : ~(uint64_t)0x7fffffff)
+#define MASK_BAD (~(uint64_t)1)
+
+static void fill_rows(fill_job *job) {
+    const int64_t *samples = job->samples, *ids_addr = job->ids_addr, *mask_addr = job->mask_addr;
+    const int32_t *lengths = job->lengths;
+    int mask_kind = job->mask_kind;
+    Py_ssize_t rows = job->rows, width = job->width;
+    char *ids = job->ids, *mask = job->mask;
+    uint64_t ids_bad = IDS_BAD(job->ids_kind);
+    int32_t start = 0;
+    if (job->cu) job->cu[0] = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        int64_t s = samples[r];
+        Py_ssize_t n = lengths[s] < job->max_len ? lengths[s] : job->max_len;
+        job->row = r;
+        if (r + PREFETCH_ROWS < rows) {
+            int64_t t = samples[r + PREFETCH_ROWS];
+            __builtin_prefetch((const void *)(uintptr_t)ids_addr[t], 0, 0);
+            if (mask_kind > 0) __builtin_prefetch((const void *)(uintptr_t)mask_addr[t], 0, 0);
+        }
+        job->out_len[r] = (int32_t)n;
+        job->out_sid[r] = s;
+        const char *src = (const char *)(uintptr_t)ids_addr[s];
+        if (copy_elems(ids, 4, src, job->ids_kind, n) & ids_bad) {
+            job->bad_column = "input_ids";
+            job->bad_index = first_bad(src, job->ids_kind, n, ids_bad);
+            return;
+        }
+        if (mask_kind == SRC_ONES) {
+            fill_value(mask, 1, 1, n);
+        } else if (mask_kind == SRC_BITS) {
+            unpack_bits(mask, 1, mask_addr[s], n);
+        } else {
+            src = (const char *)(uintptr_t)mask_addr[s];
+            if (copy_elems(mask, 1, src, mask_kind, n) & MASK_BAD) {
+                job->bad_column = "loss_mask";
+                job->bad_index = first_bad(src, mask_kind, n, MASK_BAD);
+                return;
+            }
+        }
+        if (job->pos)
+            for (Py_ssize_t j = 0; j < n; j++) job->pos[start + j] = (int32_t)j;
+        start += (int32_t)n;
+        if (job->cu) job->cu[r + 1] = start;
+        if (width > 0) {
+            fill_value(ids + (size_t)n * 4, 4, job->pad, width - n);
+            fill_value(mask + n, 1, 0, width - n);
+            ids += (size_t)width * 4;
+            mask += width;
+        } else {
+            ids += (size_t)n * 4;
+            mask += n;
+        }
+    }
+}
+
+/* fill_rows under the SIGBUS guard: 0, or -1 after a fault (at job->row, address *addr). */
+static int fill_guarded(fill_job *job, void **addr) {
+    guard_frame frame;
+    guard_active = &frame;
+    if (sigsetjmp(frame.jump, 0) != 0) {
+        *addr = frame.addr;
+        return -1;
+    }
+    fill_rows(job);
+    guard_active = NULL;
+    return 0;
+}
+
+static PyObject *BadValue, *Fault;
+
+/* Fault(EFAULT, text) with .sample: reading the sample's mapped pages raised SIGBUS. */
+static void raise_fault(int64_t sample, void *addr) {
+    PyObject *text = PyUnicode_FromFormat(
+        "reading sample %lld faulted at %p (SIGBUS): its corpus file shrank, or the storage "
+        "under it failed", (long long)sample, addr);
+    if (text == NULL) return;
+    PyObject *exc = PyObject_CallFunction(Fault, "iO", EFAULT, text);
+    Py_DECREF(text);
+    if (exc == NULL) return;
+    PyObject *id = PyLong_FromLongLong((long long)sample);
+    if (id != NULL) {
+        PyObject_SetAttrString(exc, "sample", id);
+        Py_DECREF(id);
+    }
+    PyErr_SetObject(Fault, exc);
+    Py_DECREF(exc);
+}
 
 enum { SAMPLES, LENGTHS, IDS_ADDR, MASK_ADDR, OUT_IDS, OUT_MASK, OUT_LENGTHS, OUT_SAMPLES,
        OUT_POSITIONS, OUT_CU, NARGS };
@@ -206,48 +342,37 @@ static PyObject *fill(PyObject *self, PyObject *args) {
         }
     }
 
+    fill_job job = {
+        .samples = samples, .lengths = lengths,
+        .ids_addr = (const int64_t *)a[IDS_ADDR].view.buf,
+        .mask_addr = a[MASK_ADDR].held ? (const int64_t *)a[MASK_ADDR].view.buf : NULL,
+        .ids_kind = ids_kind, .mask_kind = mask_kind, .rows = rows, .max_len = max_len,
+        .width = width, .pad = pad,
+        .ids = (char *)a[OUT_IDS].view.buf, .mask = (char *)a[OUT_MASK].view.buf,
+        .out_len = (int32_t *)a[OUT_LENGTHS].view.buf,
+        .out_sid = (int64_t *)a[OUT_SAMPLES].view.buf,
+        .pos = a[OUT_POSITIONS].held ? (int32_t *)a[OUT_POSITIONS].view.buf : NULL,
+        .cu = a[OUT_CU].held ? (int32_t *)a[OUT_CU].view.buf : NULL,
+        .row = 0, .bad_column = NULL, .bad_index = 0,
+    };
+    void *fault_addr = NULL;
+    int faulted;
     Py_BEGIN_ALLOW_THREADS
-    const int64_t *ids_addr = (const int64_t *)a[IDS_ADDR].view.buf;
-    const int64_t *mask_addr = a[MASK_ADDR].held ? (const int64_t *)a[MASK_ADDR].view.buf : NULL;
-    char *ids = (char *)a[OUT_IDS].view.buf, *mask = (char *)a[OUT_MASK].view.buf;
-    int32_t *out_len = (int32_t *)a[OUT_LENGTHS].view.buf;
-    int64_t *out_sid = (int64_t *)a[OUT_SAMPLES].view.buf;
-    int32_t *pos = a[OUT_POSITIONS].held ? (int32_t *)a[OUT_POSITIONS].view.buf : NULL;
-    int32_t *cu = a[OUT_CU].held ? (int32_t *)a[OUT_CU].view.buf : NULL;
-    int32_t start = 0;
-    if (cu) cu[0] = 0;
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        int64_t s = samples[r];
-        Py_ssize_t n = lengths[s] < max_len ? lengths[s] : max_len;
-        if (r + PREFETCH_ROWS < rows) {
-            int64_t t = samples[r + PREFETCH_ROWS];
-            __builtin_prefetch((const void *)(uintptr_t)ids_addr[t], 0, 0);
-            if (mask_kind > 0) __builtin_prefetch((const void *)(uintptr_t)mask_addr[t], 0, 0);
-        }
-        out_len[r] = (int32_t)n;
-        out_sid[r] = s;
-        copy_elems(ids, 4, (const char *)(uintptr_t)ids_addr[s], ids_kind, n);
-        if (mask_kind == SRC_ONES)
-            fill_value(mask, 1, 1, n);
-        else if (mask_kind == SRC_BITS)
-            unpack_bits(mask, 1, mask_addr[s], n);
-        else
-            copy_elems(mask, 1, (const char *)(uintptr_t)mask_addr[s], mask_kind, n);
-        if (pos)
-            for (Py_ssize_t j = 0; j < n; j++) pos[start + j] = (int32_t)j;
-        start += (int32_t)n;
-        if (cu) cu[r + 1] = start;
-        if (width > 0) {
-            fill_value(ids + (size_t)n * 4, 4, pad, width - n);
-            fill_value(mask + n, 1, 0, width - n);
-            ids += (size_t)width * 4;
-            mask += width;
-        } else {
-            ids += (size_t)n * 4;
-            mask += n;
-        }
-    }
+    faulted = fill_guarded(&job, &fault_addr);
     Py_END_ALLOW_THREADS
+    if (faulted) {
+        raise_fault(samples[job.row], fault_addr);
+        goto done;
+    }
+    if (job.bad_column != NULL) {
+        PyObject *args = Py_BuildValue("(Lsn)", (long long)samples[job.row], job.bad_column,
+                                       job.bad_index);
+        if (args != NULL) {
+            PyErr_SetObject(BadValue, args);
+            Py_DECREF(args);
+        }
+        goto done;
+    }
     result = Py_BuildValue("nn", tokens, maxlen);
 done:
     for (k = 0; k < NARGS; k++)
@@ -356,4 +481,22 @@ static struct PyModuleDef module = {
     "Native micro-batch fill for the loader daemon's hot loop.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    if (guard_install() != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    BadValue = PyErr_NewExceptionWithDoc(
+        "loader_server._native.BadValue",
+        "BadValue(sample, column, index): a value that would not be served exactly.",
+        PyExc_ValueError, NULL);
+    Fault = PyErr_NewExceptionWithDoc(
+        "loader_server._native.Fault",
+        "Fault(errno, text), .sample: a corpus page could not be read (SIGBUS).",
+        PyExc_OSError, NULL);
+    if (BadValue == NULL || Fault == NULL || PyModule_AddObjectRef(m, "BadValue", BadValue) < 0 ||
+        PyModule_AddObjectRef(m, "Fault", Fault) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -30,6 +30,8 @@ class DaemonConfig:
     check_values: bool = False
     pad_id: int = 0
     session_timeout_s: float = 120.0
+    max_ring_bytes: int | None = None
+    shm_budget_bytes: int | None = None
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     log_level: str = "info"
@@ -49,6 +51,10 @@ class DaemonConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
+        for name in ("max_ring_bytes", "shm_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be a positive size, got {value}")
 
     def _check_types(self) -> None:
         for f in fields(self):
@@ -77,6 +83,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "check_values": (bool,),
     "pad_id": (int,),
     "session_timeout_s": (int, float),
+    "max_ring_bytes": (int,),
+    "shm_budget_bytes": (int,),
     "metrics_port": (int,),
     "metrics_host": (str,),
     "log_level": (str,),
@@ -97,7 +105,22 @@ def _coerce(key: str, value: Any) -> Any:
             ) from None
     if key in ("dataset", "shm_dir", "curve_secret_key_file") and isinstance(value, str):
         return Path(value)
+    if key in ("max_ring_bytes", "shm_budget_bytes") and isinstance(value, str):
+        return parse_bytes(value, key)
     return value
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str, what: str = "size") -> int:
+    """``"512M"``, ``"2G"``, ``"1048576"`` -> bytes (binary units, an optional ``B``/``iB``)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    number = t[: len(t) - len(unit)].strip()
+    if not number.isdigit():
+        raise ValueError(f"{what} must be a size such as 64M, 2G or 1048576, got {text!r}")
+    return int(number) * _UNITS[unit]
 
 
 def load_config(path: str | Path | None) -> DaemonConfig:

@@ -103,11 +103,19 @@ class Daemon:
                 group=c.group,
                 pad_id=c.pad_id,
                 session_timeout_s=c.session_timeout_s,
+                max_ring_bytes=c.max_ring_bytes,
+                shm_budget_bytes=c.shm_budget_bytes,
                 spec_defaults=c.spec,
                 curve_secret_key_file=c.curve_secret_key_file,
             ),
         )
         self.server.bind()
+        log.info(
+            "shared memory caps: %s bytes per session, %s bytes in all (%s)",
+            f"{self.server.max_ring_bytes:,}",
+            f"{self.server.shm_budget_bytes:,}",
+            c.shm_dir,
+        )
         if c.metrics_port:
             self._exporter = start_exporter(self.server.stats, c.metrics_host, c.metrics_port)
             log.info("metrics on http://%s:%d/metrics", c.metrics_host, c.metrics_port)

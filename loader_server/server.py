@@ -29,7 +29,7 @@ from loader_server.plans import PlanCache
 from loader_server.readahead import DEPTH as READAHEAD_DEPTH
 from loader_server.readahead import Readahead
 from loader_server.session import Position, Session, slot_layout_for
-from loader_server.shm import ShmRing, segment_name
+from loader_server.shm import ShmRing, ShmSpaceError, ring_bytes, segment_name, shm_caps
 from loader_server.spec import BatchSpec
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ class ServerConfig:
     pad_id: int = 0
     session_timeout_s: float = 120.0
     max_sessions: int = 1024
+    max_ring_bytes: int | None = None  # per session; None: derived (loader_server.shm)
+    shm_budget_bytes: int | None = None  # all rings together; None: derived
     spec_defaults: BatchSpec = field(default_factory=BatchSpec)
     curve_secret_key_file: Path | None = None
 
@@ -62,6 +64,10 @@ class ServerConfig:
             raise ValueError(
                 f"shm_mode must be a permission mode like 0o600, got {self.shm_mode:o}"
             )
+        for name in ("max_ring_bytes", "shm_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
 
 
 @dataclass
@@ -79,6 +85,10 @@ class LoaderServer:
         self.instance = secrets.token_hex(4)
         self.plans = PlanCache(dataset.lengths, dataset.fingerprint)
         self.readahead = Readahead(dataset)
+        self.max_ring_bytes, self.shm_budget_bytes = shm_caps(
+            config.shm_dir, config.max_ring_bytes, config.shm_budget_bytes
+        )
+        self.shm_used = 0  # bytes of all live sessions' rings and control pages
         self.sessions: dict[str, Session] = {}
         self.by_rank: dict[tuple[str, int], str] = {}
         self.jobs: dict[str, _Job] = {}
@@ -207,6 +217,8 @@ class LoaderServer:
             handler(peer, msg)
         except _UnknownSession as e:
             self._reject(peer, P.E_UNKNOWN_SESSION, str(e), sid=msg.get("s"))
+        except ShmSpaceError as e:
+            self._reject(peer, P.E_NO_SPACE, str(e))
         except _Mismatch as e:
             self._reject(peer, P.E_MISMATCH, str(e))
         except (ValueError, P.ProtocolError) as e:
@@ -321,13 +333,16 @@ class LoaderServer:
         epochs: int | None,
     ) -> Session:
         sid = secrets.token_hex(6)
+        layout = slot_layout_for(spec, self.dataset.lengths)
+        self._check_space(ring_bytes(layout, self.config.slots), spec)
         ring = ShmRing(
             self.config.shm_dir / segment_name(self.instance, sid),
-            slot_layout_for(spec, self.dataset.lengths),
+            layout,
             self.config.slots,
             mode=self.config.shm_mode,
             group=self.config.group,
         )
+        self.shm_used += ring.nbytes
         sess = Session(
             sid,
             peer,
@@ -342,6 +357,24 @@ class LoaderServer:
         self.sessions[sid] = sess
         self.by_rank[(job, rank)] = sid
         return sess
+
+    def _check_space(self, need: int, spec: BatchSpec) -> None:
+        what = (
+            f"a ring for this spec takes {need:,} bytes ({self.config.slots} slots for "
+            f"token_budget {spec.token_budget}, max_batch_size {spec.max_batch_size}, "
+            f"layout {spec.layout})"
+        )
+        if need > self.max_ring_bytes:
+            raise ShmSpaceError(
+                f"{what}, over the per-session cap of {self.max_ring_bytes:,} bytes "
+                f"(max_ring_bytes); lower token_budget or max_batch_size"
+            )
+        if self.shm_used + need > self.shm_budget_bytes:
+            raise ShmSpaceError(
+                f"{what}, but {self.shm_used:,} of the daemon's {self.shm_budget_bytes:,} "
+                f"bytes of shared memory (shm_budget_bytes) are in use by "
+                f"{len(self.sessions)} session(s); try again when some have ended"
+            )
 
     def _on_release(self, peer: bytes, msg: dict[str, Any]) -> None:
         self._session(msg)  # a doorbell: the loop reads the counter; this proves liveness
@@ -400,26 +433,33 @@ class LoaderServer:
             if sess.ended:
                 continue
             try:
-                sess.sync()
-            except ValueError as e:
+                filled = self._fill(sess)
+            except ValueError as e:  # this session's own doing (its control page): it ends
                 self._tell(sess, "error", code=P.E_BAD_REQUEST, msg=str(e))
                 self._drop(sess.sid, str(e))
                 continue
-            if not sess.can_fill:
-                continue
-            if sess.finished:
-                sess.ended = True
-                self._tell(sess, "end")
-                continue
-            plan = self._plan_for(sess)
-            if plan is None:
-                sess.nudge()
-                continue
-            self._rr = (self._rr + k + 1) % max(len(order), 1)
-            sess.fill(plan, self.dataset)
-            self._read_ahead(sess, plan)
-            return True
+            if filled:
+                self._rr = (self._rr + k + 1) % max(len(order), 1)
+                return True
         return False
+
+    def _fill(self, sess: Session) -> bool:
+        """Fill the session's next slot if it has a free one and its plan is ready."""
+        sess.sync()
+        if not sess.can_fill:
+            return False
+        if sess.finished:
+            sess.ended = True
+            self._tell(sess, "end")
+            return False
+        plan = self._plan_for(sess)
+        if plan is None:
+            if sess.sid in self.sessions:
+                sess.nudge()
+            return False
+        sess.fill(plan, self.dataset)
+        self._read_ahead(sess, plan)
+        return True
 
     def _read_ahead(self, sess: Session, plan: Any, ahead: int = READAHEAD_DEPTH) -> None:
         """Request the pages of the session's micro-batch ``ahead`` further on (in the next
@@ -483,6 +523,7 @@ class LoaderServer:
         if sess is None:
             return
         sess.ring.close()
+        self.shm_used -= sess.ring.nbytes
         if self.by_rank.get((sess.job, sess.rank)) == sid:
             del self.by_rank[(sess.job, sess.rank)]
         if not any(s.job == sess.job for s in self.sessions.values()):

@@ -6,7 +6,15 @@ delete the daemon's ring. A file in /dev/shm mapped with ``mmap`` has exactly on
 daemon creates it (O_EXCL, mode 0600 or 0660 with a group), maps it read-write, and unlinks
 it when the session ends or the daemon stops. Clients map it read-only and never unlink.
 Next to each ring lies its control page (``.ctl``), the one file a client writes: its
-``consumed`` counter and wake threshold (writable wherever the ring is readable).
+``consumed`` counter and wake threshold (writable wherever the ring is readable). The ring
+itself is writable by the daemon's user only, whatever ``--shm-mode`` grants (0660 gives
+rings 0640 and control pages 0660), so no group member can rewrite another job's batches.
+
+Space is reserved when a ring is created (``posix_fallocate``): a tmpfs that runs short
+fails that one session's open with ENOSPC and the sizes, instead of killing the daemon with
+SIGBUS at the first write to a page it cannot back. Rings are also capped per session and
+per daemon (``shm_caps``). The daemon reads a control page only through guarded loads
+(``client._ring``), so a truncated control page ends that session, not the daemon.
 
 Names embed the daemon's pid and instance token (``dflash-<pid>-<token>-<session>``), so a
 starting daemon can sweep segments left by dead instances (``kill -9``) without touching a
@@ -16,6 +24,7 @@ live daemon's.
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import logging
 import mmap
@@ -33,6 +42,46 @@ from client.protocol import SlotLayout
 log = logging.getLogger(__name__)
 
 PREFIX = "dflash-"
+#: Default per-session ring cap: at most this, and at most an eighth of the daemon's budget.
+MAX_RING_BYTES = 1 << 30
+#: Default daemon budget: this share of the shm folder's free space when the daemon starts.
+BUDGET_SHARE = 0.75
+
+
+class ShmSpaceError(ValueError):
+    """No room for a ring: over a cap, or the shm filesystem is full (ENOSPC)."""
+
+
+class ControlPageError(ValueError):
+    """A session's control page cannot be read (its file was truncated)."""
+
+
+def ring_modes(shm_mode: int) -> tuple[int, int]:
+    """(ring mode, control page mode) for ``shm_mode``: only the owner writes rings; the
+    control page is writable wherever the ring is readable (the client writes it)."""
+    ring = (shm_mode & 0o444) | 0o600
+    return ring, ring | (ring & 0o444) >> 1
+
+
+def ring_bytes(layout: SlotLayout, num_slots: int) -> int:
+    """Shared memory one session takes: ring header, slots and control page."""
+    return P.header_bytes(num_slots) + layout.slot_bytes * num_slots + P.CONTROL_BYTES
+
+
+def shm_caps(
+    shm_dir: Path, max_ring_bytes: int | None, budget_bytes: int | None
+) -> tuple[int, int]:
+    """(per-session cap, daemon budget) in bytes; a None is derived from the free space of
+    ``shm_dir`` now: the budget is 3/4 of it, a session at most 1 GiB and an eighth of the
+    budget (so 8 ranks at the cap always fit)."""
+    if budget_bytes is None:
+        vfs = os.statvfs(shm_dir)
+        budget_bytes = int(vfs.f_bavail * vfs.f_frsize * BUDGET_SHARE)
+    if max_ring_bytes is None:
+        max_ring_bytes = min(MAX_RING_BYTES, budget_bytes // 8)
+    return max_ring_bytes, budget_bytes
+
+
 # dflash-<daemon pid>-<instance: 8 hex>-<session: 12 hex>[.ctl]: nothing else is swept.
 _NAME = re.compile(rf"^{PREFIX}(\d+)-([0-9a-f]{{8}})-([0-9a-f]{{12}})(\.ctl)?$")
 
@@ -57,12 +106,13 @@ class ShmRing:
         self.layout = layout
         self.num_slots = num_slots
         self.header_bytes = P.header_bytes(num_slots)
-        self._mm = _create(path, self.header_bytes + layout.slot_bytes * num_slots, mode, group)
+        self.nbytes = ring_bytes(layout, num_slots)
+        ring_mode, ctl_mode = ring_modes(mode)
+        self._mm = _create(
+            path, self.header_bytes + layout.slot_bytes * num_slots, ring_mode, group
+        )
         try:
-            # The client writes its counters here: grant write wherever read is granted.
-            self._ctl = _create(
-                self.control_path, P.CONTROL_BYTES, mode | (mode & 0o444) >> 1, group
-            )
+            self._ctl = _create(self.control_path, P.CONTROL_BYTES, ctl_mode, group)
         except BaseException:
             self._mm.close()
             path.unlink(missing_ok=True)
@@ -97,17 +147,25 @@ class ShmRing:
         if self._mm is not None:
             _ring.ring(self._mm, P.BELL)
 
+    def _control(self, offset: int) -> int:
+        try:
+            return int(_ring.load(self._ctl, offset))
+        except OSError as e:  # EFAULT: whoever may write it truncated the file
+            raise ControlPageError(
+                f"control page {self.control_path} was truncated ({e.strerror})"
+            ) from None
+
     def consumed(self) -> int:
-        return int(_ring.load(self._ctl, P.CONSUMED))
+        return self._control(P.CONSUMED)
 
     def client_wake(self) -> int:
         """The ``produced`` count the client sleeps until (0: it is not sleeping)."""
-        return int(_ring.load(self._ctl, P.WAKE_CLIENT))
+        return self._control(P.WAKE_CLIENT)
 
     def client_wait_s(self) -> float:
         try:
-            return _ring.load(self._ctl, P.WAIT_US) / 1e6
-        except ValueError:  # closed meanwhile (stats run on another thread)
+            return self._control(P.WAIT_US) / 1e6
+        except ValueError:  # closed meanwhile (stats run on another thread), or truncated
             return 0.0
 
     def wake_daemon_at(self, consumed: int) -> None:
@@ -132,13 +190,24 @@ class ShmRing:
 
 
 def _create(path: Path, size: int, mode: int, group: str | None) -> mmap.mmap:
-    """A new file of ``size`` zero bytes with exactly ``mode`` (and ``group``), mapped."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    """A new file of ``size`` zero bytes with exactly ``mode`` (and ``group``), its space
+    reserved, mapped. Raises ShmSpaceError when the filesystem cannot hold it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         os.fchmod(fd, mode)  # the umask must not narrow what was configured
         if group is not None:
             os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
         os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)  # every page backed now, or an error now
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            vfs = os.statvfs(path.parent)
+            raise ShmSpaceError(
+                f"no room for {size:,} bytes of shared memory in {path.parent} "
+                f"({vfs.f_bavail * vfs.f_frsize:,} bytes free): {e.strerror}"
+            ) from None
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         path.unlink(missing_ok=True)

@@ -8,8 +8,10 @@ truncated or rewritten while it is served, clients that ask for too much, signal
 from __future__ import annotations
 
 import contextlib
+import grp
 import os
 import socket
+import stat
 import subprocess
 import sys
 import uuid
@@ -18,7 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import DaemonProcess
 
-from client import LoaderClient
+from client import LoaderClient, LoaderError, LoaderRequestError
+from client import protocol as P
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).parent.parent
@@ -148,3 +151,88 @@ def test_sweep_removes_only_dead_daemons_rings(tmp_path, shm_dir, corpus_path):
     d.stop()
     assert not dead.exists() and not dead_ctl.exists()
     assert all(p.exists() for p in keep) and linked.is_symlink()
+
+
+# --- 2. shared memory is reserved up front; running short is one session's error ------------
+
+
+def _fill_up(folder: Path) -> None:
+    """Take every free byte of the filesystem under ``folder``."""
+    with open(folder / "filler", "wb") as f, contextlib.suppress(OSError):  # ENOSPC: full
+        while True:
+            f.write(b"\xff" * (1 << 16))
+            f.flush()
+
+
+def test_full_tmpfs_is_one_sessions_error_not_a_sigbus(tmp_path, corpus_path):
+    with tmpfs(tmp_path / "shm", "8m") as shm:
+        caps = ("--max-ring-bytes", "1G", "--shm-budget-bytes", "1G")  # above the tmpfs
+        d = DaemonProcess(corpus_path, tmp_path, shm, *caps)
+        try:
+            small = LoaderClient(d.endpoint, job="small", rank=0, world_size=1)
+            next(small)
+            _fill_up(shm)  # the ring's pages were reserved when it was made
+            for _ in range(150):  # every slot rewritten many times, with rows of all sizes
+                next(small)
+            big = LoaderClient(d.endpoint, job="big", rank=0, world_size=1,
+                               spec={"layout": "packed", "token_budget": 1 << 20})  # fmt: skip
+            with pytest.raises(LoaderRequestError, match=r"no room for [\d,]+ bytes") as e:
+                next(big)
+            assert e.value.code == P.E_NO_SPACE and "No space left" in str(e.value)
+            assert d.proc.poll() is None
+            next(small)
+            small.close()
+        finally:
+            assert d.stop() == 0
+
+
+def test_ring_caps_default_from_the_free_space(tmp_path, corpus_path):
+    with tmpfs(tmp_path / "shm", "8m") as shm:
+        d = DaemonProcess(corpus_path, tmp_path, shm)
+        try:
+            assert "shared memory caps: 786,432 bytes per session, 6,291,456 bytes" in d.log()
+            big = LoaderClient(d.endpoint, job="big", rank=0, world_size=1,
+                               spec={"token_budget": 1 << 20})  # fmt: skip
+            with pytest.raises(LoaderRequestError, match="over the per-session cap of 786,432"):
+                next(big)
+        finally:
+            d.stop()
+
+
+def test_daemon_budget_refuses_then_admits_when_space_frees(daemons):
+    """ENOSPC emulated by the daemon's own budget (runs without root): two rings fit."""
+    d = daemons("--shm-budget-bytes", "400K", "--max-ring-bytes", "200K")
+    a = LoaderClient(d.endpoint, job="a", rank=0, world_size=1)
+    b = LoaderClient(d.endpoint, job="b", rank=0, world_size=1)
+    next(a), next(b)
+    c = LoaderClient(d.endpoint, job="c", rank=0, world_size=1, timeout_s=2)
+    with pytest.raises(LoaderRequestError, match=r"409,600 bytes .* in use by 2 session") as e:
+        next(c)
+    assert e.value.code == P.E_NO_SPACE
+    a.close()
+    assert next(LoaderClient(d.endpoint, job="c", rank=0, world_size=1)).position == (0, 0, 0)
+    next(b)
+
+
+def test_group_mode_rings_are_not_group_writable(daemons):
+    d = daemons("--shm-mode", "0660", "--group", grp.getgrgid(os.getgid()).gr_name)
+    with LoaderClient(d.endpoint, job="m", rank=0, world_size=1) as c:
+        next(c)
+        ring, ctl = sorted(d.shm_dir.iterdir())
+        assert stat.S_IMODE(ring.stat().st_mode) == 0o640  # the daemon alone writes batches
+        assert stat.S_IMODE(ctl.stat().st_mode) == 0o660  # the client's counters
+
+
+def test_truncated_control_page_ends_only_that_session(daemons, corpus):
+    d = daemons()
+    victim = LoaderClient(d.endpoint, job="t", rank=0, world_size=2)
+    other = LoaderClient(d.endpoint, job="t", rank=1, world_size=2, epochs=1)
+    next(victim), next(other)
+    ctl = next(p for p in d.shm_dir.iterdir() if p.suffix == ".ctl" and victim._sid in p.name)
+    os.truncate(ctl, 0)  # what any writer of a control page could do
+    with pytest.raises(LoaderError, match="truncated"):
+        for _ in range(20):
+            next(victim)
+    assert sum(1 for _ in other) > 0
+    assert d.proc.poll() is None
+    assert "was truncated" in d.log()

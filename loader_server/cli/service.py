@@ -51,6 +51,14 @@ def _daemon_options(f: Any) -> Any:
             type=float,
             help="Drop a session silent this long [default: 120].",
         ),
+        click.option(
+            "--max-ring-bytes",
+            help="Shared memory one session may take (64M, 1G...) [default: min(1G, budget/8)].",
+        ),
+        click.option(
+            "--shm-budget-bytes",
+            help="Shared memory all sessions may take [default: 3/4 of the shm dir's free space].",
+        ),
         click.option("--metrics-port", type=int, help="Prometheus port; 0 = off [default: 0]."),
         click.option(
             "--curve-secret-key-file",
