@@ -54,6 +54,7 @@ E_MISMATCH = "mismatch"
 E_UNKNOWN_SESSION = "unknown_session"
 E_REPLACED = "replaced"
 E_INTERNAL = "internal"
+E_CORPUS = "corpus"  # the corpus changed while served, or holds a value it cannot serve
 E_NO_SPACE = "no_space"  # the ring would exceed a shared-memory cap, or the tmpfs is full
 
 

@@ -28,3 +28,11 @@ def populate(
     max_len: int,
     done: Buffer,
 ) -> int: ...
+
+class BadValue(ValueError):
+    """args: (sample, column, index): a value that would not be served exactly."""
+
+class Fault(OSError):
+    """A corpus page could not be read (SIGBUS); ``sample`` names the sample."""
+
+    sample: int

@@ -30,6 +30,7 @@ class DaemonConfig:
     check_values: bool = False
     pad_id: int = 0
     session_timeout_s: float = 120.0
+    corpus_check_s: float = 0.5
     max_ring_bytes: int | None = None
     shm_budget_bytes: int | None = None
     metrics_port: int = 0
@@ -45,6 +46,8 @@ class DaemonConfig:
             raise ValueError(f"slots must be in [1, 64], got {self.slots}")
         if self.session_timeout_s <= 0:
             raise ValueError(f"session_timeout_s must be positive, got {self.session_timeout_s}")
+        if self.corpus_check_s <= 0:
+            raise ValueError(f"corpus_check_s must be positive, got {self.corpus_check_s}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if not 0 <= self.metrics_port <= 65535:
@@ -83,6 +86,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "check_values": (bool,),
     "pad_id": (int,),
     "session_timeout_s": (int, float),
+    "corpus_check_s": (int, float),
     "max_ring_bytes": (int,),
     "shm_budget_bytes": (int,),
     "metrics_port": (int,),

@@ -6,6 +6,13 @@ shared-memory segments of dead instances, open the dataset, bind, log one ``READ
 and tell systemd. Serving: the server loop; signal handlers only set a flag. Draining: say
 ``STOPPING=1``, tell clients ``bye``, unlink every ring (in ``finally``, so an error path
 cleans up too). Exit status 0 after SIGTERM/SIGINT.
+
+SIGHUP reloads the corpus: the dataset path is opened again on a background thread (the
+server keeps serving meanwhile); an unchanged corpus changes nothing, another one (a new
+file renamed over the old, or a corpus restored after the daemon stopped serving it)
+replaces it and ends every session with ``bye`` (clients reconnect; a client whose position
+belongs to the old corpus is refused by its fingerprint). A corpus that fails to open is
+logged and the daemon keeps what it had. Systemd's ``ExecReload=kill -HUP $MAINPID`` fits.
 """
 
 from __future__ import annotations
@@ -13,13 +20,16 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import resource
 import signal
+import threading
 import time
+from concurrent.futures import Future
 from types import FrameType
 from typing import Any
 
 from loader_server.config import DaemonConfig
-from loader_server.dataset import open_dataset
+from loader_server.dataset import ArrowDataset, DatasetError, open_dataset
 from loader_server.endpoint import EndpointBusyError, check_endpoint, check_shm_dir
 from loader_server.prometheus import start_exporter
 from loader_server.sdnotify import Notifier
@@ -47,6 +57,8 @@ class Daemon:
         self.state = State.STARTING
         self.notifier = Notifier.from_env(unset_environment=True)
         self._stop = False
+        self._reload_asked = False
+        self._reloading: Future[ArrowDataset] | None = None
         self._next_watchdog = 0.0
         self._next_status = 0.0
         self.server: LoaderServer | None = None
@@ -55,9 +67,13 @@ class Daemon:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop = True
 
+    def _on_hup(self, signum: int, frame: FrameType | None) -> None:
+        self._reload_asked = True
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_hup)
         try:
             self._start()
             assert self.server is not None
@@ -84,7 +100,8 @@ class Daemon:
         self.notifier.status(f"opening {c.dataset}")
         t = time.perf_counter()
         assert c.dataset is not None
-        ds = open_dataset(c.dataset, vocab_size=c.vocab_size, check_values=c.check_values)
+        _raise_fd_limit()  # one descriptor per shard stays open (the corpus watcher's)
+        ds = self._open_dataset()
         log.info(
             "opened %s: %d samples, %d tokens, fingerprint %s in %.2f s",
             c.dataset,
@@ -103,6 +120,7 @@ class Daemon:
                 group=c.group,
                 pad_id=c.pad_id,
                 session_timeout_s=c.session_timeout_s,
+                corpus_check_s=c.corpus_check_s,
                 max_ring_bytes=c.max_ring_bytes,
                 shm_budget_bytes=c.shm_budget_bytes,
                 spec_defaults=c.spec,
@@ -129,6 +147,36 @@ class Daemon:
         )
         self.notifier.ready(self._status_line())
 
+    def _open_dataset(self) -> ArrowDataset:
+        c = self.config
+        assert c.dataset is not None
+        return open_dataset(c.dataset, vocab_size=c.vocab_size, check_values=c.check_values)
+
+    def _reload(self) -> None:
+        """SIGHUP: open the corpus again off the serving thread; swap it in when ready."""
+        if self._reload_asked and self._reloading is None:
+            self._reload_asked = False
+            log.info("SIGHUP: reopening %s", self.config.dataset)
+            fut: Future[ArrowDataset] = Future()
+
+            def work() -> None:
+                try:
+                    fut.set_result(self._open_dataset())
+                except BaseException as e:
+                    fut.set_exception(e)
+
+            threading.Thread(target=work, name="reload", daemon=True).start()
+            self._reloading = fut
+        if self._reloading is not None and self._reloading.done():
+            fut, self._reloading = self._reloading, None
+            try:
+                ds = fut.result()
+            except (DatasetError, OSError) as e:
+                log.error("reload failed: %s; the daemon keeps what it served before", e)
+                return
+            assert self.server is not None
+            self.server.replace_dataset(ds)
+
     def _status_line(self) -> str:
         s = self.server
         if s is None:
@@ -141,6 +189,7 @@ class Daemon:
         )
 
     def _tick(self) -> None:
+        self._reload()
         now = time.monotonic()
         interval = self.notifier.watchdog_interval_s()
         if interval is not None and now >= self._next_watchdog:
@@ -149,3 +198,13 @@ class Daemon:
         if self.notifier.enabled and now >= self._next_status:
             self.notifier.status(self._status_line())
             self._next_status = now + 5.0
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            log.debug("could not raise the open-file limit from %d", soft)

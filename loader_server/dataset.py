@@ -18,7 +18,6 @@ when asked (``vocab_size`` or ``check_values``), because they touch every page o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from loader_server import _native
+from loader_server.shards import ShardError, ShardFile, fingerprint, open_shard
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +47,15 @@ _MASK_TYPES = (
     pa.int64(),
 )
 _SHARD_SUFFIXES = (".arrow", ".ipc", ".feather")
-# Shards up to this size are hashed whole for the fingerprint; larger ones are sampled.
-_FULL_HASH_BYTES = 64 << 20
-_HASH_SAMPLES = 256
-_HASH_SAMPLE_BYTES = 4096
+_INT32_MAX = np.iinfo(np.int32).max
 
 
 class DatasetError(Exception):
     """A dataset that cannot be served; the message names the file, column and row."""
+
+
+class CorpusFaultError(DatasetError):
+    """Reading the mapped corpus faulted (SIGBUS): a file shrank, or its storage failed."""
 
 
 @dataclass(frozen=True)
@@ -81,14 +82,18 @@ class ArrowDataset:
         paths: the shard files, in sample order.
     """
 
-    def __init__(self, path: Path, chunks: list[_Chunk], lengths: np.ndarray) -> None:
+    def __init__(
+        self, path: Path, chunks: list[_Chunk], lengths: np.ndarray, shards: list[ShardFile]
+    ) -> None:
         self.path = path
         self._chunks = chunks
         self.lengths = lengths
-        self.paths = list(dict.fromkeys(c.path for c in chunks))
+        self.shards = shards
+        self.paths = [s.path for s in shards]
         self.has_loss_mask = bool(chunks) and chunks[0].mask_offsets is not None
         counts = [len(c.ids_offsets) - 1 for c in chunks]
         self._sample_chunk = np.repeat(np.arange(len(chunks), dtype=np.int32), counts)
+        self._chunk_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         # Per sample, where its tokens start: an address inside the mapping (a bit address
         # for bool masks). The native gather copies a whole micro-batch from these tables.
         self._ids_kind = chunks[0].ids_values.dtype.itemsize if chunks else 4
@@ -111,7 +116,7 @@ class ArrowDataset:
             if self._mask_kind != _native_ones
             else None
         )
-        self.fingerprint = _fingerprint(lengths, self.paths, path)
+        self.fingerprint = fingerprint(lengths, shards, path)
         # Samples whose pages ``populate`` has mapped into this process (one byte each).
         self._populated = np.zeros(lengths.shape[0], np.uint8)
         # What _native.fill and _native.populate need to find any sample's tokens.
@@ -133,6 +138,17 @@ class ArrowDataset:
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def describe(self, i: int) -> str:
+        """Where sample ``i`` comes from: ``FILE, row R`` (row within that file)."""
+        c = int(self._sample_chunk[i])
+        chunk = self._chunks[c]
+        return f"{chunk.path}, row {chunk.first_row + i - int(self._chunk_start[c])}"
+
+    def close(self) -> None:
+        """Close the shards' descriptors (the mappings go when the last view does)."""
+        for shard in self.shards:
+            shard.close()
 
     def _locate(self, i: int) -> tuple[int, int]:
         if not 0 <= i < self.num_samples:
@@ -179,20 +195,43 @@ class ArrowDataset:
         ``sample_ids_out`` (int64) get one entry per row. Outputs are flat arrays at least as
         large as needed, typically a shared-memory slot's fields: one native call writes
         them all, with no intermediate buffer. Returns (real tokens, longest row).
+
+        Raises:
+            DatasetError: a token id outside [0, 2^31) or a mask value outside {0, 1}
+                (values are served exactly or not at all), naming file, row and value.
+            CorpusFaultError: a page of the mapped corpus could not be read (SIGBUS: a
+                file truncated under the daemon, or failing storage).
         """
-        return _native.fill(
-            np.ascontiguousarray(sample_ids, dtype=np.int64),
-            *self._native_table,
-            max_len,
-            width,
-            pad_id,
-            input_ids,
-            loss_mask,
-            lengths,
-            sample_ids_out,
-            position_ids,
-            cu_seqlens,
+        try:
+            return _native.fill(
+                np.ascontiguousarray(sample_ids, dtype=np.int64),
+                *self._native_table,
+                max_len,
+                width,
+                pad_id,
+                input_ids,
+                loss_mask,
+                lengths,
+                sample_ids_out,
+                position_ids,
+                cu_seqlens,
+            )
+        except _native.BadValue as e:
+            sample, column, index = e.args
+            raise DatasetError(self._bad_value(sample, column, index)) from None
+        except _native.Fault as e:
+            where = self.describe(e.sample)
+            raise CorpusFaultError(f"{where} (sample {e.sample}): {e.strerror}") from None
+
+    def _bad_value(self, sample: int, column: str, index: int) -> str:
+        view = self.input_ids(sample) if column == IDS_COLUMN else self.loss_mask(sample)
+        value = int(view[index])
+        why = (
+            f"token id {value} does not fit the int32 batches (must be in [0, {_INT32_MAX}])"
+            if column == IDS_COLUMN
+            else f"mask value {value} is not 0 or 1"
         )
+        return f"{self.describe(sample)}, column {column!r}, token {index}: {why}"
 
     def needs_populate(self, sample_ids: np.ndarray) -> bool:
         """Whether some of these samples' pages were never mapped by ``populate``."""
@@ -255,14 +294,39 @@ def open_dataset(
     root = Path(path)
     if not root.exists():
         raise DatasetError(f"{root}: no such file or directory")
-    files = _shard_files(root)
+    if not (root.is_file() or root.is_dir()):
+        raise DatasetError(f"{root}: neither a regular file nor a folder of shards")
+    shards: list[ShardFile] = []
+    try:
+        for f in _shard_files(root):
+            shards.append(open_shard(f))
+        return _open(root, shards, vocab_size, check_values)
+    except ShardError as e:
+        _close_all(shards)
+        raise DatasetError(str(e)) from None
+    except BaseException:
+        _close_all(shards)
+        raise
+
+
+def _close_all(shards: list[ShardFile]) -> None:
+    for shard in shards:
+        shard.close()
+
+
+def _open(
+    root: Path, shards: list[ShardFile], vocab_size: int | None, check_values: bool
+) -> ArrowDataset:
     chunks: list[_Chunk] = []
-    for f in files:
-        chunks.extend(_read_shard(f))
+    for shard in shards:
+        chunks.extend(_read_shard(shard))
     if not chunks:
         raise DatasetError(f"{root}: dataset is empty (no record batches)")
     _check_uniform(chunks)
-    lengths = np.concatenate([np.diff(c.ids_offsets) for c in chunks]).astype(np.int32)
+    raw = np.concatenate([np.diff(c.ids_offsets) for c in chunks])
+    if raw.size and int(raw.max()) > _INT32_MAX:
+        raise DatasetError(f"{root}: a sample of {int(raw.max())} tokens (more than 2^31 - 1)")
+    lengths = raw.astype(np.int32)
     if lengths.size == 0:
         raise DatasetError(f"{root}: dataset is empty (0 samples)")
     if chunks[0].mask_offsets is None:
@@ -270,7 +334,7 @@ def open_dataset(
     if vocab_size is not None or check_values:
         for c in chunks:
             _check_values(c, vocab_size)
-    return ArrowDataset(root, chunks, lengths)
+    return ArrowDataset(root, chunks, lengths, shards)
 
 
 def _shard_files(root: Path) -> list[Path]:
@@ -279,12 +343,18 @@ def _shard_files(root: Path) -> list[Path]:
     state = root / "state.json"
     if state.is_file():
         try:
-            files = [root / d["filename"] for d in json.loads(state.read_text())["_data_files"]]
-        except (ValueError, KeyError, TypeError) as e:
+            names = [d["filename"] for d in json.loads(state.read_text())["_data_files"]]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise DatasetError(f"{state}: not a Hugging Face datasets state file ({e})") from e
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise DatasetError(f"{state}: lists shard {missing[0]} which does not exist")
+        files = []
+        for name in names:
+            f = root / str(name)
+            # A shard name read from a file must stay inside the dataset folder.
+            if not isinstance(name, str) or not f.resolve().is_relative_to(root.resolve()):
+                raise DatasetError(f"{state}: shard {name!r} lies outside {root}")
+            if not f.is_file():
+                raise DatasetError(f"{state}: lists shard {f} which does not exist")
+            files.append(f)
         return files
     files = sorted(p for p in root.iterdir() if p.suffix in _SHARD_SUFFIXES and p.is_file())
     if not files:
@@ -292,10 +362,11 @@ def _shard_files(root: Path) -> list[Path]:
     return files
 
 
-def _record_batches(path: Path) -> list[pa.RecordBatch]:
+def _record_batches(shard: ShardFile) -> list[pa.RecordBatch]:
     """Read all record batches of one IPC file (file or stream format) zero-copy."""
+    path = shard.path
     try:
-        source = pa.memory_map(str(path), "r")
+        source = pa.memory_map(shard.map_path, "r")
     except OSError as e:
         raise DatasetError(f"{path}: cannot open ({e})") from e
     head = source.read(8)
@@ -312,8 +383,9 @@ def _record_batches(path: Path) -> list[pa.RecordBatch]:
         raise DatasetError(f"{path}: truncated, corrupt or not an {kind} ({e})") from e
 
 
-def _read_shard(path: Path) -> list[_Chunk]:
-    batches = _record_batches(path)
+def _read_shard(shard: ShardFile) -> list[_Chunk]:
+    path = shard.path
+    batches = _record_batches(shard)
     chunks = []
     first_row = 0
     for batch in batches:
@@ -454,26 +526,3 @@ def _unpack_bits(buf: pa.Buffer, bit_start: int, n: int) -> np.ndarray:
     bits = np.unpackbits(raw[first:last], bitorder="little")
     skip = bit_start - first * 8
     return bits[skip : skip + n]
-
-
-def _fingerprint(lengths: np.ndarray, paths: list[Path], root: Path) -> str:
-    """Hash of the lengths and each shard's name, size and content.
-
-    Shards up to 64 MiB are hashed whole; larger ones by 256 evenly spaced 4 KiB samples plus
-    their head and tail (the footer), so opening stays fast on multi-GB corpora. The hash
-    uses names relative to the dataset root, so a copy on another node fingerprints the same.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(np.ascontiguousarray(lengths, dtype=np.int32).tobytes())
-    for p in paths:
-        size = p.stat().st_size
-        rel = p.name if p == root else str(p.relative_to(root))
-        h.update(f"{rel}:{size}".encode())
-        with open(p, "rb") as f:
-            if size <= _FULL_HASH_BYTES:
-                h.update(f.read())
-                continue
-            for off in np.linspace(0, size - _HASH_SAMPLE_BYTES, _HASH_SAMPLES, dtype=np.int64):
-                f.seek(int(off))
-                h.update(f.read(_HASH_SAMPLE_BYTES))
-    return h.hexdigest()

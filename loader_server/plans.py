@@ -56,6 +56,10 @@ class PlanCache:
         )
         return plan
 
+    def has(self, spec: BatchSpec, epoch: int) -> bool:
+        """Whether this plan was asked for already (ready or being computed)."""
+        return (spec.key(), epoch) in self._futures
+
     def try_get(self, spec: BatchSpec, epoch: int) -> EpochPlan | None:
         """The plan if ready (re-raising a planning error), else None; starts it if needed."""
         fut = self._future(spec, epoch)

@@ -23,7 +23,8 @@ import zmq
 import zmq.auth
 
 from client import protocol as P
-from loader_server.dataset import ArrowDataset
+from loader_server.corpus_watch import CorpusWatch
+from loader_server.dataset import ArrowDataset, CorpusFaultError, DatasetError
 from loader_server.endpoint import IpcAddress, listen_ipc, remove_socket, socket_identity
 from loader_server.plans import PlanCache
 from loader_server.readahead import DEPTH as READAHEAD_DEPTH
@@ -50,6 +51,7 @@ class ServerConfig:
     pad_id: int = 0
     session_timeout_s: float = 120.0
     max_sessions: int = 1024
+    corpus_check_s: float = 0.5  # how often the corpus files are checked for changes
     max_ring_bytes: int | None = None  # per session; None: derived (loader_server.shm)
     shm_budget_bytes: int | None = None  # all rings together; None: derived
     spec_defaults: BatchSpec = field(default_factory=BatchSpec)
@@ -85,6 +87,8 @@ class LoaderServer:
         self.instance = secrets.token_hex(4)
         self.plans = PlanCache(dataset.lengths, dataset.fingerprint)
         self.readahead = Readahead(dataset)
+        self.watch = CorpusWatch(dataset.shards)
+        self.corpus_error: str | None = None  # set: the corpus changed; nothing is served
         self.max_ring_bytes, self.shm_budget_bytes = shm_caps(
             config.shm_dir, config.max_ring_bytes, config.shm_budget_bytes
         )
@@ -151,7 +155,7 @@ class LoaderServer:
         """Run until ``should_stop()``; ``tick`` runs about every 100 ms (watchdog, status)."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        next_tick = 0.0
+        next_tick = next_check = 0.0
         while not should_stop():
             if self._fill_one():
                 if poller.poll(0):
@@ -168,6 +172,9 @@ class LoaderServer:
             if now >= next_tick:
                 next_tick = now + 0.1
                 self._expire(now)
+                if now >= next_check:
+                    next_check = now + self.config.corpus_check_s
+                    self.check_corpus()
                 if tick is not None:
                     tick()
 
@@ -175,6 +182,54 @@ class LoaderServer:
         now = time.monotonic()
         busy = any(now - s.last_seen < _BUSY_S for s in self.sessions.values() if not s.ended)
         return 1 if busy else 20
+
+    # --- the corpus ------------------------------------------------------------------------
+
+    def check_corpus(self) -> bool:
+        """True while the corpus is as opened; on a change, stop serving it (once)."""
+        if self.corpus_error is None:
+            why = self.watch.check()
+            if why is not None:
+                self._stop_serving_corpus(why)
+        return self.corpus_error is None
+
+    def _stop_serving_corpus(self, why: str) -> None:
+        self.corpus_error = (
+            f"{why}; the daemon stopped serving this corpus: restore it (or point the daemon "
+            f"at a new one) and send SIGHUP, or restart the daemon"
+        )
+        log.error("%s", self.corpus_error)
+        for sess in list(self.sessions.values()):
+            self._tell(sess, "error", code=P.E_CORPUS, msg=self.corpus_error)
+            self._drop(sess.sid, "the corpus changed")
+
+    def replace_dataset(self, dataset: ArrowDataset) -> None:
+        """Serve ``dataset`` (reopened on SIGHUP) from now on. The same corpus, unchanged,
+        changes nothing; another one ends every session (``bye``: clients reconnect and
+        find out whether their position still applies, by its fingerprint)."""
+        old = self.dataset
+        if dataset.fingerprint == old.fingerprint and self.corpus_error is None:
+            dataset.close()
+            log.info("reload: %s unchanged (fingerprint %s)", old.path, old.fingerprint)
+            return
+        for sess in list(self.sessions.values()):
+            self._tell(sess, "bye", instance=self.instance)
+            self._drop(sess.sid, "the corpus was reloaded")
+        self.plans.close()
+        self.readahead.close()
+        self.dataset = dataset
+        self.plans = PlanCache(dataset.lengths, dataset.fingerprint)
+        self.readahead = Readahead(dataset)
+        self.watch = CorpusWatch(dataset.shards)
+        self.corpus_error = None
+        old.close()
+        log.info(
+            "reload: serving %s, %d samples, fingerprint %s (was %s)",
+            dataset.path,
+            dataset.num_samples,
+            dataset.fingerprint,
+            old.fingerprint,
+        )
 
     def shutdown(self) -> None:
         """Tell every client, unlink every ring, close the socket."""
@@ -221,6 +276,8 @@ class LoaderServer:
             self._reject(peer, P.E_NO_SPACE, str(e))
         except _Mismatch as e:
             self._reject(peer, P.E_MISMATCH, str(e))
+        except _CorpusChanged as e:
+            self._reject(peer, P.E_CORPUS, str(e))
         except (ValueError, P.ProtocolError) as e:
             self._reject(peer, P.E_BAD_REQUEST, str(e), sid=msg.get("s"))
         except Exception as e:  # one bad request must not take the daemon down
@@ -261,6 +318,8 @@ class LoaderServer:
         return sess
 
     def _on_open(self, peer: bytes, msg: dict[str, Any]) -> None:
+        if not self.check_corpus():
+            raise _CorpusChanged(self.corpus_error)
         job, rank, world = msg.get("job"), msg.get("rank"), msg.get("world_size")
         if not isinstance(job, str) or not job or len(job) > 128:
             raise ValueError(f"job must be a non-empty string of <= 128 chars, got {job!r}")
@@ -417,6 +476,7 @@ class LoaderServer:
             "pid": os.getpid(),
             "uptime_s": now - self.started,
             "dataset": str(self.dataset.path),
+            "corpus_error": self.corpus_error,
             "fingerprint": self.dataset.fingerprint,
             "samples": self.dataset.num_samples,
             "errors": self.errors,
@@ -457,7 +517,19 @@ class LoaderServer:
             if sess.sid in self.sessions:
                 sess.nudge()
             return False
-        sess.fill(plan, self.dataset)
+        try:
+            sess.fill(plan, self.dataset)
+        except CorpusFaultError as e:  # a page of the corpus vanished (SIGBUS)
+            log.warning("session %s: %s", sess.sid, e)
+            self._stop_serving_corpus(self.watch.check() or f"reading the corpus failed: {e}")
+            return False
+        except DatasetError as e:  # a value that cannot be served exactly
+            if not self.check_corpus():  # because the file changed under the daemon
+                return False
+            log.error("session %s (job %s rank %d): %s", sess.sid, sess.job, sess.rank, e)
+            self._tell(sess, "error", code=P.E_CORPUS, msg=str(e))
+            self._drop(sess.sid, str(e))
+            return False
         self._read_ahead(sess, plan)
         return True
 
@@ -483,6 +555,8 @@ class LoaderServer:
     def _plan_for(self, sess: Session) -> Any:
         """The plan for the session's position, moving past epoch ends; None if not ready."""
         while True:
+            if not self.plans.has(sess.spec, sess.pos[0]) and not self.check_corpus():
+                return None  # checked before planning an epoch; the session has ended
             try:
                 plan = self.plans.try_get(sess.spec, sess.pos[0])
             except Exception as e:
@@ -506,6 +580,8 @@ class LoaderServer:
                 ):
                     # Prepare the next epoch as soon as this one starts: on a small corpus
                     # an epoch can take less time than planning the next.
+                    if not self.plans.has(sess.spec, nxt) and not self.check_corpus():
+                        return None
                     self.plans.prefetch(sess.spec, nxt)
                     sess.planned_ahead = nxt
                 return plan
@@ -537,4 +613,8 @@ class _UnknownSession(P.ProtocolError):
 
 
 class _Mismatch(ValueError):
+    pass
+
+
+class _CorpusChanged(Exception):
     pass

@@ -10,18 +10,22 @@ from __future__ import annotations
 import contextlib
 import grp
 import os
+import shutil
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import DaemonProcess
+from conftest import DaemonProcess, check_batch_tokens, expected_plan
 
 from client import LoaderClient, LoaderError, LoaderRequestError
 from client import protocol as P
+from loader_server.synth import SynthSpec, write_corpus
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).parent.parent
@@ -63,6 +67,17 @@ def tmpfs(path: Path, size: str, *options: str):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def plan_positions(ds, epochs: int = 1, **spec) -> list[tuple[tuple[int, int, int], list]]:
+    """Rank 0 of a one-rank job: (position, sample ids) in plan order."""
+    out = []
+    for e in range(epochs):
+        plan = expected_plan(ds, e, **spec)
+        for s in range(plan.num_steps):
+            for m in range(plan.spec.grad_accum):
+                out.append(((e, s, m), plan.micro(s, 0, m).tolist()))
+    return out
 
 
 def serve_args(corpus: Path, endpoint: str, shm_dir: Path) -> list[str]:
@@ -236,3 +251,114 @@ def test_truncated_control_page_ends_only_that_session(daemons, corpus):
     assert sum(1 for _ in other) > 0
     assert d.proc.poll() is None
     assert "was truncated" in d.log()
+
+
+# --- 3, 4. the corpus is immutable while served -----------------------------------------------
+
+
+@pytest.fixture
+def corpus_copy(tmp_path, corpus_path) -> Path:
+    dst = tmp_path / "corpus-copy"
+    shutil.copytree(corpus_path, dst)
+    return dst
+
+
+def _first_shard(folder: Path) -> Path:
+    return sorted(folder.glob("*.arrow"))[0]
+
+
+def _error_within(client: LoaderClient, seconds: float = 15) -> LoaderRequestError:
+    deadline = time.monotonic() + seconds
+    with pytest.raises(LoaderRequestError) as e:
+        while time.monotonic() < deadline:
+            next(client)
+    return e.value
+
+
+def _wait_log(d: DaemonProcess, text: str, seconds: float = 15) -> None:
+    deadline = time.monotonic() + seconds
+    while text not in d.log():
+        assert time.monotonic() < deadline, f"{text!r} not in the log:\n{d.log()[-2000:]}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("check_s", ["0.2", "3600"], ids=["timer", "faulting-read"])
+def test_truncated_corpus_stops_serving_it_without_dying(daemons, corpus_copy, check_s):
+    d = daemons("--corpus-check-s", check_s, dataset=corpus_copy)
+    client = LoaderClient(d.endpoint, job="t", rank=0, world_size=1)
+    for _ in range(5):
+        next(client)
+    shard = _first_shard(corpus_copy)
+    os.truncate(shard, 4096)
+    err = _error_within(client)
+    assert err.code == P.E_CORPUS and str(shard) in str(err) and "was truncated" in str(err)
+    if check_s == "3600":  # the timer never ran again: the fill's read of a lost page
+        assert "(SIGBUS)" in d.log()
+    assert d.proc.poll() is None
+    with pytest.raises(LoaderRequestError, match="stopped serving this corpus") as again:
+        next(LoaderClient(d.endpoint, job="new", rank=0, world_size=1, timeout_s=2))
+    assert again.value.code == P.E_CORPUS
+    assert d.stop() == 0
+
+
+def test_corpus_rewritten_in_place_is_noticed(daemons, corpus_copy):
+    """Same size, mtime restored (``rsync --inplace -a`` style): the ctime moved and the
+    content digest differs."""
+    d = daemons("--corpus-check-s", "0.2", dataset=corpus_copy)
+    client = LoaderClient(d.endpoint, job="w", rank=0, world_size=1)
+    next(client)
+    shard = _first_shard(corpus_copy)
+    st = shard.stat()
+    with open(shard, "r+b") as f:
+        f.seek(st.st_size // 2)
+        f.write(bytes(4096))  # valid values (ids 0, mask 0): only the watcher can tell
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    err = _error_within(client)
+    assert "was rewritten in place" in str(err) and str(shard) in str(err)
+    assert d.proc.poll() is None
+
+
+def test_chmod_of_the_corpus_is_not_a_change(daemons, corpus_copy, corpus):
+    d = daemons("--corpus-check-s", "0.1", dataset=corpus_copy)
+    client = LoaderClient(d.endpoint, job="c", rank=0, world_size=1, epochs=1)
+    next(client)
+    os.chmod(_first_shard(corpus_copy), 0o600)
+    _wait_log(d, "metadata changed, content unchanged")
+    assert len([check_batch_tokens(corpus, b) for b in client]) > 10
+
+
+def test_atomic_replacement_serves_the_old_file_until_sighup(
+    daemons, corpus_copy, corpus, tmp_path
+):
+    d = daemons("--corpus-check-s", "0.1", dataset=corpus_copy)
+    old = LoaderClient(d.endpoint, job="r", rank=0, world_size=1, epochs=1, dead_after_s=1)
+    check_batch_tokens(corpus, next(old))
+    other = tmp_path / "other"
+    write_corpus(other, SynthSpec(num_samples=2000, seed=99, median_len=200, max_len=1500),
+                 shards=2)  # fmt: skip
+    os.replace(_first_shard(other), _first_shard(corpus_copy))  # a new inode at the path
+    _wait_log(d, "now names another file")
+    for _ in range(20):  # still exactly the file the daemon opened
+        check_batch_tokens(corpus, next(old))
+    d.proc.send_signal(signal.SIGHUP)
+    _wait_log(d, "reload: serving")
+    with pytest.raises(LoaderRequestError, match="this position belongs to") as e:
+        for _ in range(10):  # bye, reconnect: the old position is not for the new corpus
+            next(old)
+    assert e.value.code == P.E_MISMATCH
+    new = LoaderClient(d.endpoint, job="r2", rank=0, world_size=1)
+    next(new)
+    assert new.fingerprint not in (None, corpus.fingerprint)
+    assert d.proc.poll() is None
+
+
+def test_sighup_with_an_unchanged_corpus_changes_nothing(daemons, corpus):
+    d = daemons()
+    client = LoaderClient(d.endpoint, job="h", rank=0, world_size=1, epochs=1)
+    got = [next(client).position]
+    d.proc.send_signal(signal.SIGHUP)
+    _wait_log(d, "reload: ")
+    assert "unchanged" in d.log()
+    got += [b.position for b in client]
+    assert got == [pos for pos, _ in plan_positions(corpus)]
+    assert d.stop() == 0 and "stopped" in d.log()

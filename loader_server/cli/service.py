@@ -52,6 +52,11 @@ def _daemon_options(f: Any) -> Any:
             help="Drop a session silent this long [default: 120].",
         ),
         click.option(
+            "--corpus-check-s",
+            type=float,
+            help="How often the corpus files are checked for changes [default: 0.5].",
+        ),
+        click.option(
             "--max-ring-bytes",
             help="Shared memory one session may take (64M, 1G...) [default: min(1G, budget/8)].",
         ),
