@@ -16,7 +16,9 @@
  *
  * The handler jumps back to the guard of the faulting thread (guard_active is per thread);
  * a SIGBUS outside any guard is passed to the handler installed before this one (for
- * example Python's faulthandler), or ends the process as it would have without us. The
+ * example Python's faulthandler) and then ends the process as it would have without us.
+ * A handler installed after this one (faulthandler.enable() later) runs first: it prints
+ * its traceback, restores this one and re-raises, and the guard still catches the fault. The
  * handler is installed with SA_NODEFER, so leaving it by siglongjmp without restoring the
  * signal mask (sigsetjmp(..., 0): no system call per guard) leaves SIGBUS deliverable.
  *
@@ -48,17 +50,14 @@ static void guard_handler(int sig, siginfo_t *info, void *context) {
         frame->addr = info->si_addr;
         siglongjmp(frame->jump, 1);
     }
+    /* Not ours: the previous handler has its turn (Python's faulthandler prints a
+     * traceback); if it returns, the default action: the repeated access ends the process
+     * exactly as it would have without this handler. */
     if (guard_previous.sa_flags & SA_SIGINFO) {
-        if (guard_previous.sa_sigaction != NULL) {
-            guard_previous.sa_sigaction(sig, info, context);
-            return;
-        }
+        if (guard_previous.sa_sigaction != NULL) guard_previous.sa_sigaction(sig, info, context);
     } else if (guard_previous.sa_handler != SIG_DFL && guard_previous.sa_handler != SIG_IGN) {
         guard_previous.sa_handler(sig);
-        return;
     }
-    /* Nobody else handles it: restore the default action; returning repeats the faulting
-     * access, which then ends the process exactly as it would have without this handler. */
     signal(sig, SIG_DFL);
 }
 

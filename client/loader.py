@@ -1,230 +1,45 @@
 """``LoaderClient``: the iterator a trainer rank uses to receive batches from the daemon.
 
-Each ``next()`` releases the previous batch's slot, then waits for the daemon to announce
-the next one and wraps the slot's bytes as torch tensors over a read-only mapping of the
-ring (no copy). A batch's tensors are valid until the next ``next()``: copy them (for
-example ``batch.to("cuda", non_blocking=True)``) to keep them longer.
-
-CUDA copy rule: ``batch.to("cuda", non_blocking=True)`` only queues a DMA from the ring,
-which the GPU performs later. It records a CUDA event after the copies on the slot's guard,
-and the client never hands a slot back to the daemon (the ``consumed`` store in ``next()``)
-nor unmaps the ring (``close``, reconnects) before every event recorded on it has completed.
-Synchronous copies and CPU targets record nothing, and with no event pending a release makes
-no CUDA call at all.
+Each ``next()`` waits for the daemon to announce the next batch in the session's ring,
+copies it out into private memory (``client.ring.Ring.take``; pinned once CUDA is
+initialized in the process, so ``batch.to("cuda", non_blocking=True)`` is a DMA) and gives
+the slot straight back to the daemon. A ``Batch`` is therefore the trainer's own: it never
+changes while held, in-place writes work, and it pickles compactly (``client.batch``).
 
 The client holds the position (``[epoch, step, micro]`` of the next batch); the daemon holds
 nothing a restart could lose. If the daemon goes away (no message for ``dead_after_s``, a
 ``bye``, or "unknown session" after a daemon restart) the client reconnects with backoff
 and reopens its session at its own position, so nothing is lost or repeated; after
 ``timeout_s`` without a daemon it raises ``LoaderUnavailableError``.
+
+Process rules: a client belongs to the process that connected it; used after ``fork()`` in
+the child it raises (the child must make its own). After ``close()`` it raises too; after
+its last epoch it keeps raising ``StopIteration``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import secrets
+import stat
 import time
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
-from client import _ring, cuda
 from client import protocol as P
+from client.batch import Batch
+from client.ring import Ring, default_shm_dir
 
+__all__ = ["Batch", "LoaderClient"]
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 # After the bell rang for a message rather than a batch: how long to wait for it to arrive.
 _MESSAGE_IN_FLIGHT_S = 0.1
-_TORCH_DTYPES = {"int32": torch.int32, "uint8": torch.uint8, "int64": torch.int64}
-
-
-@dataclass(eq=False)
-class _SlotGuard:
-    """One ring slot's pending asynchronous copies: CUDA events recorded by ``Batch.to``.
-
-    Shared by the client and the batches that view the slot; the client waits on it before
-    the slot is released or the ring unmapped.
-    """
-
-    pending: list[Any] = field(default_factory=list)
-
-    def wait(self) -> None:
-        """Block until every recorded copy has finished, then forget them."""
-        for event in self.pending:
-            event.synchronize()
-        self.pending.clear()
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One micro-batch for this rank. Tensors are CPU views of shared memory until ``to``.
-
-    Padded: ``input_ids``/``loss_mask`` ``[B, L]``, ``lengths``/``sample_ids`` ``[B]``.
-    Packed: ``input_ids``/``loss_mask``/``position_ids`` ``[1, T]``, ``cu_seqlens`` ``[n+1]``,
-    ``lengths``/``sample_ids`` ``[n]``, ``max_seqlen``.
-    """
-
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    lengths: torch.Tensor
-    sample_ids: torch.Tensor
-    position_ids: torch.Tensor | None
-    cu_seqlens: torch.Tensor | None
-    max_seqlen: int
-    epoch: int
-    step: int
-    micro: int
-    bucket: int
-    layout: str
-    steps_per_epoch: int
-    num_tokens: int  # real (unpadded) tokens: the sum of ``lengths``
-    # The ring slot's guard while the tensors are views of the ring; None for copies.
-    _guard: _SlotGuard | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def position(self) -> tuple[int, int, int]:
-        return (self.epoch, self.step, self.micro)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        """A copy of every tensor on ``device`` (DMA from the registered ring on CUDA).
-
-        With ``non_blocking=True`` to a CUDA device from the ring, the copies are only queued:
-        a CUDA event recorded on the current stream right after them is attached to the
-        slot's guard, and the client waits for it before the slot goes back to the daemon
-        (the next ``next()``) or the ring is unmapped, so the DMA never reads a slot the
-        daemon is refilling. The GPU tensors themselves follow the usual stream semantics.
-        A CPU target returns the ring views themselves (still valid only until ``next()``).
-        """
-        dev = torch.device(device)
-        out = self._map(lambda t: t.to(dev, non_blocking=non_blocking))
-        guard = self._guard
-        if guard is None:
-            return out
-        if dev.type == "cpu":
-            return replace(out, _guard=guard)  # still views of the ring
-        if non_blocking and dev.type == "cuda":
-            guard.pending.append(cuda.record_copy_event(dev))
-        return out
-
-    def clone(self) -> Batch:
-        """A private CPU copy that outlives the slot."""
-        return self._map(torch.Tensor.clone)
-
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
-        present = {k: getattr(self, k) for k in _TENSOR_FIELDS}
-        moved: dict[str, Any] = {k: fn(t) for k, t in present.items() if t is not None}
-        return replace(self, _guard=None, **moved)
-
-
-_TENSOR_FIELDS = ("input_ids", "loss_mask", "lengths", "sample_ids", "position_ids", "cu_seqlens")
-
-
-class _Ring:
-    """A session's ring mapped read-only, and its control page mapped read-write."""
-
-    def __init__(self, path: str, control: str, slots: int, layout: P.SlotLayout) -> None:
-        header = P.header_bytes(slots)
-        self._mm = _map(path, header + slots * layout.slot_bytes, mmap.PROT_READ)
-        self._ctl = _map(control, P.CONTROL_BYTES, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
-        meta = self.buf[P.META : P.META + slots * P.META_STRIDE].view(np.int64)
-        self._meta = meta.reshape(slots, P.META_STRIDE // 8)[:, : len(P.META_FIELDS)]
-        with warnings.catch_warnings():  # read-only by design: a write faults, never corrupts
-            warnings.simplefilter("ignore", UserWarning)
-            whole = torch.from_numpy(self.buf)
-        # The ring as one tensor per dtype, and where each field of each slot starts in it:
-        # a batch tensor is then one ``as_strided`` call (no slicing, no reshape).
-        typed = {d: whole.view(t) for d, t in _TORCH_DTYPES.items()}
-        self._fields: list[dict[str, tuple[torch.Tensor, int, int]]] = []
-        for k in range(slots):
-            views = {}
-            for name, (dtype, offset, capacity) in layout.fields.items():
-                start = header + k * layout.slot_bytes + offset
-                views[name] = (typed[dtype], start // np.dtype(dtype).itemsize, capacity)
-            self._fields.append(views)
-        self.slots = slots
-        self.guards = [_SlotGuard() for _ in range(slots)]
-        self._registered = cuda.register(self.buf)
-
-    def produced(self) -> int:
-        return int(_ring.load(self._mm, P.PRODUCED))
-
-    def bell(self) -> int:
-        return int(_ring.bell(self._mm, P.BELL))
-
-    def wait(self, bell: int, timeout_s: float) -> bool:
-        """Sleep until the daemon rings the bell past ``bell`` (True) or the timeout."""
-        return bool(_ring.wait(self._mm, P.BELL, bell, timeout_s))
-
-    def daemon_wake(self) -> int:
-        return int(_ring.load(self._mm, P.WAKE_DAEMON))
-
-    def _store(self, offset: int, value: int) -> None:
-        try:
-            _ring.store(self._ctl, offset, value)
-        except OSError as e:  # EFAULT: someone truncated the file under this mapping
-            raise P.ProtocolError(
-                f"this session's control page was truncated under the client ({e.strerror})"
-            ) from None
-
-    def set_consumed(self, n: int) -> None:
-        self._store(P.CONSUMED, n)
-
-    def wake_client_at(self, n: int) -> None:
-        self._store(P.WAKE_CLIENT, n)
-
-    def set_wait(self, seconds: float) -> None:
-        self._store(P.WAIT_US, int(seconds * 1e6))
-
-    def meta(self, slot: int) -> list[int]:
-        """Slot ``slot``'s batch description (``P.META_FIELDS``); read after ``produced``."""
-        return self._meta[slot].tolist()
-
-    def tensor(self, slot: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Field ``name`` of ``slot`` as a ``shape`` tensor (1-D or 2-D, C order)."""
-        base, offset, capacity = self._fields[slot][name]
-        count = shape[0] * shape[1] if len(shape) == 2 else shape[0]
-        if count > capacity:
-            raise P.ProtocolError(f"field {name}: {count} elements > capacity {capacity}")
-        return base.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), offset)
-
-    def settle(self) -> None:
-        """Wait for every asynchronous copy still reading any slot (see ``Batch.to``)."""
-        for guard in self.guards:
-            if guard.pending:
-                guard.wait()
-
-    def close(self) -> None:
-        self.settle()  # a DMA must not outlive the mapping or its registration
-        if self._registered:
-            cuda.unregister(self.buf)
-        self.buf = np.zeros(0, np.uint8)
-        self._meta = np.zeros((0, 0), np.int64)
-        self._fields = []
-        # A batch tensor may still reference the mapping; then GC unmaps it later.
-        for mm in (self._mm, self._ctl):
-            with contextlib.suppress(BufferError):
-                mm.close()
-
-
-def _map(path: str, size: int, prot: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR if prot & mmap.PROT_WRITE else os.O_RDONLY)
-    try:
-        actual = os.fstat(fd).st_size
-        if actual < size:
-            raise P.ProtocolError(f"{path} is {actual} bytes, expected {size}")
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-    finally:
-        os.close(fd)
 
 
 class LoaderClient:
@@ -242,6 +57,10 @@ class LoaderClient:
         dead_after_s: silence (heartbeats unanswered) after which the daemon is presumed gone.
         curve_server_key: the daemon's CURVE public key (Z85 text) for a tcp:// endpoint
             secured with ``curve_secret_key_file``; the client uses an ephemeral key pair.
+        shm_dir: the daemon's ``--shm-dir``; the client maps only rings in this folder
+            (default ``$DFLASH_LOADER_SHM_DIR``, else ``/dev/shm``).
+        pin_memory: copy batches into pinned memory (None: when CUDA is initialized in
+            this process by the time a batch arrives).
     """
 
     def __init__(
@@ -257,6 +76,8 @@ class LoaderClient:
         heartbeat_s: float = 1.0,
         dead_after_s: float = 5.0,
         curve_server_key: str | bytes | None = None,
+        shm_dir: str | os.PathLike[str] | None = None,
+        pin_memory: bool | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
@@ -277,6 +98,8 @@ class LoaderClient:
         self.curve_server_key = (
             curve_server_key.encode() if isinstance(curve_server_key, str) else curve_server_key
         )
+        self.shm_dir = os.fspath(shm_dir) if shm_dir is not None else default_shm_dir()
+        self.pin_memory = pin_memory
         self.position: tuple[int, int, int] = (0, 0, 0)
         self.wait_s = 0.0  # total time blocked waiting for data
         self.steps_per_epoch: int | None = None
@@ -285,10 +108,11 @@ class LoaderClient:
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._sid: str | None = None
-        self._ring: _Ring | None = None
+        self._ring: Ring | None = None
         self._n = 0  # index in the session of the next batch to receive
-        self._consumed = 0  # batches released to the daemon (the control page's counter)
-        self._held = False  # the batch last returned (index _n - 1) is still in use
+        self._pid: int | None = None  # the process that connected (owns socket and session)
+        self._closed = False  # close() was called: the client cannot be used again
+        self._done = False  # the requested epochs were served: StopIteration from now on
 
     # --- public API -----------------------------------------------------------------------
 
@@ -296,9 +120,11 @@ class LoaderClient:
         return self
 
     def __next__(self) -> Batch:
-        self._release_held()
+        self._check_usable()
+        if self._done:
+            raise StopIteration
         if self.epochs is not None and self.position[0] >= self.epochs:
-            self.close()  # done: free the daemon's ring now rather than at session timeout
+            self._finish()  # free the daemon's ring now rather than at session timeout
             raise StopIteration
         deadline = None
         while True:
@@ -307,7 +133,7 @@ class LoaderClient:
                     self._open()
                 batch = self._receive()
                 if batch is None:
-                    self.close()
+                    self._finish()
                     raise StopIteration
                 return batch
             except _Reconnect as why:
@@ -327,6 +153,7 @@ class LoaderClient:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state``'s position (reopening the session if one is open)."""
+        self._check_usable()
         if state.get("version") != STATE_VERSION:
             raise ValueError(
                 f"loader state version {state.get('version')!r} is not {STATE_VERSION}; "
@@ -341,15 +168,21 @@ class LoaderClient:
         self.position = P.position(state.get("position"), "state position")
         if state.get("fingerprint"):
             self.fingerprint = state["fingerprint"]
+        self._done = False
         if self._sid is not None:
             self._close_session()
 
     def close(self) -> None:
-        if self._ring is not None:
-            self._ring.settle()  # copies from the ring finish before the daemon drops it
-        if self._sid is not None and self._sock is not None:
-            self._sock.send(P.encode("close", s=self._sid), zmq.NOBLOCK)
-        self._close_session()
+        """End the session and free the daemon's ring; the client cannot be used again.
+        In a child process after ``fork()`` this only forgets the parent's connection."""
+        self._closed = True
+        if self._forked():
+            self._abandon()
+            return
+        self._end_session()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
 
     def __enter__(self) -> LoaderClient:
         return self
@@ -359,7 +192,45 @@ class LoaderClient:
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self._close_session()
+            if self._forked():
+                self._abandon()
+            else:
+                self._close_session()
+
+    # --- process rules ------------------------------------------------------------------
+
+    def _forked(self) -> bool:
+        return self._pid is not None and self._pid != os.getpid()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise P.LoaderError(
+                f"this LoaderClient (job {self.job!r}, rank {self.rank}) was closed; "
+                f"create a new one to read again"
+            )
+        if self._forked():
+            raise P.LoaderError(
+                f"this LoaderClient was connected in process {self._pid} and used in "
+                f"process {os.getpid()} after fork(); a child process must create its own "
+                f"client (a shared connection would deliver each batch to one of them only)"
+            )
+
+    def _abandon(self) -> None:
+        """After fork(), in the child: drop the parent's socket and ring without using them."""
+        self._sock = None  # pyzmq never closes a socket inherited through fork
+        self._sid = None
+        self._ring = None  # the inherited mapping goes with the process
+
+    def _end_session(self) -> None:
+        if self._sid is not None and self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send(P.encode("close", s=self._sid), zmq.NOBLOCK)
+        self._close_session()
+
+    def _finish(self) -> None:
+        """The requested epochs are done: free the daemon's ring, keep StopIteration."""
+        self._done = True
+        self._end_session()
 
     # --- session ---------------------------------------------------------------------------
 
@@ -376,6 +247,7 @@ class LoaderClient:
                 sock.curve_secretkey = secret
             sock.connect(self.endpoint)
             self._sock = sock
+            self._pid = os.getpid()
         return self._sock
 
     def _open(self) -> None:
@@ -400,7 +272,12 @@ class LoaderClient:
                 break
             if msg["t"] == "error" and "s" not in msg:
                 raise P.LoaderRequestError(str(msg.get("code")), str(msg.get("msg")))
-        self._welcome(msg)
+        try:
+            self._welcome(msg)
+        except P.LoaderError:  # refused here: free the daemon's ring now, not at timeout
+            if isinstance(msg.get("s"), str):
+                self._send("close", s=msg["s"])
+            raise
 
     def _welcome(self, msg: dict[str, Any]) -> None:
         fingerprint = msg.get("fingerprint")
@@ -414,14 +291,26 @@ class LoaderClient:
             raise P.LoaderRequestError(
                 P.E_MISMATCH, "daemon now serves another spec than this client's session had"
             )
-        layout = P.SlotLayout.from_wire(msg.get("layout"), msg.get("slot_bytes"))
-        self._ring = _Ring(str(msg["shm"]), str(msg["ctl"]), int(msg["slots"]), layout)
+        steps = msg.get("steps")
+        if not isinstance(steps, int) or steps < 0:
+            raise P.ProtocolError(f"welcome: steps {steps!r} is not a non-negative int")
+        self._ring = Ring(self.shm_dir, msg, self._socket_owner())
         self._sid = str(msg["s"])
-        self._n = self._consumed = 0
+        self._n = 0
         self.fingerprint = fingerprint
         self.effective_spec = msg.get("spec")
-        self.steps_per_epoch = int(msg["steps"])
+        self.steps_per_epoch = steps
         log.debug("session %s open at %s", self._sid, self.position)
+
+    def _socket_owner(self) -> int | None:
+        """The uid owning the daemon's socket file (ipc on a path), which must own the ring."""
+        if not self.endpoint.startswith("ipc://") or self.endpoint.startswith("ipc://@"):
+            return None
+        try:
+            st = os.stat(self.endpoint[len("ipc://") :])
+        except OSError:
+            return None
+        return st.st_uid if stat.S_ISSOCK(st.st_mode) else None
 
     def _receive(self) -> Batch | None:
         """This session's next batch (None: the requested epochs are done).
@@ -503,19 +392,33 @@ class LoaderClient:
             )
         layout = (self.effective_spec or {}).get("layout", "padded")
         if layout == "packed":
-            shape = (1, width)
-            position_ids = ring.tensor(slot, "position_ids", shape)
-            cu = ring.tensor(slot, "cu_seqlens", (rows + 1,))
+            shapes = {
+                "input_ids": (1, width),
+                "loss_mask": (1, width),
+                "position_ids": (1, width),
+                "lengths": (rows,),
+                "sample_ids": (rows,),
+                "cu_seqlens": (rows + 1,),
+            }
         else:
-            shape = (rows, width)
-            position_ids = cu = None  # type: ignore[assignment]
+            shapes = {
+                "input_ids": (rows, width),
+                "loss_mask": (rows, width),
+                "lengths": (rows,),
+                "sample_ids": (rows,),
+            }
+        pin = self.pin_memory
+        if pin is None:  # pinned pages only help (and only cost) once CUDA is in use
+            pin = torch.cuda.is_available() and torch.cuda.is_initialized()
+        t = ring.take(slot, shapes, pin)
+        self._release(n + 1)  # the slot goes straight back: the batch is a private copy
         batch = Batch(
-            input_ids=ring.tensor(slot, "input_ids", shape),
-            loss_mask=ring.tensor(slot, "loss_mask", shape),
-            lengths=ring.tensor(slot, "lengths", (rows,)),
-            sample_ids=ring.tensor(slot, "sample_ids", (rows,)),
-            position_ids=position_ids,
-            cu_seqlens=cu,
+            input_ids=t["input_ids"],
+            loss_mask=t["loss_mask"],
+            lengths=t["lengths"],
+            sample_ids=t["sample_ids"],
+            position_ids=t.get("position_ids"),
+            cu_seqlens=t.get("cu_seqlens"),
             max_seqlen=maxlen,
             epoch=e,
             step=s,
@@ -524,27 +427,21 @@ class LoaderClient:
             layout=layout,
             steps_per_epoch=steps,
             num_tokens=tokens,
-            _guard=ring.guards[slot],
         )
         self.steps_per_epoch = steps
         self.position = (ne, ns, nm)
         self._n = n + 1
-        self._held = True
         return batch
 
-    def _release_held(self) -> None:
-        """Give the held batch's slot back: a counter store, and a doorbell only if the
-        daemon sleeps waiting for exactly this. Asynchronous CUDA copies from the slot
-        (``Batch.to``) are waited for first; with none pending this costs no CUDA call."""
-        if self._held and self._ring is not None:
-            guard = self._ring.guards[(self._n - 1) % self._ring.slots]
-            if guard.pending:
-                guard.wait()
-            old, self._consumed = self._consumed, self._n
-            self._ring.set_consumed(self._n)
-            if P.crossed(old, self._n, self._ring.daemon_wake()):
-                self._send("release", s=self._sid)
-        self._held = False
+    def _release(self, consumed: int) -> None:
+        """Hand slots back up to batch ``consumed``: a counter store, and a doorbell only
+        if the daemon sleeps waiting for exactly this."""
+        ring = self._ring
+        assert ring is not None
+        old = consumed - 1
+        ring.set_consumed(consumed)
+        if P.crossed(old, consumed, ring.daemon_wake()):
+            self._send("release", s=self._sid)
 
     def _send(self, kind: str, **fields: Any) -> None:
         # zmq.Again: no daemon connected right now; the receive side notices and reconnects.
@@ -559,7 +456,6 @@ class LoaderClient:
 
     def _close_session(self) -> None:
         self._sid = None
-        self._held = False
         if self._ring is not None:
             self._ring.close()
             self._ring = None

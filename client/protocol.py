@@ -44,6 +44,7 @@ DEFAULT_ENDPOINT = "ipc:///run/dflash-loader/loader.sock"
 # A control message is small; anything bigger is garbage or an attack. ZeroMQ drops the
 # peer that exceeds this (ZMQ_MAXMSGSIZE) before the daemon ever sees the bytes.
 MAX_MESSAGE_BYTES = 64 * 1024
+MAX_SLOT_BYTES = 1 << 40
 _ALIGN = 64
 
 # Error codes carried by `error` messages.
@@ -169,8 +170,15 @@ class SlotLayout:
 
     @classmethod
     def from_wire(cls, wire: Any, slot_bytes: Any) -> SlotLayout:
-        if not isinstance(wire, dict) or not isinstance(slot_bytes, int) or slot_bytes <= 0:
-            raise ProtocolError("welcome carries no valid slot layout")
+        """The layout a ``welcome`` describes, if every field lies inside its slot."""
+        import numpy as np
+
+        if (
+            not isinstance(wire, dict)
+            or not isinstance(slot_bytes, int)
+            or not 0 < slot_bytes <= MAX_SLOT_BYTES
+        ):
+            raise ProtocolError(f"welcome carries no valid slot layout (slot_bytes {slot_bytes!r})")
         fields = {}
         for name, dtype, _ in _FIELDS:
             entry = wire.get(name)
@@ -181,6 +189,9 @@ class SlotLayout:
                 or not all(isinstance(x, int) and x >= 0 for x in entry[1:])
             ):
                 raise ProtocolError(f"slot layout field {name!r} is invalid: {entry!r}")
+            size = np.dtype(dtype).itemsize
+            if entry[1] % size or entry[1] + entry[2] * size > slot_bytes:
+                raise ProtocolError(f"slot layout field {name!r} {entry!r} does not fit the slot")
             fields[name] = (dtype, entry[1], entry[2])
         return cls(fields, slot_bytes)
 

@@ -179,6 +179,7 @@ def start_daemon(work: Path) -> tuple[subprocess.Popen, str]:
     endpoint = f"ipc://{work}/loader.sock"
     shm = work / "shm"
     shm.mkdir(exist_ok=True)
+    os.environ["DFLASH_LOADER_SHM_DIR"] = str(shm)  # this process's and the trainers' clients
     with open(work / "daemon.log", "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
             [sys.executable, "-m", "loader_server", "serve", "--dataset", str(corpus),
@@ -202,7 +203,7 @@ def copy_stage(endpoint: str) -> dict[str, object]:
         prev = None
         t0 = time.perf_counter()
         for _ in range(60):
-            batch = next(it)  # releases the previous slot: its copy must have finished
+            batch = next(it)  # a private (pinned) copy: the ring slot is already free again
             if prev is not None:
                 ref, on_gpu = prev
                 same = torch.equal(on_gpu.input_ids.cpu(), ref.input_ids) and torch.equal(

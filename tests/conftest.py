@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from client.ring import SHM_DIR_ENV
 from loader_server import launch
 from loader_server.dataset import ArrowDataset, open_dataset
 from loader_server.planner import EpochPlan, plan_epoch
@@ -87,11 +88,13 @@ def target():
 
 
 @pytest.fixture
-def shm_dir():
-    """A private directory in /dev/shm (tmpfs), so leak checks see only this test's rings."""
+def shm_dir(monkeypatch):
+    """A private directory in /dev/shm (tmpfs), so leak checks see only this test's rings;
+    clients of this test (threads, and subprocesses through the environment) map there."""
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path("/tmp")
     d = base / f"dflash-test-{uuid.uuid4().hex[:8]}"
     d.mkdir()
+    monkeypatch.setenv(SHM_DIR_ENV, str(d))
     yield d
     shutil.rmtree(d, ignore_errors=True)
 

@@ -8,6 +8,7 @@ truncated or rewritten while it is served, clients that ask for too much, signal
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import grp
 import os
 import shutil
@@ -184,12 +185,12 @@ def test_full_tmpfs_is_one_sessions_error_not_a_sigbus(tmp_path, corpus_path):
         caps = ("--max-ring-bytes", "1G", "--shm-budget-bytes", "1G")  # above the tmpfs
         d = DaemonProcess(corpus_path, tmp_path, shm, *caps)
         try:
-            small = LoaderClient(d.endpoint, job="small", rank=0, world_size=1)
+            small = LoaderClient(d.endpoint, job="small", rank=0, world_size=1, shm_dir=shm)
             next(small)
             _fill_up(shm)  # the ring's pages were reserved when it was made
             for _ in range(150):  # every slot rewritten many times, with rows of all sizes
                 next(small)
-            big = LoaderClient(d.endpoint, job="big", rank=0, world_size=1,
+            big = LoaderClient(d.endpoint, job="big", rank=0, world_size=1, shm_dir=shm,
                                spec={"layout": "packed", "token_budget": 1 << 20})  # fmt: skip
             with pytest.raises(LoaderRequestError, match=r"no room for [\d,]+ bytes") as e:
                 next(big)
@@ -206,7 +207,7 @@ def test_ring_caps_default_from_the_free_space(tmp_path, corpus_path):
         d = DaemonProcess(corpus_path, tmp_path, shm)
         try:
             assert "shared memory caps: 786,432 bytes per session, 6,291,456 bytes" in d.log()
-            big = LoaderClient(d.endpoint, job="big", rank=0, world_size=1,
+            big = LoaderClient(d.endpoint, job="big", rank=0, world_size=1, shm_dir=shm,
                                spec={"token_budget": 1 << 20})  # fmt: skip
             with pytest.raises(LoaderRequestError, match="over the per-session cap of 786,432"):
                 next(big)
@@ -238,7 +239,18 @@ def test_group_mode_rings_are_not_group_writable(daemons):
         assert stat.S_IMODE(ctl.stat().st_mode) == 0o660  # the client's counters
 
 
-def test_truncated_control_page_ends_only_that_session(daemons, corpus):
+@pytest.fixture
+def no_faulthandler():
+    """The client below faults on purpose (its guard turns that into an error); pytest's
+    faulthandler, enabled after our modules were imported, would print a traceback first."""
+    was = faulthandler.is_enabled()
+    faulthandler.disable()
+    yield
+    if was:
+        faulthandler.enable()
+
+
+def test_truncated_control_page_ends_only_that_session(daemons, corpus, no_faulthandler):
     d = daemons()
     victim = LoaderClient(d.endpoint, job="t", rank=0, world_size=2)
     other = LoaderClient(d.endpoint, job="t", rank=1, world_size=2, epochs=1)

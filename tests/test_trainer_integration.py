@@ -57,7 +57,7 @@ class Daemon:
 
 
 @pytest.fixture
-def daemon(tmp_path):
+def daemon(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.arrow"
     spec = SynthSpec(
         num_samples=600, seed=3, median_len=96, max_len=256, vocab_size=512, content="learnable"
@@ -66,6 +66,7 @@ def daemon(tmp_path):
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp_path
     shm = base / f"dflash-trainer-test-{uuid.uuid4().hex[:8]}"
     shm.mkdir()
+    monkeypatch.setenv("DFLASH_LOADER_SHM_DIR", str(shm))  # the trainers' clients map there
     d = Daemon(corpus, tmp_path, shm)
     yield d
     d.stop()
@@ -180,7 +181,7 @@ def test_kill_and_resume_matches_uninterrupted(daemon, tmp_path):
     assert daemon.log().count("opened") == 1
 
 
-def test_trainer_follows_the_daemons_spec(tmp_path):
+def test_trainer_follows_the_daemons_spec(tmp_path, monkeypatch):
     """A trainer given no spec flags asks for nothing: the daemon's configured spec applies
     (here a small budget, short samples and 2 micro-batches per step), and the trainer logs
     and records the spec it was actually served."""
@@ -190,6 +191,7 @@ def test_trainer_follows_the_daemons_spec(tmp_path):
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp_path
     shm = base / f"dflash-trainer-test-{uuid.uuid4().hex[:8]}"
     shm.mkdir()
+    monkeypatch.setenv("DFLASH_LOADER_SHM_DIR", str(shm))
     flags = ("--token-budget", "512", "--max-seq-len", "128", "--grad-accum", "2")
     d = Daemon(corpus, tmp_path, shm, *flags)
     run_dir = tmp_path / "run"

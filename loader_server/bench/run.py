@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from client.ring import SHM_DIR_ENV
 from loader_server import metrics
 from loader_server.bench.baseline import dataloader_throughput, sort_once_restart
 from loader_server.dataset import open_dataset
@@ -57,8 +58,12 @@ def rss_mb(pid: int, kind: str = "VmRSS") -> float:
     return float("nan")
 
 
+def _shm_dir(workdir: Path) -> Path:
+    return Path("/dev/shm") if os.path.isdir("/dev/shm") else workdir
+
+
 def _start_daemon(dataset: Path, workdir: Path, spec: BatchSpec) -> DaemonProcess:
-    shm = Path("/dev/shm") if os.path.isdir("/dev/shm") else workdir
+    shm = _shm_dir(workdir)
     args = [f"--{k.replace('_', '-')}={v if not isinstance(v, list) else ','.join(map(str, v))}"
             for k, v in spec.to_dict().items() if k != "world_size"]  # fmt: skip
     return DaemonProcess(dataset, f"ipc://{workdir}/bench.sock", "--shm-dir", str(shm), *args,
@@ -70,8 +75,11 @@ def _consumers(endpoint: str, world: int, seconds: float, job: str, **extra: Any
            "--world", str(world), "--seconds", str(seconds)]  # fmt: skip
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
+    # The daemon's rings live where _start_daemon put them (the endpoint's folder).
+    workdir = Path(endpoint[len("ipc://") :]).parent
+    env = {**os.environ, SHM_DIR_ENV: str(_shm_dir(workdir))}
     procs = [
-        subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True, env=env)
         for r in range(world)
     ]
     return [json.loads(p.communicate(timeout=seconds + 120)[0]) for p in procs]

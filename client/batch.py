@@ -1,0 +1,78 @@
+"""``Batch``: one micro-batch of a rank, owned by the trainer.
+
+The client copies each batch out of the shared-memory ring into private memory before
+``next()`` returns (``client.ring.Ring.take``), so a batch is an ordinary set of CPU tensors:
+it never changes while the trainer holds it (``list(loader)``, a batch kept for logging),
+in-place writes work (``labels[mask == 0] = -100``, ``mask.mul_(w)``), and ``pickle`` or
+``torch.save`` write only its own bytes. The copy is the size of the batch's real content
+(rows x width, not the slot's capacity) and lands in pinned memory once CUDA is initialized
+in the process, so ``batch.to("cuda", non_blocking=True)`` is a DMA; PyTorch's pinned-memory
+cache keeps that block alive until the copy has run, even if the batch is dropped at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+TENSOR_FIELDS = ("input_ids", "loss_mask", "lengths", "sample_ids", "position_ids", "cu_seqlens")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch for this rank: private CPU tensors (pinned under CUDA).
+
+    Padded: ``input_ids``/``loss_mask`` ``[B, L]``, ``lengths``/``sample_ids`` ``[B]``.
+    Packed: ``input_ids``/``loss_mask``/``position_ids`` ``[1, T]``, ``cu_seqlens`` ``[n+1]``,
+    ``lengths``/``sample_ids`` ``[n]``, ``max_seqlen``.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    lengths: torch.Tensor
+    sample_ids: torch.Tensor
+    position_ids: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int
+    epoch: int
+    step: int
+    micro: int
+    bucket: int
+    layout: str
+    steps_per_epoch: int
+    num_tokens: int  # real (unpadded) tokens: the sum of ``lengths``
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        return (self.epoch, self.step, self.micro)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """Every tensor on ``device`` (a CPU target returns the same tensors)."""
+        dev = torch.device(device)
+        return self._map(lambda t: t.to(dev, non_blocking=non_blocking))
+
+    def clone(self) -> Batch:
+        """A copy with tensors of its own (the batch itself is already private)."""
+        return self._map(torch.Tensor.clone)
+
+    def __reduce__(self) -> tuple[Callable[..., Batch], tuple[dict[str, Any]]]:
+        """Pickle (and ``torch.save``) only this batch's bytes: its tensors share one buffer,
+        which would otherwise be written whole, once per tensor."""
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in TENSOR_FIELDS:
+            t = state[name]
+            if t is not None and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                state[name] = t.clone()
+        return (_rebuild, (state,))
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        present = {k: getattr(self, k) for k in TENSOR_FIELDS}
+        moved: dict[str, Any] = {k: fn(t) for k, t in present.items() if t is not None}
+        return replace(self, **moved)
+
+
+def _rebuild(state: dict[str, Any]) -> Batch:
+    return Batch(**state)
