@@ -391,25 +391,26 @@ class LoaderClient:
                 f"slot {slot} holds batch {seq} at {(e, s, m)}, expected {n} at {self.position}"
             )
         layout = (self.effective_spec or {}).get("layout", "padded")
+        shapes: tuple[tuple[str, tuple[int, ...]], ...]
         if layout == "packed":
-            shapes = {
-                "input_ids": (1, width),
-                "loss_mask": (1, width),
-                "position_ids": (1, width),
-                "lengths": (rows,),
-                "sample_ids": (rows,),
-                "cu_seqlens": (rows + 1,),
-            }
+            shapes = (
+                ("input_ids", (1, width)),
+                ("loss_mask", (1, width)),
+                ("position_ids", (1, width)),
+                ("lengths", (rows,)),
+                ("sample_ids", (rows,)),
+                ("cu_seqlens", (rows + 1,)),
+            )
         else:
-            shapes = {
-                "input_ids": (rows, width),
-                "loss_mask": (rows, width),
-                "lengths": (rows,),
-                "sample_ids": (rows,),
-            }
+            shapes = (
+                ("input_ids", (rows, width)),
+                ("loss_mask", (rows, width)),
+                ("lengths", (rows,)),
+                ("sample_ids", (rows,)),
+            )
         pin = self.pin_memory
         if pin is None:  # pinned pages only help (and only cost) once CUDA is in use
-            pin = torch.cuda.is_available() and torch.cuda.is_initialized()
+            pin = torch.cuda.is_initialized()
         t = ring.take(slot, shapes, pin)
         self._release(n + 1)  # the slot goes straight back: the batch is a private copy
         batch = Batch(

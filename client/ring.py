@@ -15,12 +15,12 @@ slot is released right after. The control page (``.ctl``) is the one file a clie
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import os
 import re
 import stat
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -140,32 +140,37 @@ class Ring:
         return values
 
     def take(
-        self, slot: int, shapes: dict[str, tuple[int, ...]], pin: bool
+        self, slot: int, shapes: tuple[tuple[str, tuple[int, ...]], ...], pin: bool
     ) -> dict[str, torch.Tensor]:
-        """Copy the fields of ``slot`` (``name -> shape``, C order) into one private buffer
-        (pinned if ``pin``) and return them as tensors viewing it."""
-        plan, total = [], 0
-        for name, shape in shapes.items():
-            dtype, offset, capacity = self.layout.fields[name]
+        """Copy the fields of ``slot`` (``(name, shape)`` pairs, C order) into one private
+        buffer (pinned if ``pin``) and return them as tensors viewing it. One native call
+        copies them all, with the GIL released."""
+        fields, start = self.layout.fields, self._starts[slot]
+        ranges: list[int] = []
+        views = []
+        total = 0
+        for name, shape in shapes:
+            dtype, offset, capacity = fields[name]
             count = shape[0] * shape[1] if len(shape) == 2 else shape[0]
             if count > capacity:
                 raise P.ProtocolError(f"field {name}: {count} elements > capacity {capacity}")
             size = _SIZES[dtype]
-            plan.append((name, shape, dtype, self._starts[slot] + offset, total, count * size))
+            ranges += (total, start + offset, count * size)
+            views.append((name, shape, dtype, total // size))
             total += -(-count * size // _ALIGN) * _ALIGN
+        total = max(total, _ALIGN)
         if pin:  # PyTorch's pinned-memory cache recycles blocks (and waits for their DMAs)
-            buf = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=True)
-            out = buf.numpy()
+            u8 = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            out = u8.numpy()
+            typed = {"uint8": u8, "int32": u8.view(torch.int32), "int64": u8.view(torch.int64)}
         else:
-            out = self._pool.get(max(total, _ALIGN))
-            buf = torch.from_numpy(out)  # the batch's tensors keep ``out`` (and its buffer)
-        typed = {"uint8": buf, "int32": buf.view(torch.int32), "int64": buf.view(torch.int64)}
-        tensors = {}
-        for name, shape, dtype, src, dst, nbytes in plan:
-            out[dst : dst + nbytes] = self.buf[src : src + nbytes]
-            strides = (shape[1], 1) if len(shape) == 2 else (1,)
-            tensors[name] = typed[dtype].as_strided(shape, strides, dst // _SIZES[dtype])
-        return tensors
+            buf = self._pool.get(total)
+            out, typed = buf.bytes, buf.typed
+        _ring.gather(out, self._mm, np.array(ranges, np.int64))
+        return {
+            name: typed[dtype].as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), at)
+            for name, shape, dtype, at in views
+        }
 
     def close(self) -> None:
         self.buf = np.zeros(0, np.uint8)
@@ -179,31 +184,50 @@ class BufferPool:
     """Private buffers for batches, recycled once no tensor uses them any more.
 
     A fresh buffer costs a page fault per page on first touch (on some VMs far more than
-    the copy itself), so buffers are reused: each batch gets a view of a pooled buffer, the
-    batch's tensors keep that view alive, and a weak reference's callback returns the
-    buffer when the last of them is gone (a batch held forever keeps its buffer forever).
-    Buffers are the size of a whole slot; at most ``keep`` idle ones are kept.
+    the copy itself), so buffers are reused: a batch's tensors are views of a pooled
+    buffer, and the buffer is free again when its storage has no users but the pool's own
+    views (a batch held forever keeps its buffer forever; the pool then makes new ones).
+    Each ``get`` looks at a few lent buffers, oldest first. Buffers are a whole slot's size;
+    at most ``keep`` idle ones are kept.
     """
 
     def __init__(self, nbytes: int, keep: int) -> None:
         self._nbytes = nbytes
         self._keep = keep
-        self._idle: list[np.ndarray] = []
-        self._lent: dict[int, tuple[weakref.ref[np.ndarray], np.ndarray]] = {}
+        self._idle: list[_Buffer] = []
+        self._lent: collections.deque[_Buffer] = collections.deque()
 
-    def get(self, nbytes: int) -> np.ndarray:
+    def get(self, nbytes: int) -> _Buffer:
         if nbytes > self._nbytes:
             raise ValueError(f"{nbytes} bytes do not fit a {self._nbytes}-byte buffer")
-        base = self._idle.pop() if self._idle else np.empty(self._nbytes, np.uint8)
-        view = base[: max(nbytes, 1)]
-        ref = weakref.ref(view, self._returned)
-        self._lent[id(ref)] = (ref, base)
-        return view
+        for _ in range(min(4, len(self._lent))):
+            buf = self._lent.popleft()
+            if not buf.in_use():
+                if len(self._idle) < self._keep:
+                    self._idle.append(buf)
+            else:
+                self._lent.append(buf)
+        buf = self._idle.pop() if self._idle else _Buffer(self._nbytes)
+        self._lent.append(buf)
+        return buf
 
-    def _returned(self, ref: weakref.ref[np.ndarray]) -> None:
-        lent = self._lent.pop(id(ref), None)
-        if lent is not None and len(self._idle) < self._keep:
-            self._idle.append(lent[1])
+
+class _Buffer:
+    """One pooled buffer: a uint8 tensor, its typed views and its storage's use count."""
+
+    def __init__(self, nbytes: int) -> None:
+        u8 = torch.empty(nbytes, dtype=torch.uint8)
+        self.bytes = u8.numpy()
+        self.typed = {"uint8": u8, "int32": u8.view(torch.int32), "int64": u8.view(torch.int64)}
+        self._storage = u8.untyped_storage()._cdata
+        self._idle_users = _use_count(self._storage)
+
+    def in_use(self) -> bool:
+        return _use_count(self._storage) != self._idle_users
+
+
+def _use_count(storage: int) -> int:
+    return int(torch._C._storage_Use_Count(storage))
 
 
 def _map(path: str, size: int, prot: int) -> tuple[mmap.mmap, int]:
