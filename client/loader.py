@@ -37,7 +37,7 @@ from client.ring import Ring, default_shm_dir
 __all__ = ["Batch", "LoaderClient"]
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the effective spec is recorded (1, without it, still loads)
 # After the bell rang for a message rather than a batch: how long to wait for it to arrive.
 _MESSAGE_IN_FLIGHT_S = 0.1
 
@@ -113,6 +113,7 @@ class LoaderClient:
         self._pid: int | None = None  # the process that connected (owns socket and session)
         self._closed = False  # close() was called: the client cannot be used again
         self._done = False  # the requested epochs were served: StopIteration from now on
+        self._saved_spec: dict[str, Any] | None = None  # from load_state_dict
 
     # --- public API -----------------------------------------------------------------------
 
@@ -141,7 +142,9 @@ class LoaderClient:
                 self._reset(str(why), deadline)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where to resume: the next batch this rank should receive."""
+        """Where to resume: the next batch this rank should receive, with the spec and corpus
+        (fingerprint) that position belongs to; a daemon serving another spec or corpus
+        refuses to resume it."""
         return {
             "version": STATE_VERSION,
             "job": self.job,
@@ -149,16 +152,23 @@ class LoaderClient:
             "world_size": self.world_size,
             "position": list(self.position),
             "fingerprint": self.fingerprint,
+            "spec": self.effective_spec if self.effective_spec is not None else self._saved_spec,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state``'s position (reopening the session if one is open)."""
         self._check_usable()
-        if state.get("version") != STATE_VERSION:
+        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
+            version = state.get("version") if isinstance(state, dict) else state
             raise ValueError(
-                f"loader state version {state.get('version')!r} is not {STATE_VERSION}; "
+                f"loader state version {version!r} is not {STATE_VERSION}; "
                 f"it was saved by an incompatible dflash-loader"
             )
+        fingerprint, spec = state.get("fingerprint"), state.get("spec")
+        if fingerprint is not None and not isinstance(fingerprint, str):
+            raise ValueError(f"loader state fingerprint must be a string, got {fingerprint!r}")
+        if spec is not None and not isinstance(spec, dict):
+            raise ValueError(f"loader state spec must be a map, got {spec!r}")
         for key in ("job", "rank", "world_size"):
             if state.get(key) != getattr(self, key):
                 raise ValueError(
@@ -166,8 +176,11 @@ class LoaderClient:
                     f"{key}={getattr(self, key)!r}"
                 )
         self.position = P.position(state.get("position"), "state position")
-        if state.get("fingerprint"):
-            self.fingerprint = state["fingerprint"]
+        if fingerprint:
+            self.fingerprint = fingerprint
+        if spec is not None:
+            self._saved_spec = spec
+            self.effective_spec = None  # the daemon must serve the saved one (checked at open)
         self._done = False
         if self._sid is not None:
             self._close_session()
@@ -252,6 +265,7 @@ class LoaderClient:
 
     def _open(self) -> None:
         sock = self._socket()
+        expect = self.effective_spec if self.effective_spec is not None else self._saved_spec
         sock.send(
             P.encode(
                 "open",
@@ -261,15 +275,21 @@ class LoaderClient:
                 spec=self.spec,
                 pos=list(self.position),
                 epochs=self.epochs,
+                expect_spec=expect,
+                expect_fingerprint=self.fingerprint,
             )
         )
-        end = time.monotonic() + self.dead_after_s
+        # The daemon answers at once, or says "pending" every second while it plans.
+        now = time.monotonic()
+        end, last = now + self.dead_after_s, now + max(self.timeout_s, self.dead_after_s)
         while True:
             msg = self._recv(end - time.monotonic())
             if msg is None:
                 raise _Reconnect(f"no answer to open from {self.endpoint}")
             if msg["t"] == "welcome":
                 break
+            if msg["t"] == "pending":
+                end = min(time.monotonic() + self.dead_after_s, last)
             if msg["t"] == "error" and "s" not in msg:
                 raise P.LoaderRequestError(str(msg.get("code")), str(msg.get("msg")))
         try:
@@ -287,9 +307,12 @@ class LoaderClient:
                 f"daemon serves dataset {fingerprint}, but this position belongs to "
                 f"{self.fingerprint}; resuming would replay the wrong data",
             )
-        if self.effective_spec is not None and msg.get("spec") != self.effective_spec:
+        expect = self.effective_spec if self.effective_spec is not None else self._saved_spec
+        if expect is not None and msg.get("spec") != expect:
             raise P.LoaderRequestError(
-                P.E_MISMATCH, "daemon now serves another spec than this client's session had"
+                P.E_MISMATCH,
+                "the daemon serves another spec than this position was saved under "
+                f"(saved {expect}, served {msg.get('spec')})",
             )
         steps = msg.get("steps")
         if not isinstance(steps, int) or steps < 0:
@@ -369,7 +392,7 @@ class LoaderClient:
                 if kind == "end":  # sent after the last batch was published
                     return self._batch(n) if ring.produced() > n else None
                 if kind == "bye":
-                    raise _Reconnect("daemon is shutting down")
+                    raise _Reconnect(str(msg.get("why", "daemon is shutting down")))
                 if kind == "error":
                     code = str(msg.get("code"))
                     if code in (P.E_UNKNOWN_SESSION, P.E_REPLACED):
@@ -387,8 +410,9 @@ class LoaderClient:
         slot = n % ring.slots
         seq, e, s, m, ne, ns, nm, steps, bucket, rows, width, tokens, maxlen = ring.meta(slot)
         if seq != n or (e, s, m) != self.position:
-            raise _Reconnect(
-                f"slot {slot} holds batch {seq} at {(e, s, m)}, expected {n} at {self.position}"
+            raise P.ProtocolError(
+                f"slot {slot} holds batch {seq} at {(e, s, m)}, expected batch {n} at "
+                f"{self.position}: the daemon and this client disagree about the plan"
             )
         layout = (self.effective_spec or {}).get("layout", "padded")
         shapes: tuple[tuple[str, tuple[int, ...]], ...]

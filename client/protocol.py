@@ -6,7 +6,8 @@ travel over ZeroMQ: the daemon writes them into a shared-memory ring.
 
 Client -> daemon
     open      job, rank, world_size, spec (partial BatchSpec dict), pos [epoch, step, micro],
-              epochs (total epochs to serve, or None)
+              epochs (total epochs to serve, or None); optional expect_spec (the full spec
+              the position was saved under) and expect_fingerprint (its corpus)
     release   s (session): doorbell, "my consumed counter crossed your wake threshold"
     heartbeat s
     stats     (no fields)
@@ -14,6 +15,7 @@ Client -> daemon
     ping      (no fields): "is a daemon answering here?"
 
 Daemon -> client
+    pending   s: the open was accepted; its plan (or ring) is still being made (every 1 s)
     welcome   s, shm (ring path), ctl (control page path), slots, slot_bytes, layout
               (field -> [dtype, offset, capacity]), steps (per epoch of the start epoch),
               instance, fingerprint, spec (effective)
@@ -22,7 +24,8 @@ Daemon -> client
     error     code, msg (s when tied to a session)
     stats     sessions, ... (see loader_server.server)
     pong      instance, pid
-    bye       instance: the daemon is shutting down; reconnect later
+    bye       instance, why (optional): the daemon is shutting down or reloading its corpus;
+              reconnect later
 
 Batches and their releases do not travel as messages: they are counters in shared memory
 (see "ring header" below). A client that waits for a batch sleeps on its ring's bell (a
@@ -45,6 +48,8 @@ DEFAULT_ENDPOINT = "ipc:///run/dflash-loader/loader.sock"
 # peer that exceeds this (ZMQ_MAXMSGSIZE) before the daemon ever sees the bytes.
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_SLOT_BYTES = 1 << 40
+#: Epochs, steps and micro indices (and epoch counts) travel as ints below 2^31.
+MAX_INDEX = 2**31 - 1
 _ALIGN = 64
 
 # Error codes carried by `error` messages.
@@ -54,6 +59,7 @@ E_BAD_REQUEST = "bad_request"
 E_MISMATCH = "mismatch"
 E_UNKNOWN_SESSION = "unknown_session"
 E_REPLACED = "replaced"
+E_BUSY = "busy"  # another live client reads this (job, rank)
 E_INTERNAL = "internal"
 E_CORPUS = "corpus"  # the corpus changed while served, or holds a value it cannot serve
 E_NO_SPACE = "no_space"  # the ring would exceed a shared-memory cap, or the tmpfs is full
@@ -115,14 +121,16 @@ def decode(frame: bytes) -> dict[str, Any]:
 
 
 def position(value: Any, what: str = "pos") -> tuple[int, int, int]:
-    """Validate an ``[epoch, step, micro]`` triple of non-negative ints."""
+    """Validate an ``[epoch, step, micro]`` triple of ints in [0, 2^31)."""
     if (
         not isinstance(value, (list, tuple))
         or len(value) != 3
-        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+        or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INDEX for x in value
+        )
     ):
         raise ProtocolError(
-            f"{what} must be [epoch, step, micro] of non-negative ints, got {value!r}"
+            f"{what} must be [epoch, step, micro] of non-negative ints below 2^31, got {value!r}"
         )
     return int(value[0]), int(value[1]), int(value[2])
 

@@ -6,6 +6,7 @@ Keys mirror the ``serve`` flags with underscores (``--metrics-port`` -> ``metric
 
 from __future__ import annotations
 
+import grp
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import tomllib
 
 from client.protocol import DEFAULT_ENDPOINT
-from loader_server.spec import BatchSpec
+from loader_server.spec import INT32_MAX, BatchSpec, SpecLimits
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +34,11 @@ class DaemonConfig:
     corpus_check_s: float = 0.5
     max_ring_bytes: int | None = None
     shm_budget_bytes: int | None = None
+    max_sessions_per_peer: int = 8
+    limit_token_budget: int = SpecLimits.max_token_budget
+    limit_batch_size: int = SpecLimits.max_batch_size
+    limit_seq_len: int = SpecLimits.max_seq_len
+    limit_grad_accum: int = SpecLimits.max_grad_accum
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     log_level: str = "info"
@@ -58,6 +64,27 @@ class DaemonConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive size, got {value}")
+        if self.max_sessions_per_peer < 1:
+            raise ValueError(
+                f"max_sessions_per_peer must be >= 1, got {self.max_sessions_per_peer}"
+            )
+        if not 0 <= self.pad_id <= INT32_MAX:
+            raise ValueError(f"pad_id must be a token id in [0, {INT32_MAX}], got {self.pad_id}")
+        if self.group is not None:
+            try:
+                grp.getgrnam(self.group)
+            except KeyError:
+                raise ValueError(f"group {self.group!r} does not exist on this machine") from None
+        self.limits()  # validates the limit_* values
+
+    def limits(self) -> SpecLimits:
+        """What one client's spec may ask of this daemon."""
+        return SpecLimits(
+            max_token_budget=self.limit_token_budget,
+            max_batch_size=self.limit_batch_size,
+            max_seq_len=self.limit_seq_len,
+            max_grad_accum=self.limit_grad_accum,
+        )
 
     def _check_types(self) -> None:
         for f in fields(self):
@@ -89,6 +116,11 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "corpus_check_s": (int, float),
     "max_ring_bytes": (int,),
     "shm_budget_bytes": (int,),
+    "max_sessions_per_peer": (int,),
+    "limit_token_budget": (int,),
+    "limit_batch_size": (int,),
+    "limit_seq_len": (int,),
+    "limit_grad_accum": (int,),
     "metrics_port": (int,),
     "metrics_host": (str,),
     "log_level": (str,),

@@ -123,7 +123,9 @@ class Daemon:
                 corpus_check_s=c.corpus_check_s,
                 max_ring_bytes=c.max_ring_bytes,
                 shm_budget_bytes=c.shm_budget_bytes,
+                max_sessions_per_peer=c.max_sessions_per_peer,
                 spec_defaults=c.spec,
+                limits=c.limits(),
                 curve_secret_key_file=c.curve_secret_key_file,
             ),
         )

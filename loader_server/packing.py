@@ -85,6 +85,7 @@ def _take_counts(
 ) -> np.ndarray:
     """k(p): how many samples a greedy batch starting at p takes, for every p."""
     n = x.shape[0]
+    max_rows = min(max_rows, n)  # no batch has more rows than there are samples
     x = x.astype(np.int32)  # lengths fit; half the memory traffic of int64
     bounds = np.append(seg_starts, n)
     seg_len = np.diff(bounds)

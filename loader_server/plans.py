@@ -1,9 +1,11 @@
 """Epoch plans computed on demand, cached, and prepared one epoch ahead in the background.
 
 Plans are keyed by ``(dataset fingerprint, spec key, epoch)``; the planner is pure numpy,
-so one background thread computes them while the server thread keeps serving (numpy
-releases the GIL in its heavy loops). Errors in the background thread surface on the
-serving thread when the plan is asked for, never as a silent hang.
+so background threads compute them while the server thread keeps serving (numpy releases
+the GIL in its heavy loops). There are several (``workers``), so one job's slow plan (a
+large corpus, an exotic spec) does not hold back another job's next epoch. Errors in a
+background thread surface on the serving thread when the plan is asked for, never as a
+silent hang.
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ log = logging.getLogger(__name__)
 class PlanCache:
     """``try_get`` never blocks the server loop: it returns None until the plan is ready."""
 
-    def __init__(self, lengths: np.ndarray, fingerprint: str, *, max_plans: int = 16) -> None:
+    def __init__(
+        self, lengths: np.ndarray, fingerprint: str, *, max_plans: int = 16, workers: int = 4
+    ) -> None:
         self._lengths = lengths
         self._fingerprint = fingerprint
         self._max_plans = max_plans
         self._futures: OrderedDict[tuple[str, int], Future[EpochPlan]] = OrderedDict()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="planner")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="planner")
+
+    def future(self, spec: BatchSpec, epoch: int) -> Future[EpochPlan]:
+        """The plan's future (planning starts now if it has not)."""
+        return self._future(spec, epoch)
 
     def _future(self, spec: BatchSpec, epoch: int) -> Future[EpochPlan]:
         key = (spec.key(), epoch)

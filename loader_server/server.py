@@ -14,7 +14,8 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,21 @@ from client import protocol as P
 from loader_server.corpus_watch import CorpusWatch
 from loader_server.dataset import ArrowDataset, CorpusFaultError, DatasetError
 from loader_server.endpoint import IpcAddress, listen_ipc, remove_socket, socket_identity
+from loader_server.opening import (
+    SYNC_RING_BYTES,
+    Opening,
+    OpenRequest,
+    SpecMismatch,
+    check_start,
+    parse_open,
+)
+from loader_server.planner import EpochPlan
 from loader_server.plans import PlanCache
 from loader_server.readahead import DEPTH as READAHEAD_DEPTH
 from loader_server.readahead import Readahead
-from loader_server.session import Position, Session, slot_layout_for
+from loader_server.session import Session, shortest_sample, slot_layout_for
 from loader_server.shm import ShmRing, ShmSpaceError, ring_bytes, segment_name, shm_caps
-from loader_server.spec import BatchSpec
+from loader_server.spec import BatchSpec, SpecLimits
 
 log = logging.getLogger(__name__)
 # A session whose client released a slot or sent a message this recently is being consumed:
@@ -54,7 +64,9 @@ class ServerConfig:
     corpus_check_s: float = 0.5  # how often the corpus files are checked for changes
     max_ring_bytes: int | None = None  # per session; None: derived (loader_server.shm)
     shm_budget_bytes: int | None = None  # all rings together; None: derived
+    max_sessions_per_peer: int = 8
     spec_defaults: BatchSpec = field(default_factory=BatchSpec)
+    limits: SpecLimits = field(default_factory=SpecLimits)
     curve_secret_key_file: Path | None = None
 
     def __post_init__(self) -> None:
@@ -94,6 +106,9 @@ class LoaderServer:
         )
         self.shm_used = 0  # bytes of all live sessions' rings and control pages
         self.sessions: dict[str, Session] = {}
+        self.opening: dict[str, Opening] = {}  # accepted opens waiting for plan and ring
+        self._ring_maker = ThreadPoolExecutor(1, thread_name_prefix="rings")
+        self._shortest = shortest_sample(dataset.lengths)
         self.by_rank: dict[tuple[str, int], str] = {}
         self.jobs: dict[str, _Job] = {}
         self.errors = 0
@@ -157,6 +172,8 @@ class LoaderServer:
         poller.register(self._sock, zmq.POLLIN)
         next_tick = next_check = 0.0
         while not should_stop():
+            if self.opening:
+                self._advance_openings()
             if self._fill_one():
                 if poller.poll(0):
                     self._drain(256)
@@ -179,6 +196,8 @@ class LoaderServer:
                     tick()
 
     def _sleep_ms(self) -> int:
+        if self.opening:
+            return 1  # a plan or ring may be ready any moment
         now = time.monotonic()
         busy = any(now - s.last_seen < _BUSY_S for s in self.sessions.values() if not s.ended)
         return 1 if busy else 20
@@ -213,11 +232,14 @@ class LoaderServer:
             log.info("reload: %s unchanged (fingerprint %s)", old.path, old.fingerprint)
             return
         for sess in list(self.sessions.values()):
-            self._tell(sess, "bye", instance=self.instance)
+            self._tell(sess, "bye", instance=self.instance, why="the corpus was reloaded")
             self._drop(sess.sid, "the corpus was reloaded")
+        for sid in list(self.opening):  # planned on the old corpus; the clients retry
+            self._drop(sid, "the corpus was reloaded")
         self.plans.close()
         self.readahead.close()
         self.dataset = dataset
+        self._shortest = shortest_sample(dataset.lengths)
         self.plans = PlanCache(dataset.lengths, dataset.fingerprint)
         self.readahead = Readahead(dataset)
         self.watch = CorpusWatch(dataset.shards)
@@ -236,6 +258,9 @@ class LoaderServer:
         for sess in list(self.sessions.values()):
             self._tell(sess, "bye", instance=self.instance)
             self._drop(sess.sid, "daemon shutting down")
+        for sid in list(self.opening):
+            self._drop(sid, "daemon shutting down")
+        self._ring_maker.shutdown(wait=True)  # rings being made are closed by _drop
         self.plans.close()
         self.readahead.close()
         self._sock.close(linger=200)
@@ -274,8 +299,10 @@ class LoaderServer:
             self._reject(peer, P.E_UNKNOWN_SESSION, str(e), sid=msg.get("s"))
         except ShmSpaceError as e:
             self._reject(peer, P.E_NO_SPACE, str(e))
-        except _Mismatch as e:
+        except (_Mismatch, SpecMismatch) as e:
             self._reject(peer, P.E_MISMATCH, str(e))
+        except _Busy as e:
+            self._reject(peer, P.E_BUSY, str(e))
         except _CorpusChanged as e:
             self._reject(peer, P.E_CORPUS, str(e))
         except (ValueError, P.ProtocolError) as e:
@@ -318,57 +345,159 @@ class LoaderServer:
         return sess
 
     def _on_open(self, peer: bytes, msg: dict[str, Any]) -> None:
+        """Check an ``open`` now; plan and map in the background (``loader_server.opening``)."""
         if not self.check_corpus():
             raise _CorpusChanged(self.corpus_error)
-        job, rank, world = msg.get("job"), msg.get("rank"), msg.get("world_size")
-        if not isinstance(job, str) or not job or len(job) > 128:
-            raise ValueError(f"job must be a non-empty string of <= 128 chars, got {job!r}")
-        if not isinstance(world, int) or not 1 <= world <= 65536:
-            raise ValueError(f"world_size must be an int in [1, 65536], got {world!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world:
-            raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
-        overrides = msg.get("spec") or {}
-        if not isinstance(overrides, dict):
-            raise ValueError(f"spec must be a map of BatchSpec fields, got {type(overrides)}")
-        spec = BatchSpec.from_dict(
-            {**self.config.spec_defaults.to_dict(), **overrides, "world_size": world}
-        )
-        start = P.position(msg.get("pos", [0, 0, 0]))
-        if start[2] >= spec.grad_accum:
-            raise ValueError(f"pos micro {start[2]} >= grad_accum {spec.grad_accum}")
-        epochs = msg.get("epochs")
-        if epochs is not None and (not isinstance(epochs, int) or epochs < 0):
-            raise ValueError(f"epochs must be a non-negative int or nil, got {epochs!r}")
-        old = self.by_rank.get((job, rank))
-        if old is not None and all(s.sid == old for s in self.sessions.values() if s.job == job):
-            self.jobs.pop(job, None)  # the job's only session is being replaced: spec may change
-        self._check_job(job, spec, world)
-        if old is not None:  # a restarted trainer replaces its old session
-            old_sess = self.sessions[old]
-            if old_sess.peer != peer:
-                self._tell(old_sess, "error", code=P.E_REPLACED, msg="replaced by a new session")
+        c = self.config
+        ds = self.dataset
+        req = parse_open(msg, c.spec_defaults, c.limits, ds.num_samples, ds.fingerprint)
+        self._admit(peer, req)
+        try:
+            layout = slot_layout_for(req.spec, self._shortest)
+            need = ring_bytes(layout, c.slots)
+            self._check_space(need, req.spec)
+            sid = secrets.token_hex(6)
+            path = c.shm_dir / segment_name(self.instance, sid)
+            ring: Future[ShmRing]
+            if need <= SYNC_RING_BYTES:  # reserving a small ring takes ~1 ms: do it now
+                ring = Future()
+                ring.set_result(ShmRing(path, layout, c.slots, mode=c.shm_mode, group=c.group))
+            else:
+                ring = self._ring_maker.submit(
+                    ShmRing, path, layout, c.slots, mode=c.shm_mode, group=c.group
+                )
+        except BaseException:
+            self._forget("", req.job, req.rank)  # the job admitted above has no session
+            raise
+        op = Opening(sid, peer, req, need, self.plans.future(req.spec, req.start[0]), ring)
+        self.opening[sid] = op
+        self.by_rank[(req.job, req.rank)] = sid
+        self.shm_used += need
+        if not self._advance(op):
+            self._send(peer, "pending", s=sid)
+
+    def _admit(self, peer: bytes, req: OpenRequest) -> None:
+        """One live client per (job, rank); the job's ranks agree; session caps."""
+        key = (req.job, req.rank)
+        old = self.by_rank.get(key)
+        if old is not None:
+            old_peer = self._peer_of(old)
+            # ROUTER_MANDATORY: a send reaches only a connected client. A dead trainer's
+            # connection is gone (its process closed it), so its restart replaces it.
+            if old_peer != peer and self._send(old_peer, "hb", s=old):
+                raise _Busy(
+                    f"rank {req.rank} of job {req.job!r} is already being read by a live "
+                    f"client (session {old}); a second reader would get part of the batches. "
+                    f"Stop the other process first (a restarted trainer replaces a dead one "
+                    f"at once)"
+                )
+            if not any(x.job == req.job and x.sid != old for x in self._sessions_and_openings()):
+                self.jobs.pop(req.job, None)  # its only session is replaced: spec may change
+        self._check_job(req.job, req.spec, req.world_size)
+        if old is not None:
             self._drop(old, "replaced by a new session of the same rank")
-        if len(self.sessions) >= self.config.max_sessions:
+        everyone = list(self._sessions_and_openings())
+        if len(everyone) >= self.config.max_sessions:
             raise ValueError(f"too many sessions (max_sessions={self.config.max_sessions})")
-        sess = self._new_session(peer, job, rank, spec, start, epochs)
-        plan = self.plans.get(spec, start[0])  # the first batch needs it anyway
+        mine = sum(1 for x in everyone if x.peer == peer)
+        if mine >= self.config.max_sessions_per_peer:
+            raise ValueError(
+                f"this connection already has {mine} sessions "
+                f"(max_sessions_per_peer={self.config.max_sessions_per_peer})"
+            )
+
+    def _sessions_and_openings(self) -> Iterator[_Party]:
+        for sess in self.sessions.values():
+            yield _Party(sess.sid, sess.peer, sess.job)
+        for op in self.opening.values():
+            yield _Party(op.sid, op.peer, op.req.job)
+
+    def _peer_of(self, sid: str) -> bytes:
+        sess = self.sessions.get(sid)
+        return sess.peer if sess is not None else self.opening[sid].peer
+
+    def _advance(self, op: Opening) -> bool:
+        """Finish an opening whose plan and ring are ready: welcome, or refuse. True if done."""
+        if not op.ready():
+            return False
+        del self.opening[op.sid]
+        try:
+            ring = op.ring.result()
+        except Exception as e:
+            self._refuse_opening(op, e, None)
+            return True
+        try:
+            plan = op.plan.result()
+            check_start(op.req.start, plan, self.dataset.num_samples)
+        except Exception as e:
+            self._refuse_opening(op, e, ring)
+            return True
+        self._start_session(op, ring, plan)
+        return True
+
+    def _refuse_opening(self, op: Opening, error: Exception, ring: ShmRing | None) -> None:
+        if ring is not None:
+            ring.close()
+        self.shm_used -= op.nbytes
+        self._forget(op.sid, op.req.job, op.req.rank)
+        if isinstance(error, ShmSpaceError):
+            code = P.E_NO_SPACE
+        elif isinstance(error, ValueError):
+            code = P.E_BAD_REQUEST
+        else:
+            log.error("session %s: %s: %s", op.sid, type(error).__name__, error)
+            code, error = P.E_INTERNAL, RuntimeError(f"planning failed: {error}")
+        self._reject(op.peer, code, str(error))
+
+    def _advance_openings(self) -> None:
+        now = time.monotonic()
+        for op in list(self.opening.values()):
+            if not self._advance(op) and now >= op.next_notice:
+                op.next_notice = now + 1.0
+                if not self._send(op.peer, "pending", s=op.sid):
+                    self._drop(op.sid, "client gone while its session was being prepared")
+
+    def _start_session(self, op: Opening, ring: ShmRing, plan: EpochPlan) -> None:
+        req = op.req
+        sess = Session(
+            op.sid,
+            op.peer,
+            job=req.job,
+            rank=req.rank,
+            spec=req.spec,
+            ring=ring,
+            start=req.start,
+            end_epoch=req.epochs,
+            pad_id=self.config.pad_id,
+        )
+        self.sessions[sess.sid] = sess
         for ahead in range(READAHEAD_DEPTH):  # later ones are requested as it fills
             self._read_ahead(sess, plan, ahead)
-        self._send(
-            peer,
+        sent = self._send(
+            op.peer,
             "welcome",
             s=sess.sid,
-            shm=str(sess.ring.path),
-            ctl=str(sess.ring.control_path),
-            slots=sess.ring.num_slots,
-            slot_bytes=sess.ring.layout.slot_bytes,
-            layout=sess.ring.layout.to_wire(),
+            shm=str(ring.path),
+            ctl=str(ring.control_path),
+            slots=ring.num_slots,
+            slot_bytes=ring.layout.slot_bytes,
+            layout=ring.layout.to_wire(),
             steps=plan.num_steps,
             instance=self.instance,
             fingerprint=self.dataset.fingerprint,
-            spec=spec.to_dict(),
+            spec=req.spec.to_dict(),
         )
-        log.info("session %s: job %s rank %d/%d from %s", sess.sid, job, rank, world, start)
+        if not sent:
+            self._drop(sess.sid, "client gone before its welcome")
+            return
+        log.info(
+            "session %s: job %s rank %d/%d from %s",
+            sess.sid,
+            req.job,
+            req.rank,
+            req.world_size,
+            req.start,
+        )
 
     def _check_job(self, job: str, spec: BatchSpec, world: int) -> None:
         known = self.jobs.get(job)
@@ -381,41 +510,6 @@ class LoaderServer:
             a, b = known.spec.to_dict(), spec.to_dict()
             diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
             raise _Mismatch(f"job {job!r} runs with another spec; differences (job, yours): {diff}")
-
-    def _new_session(
-        self,
-        peer: bytes,
-        job: str,
-        rank: int,
-        spec: BatchSpec,
-        start: Position,
-        epochs: int | None,
-    ) -> Session:
-        sid = secrets.token_hex(6)
-        layout = slot_layout_for(spec, self.dataset.lengths)
-        self._check_space(ring_bytes(layout, self.config.slots), spec)
-        ring = ShmRing(
-            self.config.shm_dir / segment_name(self.instance, sid),
-            layout,
-            self.config.slots,
-            mode=self.config.shm_mode,
-            group=self.config.group,
-        )
-        self.shm_used += ring.nbytes
-        sess = Session(
-            sid,
-            peer,
-            job=job,
-            rank=rank,
-            spec=spec,
-            ring=ring,
-            start=start,
-            end_epoch=epochs,
-            pad_id=self.config.pad_id,
-        )
-        self.sessions[sid] = sess
-        self.by_rank[(job, rank)] = sid
-        return sess
 
     def _check_space(self, need: int, spec: BatchSpec) -> None:
         what = (
@@ -595,16 +689,40 @@ class LoaderServer:
                 self._drop(sess.sid, f"no message for {self.config.session_timeout_s:.0f} s")
 
     def _drop(self, sid: str, why: str) -> None:
+        op = self.opening.pop(sid, None)
+        if op is not None:  # still being prepared: its ring is closed once made
+            op.ring.add_done_callback(_close_ring)
+            self.shm_used -= op.nbytes
+            self._forget(sid, op.req.job, op.req.rank)
+            log.info("session %s (job %s rank %d) closed: %s", sid, op.req.job, op.req.rank, why)
+            return
         sess = self.sessions.pop(sid, None)
         if sess is None:
             return
         sess.ring.close()
         self.shm_used -= sess.ring.nbytes
-        if self.by_rank.get((sess.job, sess.rank)) == sid:
-            del self.by_rank[(sess.job, sess.rank)]
-        if not any(s.job == sess.job for s in self.sessions.values()):
-            self.jobs.pop(sess.job, None)
+        self._forget(sid, sess.job, sess.rank)
         log.info("session %s (job %s rank %d) closed: %s", sid, sess.job, sess.rank, why)
+
+    def _forget(self, sid: str, job: str, rank: int) -> None:
+        if self.by_rank.get((job, rank)) == sid:
+            del self.by_rank[(job, rank)]
+        if not any(x.job == job for x in self._sessions_and_openings()):
+            self.jobs.pop(job, None)
+
+
+def _close_ring(fut: Future[ShmRing]) -> None:
+    if fut.exception() is None:
+        fut.result().close()
+
+
+@dataclass(frozen=True)
+class _Party:
+    """A session or an opening, as far as identity and caps are concerned."""
+
+    sid: str
+    peer: bytes
+    job: str
 
 
 class _UnknownSession(P.ProtocolError):
@@ -612,9 +730,13 @@ class _UnknownSession(P.ProtocolError):
         super().__init__(f"unknown session {sid!r} (the daemon restarted or expired it)")
 
 
-class _Mismatch(ValueError):
+class _Mismatch(SpecMismatch):
     pass
 
 
 class _CorpusChanged(Exception):
+    pass
+
+
+class _Busy(Exception):
     pass

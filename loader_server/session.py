@@ -25,14 +25,18 @@ from loader_server.spec import BatchSpec
 Position = tuple[int, int, int]
 
 
-def slot_layout_for(spec: BatchSpec, lengths: np.ndarray) -> SlotLayout:
+def shortest_sample(lengths: np.ndarray) -> int:
+    """The shortest non-empty sample's length (1 if there is none)."""
+    positive = lengths[lengths > 0]
+    return int(positive.min()) if positive.size else 1
+
+
+def slot_layout_for(spec: BatchSpec, shortest: int) -> SlotLayout:
     """Capacity for any micro-batch of ``spec``: rows*width <= budget; docs bounded by rows
-    (padded) or by how many of the shortest non-empty samples fit a packed row."""
+    (padded) or by how many of the ``shortest`` non-empty samples fit a packed row."""
     if spec.layout == "padded":
         docs = spec.max_batch_size
     else:
-        positive = lengths[lengths > 0]
-        shortest = int(positive.min()) if positive.size else 1
         docs = max(1, spec.token_budget // shortest)
     return SlotLayout.build(tokens=spec.token_budget, docs=min(docs, spec.token_budget))
 

@@ -32,6 +32,8 @@ LAYOUTS = ("padded", "packed")
 COMPOSITIONS = ("bucketed", "sorted", "random")
 ORDERS = ("stratified", "shuffled")
 MAX_AUTO_BUCKETS = 64
+#: Hard bounds of any spec: token counts and offsets are int32 in a batch.
+INT32_MAX = 2**31 - 1
 #: The hand-set boundaries of the pipeline this project replaces (6 buckets up to 8192).
 REFERENCE_BUCKETS = (770, 1216, 1728, 2432, 3296)
 
@@ -104,17 +106,17 @@ class BatchSpec:
         self._check_buckets()
 
     def _check_ints(self) -> None:
-        for name, low in (
-            ("token_budget", 1),
-            ("max_batch_size", 1),
-            ("max_seq_len", 1),
-            ("world_size", 1),
-            ("grad_accum", 1),
-            ("seed", 0),
+        for name, low, high in (
+            ("token_budget", 1, INT32_MAX),
+            ("max_batch_size", 1, INT32_MAX),
+            ("max_seq_len", 1, INT32_MAX),
+            ("world_size", 1, 65536),
+            ("grad_accum", 1, INT32_MAX),
+            ("seed", 0, 2**63 - 1),
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
     def _check_buckets(self) -> None:
         b = self.buckets
@@ -169,6 +171,44 @@ class BatchSpec:
             cached = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
             object.__setattr__(self, "_key", cached)  # not a field: eq/asdict ignore it
         return cached
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecLimits:
+    """What one client may ask of a shared daemon (checked when a session opens).
+
+    A spec within ``BatchSpec``'s own bounds can still cost every other job dearly: a huge
+    ``grad_accum`` or ``max_batch_size`` makes planning slow or large, a huge budget makes
+    rings large (those are capped separately, in bytes). Defaults are far above any real
+    training setup; the daemon's config can lower or raise them.
+    """
+
+    max_token_budget: int = 1 << 24
+    max_batch_size: int = 1 << 16
+    max_seq_len: int = 1 << 20
+    max_grad_accum: int = 1 << 12
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+
+    def check(self, spec: BatchSpec, num_samples: int) -> None:
+        """ValueError naming the field, its value and the limit, when ``spec`` exceeds one."""
+        for name, value, limit, key in (
+            ("token_budget", spec.token_budget, self.max_token_budget, "limit_token_budget"),
+            ("max_batch_size", spec.max_batch_size, self.max_batch_size, "limit_batch_size"),
+            ("max_seq_len", spec.max_seq_len, self.max_seq_len, "limit_seq_len"),
+            ("grad_accum", spec.grad_accum, self.max_grad_accum, "limit_grad_accum"),
+        ):
+            if value > limit:
+                raise ValueError(f"{name} {value} exceeds this daemon's limit of {limit} ({key})")
+        if spec.micro_per_step > num_samples:
+            raise ValueError(
+                f"world_size x grad_accum = {spec.micro_per_step} micro-batches per step, but "
+                f"the corpus has {num_samples} samples: no step could ever be filled"
+            )
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -17,12 +17,15 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
+import msgpack
 import pytest
-from conftest import DaemonProcess, check_batch_tokens, expected_plan
+import zmq
+from conftest import TEST_SPEC, DaemonProcess, check_batch_tokens, expected_plan
 
 from client import LoaderClient, LoaderError, LoaderRequestError
 from client import protocol as P
@@ -354,7 +357,7 @@ def test_atomic_replacement_serves_the_old_file_until_sighup(
         check_batch_tokens(corpus, next(old))
     d.proc.send_signal(signal.SIGHUP)
     _wait_log(d, "reload: serving")
-    with pytest.raises(LoaderRequestError, match="this position belongs to") as e:
+    with pytest.raises(LoaderRequestError, match=r"position \[0, \d+, 0\] belongs to corpus") as e:
         for _ in range(10):  # bye, reconnect: the old position is not for the new corpus
             next(old)
     assert e.value.code == P.E_MISMATCH
@@ -374,3 +377,165 @@ def test_sighup_with_an_unchanged_corpus_changes_nothing(daemons, corpus):
     got += [b.position for b in client]
     assert got == [pos for pos, _ in plan_positions(corpus)]
     assert d.stop() == 0 and "stopped" in d.log()
+
+
+# --- identity and resume ------------------------------------------------------------------------
+
+
+def test_second_live_client_on_a_rank_is_refused(daemons, corpus):
+    d = daemons()
+    first = LoaderClient(d.endpoint, job="id", rank=0, world_size=1, epochs=1)
+    got = [next(first).position]
+    second = LoaderClient(d.endpoint, job="id", rank=0, world_size=1, timeout_s=2)
+    with pytest.raises(LoaderRequestError, match=r"rank 0 of job 'id' is already being read") as e:
+        next(second)
+    assert e.value.code == P.E_BUSY
+    got += [b.position for b in first]  # the first reader did not lose a single batch
+    assert got == [pos for pos, _ in plan_positions(corpus)]
+    assert next(second).position == (0, 0, 0)  # the rank is free again
+
+
+def test_a_dead_clients_session_is_replaced_at_once(daemons):
+    d = daemons()
+    dead = LoaderClient(d.endpoint, job="dead", rank=0, world_size=1)
+    next(dead)
+    dead._sock.close(linger=0)  # what the kernel does for a killed trainer
+    dead._sock = None
+    state = dead.state_dict()
+    again = LoaderClient(d.endpoint, job="dead", rank=0, world_size=1, timeout_s=5)
+    again.load_state_dict(state)
+    assert next(again).position == tuple(state["position"])
+    assert "replaced by a new session of the same rank" in d.log()
+
+
+def test_state_dict_records_the_spec_and_another_spec_is_refused(daemons):
+    d = daemons()
+    c = LoaderClient(d.endpoint, job="s", rank=0, world_size=1, spec={"seed": 1})
+    for _ in range(5):
+        next(c)
+    state = c.state_dict()
+    c.close()
+    assert state["version"] == 2 and state["spec"]["seed"] == 1
+    other = LoaderClient(d.endpoint, job="s", rank=0, world_size=1, spec={"seed": 2})
+    other.load_state_dict(state)
+    with pytest.raises(LoaderRequestError, match=r"saved under another spec.*'seed': \(1, 2\)"):
+        next(other)
+    assert not list(d.shm_dir.iterdir())  # refused before any ring was made
+    same = LoaderClient(d.endpoint, job="s", rank=0, world_size=1, spec={"seed": 1})
+    same.load_state_dict(state)
+    assert next(same).position == tuple(state["position"])
+
+
+@pytest.mark.parametrize(
+    ("position", "text"),
+    [
+        ([0, 10**6, 0], r"position \[0, 1000000, 0\] is past the end of epoch 0, whose steps"),
+        ([2**40, 0, 0], "below 2\\^31"),
+        ([0, 0, 5], "pos micro 5 >= grad_accum 1"),
+    ],
+)
+def test_out_of_range_positions_are_refused_with_their_value(daemons, position, text):
+    d = daemons()
+    c = LoaderClient(d.endpoint, job="p", rank=0, world_size=1, timeout_s=30)
+    started = time.monotonic()
+    with pytest.raises((LoaderRequestError, P.ProtocolError), match=text):
+        c.load_state_dict({**c.state_dict(), "position": position})
+        next(c)
+    assert time.monotonic() - started < 10  # an answer, not a timeout
+    assert d.proc.poll() is None
+
+
+# --- isolation between jobs -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        ({"grad_accum": 10**6}, "grad_accum 1000000 exceeds this daemon's limit of 4096"),
+        ({"max_batch_size": 2**30}, "max_batch_size 1073741824 exceeds this daemon's limit"),
+        ({"token_budget": 2**30}, "token_budget 1073741824 exceeds this daemon's limit"),
+        ({"grad_accum": 3000}, "3000 micro-batches per step, but the corpus has 2000 samples"),
+        ({"token_budget": 2**31}, r"token_budget must be an integer in \[1, 2147483647\]"),
+    ],
+)
+def test_extreme_specs_are_refused_at_open(daemons, spec, text):
+    d = daemons()
+    c = LoaderClient(d.endpoint, job="x", rank=0, world_size=1, spec=spec, timeout_s=5)
+    started = time.monotonic()
+    with pytest.raises(LoaderRequestError, match=text):
+        next(c)
+    assert time.monotonic() - started < 3 and d.proc.poll() is None
+
+
+def test_sessions_per_connection_are_capped(daemons):
+    d = daemons("--max-sessions-per-peer", "3")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    replies = []
+    for k in range(4):
+        sock.send(P.encode("open", job=f"j{k}", rank=0, world_size=1, spec={}, pos=[0, 0, 0]))
+        while True:  # "pending" while the plan is made
+            assert sock.poll(5000)
+            reply = msgpack.unpackb(sock.recv())
+            if reply["t"] != "pending":
+                break
+        replies.append(reply)
+    assert [r["t"] for r in replies] == ["welcome"] * 3 + ["error"]
+    assert "already has 3 sessions (max_sessions_per_peer=3)" in replies[-1]["msg"]
+    sock.close()
+
+
+def test_planning_never_blocks_the_serving_thread(corpus, tmp_path, shm_dir, monkeypatch):
+    """One job's epoch takes 3 s to plan (slowed here); another job's next() stays fast
+    meanwhile, and the slow job gets its welcome once the plan is ready. The server runs in
+    this process so that planning can be slowed down."""
+    import loader_server.plans as plans
+    from loader_server.server import LoaderServer, ServerConfig
+    from loader_server.spec import BatchSpec
+
+    real_plan = plans.plan_epoch
+
+    def slow_plan(lengths, spec, *, epoch):
+        if spec.seed == 7:
+            time.sleep(3.0)
+        return real_plan(lengths, spec, epoch=epoch)
+
+    monkeypatch.setattr(plans, "plan_epoch", slow_plan)
+    endpoint = f"ipc://{tmp_path}/inproc.sock"
+    server = LoaderServer(corpus, ServerConfig(endpoint=endpoint, shm_dir=shm_dir,
+                                               spec_defaults=BatchSpec(**TEST_SPEC)))  # fmt: skip
+    server.bind()
+    stop = threading.Event()
+    loop = threading.Thread(target=server.serve_forever, args=(stop.is_set,))
+    loop.start()
+    try:
+        fast = LoaderClient(endpoint, job="fast", rank=0, world_size=1)
+        next(fast)
+        slow_result: dict[str, float] = {}
+
+        def open_slow() -> None:
+            t = time.monotonic()
+            slow = LoaderClient(endpoint, job="slow", rank=0, world_size=1, spec={"seed": 7},
+                                dead_after_s=1.0)  # fmt: skip
+            next(slow)
+            slow_result["s"] = time.monotonic() - t
+            slow.close()
+
+        opener = threading.Thread(target=open_slow)
+        opener.start()
+        time.sleep(0.2)  # the slow job's epoch is being planned now
+        worst = 0.0
+        while opener.is_alive():
+            t = time.monotonic()
+            next(fast)
+            worst = max(worst, time.monotonic() - t)
+            time.sleep(0.005)
+        opener.join()
+        assert slow_result["s"] >= 2.5  # it waited for its plan (hearing "pending")
+        assert worst < 0.5, f"another job's next() took {worst:.2f} s while a plan was made"
+        fast.close()
+    finally:
+        stop.set()
+        loop.join(10)
+        server.shutdown()

@@ -64,6 +64,31 @@ def _daemon_options(f: Any) -> Any:
             "--shm-budget-bytes",
             help="Shared memory all sessions may take [default: 3/4 of the shm dir's free space].",
         ),
+        click.option(
+            "--max-sessions-per-peer",
+            type=int,
+            help="Sessions one client connection may hold [default: 8].",
+        ),
+        click.option(
+            "--limit-grad-accum",
+            type=int,
+            help="Largest grad_accum a client may ask for [default: 4096].",
+        ),
+        click.option(
+            "--limit-token-budget",
+            type=int,
+            help="Largest token_budget a client may ask for [default: 16777216].",
+        ),
+        click.option(
+            "--limit-batch-size",
+            type=int,
+            help="Largest max_batch_size a client may ask for [default: 65536].",
+        ),
+        click.option(
+            "--limit-seq-len",
+            type=int,
+            help="Largest max_seq_len a client may ask for [default: 1048576].",
+        ),
         click.option("--metrics-port", type=int, help="Prometheus port; 0 = off [default: 0]."),
         click.option(
             "--curve-secret-key-file",
