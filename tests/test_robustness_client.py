@@ -244,6 +244,10 @@ def test_hostile_slot_descriptions_are_refused(daemons):
     c = LoaderClient(d.endpoint, job="m", rank=0, world_size=1)
     next(c)
     ring = c._ring
+    deadline = time.monotonic() + 10
+    while ring.produced() < 2:  # batch 1 is in its slot
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     meta = np.array(ring._meta)  # the header as the daemon wrote it
     meta[1, P.META_FIELDS.index("rows")] = 10**6
     ring._meta = meta  # as if the daemon had written this
