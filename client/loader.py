@@ -32,7 +32,7 @@ import zmq
 
 from client import protocol as P
 from client.batch import Batch
-from client.ring import Ring, default_shm_dir
+from client.ring import Ring, RingGone, default_shm_dir
 
 __all__ = ["Batch", "LoaderClient"]
 log = logging.getLogger(__name__)
@@ -294,10 +294,25 @@ class LoaderClient:
                 raise P.LoaderRequestError(str(msg.get("code")), str(msg.get("msg")))
         try:
             self._welcome(msg)
+        except RingGone:  # the session ended at once (say its first batch was refused)
+            self._why_gone(str(msg.get("s")))
         except P.LoaderError:  # refused here: free the daemon's ring now, not at timeout
             if isinstance(msg.get("s"), str):
                 self._send("close", s=msg["s"])
             raise
+
+    def _why_gone(self, sid: str) -> None:
+        """Raise the error that ended session ``sid`` (it follows the welcome), or reconnect."""
+        end = time.monotonic() + 1.0
+        while (left := end - time.monotonic()) > 0:
+            msg = self._recv(left)
+            if msg is None:
+                break
+            if msg["t"] == "error" and msg.get("s") == sid:
+                code = str(msg.get("code"))
+                if code not in (P.E_UNKNOWN_SESSION, P.E_REPLACED):
+                    raise P.LoaderRequestError(code, str(msg.get("msg")))
+        raise _Reconnect(f"session {sid} ended before its ring could be mapped")
 
     def _welcome(self, msg: dict[str, Any]) -> None:
         fingerprint = msg.get("fingerprint")

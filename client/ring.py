@@ -38,6 +38,10 @@ _ALIGN = 64
 MAX_SLOTS = 64
 
 
+class RingGone(P.ProtocolError):
+    """The ring named by a welcome no longer exists: its session already ended."""
+
+
 def default_shm_dir() -> str:
     return os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR
 
@@ -237,6 +241,8 @@ def _map(path: str, size: int, prot: int) -> tuple[mmap.mmap, int]:
     flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise RingGone(f"{path} no longer exists") from None
     except OSError as e:
         raise P.ProtocolError(f"cannot open {path}: {e.strerror}") from None
     try:

@@ -14,6 +14,7 @@ from typing import Any
 import tomllib
 
 from client.protocol import DEFAULT_ENDPOINT
+from loader_server.dataset import SCAN_BYTES
 from loader_server.spec import INT32_MAX, BatchSpec, SpecLimits
 
 
@@ -29,6 +30,7 @@ class DaemonConfig:
     group: str | None = None
     vocab_size: int | None = None
     check_values: bool = False
+    value_scan_bytes: int = SCAN_BYTES
     pad_id: int = 0
     session_timeout_s: float = 120.0
     corpus_check_s: float = 0.5
@@ -64,6 +66,8 @@ class DaemonConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive size, got {value}")
+        if self.value_scan_bytes < 0:
+            raise ValueError(f"value_scan_bytes must be >= 0, got {self.value_scan_bytes}")
         if self.max_sessions_per_peer < 1:
             raise ValueError(
                 f"max_sessions_per_peer must be >= 1, got {self.max_sessions_per_peer}"
@@ -111,6 +115,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "group": (str,),
     "vocab_size": (int,),
     "check_values": (bool,),
+    "value_scan_bytes": (int,),
     "pad_id": (int,),
     "session_timeout_s": (int, float),
     "corpus_check_s": (int, float),
@@ -141,7 +146,7 @@ def _coerce(key: str, value: Any) -> Any:
             ) from None
     if key in ("dataset", "shm_dir", "curve_secret_key_file") and isinstance(value, str):
         return Path(value)
-    if key in ("max_ring_bytes", "shm_budget_bytes") and isinstance(value, str):
+    if key in ("max_ring_bytes", "shm_budget_bytes", "value_scan_bytes") and isinstance(value, str):
         return parse_bytes(value, key)
     return value
 

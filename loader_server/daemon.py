@@ -152,7 +152,12 @@ class Daemon:
     def _open_dataset(self) -> ArrowDataset:
         c = self.config
         assert c.dataset is not None
-        return open_dataset(c.dataset, vocab_size=c.vocab_size, check_values=c.check_values)
+        return open_dataset(
+            c.dataset,
+            vocab_size=c.vocab_size,
+            check_values=c.check_values,
+            scan_bytes=c.value_scan_bytes,
+        )
 
     def _reload(self) -> None:
         """SIGHUP: open the corpus again off the serving thread; swap it in when ready."""

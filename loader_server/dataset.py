@@ -11,9 +11,11 @@ numpy for every record batch of every shard at once. ``input_ids(i)`` and ``loss
 return zero-copy numpy views into the mapping (a ``bool`` mask is bit-packed in Arrow, so
 that one case unpacks the sample's bits: a copy of ``len`` bytes).
 
-Validation is structural and vectorized (types, nulls, mask/ids length agreement); value
-checks (token ids in ``[0, vocab)``, mask values in {0, 1}) scan the token data and run only
-when asked (``vocab_size`` or ``check_values``), because they touch every page of the corpus.
+Validation is structural and vectorized (types, nulls, mask/ids length agreement). Value
+checks (token ids in ``[0, vocab)`` or ``[0, 2^31)``, mask values in {0, 1}) scan the token
+data: always for a corpus of at most ``SCAN_BYTES`` of token data, on request for a larger
+one (``vocab_size`` or ``check_values``: it touches every page). Whatever was not scanned is
+checked as it is served: the native fill refuses a value it could not serve exactly.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ _MASK_TYPES = (
 )
 _SHARD_SUFFIXES = (".arrow", ".ipc", ".feather")
 _INT32_MAX = np.iinfo(np.int32).max
+#: Corpora with at most this much token data get their values scanned at open (~0.2 s).
+SCAN_BYTES = 256 << 20
 
 
 class DatasetError(Exception):
@@ -284,9 +288,18 @@ def _addresses(parts: list[tuple[int, np.ndarray | None, int]]) -> np.ndarray:
 
 
 def open_dataset(
-    path: str | Path, *, vocab_size: int | None = None, check_values: bool = False
+    path: str | Path,
+    *,
+    vocab_size: int | None = None,
+    check_values: bool = False,
+    scan_bytes: int = SCAN_BYTES,
 ) -> ArrowDataset:
     """Open a corpus file or shard folder, memory-mapped, and validate it.
+
+    Values are scanned (token ids in [0, 2^31) or [0, vocab_size), mask values in {0, 1})
+    when ``vocab_size`` or ``check_values`` asks for it, and always when the token data is
+    at most ``scan_bytes`` (a cheap vectorized pass). Otherwise they are checked as they are
+    served (``fill`` refuses a value it could not serve exactly).
 
     Raises:
         DatasetError: the path is not a valid corpus; the message names file, column, row.
@@ -300,7 +313,7 @@ def open_dataset(
     try:
         for f in _shard_files(root):
             shards.append(open_shard(f))
-        return _open(root, shards, vocab_size, check_values)
+        return _open(root, shards, vocab_size, check_values, scan_bytes)
     except ShardError as e:
         _close_all(shards)
         raise DatasetError(str(e)) from None
@@ -315,7 +328,11 @@ def _close_all(shards: list[ShardFile]) -> None:
 
 
 def _open(
-    root: Path, shards: list[ShardFile], vocab_size: int | None, check_values: bool
+    root: Path,
+    shards: list[ShardFile],
+    vocab_size: int | None,
+    check_values: bool,
+    scan_bytes: int,
 ) -> ArrowDataset:
     chunks: list[_Chunk] = []
     for shard in shards:
@@ -331,10 +348,20 @@ def _open(
         raise DatasetError(f"{root}: dataset is empty (0 samples)")
     if chunks[0].mask_offsets is None:
         log.info("%s: no %r column; every token counts for the loss", root, MASK_COLUMN)
-    if vocab_size is not None or check_values:
+    if vocab_size is not None or check_values or _value_bytes(chunks) <= scan_bytes:
         for c in chunks:
             _check_values(c, vocab_size)
     return ArrowDataset(root, chunks, lengths, shards)
+
+
+def _value_bytes(chunks: list[_Chunk]) -> int:
+    """Bytes of token data a value scan reads (ids and a non-bool mask)."""
+    total = 0
+    for c in chunks:
+        total += int(c.ids_offsets[-1] - c.ids_offsets[0]) * c.ids_values.dtype.itemsize
+        if c.mask_values is not None and c.mask_offsets is not None:
+            total += int(c.mask_offsets[-1] - c.mask_offsets[0]) * c.mask_values.dtype.itemsize
+    return total
 
 
 def _shard_files(root: Path) -> list[Path]:
@@ -376,11 +403,17 @@ def _record_batches(shard: ShardFile) -> list[pa.RecordBatch]:
     try:
         if head[:6] == b"ARROW1":
             reader = pa.ipc.open_file(source)
-            return [reader.get_batch(k) for k in range(reader.num_record_batches)]
-        return list(pa.ipc.open_stream(source))
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
+            batches = [reader.get_batch(k) for k in range(reader.num_record_batches)]
+        else:
+            batches = list(pa.ipc.open_stream(source))
+        for batch in batches:
+            batch.schema.names  # noqa: B018 - decodes every field name (may be corrupt)
+        return batches
+    except (pa.ArrowException, OSError, ValueError) as e:  # ValueError: bad UTF-8 names
         kind = "Arrow IPC file" if head[:6] == b"ARROW1" else "Arrow IPC stream"
-        raise DatasetError(f"{path}: truncated, corrupt or not an {kind} ({e})") from e
+        raise DatasetError(
+            f"{path}: truncated, corrupt or not an {kind} ({_one_line(e)})"
+        ) from None
 
 
 def _read_shard(shard: ShardFile) -> list[_Chunk]:
@@ -390,9 +423,26 @@ def _read_shard(shard: ShardFile) -> list[_Chunk]:
     first_row = 0
     for batch in batches:
         _check_schema(path, batch.schema)
+        _check_structure(path, batch, first_row)
         chunks.append(_chunk(path, batch, first_row))
         first_row += batch.num_rows
     return chunks
+
+
+def _check_structure(path: Path, batch: pa.RecordBatch, first_row: int) -> None:
+    """Arrow's own check of a record batch read from a file that may be corrupt (buffer
+    sizes against lengths, O(1) per array; a column access before it can crash pyarrow).
+    Offsets and nulls of the served columns are checked next, vectorized (``_list_parts``)."""
+    try:
+        batch.validate()
+    except (pa.ArrowInvalid, pa.ArrowException) as e:
+        raise DatasetError(
+            f"{path}: record batch at row {first_row} is corrupt ({_one_line(e)})"
+        ) from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 def _check_schema(path: Path, schema: pa.Schema) -> None:

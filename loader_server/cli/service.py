@@ -45,6 +45,11 @@ def _daemon_options(f: Any) -> Any:
             default=None,
             help="Scan every token at start (ids < vocab, mask in {0,1}).",
         ),
+        click.option(
+            "--value-scan-bytes",
+            help="Scan every value at start for corpora with at most this much token data "
+            "(larger ones are checked as served) [default: 256M].",
+        ),
         click.option("--pad-id", type=int, help="Padding token id [default: 0]."),
         click.option(
             "--session-timeout-s",
