@@ -57,14 +57,29 @@
         acc = (uint64_t)acc_;                                                               \
     } while (0)
 
+/* OR of n elements just copied (still in cache): the check costs a pass over L1/L2. */
+#define OR_OF(T)                                                                            \
+    do {                                                                                    \
+        const T *d_ = (const T *)dst;                                                       \
+        T acc_ = 0;                                                                         \
+        for (Py_ssize_t j_ = 0; j_ < n; j_++) acc_ |= d_[j_];                               \
+        acc = (uint64_t)acc_;                                                               \
+    } while (0)
+
 static uint64_t copy_elems(char *dst, int dsz, const char *src, int ssz, Py_ssize_t n) {
     uint64_t acc = 0;
+    if (dsz == ssz) {  /* libc's memcpy beats any loop here; the OR reads the copy */
+        memcpy(dst, src, (size_t)n * (size_t)dsz);
+        if (dsz == 1)
+            OR_OF(uint8_t);
+        else
+            OR_OF(uint32_t);
+        return acc;
+    }
     switch (dsz * 16 + ssz) {
-        case 1 * 16 + 1: COPY_OR(uint8_t, uint8_t); break;
         case 1 * 16 + 2: COPY_OR(uint8_t, uint16_t); break;
         case 1 * 16 + 4: COPY_OR(uint8_t, uint32_t); break;
         case 1 * 16 + 8: COPY_OR(uint8_t, uint64_t); break;
-        case 4 * 16 + 4: COPY_OR(uint32_t, uint32_t); break;
         case 4 * 16 + 8: COPY_OR(uint32_t, uint64_t); break;
         default: break; /* rejected by the caller */
     }
