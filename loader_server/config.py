@@ -6,7 +6,6 @@ Keys mirror the ``serve`` flags with underscores (``--metrics-port`` -> ``metric
 
 from __future__ import annotations
 
-import grp
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -74,12 +73,9 @@ class DaemonConfig:
             )
         if not 0 <= self.pad_id <= INT32_MAX:
             raise ValueError(f"pad_id must be a token id in [0, {INT32_MAX}], got {self.pad_id}")
-        if self.group is not None:
-            try:
-                grp.getgrnam(self.group)
-            except KeyError:
-                raise ValueError(f"group {self.group!r} does not exist on this machine") from None
-        self.limits()  # validates the limit_* values
+        for name in ("limit_token_budget", "limit_batch_size", "limit_seq_len", "limit_grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
 
     def limits(self) -> SpecLimits:
         """What one client's spec may ask of this daemon."""

@@ -18,6 +18,7 @@ logged and the daemon keeps what it had. Systemd's ``ExecReload=kill -HUP $MAINP
 from __future__ import annotations
 
 import enum
+import grp
 import logging
 import os
 import resource
@@ -94,6 +95,11 @@ class Daemon:
         check_endpoint(
             c.endpoint, curve=c.curve_secret_key_file is not None, insecure_tcp=c.insecure_tcp
         )
+        if c.group is not None:
+            try:
+                grp.getgrnam(c.group)
+            except KeyError:
+                raise ValueError(f"group {c.group!r} does not exist on this machine") from None
         free = check_shm_dir(c.shm_dir)
         log.info("shm dir %s: %.1f MiB free", c.shm_dir, free / 2**20)
         sweep_dead_segments(c.shm_dir)

@@ -1,8 +1,10 @@
 """``dflash-loader``: the daemon's command line.
 
 Subcommands live next to what they drive: data commands (synth, inspect), planning commands
-(buckets, plan), service commands (serve, stats). Project errors print one line and exit 1
-instead of a traceback.
+(buckets, plan), service commands (serve, stats). Every error prints one line naming the
+offending value and exits non-zero: user mistakes (bad values, paths, corpora, endpoints)
+as themselves, anything unexpected with its type and a hint; ``--debug`` (or
+``DFLASH_LOADER_DEBUG=1``) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import sys
 
 import click
+import zmq
 
 from client.protocol import LoaderError
 from loader_server.dataset import DatasetError
@@ -20,16 +23,36 @@ _USER_ERRORS: tuple[type[Exception], ...] = (
     DatasetError,
     LoaderError,
     ValueError,
-    FileNotFoundError,
+    OSError,
+    zmq.ZMQError,
 )
 
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> object:
+        debug = ctx.params.get("debug") or os.environ.get("DFLASH_LOADER_DEBUG") == "1"
         try:
             return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
         except _USER_ERRORS as e:
-            raise click.ClickException(str(e)) from e
+            if debug:
+                raise
+            raise click.ClickException(one_line(e)) from e
+        except Exception as e:
+            if debug:
+                raise
+            raise click.ClickException(
+                f"{type(e).__name__}: {one_line(e)} (--debug shows where)"
+            ) from e
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (pyarrow and zmq messages may span several)."""
+    text = " ".join(str(e).split())
+    if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in text:
+        text = f"{e.filename}: {text}"
+    return text or type(e).__name__
 
 
 def setup_logging(verbose: bool = False) -> None:
@@ -44,13 +67,14 @@ def setup_logging(verbose: bool = False) -> None:
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def main(verbose: bool) -> None:
+@click.option("--debug", is_flag=True, help="Show an error's traceback (and debug logging).")
+def main(verbose: bool, debug: bool) -> None:
     """Streaming data loader for DFlash drafter training.
 
     Typical use: `dflash-loader synth corpus --samples 10000`, `dflash-loader inspect corpus`,
     `dflash-loader plan corpus --compare`, then `dflash-loader serve --dataset corpus`.
     """
-    setup_logging(verbose)
+    setup_logging(verbose or debug)
 
 
 def _register() -> None:
