@@ -47,6 +47,8 @@ DEFAULT_ENDPOINT = "ipc:///run/dflash-loader/loader.sock"
 # A control message is small; anything bigger is garbage or an attack. ZeroMQ drops the
 # peer that exceeds this (ZMQ_MAXMSGSIZE) before the daemon ever sees the bytes.
 MAX_MESSAGE_BYTES = 64 * 1024
+#: A ``stats`` reply lists every session (~250 bytes each, max_sessions 1024 by default).
+MAX_STATS_BYTES = 16 << 20
 MAX_SLOT_BYTES = 1 << 40
 #: Epochs, steps and micro indices (and epoch counts) travel as ints below 2^31.
 MAX_INDEX = 2**31 - 1
@@ -92,10 +94,11 @@ def encode(kind: str, **fields: Any) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-def decode(frame: bytes) -> dict[str, Any]:
-    """Parse one frame, bounding every size; raises ProtocolError on anything unexpected."""
-    if len(frame) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+def decode(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """Parse one frame, bounding every size; raises ProtocolError on anything unexpected.
+    ``max_bytes`` is raised only for a ``stats`` reply (one entry per session)."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds {max_bytes}")
     try:
         msg = msgpack.unpackb(
             frame,
@@ -103,7 +106,7 @@ def decode(frame: bytes) -> dict[str, Any]:
             strict_map_key=True,
             max_str_len=4096,
             max_bin_len=4096,
-            max_array_len=1024,
+            max_array_len=max(1024, max_bytes // 64),
             max_map_len=256,
             max_ext_len=0,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import grp
+import json
 import os
 import shutil
 import signal
@@ -539,3 +540,22 @@ def test_planning_never_blocks_the_serving_thread(corpus, tmp_path, shm_dir, mon
         stop.set()
         loop.join(10)
         server.shutdown()
+
+
+def test_stats_of_hundreds_of_sessions_reach_the_cli(daemons):
+    """A reply that grows with the session count is not cut at the 64 KiB message limit."""
+    d = daemons("--max-sessions-per-peer", "400", "--session-timeout-s", "60")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    for k in range(300):
+        sock.send(P.encode("open", job=f"job-{k:04d}", rank=0, world_size=1, spec={},
+                           pos=[0, 0, 0]))  # fmt: skip
+    welcomed = 0
+    while welcomed < 300:
+        assert sock.poll(10_000)
+        welcomed += msgpack.unpackb(sock.recv())["t"] == "welcome"
+    p = run_cli("stats", "--endpoint", d.endpoint, "--json")
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["sessions"]) == 300
+    sock.close()

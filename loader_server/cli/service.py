@@ -141,7 +141,7 @@ def _request_stats(endpoint: str, timeout_s: float) -> dict[str, Any]:
         sock.send(P.encode("stats"))
         if not sock.poll(int(timeout_s * 1000)):
             raise click.ClickException(f"no daemon answered on {endpoint} within {timeout_s} s")
-        return P.decode(sock.recv())
+        return P.decode(sock.recv(), max_bytes=P.MAX_STATS_BYTES)
     finally:
         sock.close()
 
