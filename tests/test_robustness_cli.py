@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from test_robustness_daemon import one_line_error, run_cli
+
+from loader_server.cli import main
 
 
 def _serve(corpus: Path, tmp: Path, shm: Path, *extra: str) -> list[str]:
@@ -41,7 +45,13 @@ def _serve(corpus: Path, tmp: Path, shm: Path, *extra: str) -> list[str]:
     ],
 )  # fmt: skip
 def test_cli_mistakes_are_one_line(tmp_path, shm_dir, corpus_path, make, value):
-    line = one_line_error(run_cli(*make(corpus_path, tmp_path, shm_dir)))
+    args = make(corpus_path, tmp_path, shm_dir)
+    if args[0] == "serve":  # a real process: the daemon sets signal handlers
+        result = run_cli(*args)
+    else:  # the same main() in this process: no interpreter start-up per case
+        r = CliRunner().invoke(main, args)
+        result = subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
+    line = one_line_error(result)
     assert value in line, line
 
 
