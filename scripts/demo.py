@@ -1,18 +1,27 @@
-"""The README demo (`make demo`): the whole story on a small synthetic corpus, on CPU.
+"""The README demo (`make demo`): the whole user path on CPU, from a chat dataset to a
+drafter that Transformers reloads and drafts with.
 
-1. synthesize a learnable corpus and regenerate its responses with the (tiny) target;
-2. inspect it and compare batch plans (ours versus sort-once, random, 6 buckets);
-3. start the loader daemon; two client processes read for a few seconds;
-4. train a DFlash drafter with 2 ranks under torchrun, kill -9 one rank mid-run, and
+1. generate a small chat dataset (ShareGPT and OpenAI rows, system prompts, several turns)
+   and train a byte-level BPE tokenizer with a Qwen3-style chat template on it; save a
+   tiny random-weight Qwen3 target with that tokenizer as a local checkpoint;
+2. tokenize the conversations with the target's chat template (`dflash-train tokenize`);
+3. regenerate every assistant reply with the target through a local OpenAI-compatible
+   server (`dflash-train regen --server`), which also tokenizes the result;
+4. inspect the corpus and compare batch plans (ours versus sort-once, random, 6 buckets);
+5. start the loader daemon; two client processes read for a few seconds;
+6. train a DFlash drafter with 2 ranks under torchrun, kill -9 one rank mid-run, and
    restart the job with --resume: it continues at the next batch, the daemon untouched;
-5. print the summary (loss, tau, steps/s, data wait) and where the plots are;
-6. stop the daemon (SIGTERM: clients told, shared memory unlinked).
+7. export the drafter as a Hugging Face folder (`dflash-train export`), reload it with
+   Transformers and run Transformers' own DFlash speculative decoding on the held-out
+   prompts: the output equals the target's greedy output, and tau is printed;
+8. stop the daemon (SIGTERM: clients told, shared memory unlinked).
 
 Everything lands in demo-run/ (delete it to start over).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,7 +29,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from loader_server.launch import DaemonProcess
 
@@ -30,6 +41,7 @@ LOADER = [PY, "-m", "loader_server"]
 TRAIN = [PY, "-m", "trainer.cli"]
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 STEPS = 60
+CONVERSATIONS = 500
 
 
 def sh(*args: str, quiet: bool = False) -> str:
@@ -61,9 +73,10 @@ def consume(endpoint: str, world: int, seconds: float) -> None:
         )
 
 
-def train_cmd(endpoint: str, run_dir: Path, heldout: Path, *extra: str) -> list[str]:
-    return [*TORCHRUN, *extra, "-m", "trainer.cli", "train", "--endpoint", endpoint,
-            "--job", "demo", "--run-dir", str(run_dir), "--steps", str(STEPS),
+def train_cmd(endpoint: str, run_dir: Path, heldout: Path, target: Path) -> list[str]:
+    return [*TORCHRUN, "-m", "trainer.cli", "train", "--endpoint", endpoint,
+            "--target", str(target), "--job", "demo", "--run-dir", str(run_dir),
+            "--steps", str(STEPS),
             "--block-size", "8", "--num-anchors", "16", "--token-budget", "2048",
             "--max-seq-len", "512", "--lr", "3e-3", "--eval-every", "30",
             "--eval-prompts", str(heldout), "--num-eval-prompts", "8", "--eval-new-tokens", "32",
@@ -77,10 +90,10 @@ def steps_logged(run_dir: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"loss"' in line)
 
 
-def train_with_a_crash(endpoint: str, run_dir: Path, heldout: Path) -> None:
+def train_with_a_crash(endpoint: str, run_dir: Path, heldout: Path, target: Path) -> None:
     print(f"$ torchrun --nproc-per-node 2 -m trainer.cli train ... --steps {STEPS}  (then kill -9)")
     log = open(DEMO_DIR / "train-1.log", "wb")  # noqa: SIM115
-    job = subprocess.Popen(train_cmd(endpoint, run_dir, heldout), stdout=log,
+    job = subprocess.Popen(train_cmd(endpoint, run_dir, heldout, target), stdout=log,
                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 600
     while steps_logged(run_dir) < 25:
@@ -95,7 +108,7 @@ def train_with_a_crash(endpoint: str, run_dir: Path, heldout: Path) -> None:
     print(f"  torchrun exited with {job.returncode}; last checkpoint kept the loader position")
     print("$ torchrun ... train --resume   (the daemon keeps running, nothing reloaded)")
     with open(DEMO_DIR / "train-2.log", "wb") as log2:
-        subprocess.run([*train_cmd(endpoint, run_dir, heldout), "--resume"], stdout=log2,
+        subprocess.run([*train_cmd(endpoint, run_dir, heldout, target), "--resume"], stdout=log2,
                        stderr=subprocess.STDOUT, check=True)  # fmt: skip
     resumed = [x for x in (DEMO_DIR / "train-2.log").read_text().splitlines() if "resum" in x]
     for line in resumed[:2]:
@@ -115,14 +128,89 @@ def summarize(run_dir: Path) -> None:
     )
 
 
+@contextlib.contextmanager
+def chat_server(model_dir: Path) -> Iterator[str]:
+    """The target behind a local OpenAI-compatible server (as SGLang or vLLM would serve it)."""
+    cmd = [PY, "scripts/chat_server.py", "--model", str(model_dir), "--batch", "8", "--port", "0"]
+    print("$", " ".join(c.replace(PY, "python") for c in cmd), " (an SGLang/vLLM stand-in)")
+    log = open(DEMO_DIR / "chat-server.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith("READY "):
+            raise SystemExit(
+                f"chat server did not start: {(DEMO_DIR / 'chat-server.log').read_text()}"
+            )
+        yield line.split()[1]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def prepare_data(chat: Path, target: Path, corpus: Path) -> None:
+    """Conversations -> tokenizer + target checkpoint -> tokenized and regenerated corpus."""
+    if not (chat / "conversations.jsonl").exists():
+        sh(PY, "-m", "scripts.tiny_chat", str(chat), "--conversations", str(CONVERSATIONS),
+           "--words", "40", "--template", "qwen3")  # fmt: skip
+    if not (target / "config.json").exists():
+        sh(*TRAIN, "save-target", str(target), "--tiny-vocab", "1024",
+           "--tokenizer", str(chat / "tokenizer"))  # fmt: skip
+    original = DEMO_DIR / "corpus-original"
+    if not original.exists():
+        sh(*TRAIN, "tokenize", str(chat / "conversations.jsonl"), str(original),
+           "--tokenizer", str(target), "--no-thinking", "--workers", "2",
+           "--no-progress")  # fmt: skip
+    if not corpus.exists():
+        with chat_server(target) as url:
+            sh(*TRAIN, "regen", str(chat / "conversations.jsonl"), str(corpus), "--server", url,
+               "--tokenizer", str(target), "--max-tokens", "40", "--concurrency", "8",
+               "--holdout", "16", "--no-progress")  # fmt: skip
+
+
+def count_calls(module: Any) -> list[int]:
+    """A one-element counter of ``module``'s forward calls (reset it by assigning 0)."""
+    calls = [0]
+    module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def reload_and_draft(target_dir: Path, drafter_dir: Path, heldout: Path) -> None:
+    """Transformers loads the export and runs its own DFlash loop with it."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from trainer.regen import load_prompts
+
+    print(f"reload {drafter_dir} with transformers (trust_remote_code) and draft with it:")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True).float().eval()
+    target_calls, drafter_calls = count_calls(target), count_calls(drafter)
+    taus, lossless = [], True
+    for prompt in load_prompts(heldout)[:8]:
+        ids, kw = prompt[None], dict(do_sample=False, max_new_tokens=32, min_new_tokens=32)
+        greedy = target.generate(ids, **kw)
+        target_calls[0] = drafter_calls[0] = 0
+        spec = target.generate(ids, assistant_model=drafter, speculation_type="dflash", **kw)
+        lossless &= torch.equal(spec, greedy)
+        # After the prefill, each drafting step commits accepted + 1 tokens; a target
+        # forward without a drafter call (the very last token) commits one.
+        plain_steps = target_calls[0] - 1 - drafter_calls[0]
+        drafted = spec.shape[1] - ids.shape[1] - 1 - plain_steps
+        taus.append(drafted / max(drafter_calls[0], 1))
+    print(
+        f"  {len(taus)} held-out prompts: speculative output == target greedy output: "
+        f"{lossless}; tau (Transformers' DFlash loop) {sum(taus) / len(taus):.2f}"
+    )
+    if not lossless:
+        raise SystemExit("the reloaded drafter changed the target's output")
+
+
 def main() -> None:
     DEMO_DIR.mkdir(exist_ok=True)
-    raw, corpus = DEMO_DIR / "corpus-raw", DEMO_DIR / "corpus.arrow"
-    heldout = corpus.with_suffix(".heldout.jsonl")
-    if not corpus.exists():
-        sh(*LOADER, "synth", str(raw), "--samples", "500", "--content", "learnable",
-           "--vocab-size", "512", "--median-len", "100", "--max-len", "384")  # fmt: skip
-        sh(*TRAIN, "regen", str(raw), str(corpus), "--holdout", "16", "--no-progress")
+    chat, target, corpus = DEMO_DIR / "chat", DEMO_DIR / "target", DEMO_DIR / "corpus"
+    prepare_data(chat, target, corpus)
+    heldout = corpus / "heldout.jsonl"
     sh(*LOADER, "inspect", str(corpus))
     sh(*LOADER, "plan", str(corpus), "--token-budget", "2048", "--max-seq-len", "512",
        "--world-size", "2", "--compare")  # fmt: skip
@@ -133,13 +221,16 @@ def main() -> None:
         consume(endpoint, 2, 2.0)
         run_dir = DEMO_DIR / "run"
         shutil.rmtree(run_dir, ignore_errors=True)
-        train_with_a_crash(endpoint, run_dir, heldout)
+        train_with_a_crash(endpoint, run_dir, heldout, target)
         summarize(run_dir)
         plots = sh(*TRAIN, "plot", str(run_dir), quiet=True).split()
         print("plots: " + ", ".join(plots))
         sh(*LOADER, "stats", "--endpoint", endpoint)
     finally:
         print(f"daemon stopped with exit code {daemon.stop()}")
+    drafter = DEMO_DIR / "drafter"
+    sh(*TRAIN, "export", str(run_dir), str(drafter), "--force")
+    reload_and_draft(target, drafter, heldout)
 
 
 if __name__ == "__main__":

@@ -264,3 +264,14 @@ def test_resume_refuses_a_different_served_spec(target, samples, tmp_path):
     tr = make_trainer(target, packed, tmp_path, steps=4, resume=True)
     with pytest.raises(RuntimeError, match=r"another batch spec.*'layout': \('padded', 'packed'\)"):
         tr.run()
+
+
+def test_resume_refuses_other_target_layers(target, samples, tmp_path):
+    first = make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=2)
+    first.meta["layer_ids"] = [0, 1]
+    first.run()
+    # Same number of layers (same drafter config), other ids: the features would differ.
+    again = make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=4, resume=True)
+    again.meta["layer_ids"] = [1, 2]
+    with pytest.raises(ValueError, match=r"layer_ids \[0, 1\] differs from this run's \[1, 2\]"):
+        again.run()

@@ -75,8 +75,17 @@ def _target_options(f):
 @click.option("--job", default="train", show_default=True, help="Job name (a session per rank).")
 @_target_options
 @click.option("--layers", help="Target layer ids for the features, e.g. 0,1,2 (default: spread).")
-@click.option("--drafter-layers", type=int, default=1, show_default=True)
-@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option(
+    "--drafter-layers", type=int, help="Drafter decoder layers [1; --init-drafter: its own]."
+)
+@click.option("--block-size", type=int, help="Block size [16; --init-drafter: its own].")
+@click.option(
+    "--init-drafter",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Start from a DFlash drafter folder (an export, or a released one): its weights, "
+    "and its layer ids, depth, block size and MASK token where not given. A checkpoint "
+    "found by --resume wins.",
+)
 @click.option("--num-anchors", type=int, default=512, show_default=True, help="Per document.")
 @click.option(
     "--max-anchors",
@@ -163,22 +172,133 @@ def train(**opts: Any) -> None:
         click.echo(json.dumps(summary, indent=2))
 
 
+def _server_regen_options(f):
+    """``regen --server``: conversations regenerated through an inference server."""
+    opts = [
+        click.option(
+            "--server",
+            metavar="URL",
+            help="OpenAI-compatible server (SGLang, vLLM) serving the target, e.g. "
+            "http://127.0.0.1:30000: SRC... are then conversations, OUT a corpus folder.",
+        ),
+        click.option(
+            "--tokenizer",
+            type=click.Path(exists=True, file_okay=False, path_type=Path),
+            help="--server: the target's tokenizer folder (its chat template tokenizes OUT).",
+        ),
+        click.option("--model", help="--server: served model name [the first it lists]."),
+        click.option(
+            "--concurrency",
+            type=int,
+            default=64,
+            show_default=True,
+            help="--server: conversations (= requests) in flight.",
+        ),
+        click.option(
+            "--temperature",
+            type=float,
+            default=0.0,
+            show_default=True,
+            help="--server: 0 = greedy.",
+        ),
+        click.option(
+            "--max-tokens", type=int, default=2048, show_default=True, help="--server: per reply."
+        ),
+        click.option(
+            "--thinking/--no-thinking",
+            default=False,
+            show_default=True,
+            help="--server: chat_template_kwargs enable_thinking, at generation and tokenization.",
+        ),
+        click.option(
+            "--retries",
+            type=int,
+            default=5,
+            show_default=True,
+            help="--server: per request, on connection errors, 408, 429, 5xx.",
+        ),
+        click.option(
+            "--timeout-s",
+            type=float,
+            default=600.0,
+            show_default=True,
+            help="--server: per request.",
+        ),
+        click.option("--max-length", type=int, help="--server: tokens per sample in OUT."),
+        click.option(
+            "--overflow",
+            type=click.Choice(["truncate", "drop"]),
+            default="truncate",
+            show_default=True,
+            help="--server: a sample over --max-length.",
+        ),
+        click.option(
+            "--workers",
+            type=int,
+            default=1,
+            show_default=True,
+            help="--server: tokenizer processes.",
+        ),
+        click.option(
+            "--strict",
+            is_flag=True,
+            help="--server: a failed or malformed row is an error, not a count.",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 @main.command()
-@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("src", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @_target_options
-@click.option("--batch-size", type=int, default=64, show_default=True)
-@click.option("--holdout", type=int, default=32, show_default=True, help="Samples kept out.")
+@click.option("--batch-size", type=int, default=64, show_default=True, help="In process.")
+@click.option(
+    "--holdout",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Samples (--server: conversations) kept out; their prompts go to the verifier.",
+)
 @click.option(
     "--holdout-out",
     type=click.Path(path_type=Path),
-    help="Held-out prompts JSONL (default: OUT with suffix .heldout.jsonl).",
+    help="In process: held-out prompts JSONL [OUT with suffix .heldout.jsonl]; "
+    "--server writes OUT/heldout.jsonl.",
 )
-@click.option("--limit", type=int, help="Regenerate only the first N samples.")
-@click.option("--device", default=None)
+@click.option("--limit", type=int, help="In process: regenerate only the first N samples.")
+@click.option("--device", default=None, help="In process: torch device.")
+@_server_regen_options
 @click.option("--no-progress", is_flag=True)
-def regen(src: Path, out: Path, **opts: Any) -> None:
-    """Rewrite the response part of each sample of SRC with the target's greedy output."""
+@click.pass_context
+def regen(ctx: click.Context, src: tuple[Path, ...], out: Path, **opts: Any) -> None:
+    """Rewrite responses with the target's own output, in one of two modes.
+
+    \b
+    In process (no --server): SRC is ONE tokenized Arrow corpus; the target (--target)
+      runs here through Transformers and rewrites each sample's response greedily; OUT is
+      an Arrow file.
+    Through a server (--server URL --tokenizer DIR): SRC... are conversations (JSONL,
+      JSON, Parquet, datasets folders, ShareGPT or OpenAI rows); every assistant turn is
+      regenerated by the server, then the conversations are tokenized with the chat
+      template into the corpus folder OUT (held-out prompts: OUT/heldout.jsonl).
+      Resumable: finished rows are journaled in OUT.regen.jsonl and a rerun of the same
+      command skips them.
+    """
+    from click.core import ParameterSource
+
+    from trainer.regen_server import check_regen_mode
+
+    given = {k for k in opts if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE}
+    check_regen_mode(list(src), opts, given)
+    if opts["server"]:
+        from trainer.regen_server import regen_command
+
+        click.echo(json.dumps(regen_command(list(src), out, opts)))
+        return
+    holdout_out = opts["holdout_out"] or out.with_suffix(".heldout.jsonl")
     import torch
 
     from trainer.regen import RegenSpec, regen_corpus
@@ -186,14 +306,76 @@ def regen(src: Path, out: Path, **opts: Any) -> None:
 
     device = opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     target = target_from_opts(opts, device)
-    holdout_out = opts["holdout_out"] or out.with_suffix(".heldout.jsonl")
     spec = RegenSpec(batch_size=opts["batch_size"], holdout=opts["holdout"], limit=opts["limit"])
     result = regen_corpus(
-        target, src, out, spec, holdout_out=holdout_out, progress=not opts["no_progress"]
+        target, src[0], out, spec, holdout_out=holdout_out, progress=not opts["no_progress"]
     )
     if spec.holdout:
         result["holdout_prompts"] = str(holdout_out)
     click.echo(json.dumps(result))
+
+
+@main.command()
+@click.argument("src", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option(
+    "--tokenizer",
+    required=True,
+    help="Tokenizer folder (or Hub id) whose chat template renders the conversations.",
+)
+@click.option(
+    "--thinking/--no-thinking",
+    default=None,
+    help="enable_thinking for templates that take it (Qwen3) [not passed].",
+)
+@click.option("--max-length", type=int, help="Longest sample in tokens (see --overflow).")
+@click.option(
+    "--overflow",
+    type=click.Choice(["truncate", "drop"]),
+    default="truncate",
+    show_default=True,
+    help="What --max-length does to a longer conversation.",
+)
+@click.option("--workers", type=int, help="Tokenizer processes [the CPUs available].")
+@click.option("--shard-rows", type=int, default=100_000, show_default=True)
+@click.option("--strict", is_flag=True, help="Stop at the first malformed row (default: skip).")
+@click.option(
+    "--holdout",
+    type=int,
+    default=0,
+    show_default=True,
+    help="The last N conversations stay out; their prompts go to OUT/heldout.jsonl.",
+)
+@click.option("--limit", type=int, help="Read only the first N rows.")
+@click.option("--force", is_flag=True, help="Replace an existing non-empty OUT.")
+@click.option("--no-progress", is_flag=True)
+def tokenize(src: tuple[Path, ...], out: Path, **opts: Any) -> None:
+    """Tokenize chat conversations into a loader corpus OUT.
+
+    SRC: JSONL, JSON, Parquet, datasets save_to_disk folders or folders of them; ShareGPT or
+    OpenAI rows. OUT: Arrow shards (input_ids, loss_mask 1 on the assistant replies),
+    tokenize_report.json and, with --holdout, heldout.jsonl."""
+    from trainer.chat import summary_lines, tokenize_corpus
+
+    report = tokenize_corpus(
+        list(src),
+        out,
+        tokenizer=opts["tokenizer"],
+        enable_thinking=opts["thinking"],
+        max_length=opts["max_length"],
+        overflow=opts["overflow"],
+        workers=opts["workers"] or len(os.sched_getaffinity(0)),
+        shard_rows=opts["shard_rows"],
+        strict=opts["strict"],
+        holdout=opts["holdout"],
+        progress=not opts["no_progress"],
+        limit=opts["limit"],
+        force=opts["force"],
+    )
+    for line in summary_lines(report):
+        click.echo(line, err=True)
+    keys = ("out", "conversations", "tokens", "supervised_tokens", "heldout_prompts")
+    click.echo(json.dumps({k: report[k] for k in keys}))
 
 
 @main.command()
@@ -207,14 +389,37 @@ def plot(run_dir: Path, out: Path | None) -> None:
         click.echo(str(path))
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--step", type=int, help="Checkpoint step [the newest].")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--force", is_flag=True, help="Replace an existing OUT.")
+def export(run_dir: Path, out: Path, step: int | None, dtype: str, force: bool) -> None:
+    """Write RUN_DIR's drafter as a Hugging Face folder OUT that SGLang, vLLM and
+    Transformers load (DFlashDraftModel format)."""
+    from trainer.export import export_drafter
+
+    click.echo(str(export_drafter(run_dir, out, step=step, dtype=dtype, force=force)))
+
+
 @main.command("save-target")
 @click.argument("out", type=click.Path(path_type=Path))
 @_target_options
-def save_target(out: Path, **opts: Any) -> None:
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Tokenizer folder saved next to the weights; its EOS, PAD and <|MASK|> ids go into "
+    "the model's config (its vocabulary must fit --tiny-vocab).",
+)
+def save_target(out: Path, tokenizer: Path | None, **opts: Any) -> None:
     """Save the (tiny) target as a Hugging Face model directory, for --target PATH."""
     from trainer.run import target_from_opts
+    from trainer.target import adopt_tokenizer
 
     target = target_from_opts(opts, "cpu")
+    if tokenizer is not None:
+        adopt_tokenizer(target.model, tokenizer).save_pretrained(out)
     target.model.save_pretrained(out)
     click.echo(str(out))
 

@@ -203,6 +203,7 @@ class Trainer:
             raise ValueError(f"{path}: drafter config differs from this run's")
         if shared["loss_config"] != asdict(self.cfg.loss):
             raise ValueError(f"{path}: loss config {shared['loss_config']} differs from this run's")
+        self._check_target(path, shared.get("meta") or {})
         self.drafter.load_state_dict(shared["drafter"])
         self.optimizer.load_state_dict(shared["optimizer"])
         self._scheduler_state = shared["scheduler"]
@@ -213,6 +214,14 @@ class Trainer:
         self.metrics.truncate_after(self.step)
         log.info("rank %d resumed from %s at step %d", self.env.rank, path, self.step)
         return True
+
+    def _check_target(self, path: Path, meta: dict[str, Any]) -> None:
+        """The checkpoint's drafter reads the same target layers of the same target shape
+        (same-sized drafter configs can hide different ``--layers``)."""
+        for key in ("layer_ids", "target_config"):
+            saved, mine = meta.get(key), self.meta.get(key)
+            if saved is not None and mine is not None and saved != mine:
+                raise ValueError(f"{path}: {key} {saved} differs from this run's {mine}")
 
     # ---- evaluation --------------------------------------------------------------------
 

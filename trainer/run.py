@@ -177,8 +177,48 @@ def _write_config(env: DistEnv, run_dir: Path, opts: dict[str, Any], spec: dict[
     (run_dir / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
+DEFAULT_DRAFTER_LAYERS, DEFAULT_BLOCK_SIZE = 1, 16
+
+
+def resolve_init_drafter(opts: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """``(opts, folder)``: with ``--init-drafter DIR`` the folder's layer ids, drafter depth,
+    block size and MASK token fill the options the user left out (``trainer.export``);
+    without it the plain defaults. ``folder`` is None without ``--init-drafter``."""
+    if not opts.get("init_drafter"):
+        defaults = {"drafter_layers": DEFAULT_DRAFTER_LAYERS, "block_size": DEFAULT_BLOCK_SIZE}
+        return {**opts, **{k: v for k, v in defaults.items() if opts.get(k) is None}}, None
+    from trainer.export import options_from_folder, read_drafter_folder
+
+    folder = read_drafter_folder(Path(opts["init_drafter"]))
+    return options_from_folder(opts, folder), folder
+
+
+def init_from_folder(drafter: DFlashDrafter, folder: Any, target: Target, cfg: TrainConfig) -> None:
+    """``--init-drafter``'s weights, unless ``--resume`` finds a checkpoint (which wins)."""
+    from trainer.checkpoint import latest_checkpoint
+    from trainer.export import init_drafter
+
+    found = latest_checkpoint(cfg.run_dir) if cfg.resume else None
+    if found is not None:
+        log.info("--resume: %s wins over --init-drafter %s", found, folder.path)
+        return
+    init_drafter(drafter, folder, target)
+
+
+def run_meta(opts: dict[str, Any], target: Target) -> dict[str, Any]:
+    """What checkpoints record about the target (``dflash-train export`` reads it)."""
+    from trainer.export import target_record
+
+    return {
+        "target": opts["target"],
+        "layer_ids": target.layer_ids,
+        "target_config": target_record(target.config),
+    }
+
+
 def run_training(opts: dict[str, Any]) -> dict[str, Any] | None:
     """Run one rank; returns the summary on rank 0 (None elsewhere)."""
+    opts, folder = resolve_init_drafter(opts)
     cfg = train_config(opts)  # validates before anything is started
     spec = loader_spec(opts)
     env = init_distributed(opts["device"])
@@ -186,6 +226,8 @@ def run_training(opts: dict[str, Any]) -> dict[str, Any] | None:
     try:
         target = target_from_opts(opts, env.device, parse_int_list(opts["layers"]))
         drafter = build_drafter(target, opts, env.device)
+        if folder is not None:
+            init_from_folder(drafter, folder, target, cfg)
         from client import LoaderClient
 
         client = LoaderClient(
@@ -198,7 +240,7 @@ def run_training(opts: dict[str, Any]) -> dict[str, Any] | None:
             timeout_s=opts["timeout_s"],
         )
         _write_config(env, cfg.run_dir, opts, spec)
-        meta = {"target": opts["target"], "layer_ids": target.layer_ids}
+        meta = run_meta(opts, target)
         trainer = Trainer(
             cfg,
             target=target,

@@ -294,3 +294,29 @@ def mask_token_id(target: Target, source: str | None = None) -> int | None:
         return int(tok.mask_token_id)
     found = tok.convert_tokens_to_ids(MASK_TOKEN)
     return int(found) if found is not None and found != tok.unk_token_id else None
+
+
+def adopt_tokenizer(model: nn.Module, tokenizer_dir: Path) -> Any:
+    """Make a (tiny) target and a tokenizer one checkpoint: the tokenizer's EOS, PAD and
+    ``<|MASK|>`` ids go into the model's config and generation config. Returns the tokenizer
+    (to save next to the weights). Refuses a vocabulary larger than the embedding."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    rows = int(model.get_input_embeddings().weight.shape[0])
+    if len(tok) > rows:
+        raise ValueError(
+            f"tokenizer {tokenizer_dir} has {len(tok)} tokens, the target's embedding {rows} rows"
+        )
+    mask = tok.convert_tokens_to_ids(MASK_TOKEN)
+    ids = {
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "bos_token_id": tok.bos_token_id,
+        "mask_token_id": None if mask == tok.unk_token_id else mask,
+    }
+    for key, value in ids.items():
+        setattr(model.config, key, value)
+        if key != "mask_token_id":
+            setattr(model.generation_config, key, value)
+    return tok

@@ -1,0 +1,234 @@
+"""A DFlash draft model for Transformers (the z-lab ``DFlashDraftModel`` weight layout).
+
+Written by dflash-loader's trainer; the math is exactly its drafter's
+(``trainer/drafter.py``), self-contained (torch + transformers only):
+
+* the context (the target's hidden states at ``target_layer_ids``, concatenated) goes
+  through ``fc`` and ``hidden_norm`` once;
+* each layer: queries from the block's B slots (``input_layernorm`` first); keys and values
+  from ``[context ; block]``, keys RMS-normed per head (``k_norm``) and rotated at their
+  absolute positions (RoPE, half-split, plain ``rope_theta``); the block attends to all of
+  it, bidirectionally; residual; MLP (SiLU-gated); residual;
+* a final ``norm``. Logits are the caller's: the target's ``lm_head`` on slots 1..B-1.
+
+There is no embedding: slot 0 is the anchor token's target embedding, slots 1..B-1 the
+target embedding of ``mask_token_id``.
+
+Calls:
+
+* ``model(noise_embeds=[b, B, H], context_hidden_states=[b, n, k*H], position_ids=[b, n+B])``
+  returns ``last_hidden_state [b, B, H]`` (in ``noise_embeds``' dtype);
+* Transformers' ``target.generate(ids, assistant_model=model, speculation_type="dflash")``
+  calls it with a ``DFlashCache`` (``cache=``): the new context's keys and values are
+  appended to it, the previous block's are cropped out by the caller. ``position_ids`` may be
+  omitted with a cache: they then continue after its length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from .configuration_dflash import DFlashConfig
+
+# transformers 5 renamed the output's ``past_key_values`` to ``cache``.
+_CACHE_FIELD = (
+    "cache"
+    if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)}
+    else "past_key_values"
+)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
+    """``(cos, sin)`` ``[b, 1, S, head_dim]`` (fp32) for integer ``positions [b, S]``."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
+    ang = positions.float()[..., None] * inv
+    ang = torch.cat([ang, ang], dim=-1)[:, None]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
+
+
+class DFlashRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.to(x.dtype)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.layer_idx, self.head_dim = layer_idx, d
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.q_norm = DFlashRMSNorm(d, config.rms_norm_eps)
+        self.k_norm = DFlashRMSNorm(d, config.rms_norm_eps)
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """``[b, S, heads*d]`` -> ``[b, heads, S, d]``."""
+        return x.view(*x.shape[:2], heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, ctx, rope, mask, cache) -> torch.Tensor:
+        """Block ``x [b, B, H]`` (normed) over keys of ``[ctx ; x]`` (and the cache)."""
+        cos, sin = rope
+        q_len = x.shape[1]
+        q = self.q_norm(self._split(self.q_proj(x), self.heads))
+        q = apply_rope(q, cos[..., -q_len:, :], sin[..., -q_len:, :])
+        kv_in = torch.cat([ctx.to(x.dtype), x], dim=1)
+        k = apply_rope(self.k_norm(self._split(self.k_proj(kv_in), self.kv_heads)), cos, sin)
+        v = self._split(self.v_proj(kv_in), self.kv_heads)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        if mask is not None and mask.shape[-1] != k.shape[-2]:
+            raise ValueError(
+                f"attention_mask covers {mask.shape[-1]} keys, the layer has {k.shape[-2]} "
+                "(cached + context + block)"
+            )
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        h, m = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, m, bias=False)
+        self.up_proj = nn.Linear(h, m, bias=False)
+        self.down_proj = nn.Linear(m, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config)
+
+    def forward(self, h, ctx, rope, mask, cache) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _check_config(config: DFlashConfig) -> None:
+    if not config.target_layer_ids:
+        raise ValueError("DFlash config needs dflash_config.target_layer_ids")
+    if config.hidden_act != "silu" or getattr(config, "attention_bias", False):
+        raise ValueError("this DFlash model supports hidden_act silu without attention bias only")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"this DFlash model supports plain RoPE only, config has {kind!r}")
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise ValueError(f"this DFlash model supports full attention only, layer_types {kinds}")
+
+
+def _rope_theta(config: DFlashConfig) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def _key_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A 2D keep-mask ``[b, keys]`` (1 = attend) as SDPA's boolean ``[b, 1, 1, keys]``;
+    None where every key is kept (bidirectional over all of them)."""
+    if mask is None:
+        return None
+    if mask.dim() != 2:
+        raise ValueError(f"attention_mask must be [batch, keys], got shape {tuple(mask.shape)}")
+    keep = mask.bool()
+    return None if bool(keep.all()) else keep[:, None, None, :]
+
+
+class DFlashDraftModel(PreTrainedModel):
+    config_class = DFlashConfig
+    base_model_prefix = "model"
+    main_input_name = "noise_embeds"
+    _no_split_modules = ("DFlashDecoderLayer",)
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__(config)
+        _check_config(config)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.layers = nn.ModuleList(
+            DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = DFlashRMSNorm(h, eps)
+        self.fc = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = DFlashRMSNorm(h, eps)
+        self.rope_theta = _rope_theta(config)
+        self.post_init()
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.config.mask_token_id
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        past_key_values=None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> BaseModelOutputWithPast:
+        """See the module docstring. ``past_key_values`` is an alias of ``cache``."""
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache:
+            cache = DynamicCache()
+        dtype = self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(context_hidden_states.to(dtype)))
+        n, b = ctx.shape[1], noise_embeds.shape[1]
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + n + b, device=ctx.device)
+        position_ids = position_ids.expand(noise_embeds.shape[0], -1)
+        if position_ids.shape[-1] != n + b:
+            raise ValueError(
+                f"position_ids has {position_ids.shape[-1]} positions, expected context {n} + "
+                f"block {b}"
+            )
+        rope = rope_cos_sin(position_ids, self.config.head_dim, self.rope_theta)
+        mask = _key_mask(attention_mask)
+        h = noise_embeds.to(dtype)
+        for layer in self.layers:
+            h = layer(h, ctx, rope, mask, cache)
+        h = self.norm(h).to(noise_embeds.dtype)
+        return BaseModelOutputWithPast(last_hidden_state=h, **{_CACHE_FIELD: cache})
+
+
+__all__ = ["DFlashDraftModel"]
