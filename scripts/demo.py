@@ -131,7 +131,7 @@ def summarize(run_dir: Path) -> None:
 @contextlib.contextmanager
 def chat_server(model_dir: Path) -> Iterator[str]:
     """The target behind a local OpenAI-compatible server (as SGLang or vLLM would serve it)."""
-    cmd = [PY, "scripts/chat_server.py", "--model", str(model_dir), "--batch", "8", "--port", "0"]
+    cmd = [PY, "scripts/chat_server.py", "--model", str(model_dir), "--batch", "16", "--port", "0"]
     print("$", " ".join(c.replace(PY, "python") for c in cmd), " (an SGLang/vLLM stand-in)")
     log = open(DEMO_DIR / "chat-server.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -164,7 +164,7 @@ def prepare_data(chat: Path, target: Path, corpus: Path) -> None:
     if not corpus.exists():
         with chat_server(target) as url:
             sh(*TRAIN, "regen", str(chat / "conversations.jsonl"), str(corpus), "--server", url,
-               "--tokenizer", str(target), "--max-tokens", "40", "--concurrency", "8",
+               "--tokenizer", str(target), "--max-tokens", "40", "--concurrency", "16",
                "--holdout", "16", "--no-progress")  # fmt: skip
 
 
@@ -214,6 +214,10 @@ def main() -> None:
     sh(*LOADER, "inspect", str(corpus))
     sh(*LOADER, "plan", str(corpus), "--token-budget", "2048", "--max-seq-len", "512",
        "--world-size", "2", "--compare")  # fmt: skip
+    print(
+        "  (a corpus this small fills few micro-batches: `auto` keeps >= 24 per bucket; the\n"
+        "   902K-sample comparison is `python benchmarks/bench_planner.py`, README 'Measured')"
+    )
     endpoint = f"ipc://{DEMO_DIR.resolve()}/loader.sock"
     daemon = start_daemon(corpus, endpoint)
     try:

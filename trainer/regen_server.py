@@ -463,15 +463,9 @@ class RowIndex:
 def conversation(row: Any) -> list[dict[str, str]]:
     """``to_messages``, except that a row without an assistant turn is a prompt for the
     server to answer, not a malformed row. Raises MalformedRow or RowFailed."""
-    from trainer.chat import MalformedRow, _normalize, to_messages
+    from trainer.chat import to_messages
 
-    try:
-        messages = to_messages(row)
-    except MalformedRow as e:
-        if e.reason != "no_assistant_turn":
-            raise
-        key = "messages" if row.get("messages") is not None else "conversations"
-        messages = _normalize(row[key], key, require_assistant=False)
+    messages = to_messages(row, require_assistant=False)
     reply_slots(messages)
     return messages
 
