@@ -14,7 +14,7 @@ import tomllib
 
 from client.protocol import DEFAULT_ENDPOINT
 from loader_server.dataset import SCAN_BYTES
-from loader_server.spec import INT32_MAX, BatchSpec, SpecLimits
+from loader_server.spec import INT32_MAX, BatchSpec, SpecLimits, expand_profile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +97,7 @@ class DaemonConfig:
 
     def with_overrides(self, daemon: dict[str, Any], spec: dict[str, Any]) -> DaemonConfig:
         """A copy with non-None ``daemon`` fields and ``spec`` fields replaced."""
+        spec = expand_profile(spec)  # the profile's fields override the base spec's
         merged_spec = BatchSpec.from_dict({**self.spec.to_dict(), **spec}) if spec else self.spec
         values = {k: _coerce(k, v) for k, v in daemon.items() if v is not None}
         return replace(self, **values, spec=merged_spec)

@@ -1,8 +1,9 @@
 """Cutting an ordered sample sequence into micro-batches: padded greedy and packed rows.
 
 Padded greedy (``greedy_starts``). Walk the sequence and close a micro-batch just before
-the sample that would push ``rows*L + w*rows*L*L`` over the budget (``L`` = longest so
-far) or the rows over ``max_batch_size``. This is inherently sequential, and a Python loop
+the sample that would push ``rows*L`` over the token budget (``L`` = longest so far), the
+rows over ``max_batch_size`` or, with a cost model (``CostCut``), the modelled cost over
+the cost budget. This is inherently sequential, and a Python loop
 over 902K samples costs ~1 s. Instead, for *every* position p we compute ``k(p)``, the
 number of samples a batch starting at p would take, all at once: the cost of k rows from
 p is monotone in k, so a vectorized binary search over k with O(1) range-maximum queries
@@ -10,7 +11,9 @@ p is monotone in k, so a vectorized binary search over k with O(1) range-maximum
 is already pinned by their segment's length range drop out of the search early (in
 narrow buckets most do). The greedy batches are then the chain ``p -> p + k(p)`` from each
 segment start: one cheap integer hop per batch (~30K on the reference corpus). Exactly
-the sequential greedy (tested against it), in ~0.1 s instead of ~1 s.
+the sequential greedy (tested against it), in ~0.1 s instead of ~1 s. The cost bound is
+monotone in k too (every feature grows with rows; block slots come from a prefix sum of
+per-document anchors), so it joins the same search.
 
 Packed rows (``pack_rows``). Rows of at most ``token_budget`` cost from samples drawn at
 random, packed inside windows of consecutive (already shuffled) samples, about 16 rows'
@@ -27,13 +30,19 @@ samples in the same rows: mix distance 0.23. Dealing a length-sorted pool to win
 would skip the per-window sort but makes window membership depend on length rank, which
 repeats across epochs: composition repeat 0.011 instead of 0.002.) When every item is
 below 0.5% of a row, plain next fit (vectorized like the greedy above) already wastes
-less than 0.5%. Costs are integers (``item_costs``): every decision is exact integer
-arithmetic, the same on every machine.
+less than 0.5%. Sizes are integers (``item_sizes``): every decision is exact integer
+arithmetic, the same on every machine. With a cost model an item's size is the larger of
+its tokens and its modelled cost scaled to the token budget (``CostCut.scaled``): a row
+whose sizes sum to at most the budget is within both bounds.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from loader_server import cost as cm
 
 # Rows filled above (1 - _SLACK) of the budget are final; the rest are repacked.
 _SLACK = 0.002
@@ -47,16 +56,66 @@ _SPREAD = 0.5
 _TINY = 200
 
 
-def item_costs(lengths: np.ndarray, attention_weight: float) -> np.ndarray:
-    """Cost of each sample as one document of a packed row: ceil(l + w*l^2), int64.
+@dataclass(frozen=True)
+class CostCut:
+    """The cost bound of a cut: coefficients (``cost.FEATURES`` order), the budget and
+    the anchor rule ``(block_size, anchors_per_doc, max_anchors)``."""
 
-    Rounded up to integers so that every packing decision is exact integer arithmetic
-    (sums do not depend on summation order, hence not on the machine's SIMD width).
-    """
-    x = lengths.astype(np.int64)
-    if not attention_weight:
-        return x
-    return np.ceil(x + attention_weight * (x * x).astype(np.float64)).astype(np.int64)
+    coefficients: tuple[float, float, float, float]
+    budget: float
+    rule: tuple[int, int, int]
+
+    def padded(self, rows: np.ndarray, longest: np.ndarray, anchors: np.ndarray) -> np.ndarray:
+        """Modelled cost of padded micro-batches (elementwise; float64)."""
+        c0, tok, attn, slot = self.coefficients
+        tokens = rows * longest.astype(np.float64)
+        block, _, cap = self.rule
+        slots = cm.capped_slots(anchors, block, cap)
+        return c0 + tok * tokens + attn * (tokens * longest) + slot * slots
+
+    def rows_within(self, longest: np.ndarray, most: np.ndarray) -> np.ndarray:
+        """Most rows (at most ``most``) whose cost fits when every row has length
+        ``longest`` (elementwise, a vectorized binary search). Cost grows with length, so
+        at a segment's longest length this is a count that surely fits, at its shortest a
+        count that surely cannot be exceeded."""
+        block, per_doc, _ = self.rule
+        per_row = cm.doc_anchors(longest, block, per_doc)
+        lo, hi = np.zeros_like(most), most.copy()
+        while bool((lo < hi).any()):
+            mid = (lo + hi + 1) // 2
+            fits = self.padded(mid, longest, mid * per_row) <= self.budget
+            lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid - 1)
+        return lo
+
+    def scaled(self, lengths: np.ndarray, token_budget: int) -> np.ndarray:
+        """Each document's share of a packed row in token units: the larger of its tokens
+        and its modelled cost scaled so that the room the cost budget leaves maps to the
+        token budget. int64, at most ``token_budget``.
+
+        A row's cost is not a sum over its documents when the per-micro-batch anchor cap
+        binds, so the slot term is charged in full to every row (``max_anchors`` block
+        slots, as in a full row: the usual case) and the documents carry the rest; with no
+        cap, each document carries its own slots."""
+        c0, tok, attn, slot = self.coefficients
+        x = lengths.astype(np.int64)
+        block, per_doc, cap = self.rule
+        fixed = c0 + (slot * block * cap if cap > 0 else 0.0)
+        room = self.budget - fixed
+        if room <= 0 or not (tok or attn or (slot and cap <= 0)):
+            return x  # the documents' share of the cost is nothing: tokens alone bound rows
+        c = tok * x + attn * (x * x).astype(np.float64)
+        if cap <= 0:
+            c = c + slot * cm.capped_slots(cm.doc_anchors(x, block, per_doc), block, 0)
+        scaled = np.ceil(c * (token_budget / room)).astype(np.int64)
+        return np.minimum(np.maximum(x, scaled), token_budget)
+
+
+def item_sizes(lengths: np.ndarray, token_budget: int, cut: CostCut | None) -> np.ndarray:
+    """Integer size of each sample in a packed row of capacity ``token_budget``: its
+    tokens, or with a cost model ``CostCut.scaled``. Integers so that every packing
+    decision is exact (sums do not depend on summation order, hence not on the machine's
+    SIMD width)."""
+    return lengths.astype(np.int64) if cut is None else cut.scaled(lengths, token_budget)
 
 
 def greedy_starts(
@@ -65,23 +124,24 @@ def greedy_starts(
     *,
     token_budget: int,
     max_batch_size: int,
-    attention_weight: float = 0.0,
+    cut: CostCut | None = None,
 ) -> np.ndarray:
     """Start positions of greedy padded micro-batches over ``lengths`` (int64, >= 1).
 
     ``seg_starts`` (increasing, beginning with 0) splits the sequence into segments that
-    batches never cross (buckets). Returns increasing int64 positions; the batch at
-    ``starts[m]`` ends at ``starts[m+1]`` (or ``len(lengths)``).
+    batches never cross (buckets). ``cut``: the cost bound, if any. Returns increasing
+    int64 positions; the batch at ``starts[m]`` ends at ``starts[m+1]`` (or
+    ``len(lengths)``).
     """
     n = lengths.shape[0]
     if n == 0:
         return np.zeros(0, np.int64)
-    take = _take_counts(lengths, seg_starts, token_budget, max_batch_size, attention_weight)
+    take = _take_counts(lengths, seg_starts, token_budget, max_batch_size, cut)
     return _follow_chains(take, seg_starts, n)
 
 
 def _take_counts(
-    x: np.ndarray, seg_starts: np.ndarray, budget: int, max_rows: int, w: float
+    x: np.ndarray, seg_starts: np.ndarray, budget: int, max_rows: int, cut: CostCut | None
 ) -> np.ndarray:
     """k(p): how many samples a greedy batch starting at p takes, for every p."""
     n = x.shape[0]
@@ -93,11 +153,17 @@ def _take_counts(
     room = np.minimum(seg_end - np.arange(n), max_rows)
     # Rows that fit for sure (everything padded to the segment max) and at most (to the min).
     seg_max = np.maximum.reduceat(x, seg_starts).astype(np.int64)
-    sure = _rows_within(seg_max, budget, w)
-    sure -= _cost(sure, seg_max, w) > budget  # guard against float rounding (w > 0)
-    most = _rows_within(np.minimum.reduceat(x, seg_starts), budget, w)
+    seg_min = np.minimum.reduceat(x, seg_starts).astype(np.int64)
+    sure, most = budget // seg_max, budget // seg_min  # integer division: exact
+    if cut is not None:
+        sure = cut.rows_within(seg_max, np.minimum(sure, max_rows))
+        most = cut.rows_within(seg_min, np.minimum(most, max_rows))
     lo = np.clip(np.repeat(sure, seg_len), 1, room)
     hi = np.clip(np.repeat(most, seg_len), 1, room)
+    if cut is not None:
+        # Anchors of the rows p..p+k-1 are prefix[p+k] - prefix[p].
+        prefix = np.zeros(n + 1, np.int64)
+        np.cumsum(cm.doc_anchors(x, cut.rule[0], cut.rule[1]), out=prefix[1:])
     table = _sparse_max(x, int(hi.max()))
     log2 = np.zeros(max_rows + 2, np.int64)
     log2[2:] = np.floor(np.log2(np.arange(2, max_rows + 2))).astype(np.int64)
@@ -108,23 +174,14 @@ def _take_counts(
         level = log2[mid]
         span = np.left_shift(1, level)
         longest = np.maximum(table[level, active], table[level, active + mid - span])
-        fits = _cost(mid, longest, w) <= budget
+        fits = mid * longest.astype(np.int64) <= budget
+        if cut is not None:
+            anchors = prefix[active + mid] - prefix[active]
+            fits &= cut.padded(mid, longest, anchors) <= cut.budget
         lo[active] = np.where(fits, mid, a_lo)
         hi[active] = np.where(fits, a_hi, mid - 1)
         active = active[lo[active] < hi[active]]
     return lo
-
-
-def _rows_within(longest: np.ndarray, budget: int, w: float) -> np.ndarray:
-    """Most rows of length ``longest`` under the budget."""
-    per_row = longest.astype(np.float64) * (1.0 + w * longest)
-    return np.floor(budget / per_row).astype(np.int64)
-
-
-def _cost(rows: np.ndarray, longest: np.ndarray, w: float) -> np.ndarray:
-    if w:
-        return rows * longest * (1.0 + w * longest)
-    return rows * longest
 
 
 def _sparse_max(x: np.ndarray, max_span: int) -> np.ndarray:
@@ -156,7 +213,7 @@ def pack_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pack items (in the given, already random, order) into rows of at most ``capacity``.
 
-    ``costs`` are integers (``item_costs``), each at most ``capacity``. ``window`` (items
+    ``costs`` are integers (``item_sizes``), each at most ``capacity``. ``window`` (items
     per window) defaults to about 16 rows' worth of items. Items all below 0.5% of a row
     are simply packed next fit in the given order. Returns ``(order, row_starts)``: item
     positions grouped row by row, and where each row begins in ``order``. Every item

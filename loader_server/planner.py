@@ -38,11 +38,14 @@ from typing import Any
 import numpy as np
 
 from loader_server import buckets as bk
-from loader_server import packing, schedule
+from loader_server import cost, packing, schedule
 from loader_server.spec import BatchSpec
 
 # Third element of every RNG seed: what the randomness is for.
 _RNG_BUCKET, _RNG_FULL, _RNG_ORDER, _RNG_PACKED = 1, 2, 3, 4
+# Resolution of modelled costs in the scheduler's integer arithmetic (the costliest
+# micro-batch's cost): fine enough that rounding never decides a balance.
+_COST_UNITS = 2**20
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -120,6 +123,7 @@ class _Batches:
     tokens: np.ndarray
     buckets: np.ndarray
     bounds: np.ndarray
+    cut: packing.CostCut | None  # the cost bound (None: token budget only)
 
 
 def effective_lengths(lengths: np.ndarray, spec: BatchSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -189,21 +193,21 @@ def _greedy(
     bounds: np.ndarray,
 ) -> _Batches:
     x = eff[seq]
+    cut = cost_cut(eff[seq], spec)
     starts = packing.greedy_starts(
         x,
         seg_starts,
         token_budget=spec.token_budget,
         max_batch_size=spec.max_batch_size,
-        attention_weight=spec.attention_weight,
+        cut=cut,
     )
     if starts.size == 0:
         return _empty_batches(seq, x, bounds)
-    rows = np.diff(np.append(starts, x.size))
     lens = np.maximum.reduceat(x, starts)
-    costs = rows * lens * (1.0 + spec.attention_weight * lens)
     tokens = np.add.reduceat(x, starts)
     seg_of = np.searchsorted(seg_starts, starts, side="right") - 1
-    return _Batches(seq, x, starts, lens, costs, tokens, seg_buckets[seg_of], bounds)
+    costs = _costs(x, starts, spec, "padded")
+    return _Batches(seq, x, starts, lens, costs, tokens, seg_buckets[seg_of], bounds, cut)
 
 
 def _packed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: int) -> _Batches:
@@ -211,19 +215,54 @@ def _packed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: in
     bounds = np.array([spec.max_seq_len], np.int64)
     if items.size == 0:
         return _empty_batches(items, eff[items], bounds)
-    costs = packing.item_costs(eff[items], spec.attention_weight)
-    order, starts = packing.pack_rows(costs, capacity=spec.token_budget)
+    cut = cost_cut(eff[items], spec)
+    sizes = packing.item_sizes(eff[items], spec.token_budget, cut)
+    order, starts = packing.pack_rows(sizes, capacity=spec.token_budget)
     seq = items[order]
     x = eff[seq]
     lens = np.add.reduceat(x, starts)
-    # Integer sums, then one elementwise float op: the same bits on every machine.
-    row_costs = lens + spec.attention_weight * np.add.reduceat(x * x, starts)
-    return _Batches(seq, x, starts, lens, row_costs, lens, np.zeros(starts.size, np.int32), bounds)
+    costs = _costs(x, starts, spec, "packed")
+    return _Batches(seq, x, starts, lens, costs, lens, np.zeros(starts.size, np.int32), bounds, cut)
+
+
+def cost_cut(lengths: np.ndarray, spec: BatchSpec) -> packing.CostCut | None:
+    """The cost bound of ``spec`` for samples of these effective lengths (None: the default
+    model, where the token budget is the only bound). A ``cost_budget`` of 0 (auto) is the
+    modelled cost of a full token budget of rows of the corpus's median-token length (the
+    length below which half the tokens lie), and never below the cost of one row of
+    ``max_seq_len``, so that every sample fits."""
+    if not spec.cost_model_on:
+        return None
+    budget = float(spec.cost_budget)
+    if not budget:
+        mass = np.cumsum(
+            np.bincount(lengths) * np.arange(spec.max_seq_len + 1)[: lengths.max(initial=0) + 1]
+        )
+        median = int(np.searchsorted(mass, mass[-1] / 2)) if lengths.size else spec.max_seq_len
+        rows = spec.token_budget // median
+        if spec.layout == "padded":
+            rows = min(rows, spec.max_batch_size)
+        f = cost.features(np.full(rows, median), np.zeros(1, np.int64), layout=spec.layout,
+                          rule=spec.anchor_rule)  # fmt: skip
+        budget = max(float(f[0] @ spec.coefficients), spec.row_cost(spec.max_seq_len))
+    c0, tok, attn, slot = spec.coefficients.tolist()
+    return packing.CostCut((c0, tok, attn, slot), budget, spec.anchor_rule)
+
+
+def _costs(x: np.ndarray, starts: np.ndarray, spec: BatchSpec, layout: str) -> np.ndarray:
+    """Each micro-batch's cost: tokens as laid out (default model; exact integers in
+    float64), else the modelled cost."""
+    if not spec.cost_model_on:
+        if layout == "packed":
+            return np.add.reduceat(x, starts).astype(np.float64)
+        rows = np.diff(np.append(starts, x.size))
+        return (rows * np.maximum.reduceat(x, starts)).astype(np.float64)
+    return cost.features(x, starts, layout=layout, rule=spec.anchor_rule) @ spec.coefficients
 
 
 def _empty_batches(seq: np.ndarray, x: np.ndarray, bounds: np.ndarray) -> _Batches:
     z = np.zeros(0, np.int64)
-    return _Batches(seq, x, z, z, z.astype(np.float64), z, z.astype(np.int32), bounds)
+    return _Batches(seq, x, z, z, z.astype(np.float64), z, z.astype(np.int32), bounds, None)
 
 
 def _schedule(batches: _Batches, spec: BatchSpec, epoch: int) -> np.ndarray:
@@ -233,7 +272,10 @@ def _schedule(batches: _Batches, spec: BatchSpec, epoch: int) -> np.ndarray:
         spec.layout == "padded" and spec.composition == "bucketed" and spec.order == "stratified"
     )
     # Whole-token costs: balancing sums are then exact, independent of summation order.
-    costs = np.ceil(batches.costs).astype(np.int64)
+    # Modelled costs (any unit) are first scaled so that the costliest is 2**20 units.
+    top = float(batches.costs.max(initial=0.0))
+    scale = 1.0 if batches.cut is None or top <= 0 else _COST_UNITS / top
+    costs = np.ceil(batches.costs * scale).astype(np.int64)
     args = (spec.world_size, spec.grad_accum, rng)
     if stratify:
         return schedule.stratified_steps(batches.lens, batches.tokens, costs, *args)
@@ -284,6 +326,7 @@ def _stats(
         capacity = int((rows * plan.micro_lens).sum())
     empty = int((raw == 0).sum())
     overlong = int((raw > spec.max_seq_len).sum())
+    cost_budget = float(spec.token_budget if batches.cut is None else batches.cut.budget)
     return {
         "samples": int(raw.size),
         "served": int(plan.sample_ids.size),
@@ -299,5 +342,6 @@ def _stats(
         "num_buckets": int(plan.bucket_bounds.size),
         "bucket_bounds": plan.bucket_bounds.tolist(),
         "padding_efficiency": served_tokens / capacity if capacity else 1.0,
-        "budget_fill": float(plan.micro_costs.mean() / spec.token_budget) if rows.size else 0.0,
+        "cost_budget": cost_budget,
+        "budget_fill": float(plan.micro_costs.mean() / cost_budget) if rows.size else 0.0,
     }

@@ -5,13 +5,16 @@ wire as a dict) and every CLI command (``spec_options`` in ``loader_server.cli.p
 Its ``key()`` is a short stable hash used to cache plans: two specs with the same key plan
 identically on the same data.
 
-Cost model. A padded micro-batch of ``rows`` samples whose longest (effective) length is
-``L`` costs ``rows*L + attention_weight*rows*L*L`` and must not exceed ``token_budget``; a
-packed row of documents ``l_i`` costs ``sum(l_i) + attention_weight*sum(l_i**2)``. The
-attention term models attention work per token pair relative to the per-token work of the
-linear layers (0, the default, disables it; of the order of 1/(6*H) for layers of width H). A
-single row of ``max_seq_len`` tokens must fit the budget, otherwise some samples could never
-be served: that is the first thing validation checks.
+Two limits cut an epoch into micro-batches. ``token_budget`` is the memory bound: a padded
+micro-batch of ``rows`` samples whose longest (effective) length is ``L`` holds ``rows*L``
+tokens, a packed row ``sum(l_i)``, and neither may exceed it. The cost model
+(``loader_server.cost``: ``c0 + c_tok*tokens + c_attn*sum L^2 + c_slot*block slots``) is
+the time bound: a micro-batch's modelled cost may not exceed ``cost_budget`` (0: "auto",
+the cost of a full token budget of the corpus's median-token length), and steps are
+balanced across ranks by it. The defaults (``cost_tok`` 1, the other coefficients 0) make
+the cost the token count and the cost budget the token budget: the planner without a cost
+model, plan for plan. A single row of ``max_seq_len`` tokens must fit both bounds,
+otherwise some samples could never be served: that is the first thing validation checks.
 
 Effective length = ``min(len, max_seq_len)`` under ``overlong="truncate"``; under ``"drop"``
 longer samples are left out of the epoch (and reported). Empty samples are always left out.
@@ -26,6 +29,10 @@ import math
 import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+import numpy as np
+
+from loader_server import cost
 
 OVERLONG = ("truncate", "drop")
 LAYOUTS = ("padded", "packed")
@@ -63,7 +70,12 @@ class BatchSpec:
             ``"shuffled"`` (micro-batches in random order).
         world_size, grad_accum: a step has ``world_size*grad_accum`` micro-batches.
         seed: with the epoch, determines the plan.
-        attention_weight: weight of the quadratic attention term in the cost.
+        cost_c0, cost_tok, cost_attn, cost_slot: the cost model's coefficients (per
+            micro-batch, per token, per squared document length, per block slot), in any
+            one unit (seconds when calibrated); ``loader_server.cost``.
+        cost_budget: max modelled cost of one micro-batch; 0 = auto (see above).
+        block_size, anchors_per_doc, max_anchors: the trainer's anchor rule, which the
+            block-slot feature follows (``max_anchors`` 0: no per-micro-batch cap).
     """
 
     token_budget: int = 65536
@@ -78,7 +90,14 @@ class BatchSpec:
     world_size: int = 1
     grad_accum: int = 1
     seed: int = 0
-    attention_weight: float = 0.0
+    cost_c0: float = 0.0
+    cost_tok: float = 1.0
+    cost_attn: float = 0.0
+    cost_slot: float = 0.0
+    cost_budget: float = 0.0
+    block_size: int = 16
+    anchors_per_doc: int = 512
+    max_anchors: int = 2048
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buckets", _normalize_buckets(self.buckets))
@@ -89,14 +108,20 @@ class BatchSpec:
         _check_choice("order", self.order, ORDERS)
         if not 0.0 < self.target_efficiency <= 1.0:
             raise ValueError(f"target_efficiency must be in (0, 1], got {self.target_efficiency}")
-        w = self.attention_weight
-        if not (isinstance(w, int | float) and math.isfinite(w) and w >= 0):
-            raise ValueError(f"attention_weight must be a finite number >= 0, got {w!r}")
-        if self.row_cost(self.max_seq_len) > self.token_budget:
+        cost.check_coefficients({n: getattr(self, n) for n in cost.COEFFICIENTS}, "spec")
+        c = self.cost_budget
+        if isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c) or c < 0:
+            raise ValueError(f"cost_budget must be a finite number >= 0 (0: auto), got {c!r}")
+        if self.max_seq_len > self.token_budget:
             raise ValueError(
-                f"token_budget {self.token_budget} is below the cost of one row of "
-                f"max_seq_len {self.max_seq_len} ({self.row_cost(self.max_seq_len):g}); "
-                f"raise token_budget or lower max_seq_len"
+                f"token_budget {self.token_budget} is below one row of max_seq_len "
+                f"{self.max_seq_len}; raise token_budget or lower max_seq_len"
+            )
+        if c and self.row_cost(self.max_seq_len) > c:
+            raise ValueError(
+                f"cost_budget {c:g} is below the cost of one row of max_seq_len "
+                f"{self.max_seq_len} ({self.row_cost(self.max_seq_len):g}); raise cost_budget "
+                f"or lower max_seq_len"
             )
         if self.layout == "packed" and self.composition == "sorted":
             raise ValueError(
@@ -113,6 +138,9 @@ class BatchSpec:
             ("world_size", 1, 65536),
             ("grad_accum", 1, INT32_MAX),
             ("seed", 0, 2**63 - 1),
+            ("block_size", 2, 65536),
+            ("anchors_per_doc", 1, INT32_MAX),
+            ("max_anchors", 0, INT32_MAX),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -128,9 +156,28 @@ class BatchSpec:
                 f"(the last bucket, up to max_seq_len, is implied)"
             )
 
-    def row_cost(self, length: int | float) -> float:
-        """Cost of one padded row of ``length`` tokens (one document of a packed row)."""
-        return float(length) * (1.0 + self.attention_weight * float(length))
+    @property
+    def coefficients(self) -> np.ndarray:
+        """The cost model's coefficients in ``cost.FEATURES`` order (float64 [4])."""
+        return np.array([getattr(self, n) for n in cost.COEFFICIENTS], np.float64)
+
+    @property
+    def anchor_rule(self) -> tuple[int, int, int]:
+        """``(block_size, anchors_per_doc, max_anchors)``."""
+        return (self.block_size, self.anchors_per_doc, self.max_anchors)
+
+    @property
+    def cost_model_on(self) -> bool:
+        """False for the default model (cost = tokens, budget = token budget): the planner
+        then runs its token-only path, bit for bit as without a cost model."""
+        default = (self.cost_c0, self.cost_tok, self.cost_attn, self.cost_slot) == (0, 1, 0, 0)
+        return not (default and self.cost_budget in (0, self.token_budget))
+
+    def row_cost(self, length: int) -> float:
+        """Modelled cost of a micro-batch of one row (document) of ``length`` tokens."""
+        f = cost.features(np.array([length]), np.zeros(1, np.int64), layout="padded",
+                          rule=self.anchor_rule)  # fmt: skip
+        return float(f[0] @ self.coefficients)
 
     @property
     def micro_per_step(self) -> int:
@@ -154,7 +201,18 @@ class BatchSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BatchSpec:
-        """Inverse of ``to_dict``; missing keys take defaults, unknown keys are an error."""
+        """Inverse of ``to_dict``; missing keys take defaults, unknown keys are an error.
+
+        ``attention_weight`` (the one-term cost of earlier versions, still accepted from
+        config files and clients) means ``cost_attn`` with ``cost_budget`` = the token
+        budget: the same plans."""
+        if "attention_weight" in d:
+            d = dict(d)
+            w = d.pop("attention_weight")
+            if w:
+                d.setdefault("cost_attn", w)
+                d.setdefault("cost_budget", d.get("token_budget", cls.token_budget))
+        d = expand_profile(d)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -209,6 +267,15 @@ class SpecLimits:
                 f"world_size x grad_accum = {spec.micro_per_step} micro-batches per step, but "
                 f"the corpus has {num_samples} samples: no step could ever be filled"
             )
+
+
+def expand_profile(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with a ``cost_profile`` key (a path) replaced by the profile's fields
+    (``loader_server.cost.profile_fields``); fields given in ``d`` itself win."""
+    if "cost_profile" not in d:
+        return d
+    rest = {k: v for k, v in d.items() if k != "cost_profile"}
+    return {**cost.profile_fields(d["cost_profile"]), **rest}
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

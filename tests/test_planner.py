@@ -30,14 +30,48 @@ def below(buckets: str | tuple[int, ...], max_seq_len: int) -> str | tuple[int, 
 
 
 @st.composite
+def cost_models(draw, max_seq_len: int) -> dict:
+    """No cost model, the attention-only one of earlier versions, or a full model (auto or
+    explicit budget; anchor rule with and without the per-micro-batch cap)."""
+    kind = draw(st.sampled_from(["none", "attention", "full"]))
+    if kind == "none":
+        return {}
+    if kind == "attention":
+        return {"cost_attn": 0.01}
+    model = {
+        "cost_c0": draw(st.sampled_from([0.0, 3.0])),
+        "cost_tok": draw(st.sampled_from([0.0, 0.5, 1.0])),
+        "cost_attn": draw(st.sampled_from([0.0, 0.02])),
+        "cost_slot": draw(st.sampled_from([0.0, 0.25])),
+        "block_size": draw(st.sampled_from([2, 4])),
+        "anchors_per_doc": draw(st.sampled_from([1, 8])),
+        "max_anchors": draw(st.sampled_from([0, 6])),
+    }
+    if not any(model[k] for k in ("cost_c0", "cost_tok", "cost_attn", "cost_slot")):
+        model["cost_tok"] = 1.0
+    return model
+
+
+@st.composite
 def specs(draw) -> BatchSpec:
     max_seq_len = draw(st.integers(8, 96))
-    w = draw(st.sampled_from([0.0, 0.01]))
-    floor = int(np.ceil(max_seq_len * (1 + w * max_seq_len)))
+    model = draw(cost_models(max_seq_len))
     layout = draw(st.sampled_from(["padded", "packed"]))
     compositions = ["bucketed", "random"] + (["sorted"] if layout == "padded" else [])
+    token_budget = draw(st.integers(max_seq_len, 4 * max_seq_len))
+    if model:
+        single = BatchSpec(token_budget=token_budget, max_seq_len=max_seq_len, **model).row_cost(
+            max_seq_len
+        )
+        if "cost_c0" not in model:  # attention only: the cost is the budget, as before
+            model["cost_budget"] = float(token_budget)
+            if single > token_budget:
+                token_budget = int(np.ceil(single))
+                model["cost_budget"] = float(token_budget)
+        else:
+            model["cost_budget"] = draw(st.sampled_from([0.0, single, 2.5 * single]))
     return BatchSpec(
-        token_budget=draw(st.integers(floor, 4 * floor)),
+        token_budget=token_budget,
         max_batch_size=draw(st.integers(1, 9)),
         max_seq_len=max_seq_len,
         overlong=draw(st.sampled_from(["truncate", "drop"])),
@@ -51,7 +85,7 @@ def specs(draw) -> BatchSpec:
         world_size=draw(st.integers(1, 4)),
         grad_accum=draw(st.integers(1, 3)),
         seed=draw(st.integers(0, 2**32)),
-        attention_weight=w,
+        **model,
     )
 
 
@@ -85,19 +119,46 @@ def check_invariants(plan: EpochPlan, lengths: np.ndarray, spec: BatchSpec) -> N
     if plan.num_micro:
         longest = np.maximum.reduceat(x, starts)
         total = np.add.reduceat(x, starts)
-        sq = np.add.reduceat(x * x, starts)
     else:
-        longest = total = sq = np.zeros(0, np.int64)
-    w = spec.attention_weight
+        longest = total = np.zeros(0, np.int64)
     if spec.layout == "padded":
         assert (rows <= spec.max_batch_size).all()
         np.testing.assert_array_equal(plan.micro_lens, longest)
-        cost = rows * longest * (1.0 + w * longest)
+        tokens = rows * longest
     else:
         np.testing.assert_array_equal(plan.micro_lens, total)
-        cost = total + w * sq
-    assert (cost <= spec.token_budget * (1 + 1e-12)).all()
-    np.testing.assert_allclose(plan.micro_costs, cost, rtol=1e-12)
+        tokens = total
+    # The memory bound always; the cost bound (the model written out here, one document at
+    # a time) when a cost model is on.
+    assert (tokens <= spec.token_budget).all()
+    cost = np.array([model_cost(x[a:b], spec) for a, b in zip(starts, plan.offsets[1:])])
+    budget = plan.stats["cost_budget"]
+    if spec.cost_model_on:
+        assert (cost <= budget * (1 + 1e-12)).all()
+        if not spec.cost_budget:
+            assert budget >= spec.row_cost(spec.max_seq_len)
+    else:
+        assert budget == spec.token_budget
+    np.testing.assert_allclose(plan.micro_costs, cost.reshape(-1), rtol=1e-9)
+
+
+def model_cost(docs: np.ndarray, spec: BatchSpec) -> float:
+    """The cost model of ``loader_server.cost``, for one micro-batch, in plain Python."""
+    b, per_doc, cap = spec.block_size, spec.anchors_per_doc, spec.max_anchors
+    lengths = [int(v) for v in docs]
+    if spec.layout == "padded":
+        tokens = len(lengths) * max(lengths)
+        sq = len(lengths) * max(lengths) ** 2
+    else:
+        tokens, sq = sum(lengths), sum(v * v for v in lengths)
+    anchors = sum(min(per_doc, v - b + 1) if v >= 2 * b else 0 for v in lengths)
+    if cap:
+        anchors = min(anchors, cap)
+    if not spec.cost_model_on:
+        return float(tokens)
+    return (
+        spec.cost_c0 + spec.cost_tok * tokens + spec.cost_attn * sq + spec.cost_slot * b * anchors
+    )
 
 
 def check_random_access(plan: EpochPlan) -> None:
@@ -141,18 +202,23 @@ def test_bucketed_micro_batches_stay_inside_one_bucket(lengths, spec):
     )
 
 
-def reference_greedy(x: list[int], budget: int, max_rows: int, w: float) -> list[int]:
-    """The original algorithm, one sample at a time: batch starts."""
-    starts, longest, rows = [], 0, 0
+def reference_greedy(
+    x: list[int], budget: int, max_rows: int, spec: BatchSpec | None = None, cap: float = 0.0
+) -> list[int]:
+    """The original algorithm, one sample at a time: batch starts. With ``spec``, the
+    cost model (``model_cost``) must also stay within ``cap``."""
+    starts, current = [], []
     for p, length in enumerate(x):
-        new_longest = max(longest, length)
-        if rows and (
-            rows + 1 > max_rows or (rows + 1) * new_longest * (1 + w * new_longest) > budget
+        grown = [*current, length]
+        if current and (
+            len(grown) > max_rows
+            or len(grown) * max(grown) > budget
+            or (spec is not None and model_cost(np.array(grown), spec) > cap)
         ):
-            rows, new_longest = 0, length
-        if rows == 0:
+            grown = [length]
+        if len(grown) == 1:
             starts.append(p)
-        rows, longest = rows + 1, new_longest
+        current = grown
     return starts
 
 
@@ -161,21 +227,27 @@ def reference_greedy(x: list[int], budget: int, max_rows: int, w: float) -> list
     st.lists(st.integers(1, 64), min_size=1, max_size=300),
     st.integers(64, 400),
     st.integers(1, 12),
-    st.sampled_from([0.0, 0.005]),
+    cost_models(64),
     st.data(),
 )
-def test_vectorized_greedy_equals_the_sequential_one(x, budget, max_rows, w, data):
-    budget = max(budget, int(np.ceil(64 * (1 + w * 64))))
+def test_vectorized_greedy_equals_the_sequential_one(x, budget, max_rows, model, data):
     cuts = sorted(
         set(data.draw(st.lists(st.integers(1, len(x) - 1), max_size=4)) if len(x) > 1 else [])
     )
     seg = np.array([0, *cuts], np.int64)
+    spec = BatchSpec(token_budget=budget, max_seq_len=64, max_batch_size=max_rows, **model)
+    single = spec.row_cost(64)
+    cap = data.draw(st.sampled_from([single, 1.7 * single, 6 * single]))
+    cut = packing.CostCut(tuple(spec.coefficients.tolist()), cap, spec.anchor_rule)
+    if not model:
+        cut = None
     got = packing.greedy_starts(
-        np.array(x), seg, token_budget=budget, max_batch_size=max_rows, attention_weight=w
+        np.array(x), seg, token_budget=budget, max_batch_size=max_rows, cut=cut
     )
     want = []
     for a, b in zip(seg.tolist(), [*seg.tolist()[1:], len(x)], strict=True):
-        want += [a + s for s in reference_greedy(x[a:b], budget, max_rows, w)]
+        ref = reference_greedy(x[a:b], budget, max_rows, spec if model else None, cap)
+        want += [a + s for s in ref]
     assert got.tolist() == want
 
 
@@ -218,7 +290,7 @@ def test_sorted_is_the_original_frozen_greedy():
     spec = BatchSpec(composition="sorted", world_size=4)
     plans = [plan_epoch(x, spec, epoch=e) for e in range(3)]
     order = np.argsort(x, kind="stable")
-    starts = reference_greedy(x[order].tolist(), spec.token_budget, spec.max_batch_size, 0.0)
+    starts = reference_greedy(x[order].tolist(), spec.token_budget, spec.max_batch_size)
     want = {tuple(b) for b in np.split(order, starts[1:])}
     for p in plans:
         got = {tuple(p.sample_ids[a:b]) for a, b in zip(p.offsets[:-1], p.offsets[1:], strict=True)}
@@ -321,8 +393,9 @@ from loader_server.spec import BatchSpec
 from loader_server.synth import SynthSpec, synth_lengths
 x = synth_lengths(SynthSpec(num_samples=20_000, seed=5))
 h = hashlib.sha256()
-for kw in ({"world_size": 8}, {"world_size": 4, "grad_accum": 2, "attention_weight": 1e-5},
-           {"layout": "packed", "world_size": 2, "attention_weight": 1e-5}):
+model = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
+for kw in ({"world_size": 8}, {"world_size": 4, "grad_accum": 2, **model},
+           {"layout": "packed", "world_size": 2, **model}):
     p = plan_epoch(x, BatchSpec(**kw), epoch=3)
     for a in (p.sample_ids, p.offsets, p.micro_lens, p.micro_costs, p.micro_buckets):
         h.update(np.ascontiguousarray(a).tobytes())

@@ -14,7 +14,9 @@ def test_defaults_match_the_contract():
     assert (s.token_budget, s.max_batch_size, s.max_seq_len) == (65536, 64, 8192)
     assert (s.overlong, s.buckets, s.target_efficiency) == ("truncate", "auto", 0.97)
     assert (s.layout, s.composition, s.order) == ("padded", "bucketed", "stratified")
-    assert (s.world_size, s.grad_accum, s.seed, s.attention_weight) == (1, 1, 0, 0.0)
+    assert (s.world_size, s.grad_accum, s.seed) == (1, 1, 0)
+    assert (s.cost_c0, s.cost_tok, s.cost_attn, s.cost_slot, s.cost_budget) == (0, 1, 0, 0, 0)
+    assert s.anchor_rule == (16, 512, 2048) and not s.cost_model_on
     assert s.micro_per_step == 1 and s.auto_buckets == 0
 
 
@@ -35,7 +37,7 @@ def test_buckets_are_normalized(given, want):
 
 
 def test_dict_round_trip_through_msgpack():
-    s = BatchSpec(buckets=REFERENCE_BUCKETS, world_size=8, grad_accum=4, attention_weight=1e-5)
+    s = BatchSpec(buckets=REFERENCE_BUCKETS, world_size=8, grad_accum=4, cost_attn=1e-5)
     d = msgpack.unpackb(msgpack.packb(s.to_dict()))
     assert d["buckets"] == list(REFERENCE_BUCKETS)
     assert BatchSpec.from_dict(d) == s
@@ -59,7 +61,10 @@ def test_key_is_short_stable_and_sensitive():
     ("kwargs", "message"),
     [
         ({"token_budget": 4096}, r"token_budget 4096 .* max_seq_len 8192"),
-        ({"max_seq_len": 1024, "token_budget": 1024, "attention_weight": 0.01}, "1024"),
+        (
+            {"max_seq_len": 1024, "cost_attn": 0.01, "cost_budget": 1024},
+            r"cost_budget 1024 .* 1024",
+        ),
         ({"token_budget": 0}, r"token_budget must be an integer in \[1, 2147483647\], got 0"),
         ({"token_budget": 2**31}, r"token_budget must be an integer in \[1, 2147483647\]"),
         ({"grad_accum": 2**40}, r"grad_accum must be an integer in \[1, 2147483647\]"),
@@ -74,8 +79,13 @@ def test_key_is_short_stable_and_sensitive():
         ({"order": "interleaved"}, "'interleaved'"),
         ({"target_efficiency": 0.0}, "target_efficiency"),
         ({"target_efficiency": 1.5}, "1.5"),
-        ({"attention_weight": -1.0}, "attention_weight"),
-        ({"attention_weight": float("nan")}, "attention_weight"),
+        ({"cost_attn": -1.0}, "cost_attn must be a finite number >= 0, got -1.0"),
+        ({"cost_slot": float("nan")}, "cost_slot"),
+        ({"cost_tok": 0.0}, "every cost coefficient is 0"),
+        ({"cost_budget": -1.0}, "cost_budget"),
+        ({"cost_c0": True}, "cost_c0"),
+        ({"block_size": 1}, r"block_size must be an integer in \[2, 65536\], got 1"),
+        ({"max_anchors": -1}, "max_anchors"),
         ({"buckets": "auto:0"}, "auto:0"),
         ({"buckets": "auto:65"}, "1..64"),
         ({"buckets": "auto:x"}, "auto:x"),
@@ -100,7 +110,17 @@ def test_spec_is_frozen_and_keyword_only():
         BatchSpec(65536)  # type: ignore[misc]
 
 
-def test_row_cost_includes_attention_term():
-    s = BatchSpec(attention_weight=1e-4, token_budget=16384, max_seq_len=8192)
-    assert s.row_cost(100) == pytest.approx(100 * (1 + 1e-4 * 100))
-    assert s.row_cost(8192) <= 16384
+def test_row_cost_is_the_cost_model_of_one_row():
+    s = BatchSpec(cost_c0=5.0, cost_attn=1e-4, cost_slot=0.5, block_size=4, anchors_per_doc=50)
+    # 100 tokens, 100**2 attention, min(50, 100 - 4 + 1) anchors of 4 slots.
+    assert s.row_cost(100) == pytest.approx(5.0 + 100 + 1e-4 * 100**2 + 0.5 * 4 * 50)
+    assert s.row_cost(7) == pytest.approx(5.0 + 7 + 1e-4 * 49)  # under 2 blocks: no anchors
+    assert s.cost_model_on and BatchSpec(cost_budget=65536).cost_model_on is False
+
+
+def test_attention_weight_of_earlier_versions_still_reads():
+    """Config files and clients of earlier versions say ``attention_weight``: it is
+    ``cost_attn`` against the token budget, the same plans."""
+    s = BatchSpec.from_dict({"attention_weight": 1e-5, "token_budget": 32768})
+    assert (s.cost_attn, s.cost_budget, s.token_budget) == (1e-5, 32768, 32768)
+    assert BatchSpec.from_dict({"attention_weight": 0.0}) == BatchSpec()

@@ -236,7 +236,14 @@ SPEC_KEYS = {
     "composition": str,
     "order": str,
     "seed": int,
-    "attention_weight": float,
+    "cost_c0": float,
+    "cost_tok": float,
+    "cost_attn": float,
+    "cost_slot": float,
+    "cost_budget": float,
+    "block_size": int,
+    "anchors_per_doc": int,
+    "max_anchors": int,
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import click
 
-from loader_server.spec import COMPOSITIONS, LAYOUTS, ORDERS, OVERLONG, BatchSpec
+from loader_server.spec import COMPOSITIONS, LAYOUTS, ORDERS, OVERLONG, BatchSpec, expand_profile
 
 F = TypeVar("F", bound=Callable[..., Any])
 _DEFAULT = BatchSpec()
@@ -38,9 +38,20 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--world-size", {"type": int, "help": "Ranks of the job."}),
     ("--grad-accum", {"type": int, "help": "Micro-batches per rank per optimizer step."}),
     ("--seed", {"type": int, "help": "With the epoch, determines the plan."}),
-    ("--attention-weight", {"type": float, "help": "Weight of the rows*L*L cost term."}),
+    ("--cost-c0", {"type": float, "help": "Cost model: fixed cost of a micro-batch."}),
+    ("--cost-tok", {"type": float, "help": "Cost model: per token as laid out."}),
+    ("--cost-attn", {"type": float, "help": "Cost model: per squared document length."}),
+    ("--cost-slot", {"type": float, "help": "Cost model: per drafter block slot."}),
+    ("--cost-budget", {"type": float, "help": "Max modelled cost of a micro-batch (0: auto)."}),
+    ("--block-size", {"type": int, "help": "Trainer's block size (block slots)."}),
+    ("--anchors-per-doc", {"type": int, "help": "Trainer's anchors per document."}),
+    ("--max-anchors", {"type": int, "help": "Trainer's anchors per micro-batch (0: no cap)."}),
 ]
 assert [n[2:].replace("-", "_") for n, _ in _FLAGS] == list(SPEC_FIELDS), "flags != BatchSpec"
+_PROFILE_HELP = (
+    "Cost profile (JSON from `dflash-train calibrate`): sets the cost coefficients and the "
+    "anchor rule; --cost-* flags given with it win."
+)
 
 
 def spec_options(f: F | None = None, *, overrides_only: bool = False) -> Any:
@@ -48,6 +59,10 @@ def spec_options(f: F | None = None, *, overrides_only: bool = False) -> Any:
     ``@spec_options(overrides_only=True)``: defaults None, shown in the help text)."""
 
     def decorate(func: F) -> F:
+        func = click.option(
+            "--cost-profile", "cost_profile", type=click.Path(dir_okay=False), default=None,
+            help=_PROFILE_HELP,
+        )(func)  # fmt: skip
         for name, kw in reversed(_FLAGS):
             field = name[2:].replace("-", "_")
             default = getattr(_DEFAULT, field)
@@ -65,11 +80,18 @@ def spec_options(f: F | None = None, *, overrides_only: bool = False) -> Any:
 
 def spec_from_options(**kwargs: Any) -> BatchSpec:
     """The ``BatchSpec`` of a command's keyword arguments (other keys are ignored, so a
-    command can pass its whole ``**kwargs``). Invalid values raise ValueError."""
-    return BatchSpec(**{k: v for k, v in kwargs.items() if k in SPEC_FIELDS})
+    command can pass its whole ``**kwargs``). A ``--cost-profile`` supplies the cost fields
+    that were left at their defaults. Invalid values raise ValueError."""
+    given = {k: v for k, v in kwargs.items() if k in SPEC_FIELDS}
+    profile = kwargs.get("cost_profile")
+    if profile:
+        given = {k: v for k, v in given.items() if v != getattr(_DEFAULT, k)}
+        given = expand_profile({**given, "cost_profile": profile})
+    return BatchSpec(**given)
 
 
 def pop_spec_overrides(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Remove the spec flags from ``kwargs``; return those that were given."""
-    values = {k: kwargs.pop(k, None) for k in SPEC_FIELDS}
-    return {k: v for k, v in values.items() if v is not None}
+    """Remove the spec flags (and ``--cost-profile``) from ``kwargs``; return those that
+    were given, the profile expanded into its fields."""
+    values = {k: kwargs.pop(k, None) for k in (*SPEC_FIELDS, "cost_profile")}
+    return expand_profile({k: v for k, v in values.items() if v is not None})

@@ -1,0 +1,150 @@
+"""What one micro-batch costs the trainer: the model the planner cuts and balances by.
+
+In data-parallel training every optimizer step waits for its slowest rank, so the plan
+should balance *time*, not tokens. A DFlash micro-batch's time is modelled as
+
+    cost = c0 + c_tok * tokens + c_attn * sq + c_slot * slots
+
+over features the planner knows from sample lengths alone (``features``):
+
+* ``tokens``: tokens as laid out: ``rows * L`` for a padded micro-batch (padding costs
+  the linear layers as much as real tokens), the row's ``T`` for a packed one;
+* ``sq``: attention work, the sum over documents of length squared as laid out:
+  ``rows * L**2`` padded (each row attends over its padded length), ``sum(l_i**2)``
+  packed (varlen attention stays inside each document);
+* ``slots``: block slots through the drafter and the frozen LM head (the vocabulary
+  projection, the largest single cost at a 151,936-token vocabulary):
+  ``block_size * min(max_anchors, sum of per-document anchors)``, where a document of
+  length ``l`` gets ``min(anchors_per_doc, l - block_size + 1)`` anchors when
+  ``l >= 2 * block_size`` and none otherwise. That is the trainer's anchor rule
+  (``trainer.loss``) with every position supervised: the loader sees lengths, not loss
+  masks, and calibration (``dflash-train calibrate``, which fits on these same features)
+  absorbs the corpus's supervised fraction into ``c_slot``;
+* ``c0``: the fixed cost of a micro-batch (kernel launches, its share of the optimizer
+  step and of communication).
+
+The coefficients live in the batch spec (``cost_c0``, ``cost_tok``, ``cost_attn``,
+``cost_slot``, with the anchor rule ``block_size``, ``anchors_per_doc``, ``max_anchors``);
+the defaults (``c_tok = 1``, the rest 0) make the cost the token count, which is exactly
+the planner without a cost model. A *cost profile* (JSON, written by ``dflash-train
+calibrate``) carries fitted coefficients and the anchor rule they were fitted under;
+``profile_fields`` turns one into spec fields.
+
+This module is pure numpy and imports nothing from the service, so the daemon, the CLI
+and the trainer's calibration all compute features the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Spec fields of the coefficients, in the order of the feature columns.
+COEFFICIENTS = ("cost_c0", "cost_tok", "cost_attn", "cost_slot")
+#: Spec fields of the trainer's anchor rule, which ``slots`` follows.
+ANCHOR_RULE = ("block_size", "anchors_per_doc", "max_anchors")
+#: Feature columns of ``features`` (what each coefficient multiplies).
+FEATURES = ("one", "tokens", "sq", "slots")
+PROFILE_VERSION = 1
+
+
+def doc_anchors(lengths: np.ndarray, block_size: int, anchors_per_doc: int) -> np.ndarray:
+    """Anchors the trainer draws from documents of these lengths (int64, vectorized)."""
+    x = np.asarray(lengths, dtype=np.int64)
+    n = np.minimum(anchors_per_doc, x - block_size + 1)
+    return np.where(x >= 2 * block_size, n, 0)
+
+
+def capped_slots(anchor_sums: np.ndarray, block_size: int, max_anchors: int) -> np.ndarray:
+    """Block slots of micro-batches whose documents draw ``anchor_sums`` anchors in all
+    (``max_anchors`` 0: no per-micro-batch cap)."""
+    a = np.asarray(anchor_sums, dtype=np.int64)
+    if max_anchors > 0:
+        a = np.minimum(a, max_anchors)
+    return a * block_size
+
+
+def features(
+    doc_lengths: np.ndarray, starts: np.ndarray, *, layout: str, rule: tuple[int, int, int]
+) -> np.ndarray:
+    """[micro-batches, 4] float64 features (``FEATURES``) of micro-batches laid out as
+    consecutive runs of ``doc_lengths`` beginning at ``starts`` (non-empty runs)."""
+    x = np.asarray(doc_lengths, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    block, per_doc, cap = rule
+    out = np.empty((starts.size, len(FEATURES)), np.float64)
+    if starts.size == 0:
+        return out
+    if layout == "packed":
+        tokens = np.add.reduceat(x, starts)
+        sq = np.add.reduceat(x * x, starts)
+    else:
+        rows = np.diff(np.append(starts, x.size))
+        longest = np.maximum.reduceat(x, starts)
+        tokens = rows * longest
+        sq = tokens * longest
+    anchors = np.add.reduceat(doc_anchors(x, block, per_doc), starts)
+    out[:, 0] = 1.0
+    out[:, 1] = tokens
+    out[:, 2] = sq
+    out[:, 3] = capped_slots(anchors, block, cap)
+    return out
+
+
+def check_coefficients(values: dict[str, Any], where: str) -> None:
+    """ValueError naming ``where`` and the field unless every coefficient is a finite
+    number >= 0 and at least one is positive."""
+    for name in COEFFICIENTS:
+        v = values[name]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{where}: {name} must be a finite number >= 0, got {v!r}")
+    if not any(values[name] > 0 for name in COEFFICIENTS):
+        raise ValueError(f"{where}: every cost coefficient is 0 (at least one must be positive)")
+
+
+def write_profile(path: Path, coefficients: dict[str, float], rule: dict[str, int], **info: Any):
+    """Write a cost profile (``info``: fit report, source run, units...) atomically."""
+    check_coefficients(coefficients, str(path))
+    doc = {"version": PROFILE_VERSION, "coefficients": coefficients, "anchor_rule": rule, **info}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def profile_fields(path: str | Path) -> dict[str, Any]:
+    """The spec fields a cost profile sets: its four coefficients and its anchor rule.
+
+    Every problem is a ValueError that names the file and the key: unreadable or not
+    JSON, another version, a missing or negative coefficient, a missing anchor-rule field.
+    """
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except OSError as e:
+        raise ValueError(f"cost profile {p}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cost profile {p}: not JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION:
+        got = doc.get("version") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"cost profile {p}: version must be {PROFILE_VERSION}, got {got!r}")
+    coef, rule = doc.get("coefficients"), doc.get("anchor_rule")
+    if not isinstance(coef, dict) or not isinstance(rule, dict):
+        raise ValueError(f"cost profile {p}: needs 'coefficients' and 'anchor_rule' objects")
+    fields: dict[str, Any] = {}
+    for name in COEFFICIENTS:
+        if name not in coef:
+            raise ValueError(f"cost profile {p}: coefficient {name!r} is missing")
+        fields[name] = coef[name]
+    check_coefficients(fields, f"cost profile {p}")
+    for name in ANCHOR_RULE:
+        v = rule.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(
+                f"cost profile {p}: anchor_rule.{name} must be an integer >= 0, got {v!r}"
+            )
+        fields[name] = v
+    return fields
