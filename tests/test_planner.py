@@ -131,7 +131,9 @@ def check_invariants(plan: EpochPlan, lengths: np.ndarray, spec: BatchSpec) -> N
     # The memory bound always; the cost bound (the model written out here, one document at
     # a time) when a cost model is on.
     assert (tokens <= spec.token_budget).all()
-    cost = np.array([model_cost(x[a:b], spec) for a, b in zip(starts, plan.offsets[1:])])
+    cost = np.array(
+        [model_cost(x[a:b], spec) for a, b in zip(starts, plan.offsets[1:], strict=True)]
+    )
     budget = plan.stats["cost_budget"]
     if spec.cost_model_on:
         assert (cost <= budget * (1 + 1e-12)).all()

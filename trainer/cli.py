@@ -145,6 +145,21 @@ def _target_options(f):
     help="Other loader spec fields KEY=VALUE (JSON values), e.g. seed=3 or "
     "buckets=[770,1216]. Fields not given come from the daemon's configured spec.",
 )
+@click.option(
+    "--cost-profile",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Ask the loader to cut and balance micro-batches by this cost profile (from "
+    "`dflash-train calibrate`); --spec fields given too win.",
+)
+@click.option(
+    "--cost-samples",
+    type=int,
+    default=2000,
+    show_default=True,
+    help="Micro-batches per rank whose compute time is recorded in RUN_DIR/costs for "
+    "`dflash-train calibrate` (after 2 warm-up steps; synchronizes CUDA while recording). "
+    "0: off.",
+)
 @click.option("--run-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint, if any.")
 @click.option("--eval-every", type=int, default=0, show_default=True, help="0: start and end.")
@@ -376,6 +391,30 @@ def tokenize(src: tuple[Path, ...], out: Path, **opts: Any) -> None:
         click.echo(line, err=True)
     keys = ("out", "conversations", "tokens", "supervised_tokens", "heldout_prompts")
     click.echo(json.dumps({k: report[k] for k in keys}))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), help="[RUN_DIR/cost_profile.json]"
+)
+@click.option(
+    "--holdout", type=float, default=0.2, show_default=True, help="Share of micro-batches held out."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Of the hold-out split.")
+@click.option("--no-plot", is_flag=True, help="Skip RUN_DIR/cost_fit.png.")
+def calibrate(run_dir: Path, out: Path | None, holdout: float, seed: int, no_plot: bool) -> None:
+    """Fit the planner's cost model to the micro-batch times a training run recorded.
+
+    Reads RUN_DIR/costs/rank*.jsonl (written by `train`, see --cost-samples), fits
+    c0 + c_tok*tokens + c_attn*sum L^2 + c_slot*block slots by non-negative least squares
+    on relative error, reports the error on held-out micro-batches, and writes a cost
+    profile for `dflash-loader serve --cost-profile` / `train --cost-profile`.
+    """
+    from trainer.calibrate import calibrate_run
+
+    report = calibrate_run(run_dir, out=out, holdout=holdout, seed=seed, plot=not no_plot)
+    click.echo(report.summary())
 
 
 @main.command()

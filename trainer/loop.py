@@ -32,6 +32,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer.attention import BACKENDS, resolve_backend
+from trainer.costlog import CostLog
 from trainer.distributed import DistEnv, all_reduce
 from trainer.drafter import DFlashDrafter
 from trainer.loss import DEFAULT_CHUNK_SIZE, LossConfig, draft_loss, zero_loss
@@ -66,6 +67,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool = False
     progress: bool = True
+    cost_samples: int = 2000  # micro-batches per rank timed for calibration (trainer.costlog)
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.epochs is None):
@@ -82,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"attention must be one of {BACKENDS}, got {self.attention!r}")
         if not (self.lr > 0 and self.warmup >= 0 and self.grad_clip > 0):
             raise ValueError(f"bad lr/warmup/grad_clip: {self.lr}, {self.warmup}, {self.grad_clip}")
+        if self.cost_samples < 0:
+            raise ValueError(f"cost_samples must be >= 0 (0: off), got {self.cost_samples}")
         if self.eval_every < 0 or self.ckpt_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("eval_every and ckpt_every must be >= 0, keep_checkpoints >= 1")
 
@@ -150,6 +154,8 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.metrics = MetricsWriter(metrics_path(cfg.run_dir), enabled=env.is_main)
+        rule = (cfg.loss.block_size, cfg.loss.num_anchors, cfg.loss.max_anchors)
+        self.costs = CostLog(cfg.run_dir, env.rank, cfg.cost_samples, rule, env.device)
         self.attention = resolve_backend(cfg.attention, env.device)
         generation = getattr(target.model, "generation_config", None)
         self._eos = tuple(dict.fromkeys(eos_ids(target.config) + eos_ids(generation)))
@@ -286,6 +292,7 @@ class Trainer:
         for batch, waited in self._micro_batches(it):
             wait += waited
             self.epoch = int(batch.epoch)
+            self.costs.start()
             # Used up before the next next(): the client reuses the slot after that.
             on_dev = batch.to(dev, non_blocking=True)
             gen = anchor_generator(cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro)
@@ -309,6 +316,7 @@ class Trainer:
                     )
                     loss = out.loss if out.loss is not None else zero_loss(self.target, self.model)
                 (loss / self.grad_accum).backward()
+            self.costs.stop(batch, anchors=out.num_blocks, synced=last and self.env.distributed)
             sums[_S["ce"]] += out.weighted_ce_sum
             sums[_S["weight"]] += out.weight_sum
             sums[_S["tokens"]] += out.num_tokens
@@ -324,6 +332,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.costs.end_step()
         step_time = time.perf_counter() - t_start
         return {"sums": sums, "wait": wait, "time": step_time, "grad_norm": grad_norm, "lr": lr}
 
@@ -409,6 +418,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self.metrics.close()
+            self.costs.close()
         wall = time.perf_counter() - t_loop
         summary = summarize(read_metrics(metrics_path(cfg.run_dir))) if self.env.is_main else {}
         summary.update(
@@ -472,6 +482,19 @@ class Trainer:
                 "in a different plan. Set those fields on the trainer (--spec KEY=VALUE) or "
                 "restore the daemon's [spec]"
             )
+        loss = self.cfg.loss
+        rule = {
+            "block_size": loss.block_size,
+            "anchors_per_doc": loss.num_anchors,
+            "max_anchors": loss.max_anchors,
+        }
+        planned = {k: spec.get(k, v) for k, v in rule.items()}
+        if spec.get("cost_slot") and planned != rule and self.env.is_main:
+            log.warning(
+                "the loader's cost model counts block slots with anchor rule %s, this trainer "
+                "draws %s: its plans balance a cost this trainer does not pay (pass "
+                "--spec KEY=VALUE or calibrate with this trainer's settings)", planned, rule
+            )  # fmt: skip
         self.meta["loader_spec"] = spec
         log.info("rank %d: loader spec %s", self.env.rank, json.dumps(spec, sort_keys=True))
         if self.env.is_main:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from loader_server.cost import profile_fields
 from trainer.distributed import DistEnv, init_distributed, shutdown
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loop import TrainConfig, Trainer
@@ -77,6 +78,8 @@ def loader_spec(opts: dict[str, Any]) -> dict[str, Any]:
     if "grad_accum" in extra and "grad_accum" in spec and extra["grad_accum"] != spec["grad_accum"]:
         raise ValueError("--spec grad_accum must equal --grad-accum")
     spec.update(extra)
+    if opts.get("cost_profile"):
+        spec = {**profile_fields(opts["cost_profile"]), **spec}
     return spec
 
 
@@ -165,6 +168,7 @@ def train_config(opts: dict[str, Any]) -> TrainConfig:
         keep_checkpoints=opts["keep_checkpoints"],
         resume=opts["resume"],
         progress=not opts["no_progress"],
+        cost_samples=opts.get("cost_samples", 2000),
     )
 
 

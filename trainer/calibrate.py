@@ -1,0 +1,246 @@
+"""``dflash-train calibrate RUN_DIR``: fit the planner's cost model to measured micro-batches.
+
+Input: the timings a training run recorded (``trainer.costlog``). Each micro-batch becomes
+a row of the planner's own features (``loader_server.cost.features``: 1, tokens as laid
+out, sum of squared lengths, block slots under the trainer's anchor rule) and its measured
+time ``y``. The fit minimises *relative* squared error, ``sum(((X c - y) / y)**2)``, over
+``c >= 0`` (non-negative least squares: a negative coefficient would let the planner think
+some micro-batch shape is cheaper the bigger it gets). With four features the exact NNLS
+optimum is found by solving the weighted least squares on every one of the 15 non-empty
+feature subsets and keeping the best whose solution is non-negative: the NNLS optimum is
+the unconstrained optimum on its own support, and every candidate is feasible.
+
+A random ``holdout`` share of the micro-batches (seeded) is left out of the fit and
+reported: median and 90th-percentile relative error of the predicted time. Micro-batches
+whose backward all-reduced gradients (``synced``: they include waiting for other ranks)
+are left out when at least ``MIN_SAMPLES`` others exist.
+
+Output: a cost profile (``loader_server.cost.write_profile``; seconds), a predicted-vs-
+measured plot, and a report.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loader_server import cost
+from trainer.costlog import cost_dir
+
+#: Fewest micro-batches a fit (training part) needs: 4 coefficients, with room to spare.
+MIN_SAMPLES = 8
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Measured micro-batches: features ``[n, 4]``, seconds ``[n]``, and where they came from."""
+
+    x: np.ndarray
+    y: np.ndarray
+    rule: tuple[int, int, int]
+    layouts: tuple[str, ...]
+    synced_dropped: int
+
+
+@dataclass(frozen=True)
+class Report:
+    coefficients: dict[str, float]
+    rule: tuple[int, int, int]
+    n_fit: int
+    n_holdout: int
+    median_rel_err: float
+    p90_rel_err: float
+    fit_median_rel_err: float
+    synced_dropped: int
+    profile: Path
+    plot: Path | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "n_fit": self.n_fit,
+            "n_holdout": self.n_holdout,
+            "holdout_median_rel_err": self.median_rel_err,
+            "holdout_p90_rel_err": self.p90_rel_err,
+            "fit_median_rel_err": self.fit_median_rel_err,
+            "synced_dropped": self.synced_dropped,
+        }
+
+    def summary(self) -> str:
+        c = self.coefficients
+        terms = zip(cost.COEFFICIENTS, cost.FEATURES, strict=True)
+        left_out = self.synced_dropped
+        lines = [
+            f"fitted on {self.n_fit} micro-batches, {self.n_holdout} held out"
+            + (f" ({left_out} all-reduce micro-batches left out)" if left_out else ""),
+            "cost (s) = " + " + ".join(f"{c[n]:.4g}*{f}" for n, f in terms),
+            f"hold-out relative error: median {100 * self.median_rel_err:.1f}%, "
+            f"p90 {100 * self.p90_rel_err:.1f}% (fit: median {100 * self.fit_median_rel_err:.1f}%)",
+            f"profile: {self.profile}",
+        ]
+        if self.plot is not None:
+            lines.append(f"plot: {self.plot}")
+        return "\n".join(lines)
+
+
+def load_samples(run_dir: Path) -> Samples:
+    """The recorded micro-batches of ``run_dir`` as features and times.
+
+    ValueError naming the file and line for a malformed record, for records made under
+    different anchor rules, and for a run with too few records."""
+    files = sorted(cost_dir(run_dir).glob("rank*.jsonl"))
+    if not files:
+        raise ValueError(
+            f"{run_dir} has no {cost_dir(run_dir).name}/rank*.jsonl: train with --cost-samples N "
+            "(the default records 2000 micro-batches per rank) first"
+        )
+    latest: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+    rules: dict[tuple[int, int, int], str] = {}
+    for path in files:
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+                key = (int(rec["rank"]), int(rec["epoch"]), int(rec["step"]), int(rec["micro"]))
+                rule = tuple(int(v) for v in rec["rule"])
+                lengths = [int(v) for v in rec["doc_lengths"]]
+                seconds = float(rec["time_s"])
+                layout = rec["layout"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{where}: not a micro-batch timing record ({e})") from None
+            if (
+                layout not in ("padded", "packed")
+                or not lengths
+                or not seconds > 0
+                or len(rule) != 3
+            ):
+                raise ValueError(f"{where}: bad layout, lengths or time in {line[:120]}")
+            rules.setdefault(rule, where)  # type: ignore[arg-type]
+            latest[key] = {**rec, "doc_lengths": lengths, "time_s": seconds}
+    if len(rules) > 1:
+        (a, wa), (b, wb) = list(rules.items())[:2]
+        raise ValueError(
+            f"the run's timings mix anchor rules {a} ({wa}) and {b} ({wb}): calibrate one "
+            "setting at a time"
+        )
+    records = list(latest.values())
+    unsynced = [r for r in records if not r.get("synced")]
+    dropped = 0
+    if len(unsynced) >= MIN_SAMPLES and len(unsynced) < len(records):
+        dropped = len(records) - len(unsynced)
+        records = unsynced
+    if len(records) < MIN_SAMPLES:
+        raise ValueError(
+            f"{run_dir} has {len(records)} timed micro-batches; calibration needs at least "
+            f"{MIN_SAMPLES} (train more steps, or raise --cost-samples)"
+        )
+    rule = next(iter(rules))
+    x = np.concatenate([_features(r, rule) for r in records])  # type: ignore[arg-type]
+    y = np.array([r["time_s"] for r in records], np.float64)
+    layouts = tuple(sorted({r["layout"] for r in records}))
+    return Samples(x, y, rule, layouts, dropped)  # type: ignore[arg-type]
+
+
+def _features(rec: dict[str, Any], rule: tuple[int, int, int]) -> np.ndarray:
+    lengths = np.asarray(rec["doc_lengths"], np.int64)
+    return cost.features(lengths, np.zeros(1, np.int64), layout=rec["layout"], rule=rule)
+
+
+def fit_nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative coefficients minimising the relative squared error (module docstring)."""
+    a = x / y[:, None]  # row i divided by y_i: the residual becomes (x c - y) / y
+    b = np.ones_like(y)
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale  # columns of similar size: a well-conditioned solve
+    best, best_err = np.zeros(x.shape[1]), float(b @ b)
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            sol, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if (sol < 0).any():
+                continue
+            r = a[:, cols] @ sol - b
+            err = float(r @ r)
+            if err < best_err:
+                best_err = err
+                best = np.zeros(x.shape[1])
+                best[list(cols)] = sol
+    return best / scale
+
+
+def relative_errors(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> np.ndarray:
+    return np.abs(x @ coef - y) / y
+
+
+def calibrate_run(
+    run_dir: Path,
+    *,
+    out: Path | None = None,
+    holdout: float = 0.2,
+    seed: int = 0,
+    plot: bool = True,
+) -> Report:
+    """Fit, evaluate on the hold-out, write the profile (and the plot); return the report."""
+    if not 0.0 <= holdout < 1.0:
+        raise ValueError(f"holdout must be in [0, 1), got {holdout}")
+    samples = load_samples(run_dir)
+    n = samples.y.size
+    n_hold = max(0, min(round(holdout * n), n - MIN_SAMPLES))
+    perm = np.random.default_rng(seed).permutation(n)
+    held, used = perm[:n_hold], perm[n_hold:]
+    coef = fit_nnls(samples.x[used], samples.y[used])
+    fit_err = relative_errors(samples.x[used], samples.y[used], coef)
+    hold_err = relative_errors(samples.x[held], samples.y[held], coef) if n_hold else fit_err
+    coefficients = {name: float(v) for name, v in zip(cost.COEFFICIENTS, coef, strict=True)}
+    if not any(coefficients.values()):
+        raise ValueError(f"{run_dir}: the fit left every coefficient at 0 (times too noisy?)")
+    rule = dict(zip(cost.ANCHOR_RULE, samples.rule, strict=True))
+    out = out or run_dir / "cost_profile.json"
+    report = Report(
+        coefficients=coefficients,
+        rule=samples.rule,
+        n_fit=int(used.size),
+        n_holdout=int(n_hold),
+        median_rel_err=float(np.median(hold_err)),
+        p90_rel_err=float(np.quantile(hold_err, 0.9)),
+        fit_median_rel_err=float(np.median(fit_err)),
+        synced_dropped=samples.synced_dropped,
+        profile=out,
+        plot=run_dir / "cost_fit.png" if plot else None,
+    )
+    cost.write_profile(
+        out, coefficients, rule, units="seconds", layouts=list(samples.layouts),
+        source=str(run_dir), fit=report.as_dict(),
+    )  # fmt: skip
+    if report.plot is not None:
+        _plot(report.plot, samples, coef, held)
+    return report
+
+
+def _plot(path: Path, samples: Samples, coef: np.ndarray, held: np.ndarray) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pred = samples.x @ coef
+    is_held = np.zeros(samples.y.size, bool)
+    is_held[held] = True
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(samples.y[~is_held] * 1e3, pred[~is_held] * 1e3, s=8, alpha=0.6, label="fit")
+    ax.scatter(samples.y[is_held] * 1e3, pred[is_held] * 1e3, s=12, marker="x", label="held out")
+    top = float(max(samples.y.max(), pred.max())) * 1e3 * 1.05
+    ax.plot([0, top], [0, top], color="grey", lw=1)
+    ax.set(xlabel="measured ms", ylabel="predicted ms", title="micro-batch compute time")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
