@@ -10,7 +10,11 @@
   token mass (quartiles of the epoch's tokens by length), total-variation distance to the
   epoch's spread (1/4 each), averaged over steps. Random order of 8 length-homogeneous
   micro-batches: ~0.25 on the reference shape; a per-step band quota: < 0.1.
-* ``rank_imbalance``: mean over steps of max rank cost / mean rank cost (1.0 = perfect).
+* ``rank_imbalance``: mean over steps of max rank cost / mean rank cost (1.0 = perfect),
+  by the plan's own cost (tokens, or the modelled cost with a cost model on).
+  ``rank_imbalance_modelled``: the same by a cost model's cost (``modelled_costs``: the
+  spec's own model, or the one ``evaluate`` is given, so that a token-balanced plan can be
+  judged by the time it would take).
 
 ``evaluate`` plans two consecutive epochs and measures them (with plan times);
 ``baselines`` and ``format_table`` give the comparison that ``dflash-loader plan
@@ -26,10 +30,19 @@ from typing import Any
 import numpy as np
 
 from loader_server import buckets as bk
+from loader_server import cost
 from loader_server.planner import EpochPlan, plan_epoch
 from loader_server.spec import REFERENCE_BUCKETS, BatchSpec
 
 NUM_BANDS = 4
+#: The cost fields of a spec without a cost model (cost = tokens, budget = token budget).
+TOKEN_COST = {
+    "cost_c0": 0.0,
+    "cost_tok": 1.0,
+    "cost_attn": 0.0,
+    "cost_slot": 0.0,
+    "cost_budget": 0.0,
+}
 
 
 def padding_efficiency(plan: EpochPlan) -> float:
@@ -87,29 +100,47 @@ def step_mix_distance(plan: EpochPlan, num_bands: int = NUM_BANDS) -> float:
     return float(0.5 * np.abs(per_step - epoch).sum(axis=1).mean())
 
 
-def rank_costs(plan: EpochPlan) -> np.ndarray:
-    """[num_steps, world_size] cost each rank runs in each step."""
+def rank_costs(plan: EpochPlan, costs: np.ndarray | None = None) -> np.ndarray:
+    """[num_steps, world_size] cost each rank runs in each step (``costs``: per micro-batch,
+    default the plan's own)."""
     s = plan.spec
-    return plan.micro_costs.reshape(plan.num_steps, s.world_size, s.grad_accum).sum(axis=2)
+    c = plan.micro_costs if costs is None else costs
+    return c.reshape(plan.num_steps, s.world_size, s.grad_accum).sum(axis=2)
 
 
-def rank_imbalance(plan: EpochPlan) -> float:
+def rank_imbalance(plan: EpochPlan, costs: np.ndarray | None = None) -> float:
     """Mean over steps of (max rank cost / mean rank cost)."""
     if plan.num_steps == 0:
         return 1.0
-    c = rank_costs(plan)
+    c = rank_costs(plan, costs)
     mean = c.mean(axis=1)
     return float((c.max(axis=1) / np.where(mean > 0, mean, 1.0)).mean())
 
 
-def summarize(plan: EpochPlan, next_plan: EpochPlan | None = None) -> dict[str, Any]:
-    """All measures of one plan; composition repeat needs the next epoch's plan."""
+def modelled_costs(plan: EpochPlan, coefficients: np.ndarray) -> np.ndarray:
+    """Each micro-batch's cost under a cost model (``cost.FEATURES`` order), whatever the
+    plan was cut and balanced by; the anchor rule is the plan spec's."""
+    s = plan.spec
+    f = cost.features(plan.sample_lengths, plan.offsets[:-1], layout=s.layout, rule=s.anchor_rule)
+    return f @ np.asarray(coefficients, np.float64)
+
+
+def summarize(
+    plan: EpochPlan, next_plan: EpochPlan | None = None, model: np.ndarray | None = None
+) -> dict[str, Any]:
+    """All measures of one plan; composition repeat needs the next epoch's plan. ``model``:
+    coefficients to judge rank balance by (default: the spec's own cost model, if on)."""
     st = plan.stats
+    if model is None and plan.spec.cost_model_on:
+        model = plan.spec.coefficients
     out: dict[str, Any] = {
         "padding_efficiency": padding_efficiency(plan),
         "composition_repeat": None,
         "step_mix_distance": step_mix_distance(plan),
         "rank_imbalance": rank_imbalance(plan),
+        "rank_imbalance_modelled": (
+            None if model is None else rank_imbalance(plan, modelled_costs(plan, model))
+        ),
         "num_steps": plan.num_steps,
         "num_micro": plan.num_micro,
         "num_buckets": st["num_buckets"],
@@ -129,8 +160,10 @@ def baselines(spec: BatchSpec) -> dict[str, BatchSpec]:
     (bounds at or above ``max_seq_len`` left out)."""
     padded = replace(spec, layout="padded")
     reference = tuple(b for b in REFERENCE_BUCKETS if b < spec.max_seq_len)
+    tokens_only = {"token-balanced": replace(spec, **TOKEN_COST)} if spec.cost_model_on else {}
     return {
         "this spec": spec,
+        **tokens_only,
         "sorted (original)": replace(padded, composition="sorted"),
         "random": replace(padded, composition="random"),
         "reference 6 buckets": replace(
@@ -153,11 +186,13 @@ def timed_plans(
     return plan, following, t1 - t0, t2 - t1
 
 
-def evaluate(lengths: np.ndarray, spec: BatchSpec, *, epoch: int = 0) -> dict[str, Any]:
+def evaluate(
+    lengths: np.ndarray, spec: BatchSpec, *, epoch: int = 0, model: np.ndarray | None = None
+) -> dict[str, Any]:
     """``summarize`` of epochs ``epoch`` and ``epoch+1`` with ``plan_s`` (cold) and
-    ``plan_warm_s`` (buckets cached)."""
+    ``plan_warm_s`` (buckets cached); ``model`` as for ``summarize``."""
     plan, following, cold, warm = timed_plans(lengths, spec, epoch=epoch)
-    out = summarize(plan, following)
+    out = summarize(plan, following, model)
     out.update(plan_s=cold, plan_warm_s=warm, spec_key=spec.key())
     return out
 
@@ -167,6 +202,7 @@ COLUMNS = (
     ("composition_repeat", "comp. repeat", "{:.4f}"),
     ("step_mix_distance", "mix dist", "{:.3f}"),
     ("rank_imbalance", "rank imb", "{:.4f}"),
+    ("rank_imbalance_modelled", "cost imb", "{:.4f}"),
     ("plan_s", "plan s", "{:.3f}"),
     ("plan_warm_s", "warm s", "{:.3f}"),
 )
@@ -178,7 +214,7 @@ def format_table(rows: dict[str, dict[str, Any]]) -> str:
     head = f"{'':<{width}}  " + "  ".join(f"{title:>12}" for _, title, _ in COLUMNS)
     lines = [head]
     for name, r in rows.items():
-        cells = [fmt.format(r[key]) if r[key] is not None else "-" for key, _, fmt in COLUMNS]
+        cells = [fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in COLUMNS]
         lines.append(f"{name:<{width}}  " + "  ".join(f"{c:>12}" for c in cells))
     return "\n".join(lines)
 

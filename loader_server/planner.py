@@ -202,7 +202,7 @@ def _greedy(
         cut=cut,
     )
     if starts.size == 0:
-        return _empty_batches(seq, x, bounds)
+        return _empty_batches(seq, x, bounds, cut)
     lens = np.maximum.reduceat(x, starts)
     tokens = np.add.reduceat(x, starts)
     seg_of = np.searchsorted(seg_starts, starts, side="right") - 1
@@ -213,9 +213,9 @@ def _greedy(
 def _packed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: int) -> _Batches:
     items = ids[np.random.default_rng([spec.seed, epoch, _RNG_PACKED]).permutation(ids.size)]
     bounds = np.array([spec.max_seq_len], np.int64)
-    if items.size == 0:
-        return _empty_batches(items, eff[items], bounds)
     cut = cost_cut(eff[items], spec)
+    if items.size == 0:
+        return _empty_batches(items, eff[items], bounds, cut)
     sizes = packing.item_sizes(eff[items], spec.token_budget, cut)
     order, starts = packing.pack_rows(sizes, capacity=spec.token_budget)
     seq = items[order]
@@ -235,10 +235,10 @@ def cost_cut(lengths: np.ndarray, spec: BatchSpec) -> packing.CostCut | None:
         return None
     budget = float(spec.cost_budget)
     if not budget:
-        mass = np.cumsum(
-            np.bincount(lengths) * np.arange(spec.max_seq_len + 1)[: lengths.max(initial=0) + 1]
-        )
-        median = int(np.searchsorted(mass, mass[-1] / 2)) if lengths.size else spec.max_seq_len
+        median = spec.max_seq_len
+        if lengths.size:
+            mass = np.cumsum(np.bincount(lengths) * np.arange(int(lengths.max()) + 1))
+            median = max(1, int(np.searchsorted(mass, mass[-1] / 2)))
         rows = spec.token_budget // median
         if spec.layout == "padded":
             rows = min(rows, spec.max_batch_size)
@@ -260,9 +260,11 @@ def _costs(x: np.ndarray, starts: np.ndarray, spec: BatchSpec, layout: str) -> n
     return cost.features(x, starts, layout=layout, rule=spec.anchor_rule) @ spec.coefficients
 
 
-def _empty_batches(seq: np.ndarray, x: np.ndarray, bounds: np.ndarray) -> _Batches:
+def _empty_batches(
+    seq: np.ndarray, x: np.ndarray, bounds: np.ndarray, cut: packing.CostCut | None
+) -> _Batches:
     z = np.zeros(0, np.int64)
-    return _Batches(seq, x, z, z, z.astype(np.float64), z, z.astype(np.int32), bounds, None)
+    return _Batches(seq, x, z, z, z.astype(np.float64), z, z.astype(np.int32), bounds, cut)
 
 
 def _schedule(batches: _Batches, spec: BatchSpec, epoch: int) -> np.ndarray:
@@ -278,7 +280,8 @@ def _schedule(batches: _Batches, spec: BatchSpec, epoch: int) -> np.ndarray:
     costs = np.ceil(batches.costs * scale).astype(np.int64)
     args = (spec.world_size, spec.grad_accum, rng)
     if stratify:
-        return schedule.stratified_steps(batches.lens, batches.tokens, costs, *args)
+        thetas = schedule.THETAS_TOKENS if batches.cut is None else schedule.THETAS_MODELLED
+        return schedule.stratified_steps(batches.lens, batches.tokens, costs, *args, thetas=thetas)
     return schedule.shuffled_steps(batches.tokens, costs, *args)
 
 

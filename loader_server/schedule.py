@@ -39,7 +39,13 @@ import math
 import numpy as np
 
 BALANCE_TOLERANCE = 0.04
-_THETAS = np.linspace(0.0, 1.0, 11)
+#: Thresholds tried, as fractions of the median cost. Token costs keep the coarse grid
+#: (plans stay bit for bit what they were); modelled costs are continuous and sit closer
+#: together, so one grid step there moves many micro-batches at once: a finer grid stops
+#: nearer the tolerance and groups fewer of them (step mix 0.10 instead of 0.13 on one
+#: 902K corpus).
+THETAS_TOKENS = np.linspace(0.0, 1.0, 11)
+THETAS_MODELLED = np.linspace(0.0, 1.0, 21)
 
 
 def drop_remainder(tokens: np.ndarray, step_size: int) -> np.ndarray:
@@ -73,10 +79,11 @@ def stratified_steps(
     grad_accum: int,
     rng: np.random.Generator,
     tolerance: float = BALANCE_TOLERANCE,
+    thetas: np.ndarray = THETAS_TOKENS,
 ) -> np.ndarray:
     """[num_steps, world_size*grad_accum] micro-batch indices, rank-major within a step."""
     kept = drop_remainder(tokens, world_size * grad_accum)
-    units = _balanced_units(kept, lens, costs, world_size, rng, tolerance)
+    units = _balanced_units(kept, lens, costs, world_size, rng, tolerance, thetas)
     if grad_accum == 1:
         steps = units[rng.permutation(units.shape[0])]
     else:
@@ -94,6 +101,7 @@ def _balanced_units(
     world: int,
     rng: np.random.Generator,
     tolerance: float,
+    thetas: np.ndarray,
 ) -> np.ndarray:
     """[num_units, world]: cheap micro-batches grouped by cost, the rest stratified by L."""
     if kept.size == 0 or world == 1:
@@ -104,7 +112,7 @@ def _balanced_units(
     cost_rank[by_cost] = np.arange(kept.size)
     median = float(np.median(costs[kept]))
     units = kept.reshape(-1, world)
-    for theta in _THETAS * median:
+    for theta in thetas * median:
         n_cheap = int(np.searchsorted(costs[by_cost], theta)) // world * world
         mixed = by_len[cost_rank[by_len] >= n_cheap]  # still sorted by length
         units = np.concatenate([by_cost[:n_cheap].reshape(-1, world), _deal(mixed, world, rng)])

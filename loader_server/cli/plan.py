@@ -128,7 +128,8 @@ def plan(
     if compare:
         rows = {"this spec": result}
         for name, other in list(metrics.baselines(spec).items())[1:]:
-            rows[name] = metrics.evaluate(lengths, other, epoch=epoch)
+            model = spec.coefficients if spec.cost_model_on else None
+            rows[name] = metrics.evaluate(lengths, other, epoch=epoch, model=model)
         result["compare"] = {name: _plain(r) for name, r in rows.items() if name != "this spec"}
     if dump is not None:
         write_dump(the_plan, dump)
@@ -187,6 +188,11 @@ def _echo_plan(r: dict[str, Any], p: EpochPlan) -> None:
         f"rank imbalance {r['rank_imbalance']:.4f}  plan {r['plan_s']:.3f} s "
         f"(next epoch {r['plan_warm_s']:.3f} s)"
     )
+    if p.spec.cost_model_on:
+        click.echo(
+            f"cost model: budget {st['cost_budget']:.6g} per micro-batch, "
+            f"rank imbalance by modelled cost {r['rank_imbalance_modelled']:.4f}"
+        )
 
 
 def _auto_summary(lengths: np.ndarray, spec: BatchSpec) -> dict[str, Any]:
