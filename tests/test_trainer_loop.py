@@ -275,3 +275,35 @@ def test_resume_refuses_other_target_layers(target, samples, tmp_path):
     again.meta["layer_ids"] = [1, 2]
     with pytest.raises(ValueError, match=r"layer_ids \[0, 1\] differs from this run's \[1, 2\]"):
         again.run()
+
+
+def test_micro_batch_times_are_recorded_and_calibrate(target, samples, tmp_path):
+    """After 2 warm-up steps every micro-batch's compute time is logged with its documents'
+    lengths and the trainer's anchor rule, up to --cost-samples; calibrate fits them."""
+    src = ListSource(samples, rows=3, grad_accum=2, epochs=3)
+    make_trainer(target, src, tmp_path, steps=9, cost_samples=12, eval_new_tokens=4).run()
+    lines = (tmp_path / "costs" / "rank0.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines]
+    assert len(recs) == 12  # steps 3..8 x 2 micro-batches, then the limit
+    assert [(r["step"], r["micro"]) for r in recs[:2]] == [(2, 0), (2, 1)]
+    assert all(r["time_s"] > 0 and r["rule"] == [B, 6, 2048] for r in recs)
+    assert all(len(r["doc_lengths"]) == 3 and r["layout"] == "padded" for r in recs)
+    assert all(not r["synced"] for r in recs)  # one process: no all-reduce to wait for
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path), "--no-plot"])
+    assert result.exit_code == 0, result.output
+    profile = json.loads((tmp_path / "cost_profile.json").read_text())
+    assert profile["anchor_rule"] == {"block_size": B, "anchors_per_doc": 6, "max_anchors": 2048}
+    assert profile["fit"]["n_fit"] + profile["fit"]["n_holdout"] == 12
+
+
+def test_cost_profile_goes_into_the_requested_spec(tmp_path):
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({
+        "version": 1,
+        "coefficients": {"cost_c0": 0.1, "cost_tok": 1e-5, "cost_attn": 0.0, "cost_slot": 1e-6},
+        "anchor_rule": {"block_size": 8, "anchors_per_doc": 6, "max_anchors": 64},
+    }))  # fmt: skip
+    opts = {"spec_pairs": ("cost_c0=0.2",), "cost_profile": profile, "token_budget": 4096}
+    spec = loader_spec(opts)
+    assert spec["cost_c0"] == 0.2 and spec["cost_slot"] == 1e-6 and spec["token_budget"] == 4096
+    assert spec["max_anchors"] == 64
