@@ -1,0 +1,285 @@
+"""Cost-balanced against token-balanced plans, measured on the real trainer, in one run.
+
+    .venv/bin/python benchmarks/bench_cost_balance.py [--calibrate 240] [--steps 20]
+
+What it does, on this machine (CPU, one thread):
+
+1. A tiny Qwen3 target with the real vocabulary (151,936 tokens: the LM head is the
+   largest cost of a drafter block slot), a 1-layer DFlash drafter, block size 8, and a
+   corpus of lognormal lengths (median 200, 16..1024 tokens). The spec: 4,096-token
+   micro-batches of at most 64 rows, world size 8, one micro-batch per rank per step;
+   the trainer's anchor rule: 1 anchor per document, at most 32 per micro-batch. That is
+   the case the cost model exists for, scaled down: a micro-batch of many short documents
+   carries up to 8x the anchors (LM-head work) of one of a few long ones at the same
+   token count. (With the reference 512/2,048 rule on 65,536-token micro-batches the
+   micro-batch cap binds nearly always and attention is the term that varies; on this
+   tiny target attention is too cheap to show that.)
+2. Calibration, for real: the trainer (``trainer.loop.Trainer``, one rank) trains on the
+   token-balanced plan's micro-batches with ``--cost-samples``, then ``dflash-train
+   calibrate`` fits the cost model to what it recorded (hold-out error printed).
+3. Two plans of the same corpus: token-balanced (no cost model) and cost-balanced (the
+   profile). The same randomly chosen steps' micro-batches (``--steps`` of each plan, all
+   8 ranks) are timed for real, forward + backward as the trainer runs them, twice, the
+   two plans interleaved. Per step, a rank's time is its micro-batch's time.
+4. Reported, side by side: measured rank imbalance (mean over steps of max/mean of the
+   ranks' times), the noise floor (the same micro-batches timed twice: the ratio of the
+   two timings is equal work, so its max/mean over 8 ranks is jitter alone), the
+   simulated DDP epoch time (steps per epoch x mean per-step maximum) and its ratio, and
+   the plan targets on the 902K reference shape with the cost model on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import torch
+
+from loader_server import metrics
+from loader_server.planner import EpochPlan, plan_epoch
+from loader_server.spec import BatchSpec
+from loader_server.synth import SynthSpec, synth_lengths
+from trainer.batches import Batch, pad_batch
+from trainer.calibrate import calibrate_run
+from trainer.distributed import local_env
+from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.loop import TrainConfig, Trainer, anchor_generator
+from trainer.loss import LossConfig, draft_loss
+from trainer.target import Target, TinyTargetSpec, load_target
+
+VOCAB = 151_936
+BLOCK, PER_DOC, MAX_ANCHORS = 8, 1, 32
+PROMPT = 4  # unsupervised tokens at the start of every sample
+
+
+class Corpus:
+    """Random token ids for lognormal lengths; the loss mask covers all but ``PROMPT``."""
+
+    def __init__(self, samples: int, seed: int) -> None:
+        self.lengths = synth_lengths(
+            SynthSpec(num_samples=samples, median_len=200, sigma=0.8, min_len=16, max_len=1024, seed=seed)
+        )  # fmt: skip
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+        rng = np.random.default_rng(seed)
+        self.tokens = rng.integers(0, VOCAB - 1, int(self.offsets[-1]), dtype=np.int32)
+
+    def batch(self, ids: np.ndarray, **position: int) -> Batch:
+        rows = []
+        for i in ids.tolist():
+            seq = self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist()
+            rows.append((seq, [0] * PROMPT + [1] * (len(seq) - PROMPT)))
+        return pad_batch(rows, **position)
+
+
+class PlanSource:
+    """The micro-batches of a plan, in (step, rank) order, as one rank's loader."""
+
+    def __init__(self, corpus: Corpus, plan: EpochPlan) -> None:
+        self.corpus, self.plan = corpus, plan
+        self.steps_per_epoch = plan.num_micro
+        self.effective_spec = {"grad_accum": 1, "layout": "padded"}
+        self.position = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        while self.position < self.plan.num_micro:
+            m = self.position
+            ids = self.plan.sample_ids[self.plan.offsets[m] : self.plan.offsets[m + 1]]
+            self.position += 1
+            yield self.corpus.batch(ids, epoch=0, step=m, micro=0)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+    def close(self) -> None:
+        pass
+
+
+def build_models(hidden: int) -> tuple[Target, DFlashDrafter]:
+    torch.manual_seed(0)
+    tiny = TinyTargetSpec(
+        vocab_size=VOCAB, hidden_size=hidden, num_layers=4, num_heads=4, num_kv_heads=2,
+        intermediate_size=3 * hidden,
+    )  # fmt: skip
+    target = load_target("tiny", layer_ids=(0, 1, 3), device="cpu", dtype=torch.float32, tiny=tiny)
+    cfg = DrafterConfig.from_target(
+        target.config, num_target_layers=3, block_size=BLOCK, mask_token_id=VOCAB - 1
+    )
+    return target, DFlashDrafter(cfg)
+
+
+def loss_config() -> LossConfig:
+    return LossConfig(block_size=BLOCK, num_anchors=PER_DOC, max_anchors=MAX_ANCHORS)
+
+
+def calibrate(corpus: Corpus, plan: EpochPlan, target, drafter, micro: int, run_dir: Path):
+    """Train on the plan's micro-batches recording ``micro`` of them, then fit."""
+    cfg = TrainConfig(
+        run_dir=run_dir, loss=loss_config(), steps=micro + 2, lr=1e-4, warmup=0,
+        progress=False, cost_samples=micro, eval_new_tokens=1,
+    )  # fmt: skip
+    Trainer(
+        cfg, target=target, drafter=drafter, source=PlanSource(corpus, plan), env=local_env()
+    ).run()
+    return calibrate_run(run_dir, holdout=0.25)
+
+
+def time_micro(corpus: Corpus, plan: EpochPlan, m: int, target, drafter) -> float:
+    """Forward + backward of micro-batch ``m``, as the trainer runs it (seconds)."""
+    ids = plan.sample_ids[plan.offsets[m] : plan.offsets[m + 1]]
+    batch = corpus.batch(ids, epoch=0, step=m, micro=0)
+    gen = anchor_generator(0, 0, 0, m, 0)
+    t0 = time.perf_counter()
+    out = draft_loss(target, drafter, batch, loss_config(), gen)
+    if out.loss is not None:
+        out.loss.backward()
+    elapsed = time.perf_counter() - t0
+    drafter.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def measure(plans: dict[str, EpochPlan], steps: int, corpus: Corpus, target, drafter, seed: int):
+    """[plan] -> (times [2, steps, world]) for the same sampled steps, timed twice."""
+    rng = np.random.default_rng(seed)
+    world = next(iter(plans.values())).spec.world_size
+    chosen = {
+        name: np.sort(rng.choice(p.num_steps, steps, replace=False)) for name, p in plans.items()
+    }
+    times = {name: np.zeros((2, steps, world)) for name in plans}
+    for _ in range(3):  # warm-up: allocator, first-call costs
+        p = next(iter(plans.values()))
+        time_micro(corpus, p, 0, target, drafter)
+    for rep in range(2):
+        for k in range(steps):
+            for name, p in plans.items():  # interleaved: drift hits both plans alike
+                for r in range(world):
+                    m = p.index(int(chosen[name][k]), r, 0)
+                    times[name][rep, k, r] = time_micro(corpus, p, m, target, drafter)
+    return times, chosen
+
+
+def imbalance(t: np.ndarray) -> float:
+    """Mean over steps of max/mean of the ranks' times (``t``: [steps, world])."""
+    return float((t.max(axis=1) / t.mean(axis=1)).mean())
+
+
+def reference_targets(profile_spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Plan targets on the 902K reference shape, token-balanced and with the cost model of
+    an 8B target on one H100 (coefficients of the order of its FLOP counts; shape-true,
+    not measured here)."""
+    lengths = synth_lengths(SynthSpec(num_samples=902_000))
+    base = BatchSpec(world_size=8)
+    h100 = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
+    model = np.array(list(h100.values()))
+    out = {}
+    for name, spec in (
+        ("token-balanced", base),
+        ("cost-balanced (8B/H100 model)", dataclasses.replace(base, **h100)),
+        ("cost-balanced, packed", dataclasses.replace(base, layout="packed", **h100)),
+    ):
+        runs = [metrics.evaluate(lengths, spec, model=model) for _ in range(3)]
+        r = runs[0]
+        r["plan_s"] = min(x["plan_s"] for x in runs)
+        r["plan_warm_s"] = min(x["plan_warm_s"] for x in runs)
+        out[name] = r
+    return out
+
+
+@click.command()
+@click.option("--samples", type=int, default=20_000, show_default=True)
+@click.option(
+    "--calibrate", "calib", type=int, default=240, show_default=True, help="Micro-batches."
+)
+@click.option("--steps", type=int, default=20, show_default=True, help="Timed steps per plan.")
+@click.option("--hidden", type=int, default=64, show_default=True, help="Tiny target width.")
+@click.option("--threads", type=int, default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--skip-reference", is_flag=True, help="Skip the 902K plan targets.")
+def main(samples, calib, steps, hidden, threads, seed, json_out, skip_reference) -> None:
+    torch.set_num_threads(threads)
+    corpus = Corpus(samples, seed)
+    tokens = BatchSpec(
+        token_budget=4096, max_batch_size=64, max_seq_len=1024, world_size=8, seed=seed,
+        block_size=BLOCK, anchors_per_doc=PER_DOC, max_anchors=MAX_ANCHORS,
+    )  # fmt: skip
+    target, drafter = build_models(hidden)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        token_plan = plan_epoch(corpus.lengths, tokens, epoch=0)
+        report = calibrate(corpus, token_plan, target, drafter, calib, Path(tmp))
+        print(f"calibration ({time.perf_counter() - t0:.0f} s)\n{report.summary()}\n")
+        cost_spec = BatchSpec.from_dict({**tokens.to_dict(), "cost_profile": str(report.profile)})
+    plans = {
+        "token-balanced": token_plan,
+        "cost-balanced": plan_epoch(corpus.lengths, cost_spec, epoch=0),
+    }
+    t0 = time.perf_counter()
+    times, _ = measure(plans, steps, corpus, target, drafter, seed)
+    print(f"timed {2 * steps * 8 * len(plans)} micro-batches ({time.perf_counter() - t0:.0f} s)")
+    coef = cost_spec.coefficients
+    floor_steps = np.concatenate([t[1] / t[0] for t in times.values()])
+    floor = imbalance(floor_steps)
+    rows: dict[str, dict[str, float]] = {}
+    for name, p in plans.items():
+        t = times[name]
+        per_step_max = t.max(axis=2).mean()
+        rows[name] = {
+            "steps_per_epoch": p.num_steps,
+            "micro_per_epoch": p.num_micro,
+            "imbalance_measured": imbalance(t[0]),
+            "imbalance_measured_again": imbalance(t[1]),
+            "imbalance_modelled": metrics.rank_imbalance(p, metrics.modelled_costs(p, coef)),
+            "mean_micro_s": float(t.mean()),
+            "ddp_epoch_s": float(p.num_steps * per_step_max),
+            "padding_efficiency": float(p.stats["padding_efficiency"]),
+            "step_mix_distance": metrics.step_mix_distance(p),
+        }
+    tok, cst = rows["token-balanced"], rows["cost-balanced"]
+    print(
+        f"\nworld size 8, {steps} sampled steps per plan, each timed twice; noise floor {floor:.4f}"
+    )
+    head = f"{'':<16} {'imb meas':>9} {'again':>7} {'imb model':>9} {'steps':>6} {'DDP epoch s':>12} {'eff':>6} {'mix':>6}"
+    print(head)
+    for name, r in rows.items():
+        print(
+            f"{name:<16} {r['imbalance_measured']:>9.4f} {r['imbalance_measured_again']:>7.4f} "
+            f"{r['imbalance_modelled']:>9.4f} {r['steps_per_epoch']:>6} {r['ddp_epoch_s']:>12.1f} "
+            f"{r['padding_efficiency']:>6.3f} {r['step_mix_distance']:>6.3f}"
+        )
+    gap_tok = tok["imbalance_measured"] - floor
+    gap_cost = cst["imbalance_measured"] - floor
+    print(
+        f"\ncost-balanced: {gap_cost:+.4f} above the floor (target <= 0.02), "
+        f"{100 * (1 - gap_cost / gap_tok) if gap_tok > 0 else float('nan'):.0f}% of the "
+        f"token-balanced gap ({gap_tok:+.4f}) closed (target >= 50%)"
+    )
+    print(f"DDP epoch time cost/token: {cst['ddp_epoch_s'] / tok['ddp_epoch_s']:.3f}")
+    result: dict[str, Any] = {
+        "fit": report.as_dict(), "coefficients": report.coefficients, "noise_floor": floor,
+        "plans": rows,
+    }  # fmt: skip
+    if not skip_reference:
+        ref = reference_targets(cost_spec.to_dict())
+        print(
+            "\nplan targets on the 902K reference shape (world size 8), cost imb by the 8B/H100 model:"
+        )
+        print(metrics.format_table(ref))
+        result["reference"] = {
+            k: {kk: vv for kk, vv in v.items() if not isinstance(vv, dict)} for k, v in ref.items()
+        }
+    if json_out is not None:
+        json_out.write_text(json.dumps(result, indent=2, default=float) + "\n")
+
+
+if __name__ == "__main__":
+    main()
