@@ -206,3 +206,61 @@ def test_cost_balanced_plans_on_the_reference_shape():
         # 0.10 and 0.01): compare with the token-balanced plan of the same corpus.
         assert quality["step_mix_distance"] <= baseline["step_mix_distance"] + 0.02
         assert quality["composition_repeat"] <= baseline["composition_repeat"] + 0.002
+
+
+# Digests of default plans (epochs 0 and 1) computed by the planner before the cost model
+# existed (commit e724d57): the default cost model must plan exactly the same bytes.
+BEFORE_COST_MODEL = {
+    '{"world_size": 8}': "945f535590288a89f8a2c982c1abd107",
+    '{"world_size": 4, "grad_accum": 2}': "dbf93016243dd88aa4918bda3562c33d",
+    '{"layout": "packed", "world_size": 2}': "f6ea15c5db713cd5c31afbced6ceaab8",
+    '{"world_size": 8, "order": "shuffled"}': "24bc71aabe2f5f294cf544b013b10d19",
+    '{"composition": "sorted", "world_size": 2}': "931f5b81a7bf2fa54126a0a41596219a",
+}
+
+
+@pytest.mark.parametrize("kwargs", sorted(BEFORE_COST_MODEL))
+def test_default_cost_model_plans_what_the_planner_planned_before(kwargs):
+    import hashlib
+
+    lengths = synth_lengths(SynthSpec(num_samples=20_000, seed=5))
+    spec = BatchSpec(**json.loads(kwargs))
+    assert not spec.cost_model_on
+    h = hashlib.sha256()
+    for epoch in (0, 1):
+        p = plan_epoch(lengths, spec, epoch=epoch)
+        for a in (p.sample_ids, p.offsets, p.micro_lens, p.micro_costs, p.micro_buckets):
+            h.update(np.ascontiguousarray(a).tobytes())
+    assert h.hexdigest()[:32] == BEFORE_COST_MODEL[kwargs]
+
+
+@pytest.mark.integration
+def test_daemon_serves_cost_balanced_plans(daemons, corpus, tmp_path):
+    """``serve --cost-profile``: every client gets the cost-balanced plan, micro-batch for
+    micro-batch; a client's own cost fields (what ``train --cost-profile`` sends) too."""
+    from conftest import TEST_SPEC
+
+    from client import LoaderClient
+
+    coefficients = {"cost_c0": 0.05, "cost_tok": 1e-5, "cost_attn": 2e-9, "cost_slot": 1e-4}
+    rule = {"block_size": 8, "anchors_per_doc": 4, "max_anchors": 64}
+    profile = write_profile(tmp_path / "profile.json", coefficients, rule)
+    d = daemons("--cost-profile", str(profile))
+    want_spec = BatchSpec(**TEST_SPEC, **coefficients, **rule, world_size=2)
+    got = {}
+    for rank in range(2):
+        c = LoaderClient(d.endpoint, job="cost", rank=rank, world_size=2, epochs=1)
+        got[rank] = [(b.position, b.sample_ids.tolist()) for b in c]
+        assert c.effective_spec["cost_slot"] == coefficients["cost_slot"]
+        c.close()
+    plan = plan_epoch(corpus.lengths, want_spec, epoch=0)
+    assert plan.stats["cost_budget"] > 0 and want_spec.cost_model_on
+    for rank in range(2):
+        assert got[rank] == [((0, s, 0), plan.micro(s, rank, 0).tolist())
+                             for s in range(plan.num_steps)]  # fmt: skip
+    own = {**coefficients, "cost_c0": 0.5, **rule}
+    c = LoaderClient(d.endpoint, job="own", rank=0, world_size=1, epochs=1, spec=own)
+    first = next(iter(c))
+    mine = plan_epoch(corpus.lengths, BatchSpec(**TEST_SPEC, **own), epoch=0)
+    assert first.sample_ids.tolist() == mine.micro(0, 0, 0).tolist()
+    c.close()
