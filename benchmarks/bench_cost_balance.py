@@ -42,7 +42,7 @@ import click
 import numpy as np
 import torch
 
-from loader_server import metrics
+from loader_server import cost, metrics
 from loader_server.planner import EpochPlan, plan_epoch
 from loader_server.spec import BatchSpec
 from loader_server.synth import SynthSpec, synth_lengths
@@ -218,7 +218,7 @@ def main(samples, calib, steps, hidden, threads, seed, json_out, skip_reference)
         token_plan = plan_epoch(corpus.lengths, tokens, epoch=0)
         report = calibrate(corpus, token_plan, target, drafter, calib, Path(tmp))
         print(f"calibration ({time.perf_counter() - t0:.0f} s)\n{report.summary()}\n")
-        cost_spec = BatchSpec.from_dict({**tokens.to_dict(), "cost_profile": str(report.profile)})
+        cost_spec = dataclasses.replace(tokens, **cost.profile_fields(report.profile))
     plans = {
         "token-balanced": token_plan,
         "cost-balanced": plan_epoch(corpus.lengths, cost_spec, epoch=0),
