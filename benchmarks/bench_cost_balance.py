@@ -63,9 +63,10 @@ class Corpus:
     """Random token ids for lognormal lengths; the loss mask covers all but ``PROMPT``."""
 
     def __init__(self, samples: int, seed: int) -> None:
-        self.lengths = synth_lengths(
-            SynthSpec(num_samples=samples, median_len=200, sigma=0.8, min_len=16, max_len=1024, seed=seed)
-        )  # fmt: skip
+        shape = SynthSpec(
+            num_samples=samples, median_len=200, sigma=0.8, min_len=16, max_len=1024, seed=seed
+        )
+        self.lengths = synth_lengths(shape)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
         rng = np.random.default_rng(seed)
         self.tokens = rng.integers(0, VOCAB - 1, int(self.offsets[-1]), dtype=np.int32)
@@ -248,8 +249,9 @@ def main(samples, calib, steps, hidden, threads, seed, json_out, skip_reference)
     print(
         f"\nworld size 8, {steps} sampled steps per plan, each timed twice; noise floor {floor:.4f}"
     )
-    head = f"{'':<16} {'imb meas':>9} {'again':>7} {'imb model':>9} {'steps':>6} {'DDP epoch s':>12} {'eff':>6} {'mix':>6}"
-    print(head)
+    titles = ("imb meas", "again", "imb model", "steps", "DDP epoch s", "eff", "mix")
+    widths = (9, 7, 9, 6, 12, 6, 6)
+    print(f"{'':<16} " + " ".join(f"{t:>{w}}" for t, w in zip(titles, widths, strict=True)))
     for name, r in rows.items():
         print(
             f"{name:<16} {r['imbalance_measured']:>9.4f} {r['imbalance_measured_again']:>7.4f} "
@@ -270,9 +272,8 @@ def main(samples, calib, steps, hidden, threads, seed, json_out, skip_reference)
     }  # fmt: skip
     if not skip_reference:
         ref = reference_targets(cost_spec.to_dict())
-        print(
-            "\nplan targets on the 902K reference shape (world size 8), cost imb by the 8B/H100 model:"
-        )
+        print("\nplan targets on the 902K reference shape (world size 8); cost imb: by the")
+        print("8B/H100 model")
         print(metrics.format_table(ref))
         result["reference"] = {
             k: {kk: vv for kk, vv in v.items() if not isinstance(vv, dict)} for k, v in ref.items()
