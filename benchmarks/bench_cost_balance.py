@@ -173,7 +173,7 @@ def imbalance(t: np.ndarray) -> float:
     return float((t.max(axis=1) / t.mean(axis=1)).mean())
 
 
-def reference_targets(profile_spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def reference_targets() -> dict[str, dict[str, Any]]:
     """Plan targets on the 902K reference shape, token-balanced and with the cost model of
     an 8B target on one H100 (coefficients of the order of its FLOP counts; shape-true,
     not measured here)."""
@@ -271,7 +271,7 @@ def main(samples, calib, steps, hidden, threads, seed, json_out, skip_reference)
         "plans": rows,
     }  # fmt: skip
     if not skip_reference:
-        ref = reference_targets(cost_spec.to_dict())
+        ref = reference_targets()
         print("\nplan targets on the 902K reference shape (world size 8); cost imb: by the")
         print("8B/H100 model")
         print(metrics.format_table(ref))
