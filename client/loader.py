@@ -185,14 +185,20 @@ class LoaderClient:
         if self._sid is not None:
             self._close_session()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 1.0) -> None:
         """End the session and free the daemon's ring; the client cannot be used again.
-        In a child process after ``fork()`` this only forgets the parent's connection."""
+        Waits up to ``wait_s`` for the daemon to confirm, so a process that exits right
+        after (a trainer stopped with SIGTERM) does not take its unsent ``close`` with it
+        and leave the session to time out. In a child process after ``fork()`` this only
+        forgets the parent's connection."""
         self._closed = True
         if self._forked():
             self._abandon()
             return
+        sid = self._sid
         self._end_session()
+        if sid is not None and self._sock is not None:
+            self._await_closed(sid, wait_s)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -239,6 +245,21 @@ class LoaderClient:
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.send(P.encode("close", s=self._sid), zmq.NOBLOCK)
         self._close_session()
+
+    def _await_closed(self, sid: str, wait_s: float) -> None:
+        """Read until the daemon confirms ``close`` of ``sid`` (or says it no longer knows
+        it), at most ``wait_s``; a daemon that is gone simply costs the wait."""
+        end = time.monotonic() + wait_s
+        while (left := end - time.monotonic()) > 0:
+            try:
+                msg = self._recv(left)
+            except P.ProtocolError:
+                continue
+            if msg is None:
+                log.info("no confirmation of closing session %s within %.1f s", sid, wait_s)
+                return
+            if msg.get("s") == sid and msg["t"] in ("closed", "error"):
+                return
 
     def _finish(self) -> None:
         """The requested epochs are done: free the daemon's ring, keep StopIteration."""

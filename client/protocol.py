@@ -20,7 +20,8 @@ Daemon -> client
               (field -> [dtype, offset, capacity]), steps (per epoch of the start epoch),
               instance, fingerprint, spec (effective)
     end       s: the requested epochs are done
-    hb        s: answer to a heartbeat
+    hb        s: answer to a heartbeat (also sent unasked, to see whether a client is alive)
+    closed    s: answer to a close; the session and its ring are gone
     error     code, msg (s when tied to a session)
     stats     sessions, ... (see loader_server.server)
     pong      instance, pid
