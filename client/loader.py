@@ -20,6 +20,7 @@ its last epoch it keeps raising ``StopIteration``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -528,10 +529,14 @@ class LoaderClient:
             self._sock.close(linger=0)
             self._sock = None
         left = deadline - time.monotonic()
+        problem = P.ipc_problem(self.endpoint)
+        if problem is not None and problem[0] == errno.EACCES:  # waiting will not fix it
+            raise P.LoaderUnavailableError(problem[1])
         if left <= 0:
             raise P.LoaderUnavailableError(
                 f"no loader daemon answered on {self.endpoint} for {self.timeout_s:.0f} s "
-                f"(last problem: {why}); is `dflash-loader serve` running?"
+                f"(last problem: {problem[1] if problem else why}); is `dflash-loader serve` "
+                f"running?"
             )
         log.warning("loader connection lost (%s); reconnecting to %s", why, self.endpoint)
         time.sleep(min(0.2, left))
