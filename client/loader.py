@@ -20,6 +20,7 @@ its last epoch it keeps raising ``StopIteration``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -185,14 +186,20 @@ class LoaderClient:
         if self._sid is not None:
             self._close_session()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 1.0) -> None:
         """End the session and free the daemon's ring; the client cannot be used again.
-        In a child process after ``fork()`` this only forgets the parent's connection."""
+        Waits up to ``wait_s`` for the daemon to confirm, so a process that exits right
+        after (a trainer stopped with SIGTERM) does not take its unsent ``close`` with it
+        and leave the session to time out. In a child process after ``fork()`` this only
+        forgets the parent's connection."""
         self._closed = True
         if self._forked():
             self._abandon()
             return
+        sid = self._sid
         self._end_session()
+        if sid is not None and self._sock is not None:
+            self._await_closed(sid, wait_s)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -239,6 +246,21 @@ class LoaderClient:
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.send(P.encode("close", s=self._sid), zmq.NOBLOCK)
         self._close_session()
+
+    def _await_closed(self, sid: str, wait_s: float) -> None:
+        """Read until the daemon confirms ``close`` of ``sid`` (or says it no longer knows
+        it), at most ``wait_s``; a daemon that is gone simply costs the wait."""
+        end = time.monotonic() + wait_s
+        while (left := end - time.monotonic()) > 0:
+            try:
+                msg = self._recv(left)
+            except P.ProtocolError:
+                continue
+            if msg is None:
+                log.info("no confirmation of closing session %s within %.1f s", sid, wait_s)
+                return
+            if msg.get("s") == sid and msg["t"] in ("closed", "error"):
+                return
 
     def _finish(self) -> None:
         """The requested epochs are done: free the daemon's ring, keep StopIteration."""
@@ -507,10 +529,14 @@ class LoaderClient:
             self._sock.close(linger=0)
             self._sock = None
         left = deadline - time.monotonic()
+        problem = P.ipc_problem(self.endpoint)
+        if problem is not None and problem[0] == errno.EACCES:  # waiting will not fix it
+            raise P.LoaderUnavailableError(problem[1])
         if left <= 0:
             raise P.LoaderUnavailableError(
                 f"no loader daemon answered on {self.endpoint} for {self.timeout_s:.0f} s "
-                f"(last problem: {why}); is `dflash-loader serve` running?"
+                f"(last problem: {problem[1] if problem else why}); is `dflash-loader serve` "
+                f"running?"
             )
         log.warning("loader connection lost (%s); reconnecting to %s", why, self.endpoint)
         time.sleep(min(0.2, left))

@@ -20,7 +20,8 @@ Daemon -> client
               (field -> [dtype, offset, capacity]), steps (per epoch of the start epoch),
               instance, fingerprint, spec (effective)
     end       s: the requested epochs are done
-    hb        s: answer to a heartbeat
+    hb        s: answer to a heartbeat (also sent unasked, to see whether a client is alive)
+    closed    s: answer to a close; the session and its ring are gone
     error     code, msg (s when tied to a session)
     stats     sessions, ... (see loader_server.server)
     pong      instance, pid
@@ -37,6 +38,9 @@ slot's header, so the client never needs the plan to know where it is.
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +89,60 @@ class LoaderRequestError(LoaderError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{message} [{code}]")
         self.code = code
+
+
+def ipc_problem(endpoint: str) -> tuple[int, str] | None:
+    """``(errno, one line)`` when this process cannot connect to an ``ipc://`` endpoint on a
+    path, else None (it can, or the endpoint is not a path). ZeroMQ connects in the
+    background and retries forever, so without this look a socket the user may not open
+    (not in its group), or one nobody listens on, just looks like a daemon that is silent.
+    A real connect is tried (and dropped at once): it is what the kernel will decide."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return None
+    path = endpoint[len("ipc://") :]
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except PermissionError:
+        return errno.EACCES, f"permission denied connecting to {path} as {_whoami()}: " + (
+            f"the socket and its folder are for members of group {_group_of(path)} only; "
+            f"add the user to it (sudo usermod -aG {_group_of(path)} USER, then log in again)"
+        )
+    except FileNotFoundError:
+        return errno.ENOENT, f"{path} does not exist: no daemon is serving this endpoint"
+    except ConnectionRefusedError:
+        return errno.ECONNREFUSED, f"{path}: no daemon listens on this socket (a stale file)"
+    except OSError as e:
+        return e.errno or 0, f"cannot connect to {path}: {e.strerror}"
+    finally:
+        probe.close()
+    return None
+
+
+def _whoami() -> str:
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(os.geteuid()).pw_name}"
+    except (ImportError, KeyError):
+        return f"uid {os.geteuid()}"
+
+
+def _group_of(path: str) -> str:
+    """The group owning the socket, or its folder when the folder is what keeps us out."""
+    for candidate in (path, os.path.dirname(path) or "."):
+        try:
+            gid = os.stat(candidate).st_gid
+        except OSError:
+            continue
+        try:
+            import grp
+
+            return grp.getgrgid(gid).gr_name
+        except (ImportError, KeyError):
+            return str(gid)
+    return "dflash"
 
 
 def encode(kind: str, **fields: Any) -> bytes:

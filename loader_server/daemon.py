@@ -79,9 +79,17 @@ class Daemon:
             self._start()
             assert self.server is not None
             self.server.serve_forever(lambda: self._stop, self._tick)
+        except BaseException as e:
+            if self.state is State.STARTING:
+                # What `systemctl status` keeps showing after the unit failed: the reason,
+                # not a "draining" that never happened.
+                why = " ".join(str(e).split()) or type(e).__name__
+                self.notifier.status(f"failed to start: {why}")
+            raise
         finally:
-            self.state = State.DRAINING
-            self.notifier.stopping("draining: telling clients, unlinking shared memory")
+            if self.state is not State.STARTING:
+                self.state = State.DRAINING
+                self.notifier.stopping("draining: telling clients, unlinking shared memory")
             if self._exporter is not None:
                 self._exporter.shutdown()
             if self.server is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,6 +306,39 @@ def open_dataset(
         DatasetError: the path is not a valid corpus; the message names file, column, row.
     """
     root = Path(path)
+    try:
+        return _open_dataset(root, vocab_size, check_values, scan_bytes)
+    except PermissionError as e:
+        raise DatasetError(_permission_denied(root, e)) from None
+
+
+# systemd's ProtectHome=yes (the loader unit sets it) makes these inaccessible (EACCES).
+_PROTECT_HOME_DIRS = (Path("/home"), Path("/root"), Path("/run/user"))
+
+
+def _permission_denied(root: Path, e: PermissionError) -> str:
+    """One line: which path could not be read, as whom, and the likely cause."""
+    where = e.filename if e.filename is not None else root
+    try:
+        import pwd
+
+        user = f"user {pwd.getpwuid(os.geteuid()).pw_name}"
+    except (ImportError, KeyError):
+        user = f"uid {os.geteuid()}"
+    text = f"{where}: permission denied reading the dataset as {user}"
+    hidden = next((d for d in _PROTECT_HOME_DIRS if root.absolute().is_relative_to(d)), None)
+    if hidden is not None:
+        return (
+            f"{text}; it lies under {hidden}, which the dflash-loader unit's ProtectHome=yes "
+            f"makes inaccessible to the daemon: move the corpus out of {hidden} (e.g. to "
+            f"/data/corpus), or use ProtectHome=tmpfs with BindReadOnlyPaths= in a drop-in"
+        )
+    return f"{text}; give the daemon's group read access (chgrp -R dflash, chmod -R g+rX)"
+
+
+def _open_dataset(
+    root: Path, vocab_size: int | None, check_values: bool, scan_bytes: int
+) -> ArrowDataset:
     if not root.exists():
         raise DatasetError(f"{root}: no such file or directory")
     if not (root.is_file() or root.is_dir()):

@@ -128,6 +128,7 @@ class Opening:
     plan: Future[EpochPlan]
     ring: Future[ShmRing]
     next_notice: float = field(default_factory=lambda: time.monotonic() + 1.0)
+    opened_at: float = field(default_factory=time.time)  # wall clock, for messages
 
     def ready(self) -> bool:
         return self.plan.done() and self.ring.done()

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -391,8 +392,20 @@ class LoaderServer:
                     f"Stop the other process first (a restarted trainer replaces a dead one "
                     f"at once)"
                 )
-            if not any(x.job == req.job and x.sid != old for x in self._sessions_and_openings()):
-                self.jobs.pop(req.job, None)  # its only session is replaced: spec may change
+            if old_peer != peer:  # its client is gone: it must not count as holding the job
+                self._drop(old, "replaced by a new session of the same rank")
+                old = None
+        known = self.jobs.get(req.job)
+        if known is not None and (
+            known.world_size != req.world_size or known.spec.key() != req.spec.key()
+        ):
+            # A job restarted with another spec (or world size) meets its previous run's
+            # sessions. Those whose trainer has exited without closing them (kill -9, OOM)
+            # have lost their connection: end them now instead of at their timeout, so the
+            # new spec is judged only against sessions that are really still in use.
+            self._drop_unreachable(req.job, keep=old)
+        if not any(x.job == req.job and x.sid != old for x in self._sessions_and_openings()):
+            self.jobs.pop(req.job, None)  # nothing else holds the job: its spec may change
         self._check_job(req.job, req.spec, req.world_size)
         if old is not None:
             self._drop(old, "replaced by a new session of the same rank")
@@ -411,6 +424,37 @@ class LoaderServer:
             yield _Party(sess.sid, sess.peer, sess.job)
         for op in self.opening.values():
             yield _Party(op.sid, op.peer, op.req.job)
+
+    def _drop_unreachable(self, job: str, keep: str | None) -> None:
+        """End the sessions (and openings) of ``job`` whose client ZeroMQ cannot reach."""
+        for party in list(self._sessions_and_openings()):
+            other = party.job == job and party.sid != keep
+            if other and not self._send(party.peer, "hb", s=party.sid):
+                self._drop(party.sid, "its client is gone (found while admitting a new spec)")
+
+    def _holders(self, job: str, limit: int = 4) -> str:
+        """The sessions still open for ``job``, each with when it opened and when it expires
+        if its client stays silent (a live client's heartbeats keep pushing that out)."""
+        now, wall = time.monotonic(), time.time()
+        timeout = self.config.session_timeout_s
+        parts = []
+        for sess in sorted(self.sessions.values(), key=lambda x: x.rank):
+            if sess.job != job:
+                continue
+            silent = now - sess.last_seen
+            parts.append(
+                f"rank {sess.rank} (session {sess.sid}, opened {_clock(sess.opened_at)}, last "
+                f"message {silent:.0f} s ago, expires {_clock(wall + timeout - silent)} if its "
+                f"client stays silent)"
+            )
+        for op in self.opening.values():
+            if op.req.job == job:
+                parts.append(
+                    f"rank {op.req.rank} (session {op.sid}, opened {_clock(op.opened_at)}, "
+                    f"still being prepared)"
+                )
+        more = f" and {len(parts) - limit} more" if len(parts) > limit else ""
+        return ", ".join(parts[:limit]) + more
 
     def _peer_of(self, sid: str) -> bytes:
         sess = self.sessions.get(sid)
@@ -470,6 +514,7 @@ class LoaderServer:
             end_epoch=req.epochs,
             pad_id=self.config.pad_id,
         )
+        sess.opened_at = op.opened_at
         self.sessions[sess.sid] = sess
         for ahead in range(READAHEAD_DEPTH):  # later ones are requested as it fills
             self._read_ahead(sess, plan, ahead)
@@ -505,11 +550,24 @@ class LoaderServer:
             self.jobs[job] = _Job(spec, world)
             return
         if known.world_size != world:
-            raise _Mismatch(f"job {job!r} runs with world_size {known.world_size}, not {world}")
+            raise _Mismatch(
+                f"job {job!r} runs with world_size {known.world_size}, not {world}"
+                + self._still_open(job)
+            )
         if known.spec.key() != spec.key():
             a, b = known.spec.to_dict(), spec.to_dict()
             diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
-            raise _Mismatch(f"job {job!r} runs with another spec; differences (job, yours): {diff}")
+            raise _Mismatch(
+                f"job {job!r} runs with another spec; differences (job, yours): {diff}"
+                + self._still_open(job)
+            )
+
+    def _still_open(self, job: str) -> str:
+        return (
+            f". A job's spec can change once all its sessions are closed; still open: "
+            f"{self._holders(job)}. A trainer stopped with SIGTERM closes its sessions, an "
+            f"exited one loses them at once; a live one keeps them"
+        )
 
     def _check_space(self, need: int, spec: BatchSpec) -> None:
         what = (
@@ -538,6 +596,9 @@ class LoaderServer:
     def _on_close(self, peer: bytes, msg: dict[str, Any]) -> None:
         sess = self._session(msg)
         self._drop(sess.sid, "closed by client")
+        # The acknowledgement lets a client that is about to exit know its "close" arrived
+        # (its socket's pending messages die with the process).
+        self._send(peer, "closed", s=sess.sid)
 
     def _on_ping(self, peer: bytes, msg: dict[str, Any]) -> None:
         self._send(peer, "pong", instance=self.instance, pid=os.getpid())
@@ -552,6 +613,7 @@ class LoaderServer:
             age = max(now - s.stats.started, 1e-9)
             sessions.append(
                 {
+                    "session": s.sid,
                     "job": s.job,
                     "rank": s.rank,
                     "world_size": s.spec.world_size,
@@ -563,6 +625,7 @@ class LoaderServer:
                     "tokens_per_s": s.stats.tokens / age,
                     "client_wait_s": s.ring.client_wait_s(),
                     "age_s": age,
+                    "opened_at": s.opened_at,  # Unix time
                 }
             )
         return {
@@ -709,6 +772,11 @@ class LoaderServer:
             del self.by_rank[(job, rank)]
         if not any(x.job == job for x in self._sessions_and_openings()):
             self.jobs.pop(job, None)
+
+
+def _clock(t: float) -> str:
+    """A wall-clock time as the journal shows it: local, to the second, with the offset."""
+    return datetime.fromtimestamp(t).astimezone().isoformat(sep=" ", timespec="seconds")
 
 
 def _close_ring(fut: Future[ShmRing]) -> None:

@@ -77,6 +77,8 @@ class Session:
         self.consumed = 0  # batches the client is done with, as last read
         self.planned_ahead = -1  # the latest epoch whose plan this session asked for early
         self.last_seen = time.monotonic()
+        # Wall-clock time of the open, for messages that name this session to an operator.
+        self.opened_at = time.time()
         self.ended = False  # `end` was sent
         self.stats = SessionStats()
 

@@ -23,7 +23,7 @@ def _serve(corpus: Path, tmp: Path, shm: Path, *extra: str) -> list[str]:
     [
         (lambda c, t, s: ["stats", "--endpoint", "garbage"], "garbage"),
         (lambda c, t, s: ["stats", "--endpoint", f"ipc://{t}/nobody.sock", "--timeout-s", "0.3"],
-         "no daemon answered"),
+         "nobody.sock does not exist: no daemon is serving"),
         (lambda c, t, s: ["serve", "--dataset", str(c), "--endpoint", "tcp://localhost:notaport",
                           "--insecure-tcp", "--shm-dir", str(s)], "notaport"),
         (lambda c, t, s: ["serve", "--dataset", str(c), "--endpoint", "tcp://0.0.0.0:5999",

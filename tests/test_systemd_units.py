@@ -166,15 +166,83 @@ def test_loader_unit_settings() -> None:
 @pytest.mark.parametrize("name", UNITS)
 def test_units_keep_gpus_and_shm(name: str) -> None:
     svc = unit(name)["Service"]
-    # PrivateDevices hides /dev/nvidia*; ProtectClock's implicit DeviceAllow= (and any
-    # DeviceAllow=/DevicePolicy=) turns devices into an allow-list; DynamicUser implies
-    # RemoveIPC=yes, which deletes shm files on stop.
-    for key in ("PrivateDevices", "ProtectClock", "DynamicUser"):
+    # PrivateDevices hides /dev/nvidia* and gives a private /dev/shm (the rings must be
+    # shared); DynamicUser implies RemoveIPC=yes, which deletes shm files on stop;
+    # PrivateIPC would separate the units' IPC namespaces.
+    for key in ("PrivateDevices", "DynamicUser", "PrivateIPC"):
         assert (last(svc, key) or "no").lower() not in TRUE, f"{name}: {key}= must stay off"
-    assert "DeviceAllow" not in svc and "DevicePolicy" not in svc
+    assert last(svc, "DevicePolicy") in (None, "auto"), "closed/strict would drop the GPUs"
     assert last(svc, "RemoveIPC") == "no"
     assert last(svc, "LimitMEMLOCK") == "infinity"
     assert unit(name)["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_loader_unit_has_no_device_allow_list() -> None:
+    # The daemon opens no device, but ProtectClock's implicit DeviceAllow= (and any
+    # DeviceAllow=) would make an allow-list that hides /dev/nvidia* from anything it runs.
+    svc = unit(LOADER_UNIT)["Service"]
+    assert "DeviceAllow" not in svc
+    assert (last(svc, "ProtectClock") or "no").lower() not in TRUE
+
+
+def test_trainer_device_allow_list_has_every_gpu_and_rdma_node() -> None:
+    """An allow-list: it must name every NVIDIA driver node (nvidia0.., nvidiactl, -uvm,
+    -caps, -nvswitch: all drivers whose /proc/devices name starts with nvidia) and the
+    InfiniBand nodes NCCL opens, with read and write access."""
+    allowed = dict(v.split() for v in unit(TRAINER_UNIT)["Service"]["DeviceAllow"])
+    assert allowed == {
+        "char-nvidia*": "rw",
+        "char-infiniband_verbs": "rw",
+        "char-gdrdrv": "rw",
+        "/dev/infiniband/rdma_cm": "rw",
+    }
+    import fnmatch
+
+    for driver in ("nvidia", "nvidia-frontend", "nvidia-uvm", "nvidia-caps", "nvidia-nvswitch"):
+        assert fnmatch.fnmatch(driver, "nvidia*"), driver
+
+
+def test_trainer_unit_hardening() -> None:
+    svc = unit(TRAINER_UNIT)["Service"]
+    expected = {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "read-only",
+        "PrivateTmp": "yes",
+        "CapabilityBoundingSet": "",
+        "ProtectKernelModules": "yes",
+        "RestrictNamespaces": "yes",
+        "UMask": "0027",
+    }
+    assert {k: last(svc, k) for k in expected} == expected
+    # Everything the job writes by default is a directory the unit creates for it.
+    env = dict(v.split("=", 1) for v in svc["Environment"])
+    state = ["/var/lib/" + d for d in words(svc, "StateDirectory")]
+    cache = ["/var/cache/" + d for d in words(svc, "CacheDirectory")]
+    assert env["RUN_DIR"] in state and last(svc, "WorkingDirectory") in state
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME"):
+        assert any(env[key].startswith(c + "/") for c in cache), key
+    # The user's home (README's useradd) is a StateDirectory too, so it is writable.
+    readme = (SYSTEMD_DIR / "README.md").read_text()
+    home = re.search(r"--home-dir (\S+) [^\n]*\n?[^\n]*dflash-train\b", readme)
+    assert home is not None and home.group(1) in state, readme[:3000]
+
+
+def test_trainer_stop_and_restart_timing() -> None:
+    """A stop is a success (the launcher exits 0 after SIGTERM), and the restarts the start
+    limit allows reach past the daemon's session timeout (an old run's session held by a
+    stuck process refuses a new spec until then)."""
+    u = unit(TRAINER_UNIT)
+    svc = u["Service"]
+    assert last(svc, "KillMode") == "mixed" and last(svc, "KillSignal") == "SIGTERM"
+    assert "SuccessExitStatus" not in svc  # exit 1 is a crash, never a stop
+    from loader_server.config import DaemonConfig
+
+    timeout = DaemonConfig().session_timeout_s
+    restart_s = int(last(svc, "RestartSec") or 0)
+    burst = int(last(u["Unit"], "StartLimitBurst") or 5)
+    assert (burst - 1) * restart_s > timeout
+    assert int(last(svc, "TimeoutStopSec") or 0) >= 60  # a step and a checkpoint
 
 
 def test_trainer_unit_settings() -> None:
@@ -190,8 +258,15 @@ def test_trainer_unit_settings() -> None:
     assert "dflash" in words(svc, "SupplementaryGroups")
     assert last(svc, "EnvironmentFile") == "/etc/dflash-loader/trainer-%i.env"
     exec_start = last(svc, "ExecStart") or ""
-    assert exec_start.startswith(f"{VENV_BIN}torchrun --nproc-per-node ${{NPROC}} ")
+    assert exec_start.startswith(f"{VENV_BIN}dflash-torchrun --nproc-per-node ${{NPROC}} ")
     assert f"{VENV_BIN}dflash-train train --resume " in exec_start
+    # Every venv binary a unit runs is one of our console scripts (or torch's torchrun).
+    with open(SYSTEMD_DIR.parent / "pyproject.toml", "rb") as f:
+        scripts = set(tomllib.load(f)["project"]["scripts"])
+    for name in UNITS:
+        text = (SYSTEMD_DIR / name).read_text()
+        for exe in re.findall(re.escape(VENV_BIN) + r"([\w.-]+)", text):
+            assert exe in scripts, f"{name} runs {exe}, which pyproject.toml does not install"
 
 
 def test_units_agree_with_loader_toml() -> None:

@@ -180,6 +180,9 @@ def _target_options(f):
 @click.option("--no-progress", is_flag=True)
 def train(**opts: Any) -> None:
     """Train a drafter on batches from the loader (run under torchrun for several ranks)."""
+    from trainer import stop
+
+    stop.install()  # before torch loads (seconds): a SIGTERM from then on stops cleanly
     from trainer.run import run_training
 
     summary = run_training(opts)

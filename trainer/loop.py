@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer import stop
 from trainer.attention import BACKENDS, resolve_backend
 from trainer.costlog import CostLog
 from trainer.distributed import DistEnv, all_reduce
@@ -398,8 +399,12 @@ class Trainer:
             return {"steps": self.step, "resumed": resumed, "note": "loader has no more batches"}
         bar = self._progress()
         t_loop, first_step = time.perf_counter(), self.step
+        saved_at, stopped = first_step if resumed else None, False
         try:
             while self.step < self.total_steps:
+                if stop.agreed(self.env):  # SIGTERM on any rank: all stop before this step
+                    stopped = True
+                    break
                 rec = self._record(self.train_step(it))
                 final = self.step == self.total_steps
                 if final or (cfg.eval_every and self.step % cfg.eval_every == 0):
@@ -410,10 +415,17 @@ class Trainer:
                 if final or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
                     t0 = time.perf_counter()
                     path = self.save()
+                    saved_at = self.step
                     log.debug("checkpoint %s in %.3fs", path, time.perf_counter() - t0)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(_postfix(rec), refresh=False)
+            # Before the first step of this run the loader has already handed out the
+            # peeked batch, so there is nothing newer to save than what was resumed.
+            if stopped and self.step != first_step and saved_at != self.step:
+                self.save()
+            if stopped:
+                log.info("rank %d: stopped at step %d on request", self.env.rank, self.step)
         finally:
             if bar is not None:
                 bar.close()
@@ -424,6 +436,7 @@ class Trainer:
         summary.update(
             wall_steps_per_s=(self.step - first_step) / wall if wall > 0 else None,
             resumed=resumed,
+            stopped=stopped,
         )
         return summary
 

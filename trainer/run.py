@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from loader_server.cost import profile_fields
+from trainer import stop
 from trainer.distributed import DistEnv, init_distributed, shutdown
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loop import TrainConfig, Trainer
@@ -221,7 +222,9 @@ def run_meta(opts: dict[str, Any], target: Target) -> dict[str, Any]:
 
 
 def run_training(opts: dict[str, Any]) -> dict[str, Any] | None:
-    """Run one rank; returns the summary on rank 0 (None elsewhere)."""
+    """Run one rank; returns the summary on rank 0 (None elsewhere). SIGTERM stops it
+    cleanly after the current step (``trainer.stop``)."""
+    stop.install()
     opts, folder = resolve_init_drafter(opts)
     cfg = train_config(opts)  # validates before anything is started
     spec = loader_spec(opts)

@@ -27,7 +27,9 @@ def _daemon_options(f: Any) -> Any:
         ),
         click.option(
             "--dataset",
-            type=click.Path(exists=True, path_type=Path),
+            # Not exists=True: click calls an unreadable path "does not exist"; the daemon
+            # says which of the two it is.
+            type=click.Path(path_type=Path),
             help="Arrow file or shard folder to serve.",
         ),
         click.option("--endpoint", help=f"ZeroMQ endpoint [default: {P.DEFAULT_ENDPOINT}]."),
@@ -134,6 +136,9 @@ def serve(config_path: Path | None, **kw: Any) -> None:
 
 
 def _request_stats(endpoint: str, timeout_s: float) -> dict[str, Any]:
+    problem = P.ipc_problem(endpoint)
+    if problem is not None:  # ZeroMQ would keep retrying in silence: say why now
+        raise click.ClickException(problem[1])
     sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
