@@ -22,8 +22,10 @@ What it does, on this machine (CPU, one thread):
    8 ranks) are timed for real, forward + backward as the trainer runs them, twice, the
    two plans interleaved. Per step, a rank's time is its micro-batch's time.
 4. Reported, side by side: measured rank imbalance (mean over steps of max/mean of the
-   ranks' times), the noise floor (the same micro-batches timed twice: the ratio of the
-   two timings is equal work, so its max/mean over 8 ranks is jitter alone), the
+   ranks' times), the noise floor (the same micro-batches timed twice give each timing's
+   jitter, ``(t1 - t2) / (t1 + t2) * sqrt(2)`` relative to the pair's mean; 8 such
+   deviations drawn at random are 8 ranks with equal work: the mean of their max/mean
+   over 20,000 draws is what jitter alone makes of a perfect plan), the
    simulated DDP epoch time (steps per epoch x mean per-step maximum) and its ratio, and
    the plan targets on the 902K reference shape with the cost model on.
 """
@@ -168,6 +170,16 @@ def measure(plans: dict[str, EpochPlan], steps: int, corpus: Corpus, target, dra
     return times, chosen
 
 
+def noise_floor(times: dict[str, np.ndarray], seed: int, draws: int = 20_000) -> float:
+    """Imbalance of 8 ranks with equal work, from the jitter of the twice-timed micro-batches."""
+    pairs = np.concatenate([t.reshape(2, -1) for t in times.values()], axis=1)
+    d = (pairs[0] - pairs[1]) / (pairs[0] + pairs[1]) * np.sqrt(2.0)
+    jitter = np.concatenate([d, -d])  # each timing's deviation from the pair's mean
+    world = next(iter(times.values())).shape[2]
+    sample = 1.0 + np.random.default_rng(seed).choice(jitter, (draws, world))
+    return imbalance(sample)
+
+
 def imbalance(t: np.ndarray) -> float:
     """Mean over steps of max/mean of the ranks' times (``t``: [steps, world])."""
     return float((t.max(axis=1) / t.mean(axis=1)).mean())
@@ -228,8 +240,7 @@ def main(samples, calib, steps, hidden, threads, seed, json_out, skip_reference)
     times, _ = measure(plans, steps, corpus, target, drafter, seed)
     print(f"timed {2 * steps * 8 * len(plans)} micro-batches ({time.perf_counter() - t0:.0f} s)")
     coef = cost_spec.coefficients
-    floor_steps = np.concatenate([t[1] / t[0] for t in times.values()])
-    floor = imbalance(floor_steps)
+    floor = noise_floor(times, seed)
     rows: dict[str, dict[str, float]] = {}
     for name, p in plans.items():
         t = times[name]
@@ -268,7 +279,7 @@ def main(samples, calib, steps, hidden, threads, seed, json_out, skip_reference)
     print(f"DDP epoch time cost/token: {cst['ddp_epoch_s'] / tok['ddp_epoch_s']:.3f}")
     result: dict[str, Any] = {
         "fit": report.as_dict(), "coefficients": report.coefficients, "noise_floor": floor,
-        "plans": rows,
+        "plans": rows, "times_s": {name: t.tolist() for name, t in times.items()},
     }  # fmt: skip
     if not skip_reference:
         ref = reference_targets()

@@ -95,6 +95,22 @@ def features(
     return out
 
 
+def uniform_features(
+    lengths: np.ndarray, rows: np.ndarray, *, rule: tuple[int, int, int]
+) -> np.ndarray:
+    """Features of micro-batches of ``rows[i]`` documents all of length ``lengths[i]``
+    (padded and packed alike: no padding)."""
+    x = np.asarray(lengths, dtype=np.int64)
+    n = np.asarray(rows, dtype=np.int64)
+    block, per_doc, cap = rule
+    out = np.empty((x.size, len(FEATURES)), np.float64)
+    out[:, 0] = 1.0
+    out[:, 1] = n * x
+    out[:, 2] = n * x * x
+    out[:, 3] = capped_slots(n * doc_anchors(x, block, per_doc), block, cap)
+    return out
+
+
 def check_coefficients(values: dict[str, Any], where: str) -> None:
     """ValueError naming ``where`` and the field unless every coefficient is a finite
     number >= 0 and at least one is positive."""

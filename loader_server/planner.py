@@ -227,26 +227,47 @@ def _packed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: in
 
 def cost_cut(lengths: np.ndarray, spec: BatchSpec) -> packing.CostCut | None:
     """The cost bound of ``spec`` for samples of these effective lengths (None: the default
-    model, where the token budget is the only bound). A ``cost_budget`` of 0 (auto) is the
-    modelled cost of a full token budget of rows of the corpus's median-token length (the
-    length below which half the tokens lie), and never below the cost of one row of
-    ``max_seq_len``, so that every sample fits."""
+    model, where the token budget is the only bound); ``cost_budget`` 0 is ``auto_budget``."""
     if not spec.cost_model_on:
         return None
-    budget = float(spec.cost_budget)
-    if not budget:
-        median = spec.max_seq_len
-        if lengths.size:
-            mass = np.cumsum(np.bincount(lengths) * np.arange(int(lengths.max()) + 1))
-            median = max(1, int(np.searchsorted(mass, mass[-1] / 2)))
-        rows = spec.token_budget // median
-        if spec.layout == "padded":
-            rows = min(rows, spec.max_batch_size)
-        f = cost.features(np.full(rows, median), np.zeros(1, np.int64), layout=spec.layout,
-                          rule=spec.anchor_rule)  # fmt: skip
-        budget = max(float(f[0] @ spec.coefficients), spec.row_cost(spec.max_seq_len))
+    budget = float(spec.cost_budget) or auto_budget(lengths, spec)
     c0, tok, attn, slot = spec.coefficients.tolist()
     return packing.CostCut((c0, tok, attn, slot), budget, spec.anchor_rule)
+
+
+def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
+    """The cost budget ``cost_budget`` 0 stands for, never below one ``max_seq_len`` row.
+
+    Padded: the cost of the *cheapest full micro-batch*: over the lengths that carry the
+    middle 90% of the corpus's tokens, a micro-batch of rows all of one length ``l``, as
+    many as the token budget holds (only lengths where that is within
+    ``max_batch_size``: micro-batches the token budget fills), the one of least modelled
+    cost. Every costlier-per-token shape is cut down to it, so full micro-batches cost
+    alike whatever their lengths; only those the row limit or a bucket's end leaves short
+    are cheaper (the scheduler groups those). Packed: rows already mix lengths at random,
+    so the budget is the cost of a full row of the corpus's average mix (token-weighted
+    mean length and anchors per token); only rows that drew more than their share of
+    costly documents are cut."""
+    tb, rule = spec.token_budget, spec.anchor_rule
+    floor = spec.row_cost(spec.max_seq_len)
+    if lengths.size == 0:
+        return floor
+    hist = np.bincount(lengths)
+    values = np.arange(hist.size)
+    if spec.layout == "packed":
+        tokens = float(hist @ values)
+        per_token = (hist @ cost.doc_anchors(values, rule[0], rule[1])) / tokens
+        sq_per_token = float(hist @ (values * values)) / tokens
+        block, _, cap = rule
+        slots = block * (min(cap, tb * per_token) if cap > 0 else tb * per_token)
+        c0, tok, attn, slot = spec.coefficients.tolist()
+        return max(c0 + tok * tb + attn * tb * sq_per_token + slot * slots, floor)
+    mass = np.cumsum(hist * values)
+    lo, hi = (int(v) for v in np.searchsorted(mass, mass[-1] * np.array([0.05, 0.95])))
+    lo = max(lo, -(-tb // spec.max_batch_size), 1)  # rows = tb // l <= max_batch_size
+    candidates = np.arange(lo, max(hi, lo) + 1)
+    fill = cost.uniform_features(candidates, tb // candidates, rule=rule) @ spec.coefficients
+    return max(float(fill.min()), floor)
 
 
 def _costs(x: np.ndarray, starts: np.ndarray, spec: BatchSpec, layout: str) -> np.ndarray:
@@ -280,8 +301,11 @@ def _schedule(batches: _Batches, spec: BatchSpec, epoch: int) -> np.ndarray:
     costs = np.ceil(batches.costs * scale).astype(np.int64)
     args = (spec.world_size, spec.grad_accum, rng)
     if stratify:
-        thetas = schedule.THETAS_TOKENS if batches.cut is None else schedule.THETAS_MODELLED
-        return schedule.stratified_steps(batches.lens, batches.tokens, costs, *args, thetas=thetas)
+        modelled = batches.cut is not None
+        thetas = schedule.THETAS_MODELLED if modelled else schedule.THETAS_TOKENS
+        return schedule.stratified_steps(
+            batches.lens, batches.tokens, costs, *args, thetas=thetas, match_costs=modelled
+        )
     return schedule.shuffled_steps(batches.tokens, costs, *args)
 
 

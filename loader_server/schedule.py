@@ -80,10 +80,14 @@ def stratified_steps(
     rng: np.random.Generator,
     tolerance: float = BALANCE_TOLERANCE,
     thetas: np.ndarray = THETAS_TOKENS,
+    match_costs: bool = False,
 ) -> np.ndarray:
-    """[num_steps, world_size*grad_accum] micro-batch indices, rank-major within a step."""
+    """[num_steps, world_size*grad_accum] micro-batch indices, rank-major within a step.
+
+    ``match_costs``: a unit takes the micro-batches of equal cost rank in every length
+    stratum instead of random ones (see ``_balanced_units``)."""
     kept = drop_remainder(tokens, world_size * grad_accum)
-    units = _balanced_units(kept, lens, costs, world_size, rng, tolerance, thetas)
+    units = _balanced_units(kept, lens, costs, world_size, rng, tolerance, thetas, match_costs)
     if grad_accum == 1:
         steps = units[rng.permutation(units.shape[0])]
     else:
@@ -102,8 +106,16 @@ def _balanced_units(
     rng: np.random.Generator,
     tolerance: float,
     thetas: np.ndarray,
+    match_costs: bool,
 ) -> np.ndarray:
-    """[num_units, world]: cheap micro-batches grouped by cost, the rest stratified by L."""
+    """[num_units, world]: cheap micro-batches grouped by cost, the rest stratified by L.
+
+    With ``match_costs`` the stratified units are cost-matched: every length stratum is
+    ordered by cost (random among equals) and unit j takes the j-th of each, so a unit
+    still spans every length band while its micro-batches cost alike. Micro-batches cut
+    by a cost budget cost 0.8-1.0 of it, the spread set by how many rows they hold, not by
+    their length: random dealing leaves units ~1.06 apart, which the cheap-unit threshold
+    could only fix by grouping most micro-batches by cost (step mix 0.2-0.5)."""
     if kept.size == 0 or world == 1:
         return kept.reshape(-1, world)
     by_len = kept[np.lexsort((rng.random(kept.size), lens[kept]))]
@@ -115,7 +127,8 @@ def _balanced_units(
     for theta in thetas * median:
         n_cheap = int(np.searchsorted(costs[by_cost], theta)) // world * world
         mixed = by_len[cost_rank[by_len] >= n_cheap]  # still sorted by length
-        units = np.concatenate([by_cost[:n_cheap].reshape(-1, world), _deal(mixed, world, rng)])
+        dealt = _deal_matched(mixed, world, costs, rng) if match_costs else _deal(mixed, world, rng)
+        units = np.concatenate([by_cost[:n_cheap].reshape(-1, world), dealt])
         if _mean_ratio(costs[units]) <= 1.0 + tolerance:
             break
     return units
@@ -134,6 +147,16 @@ def _deal(sorted_items: np.ndarray, groups: int, rng: np.random.Generator) -> np
     row j takes one random item of every stratum (systematic sampling)."""
     strata = sorted_items.reshape(groups, -1)
     return rng.permuted(strata, axis=1).T
+
+
+def _deal_matched(
+    sorted_items: np.ndarray, groups: int, costs: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """[len/groups, groups]: like ``_deal``, but row j takes the j-th cheapest item of
+    every stratum."""
+    strata = sorted_items.reshape(groups, -1)
+    order = np.lexsort((rng.random(strata.shape), costs[strata]), axis=-1)
+    return np.take_along_axis(strata, order, axis=1).T
 
 
 def assign_ranks(
