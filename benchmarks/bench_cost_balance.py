@@ -19,13 +19,16 @@ What it does, on this machine (CPU, one thread):
    calibrate`` fits the cost model to what it recorded (hold-out error printed).
 3. Two plans of the same corpus: token-balanced (no cost model) and cost-balanced (the
    profile). The same randomly chosen steps' micro-batches (``--steps`` of each plan, all
-   8 ranks) are timed for real, forward + backward as the trainer runs them, twice, the
-   two plans interleaved. Per step, a rank's time is its micro-batch's time.
+   8 ranks) are timed for real, forward + backward as the trainer runs them, each twice
+   in a row, the two plans interleaved step by step. Per step, a rank's time is its
+   micro-batch's (first) time.
 4. Reported, side by side: measured rank imbalance (mean over steps of max/mean of the
-   ranks' times), the noise floor (the same micro-batches timed twice give each timing's
-   jitter, ``(t1 - t2) / (t1 + t2) * sqrt(2)`` relative to the pair's mean; 8 such
-   deviations drawn at random are 8 ranks with equal work: the mean of their max/mean
-   over 20,000 draws is what jitter alone makes of a perfect plan), the
+   ranks' times), the noise floor (the same micro-batches timed twice in a row give each
+   timing's jitter, ``(t1 - t2) / (t1 + t2) * sqrt(2)`` relative to the pair's mean, less
+   its median (the second run's warm-cache bias); 8 such deviations drawn at random are 8
+   ranks with equal work: the mean of their max/mean over 20,000 draws is what jitter
+   alone makes of a perfect plan. Back to back, because this VM's speed drifts by several
+   percent over minutes, as the ranks of one step would not), the
    simulated DDP epoch time (steps per epoch x mean per-step maximum) and its ratio, and
    the plan targets on the 902K reference shape with the cost model on.
 """
@@ -151,7 +154,8 @@ def time_micro(corpus: Corpus, plan: EpochPlan, m: int, target, drafter) -> floa
 
 
 def measure(plans: dict[str, EpochPlan], steps: int, corpus: Corpus, target, drafter, seed: int):
-    """[plan] -> (times [2, steps, world]) for the same sampled steps, timed twice."""
+    """[plan] -> (times [2, steps, world]) for the sampled steps, each micro-batch timed
+    twice in a row."""
     rng = np.random.default_rng(seed)
     world = next(iter(plans.values())).spec.world_size
     chosen = {
@@ -161,11 +165,11 @@ def measure(plans: dict[str, EpochPlan], steps: int, corpus: Corpus, target, dra
     for _ in range(3):  # warm-up: allocator, first-call costs
         p = next(iter(plans.values()))
         time_micro(corpus, p, 0, target, drafter)
-    for rep in range(2):
-        for k in range(steps):
-            for name, p in plans.items():  # interleaved: drift hits both plans alike
-                for r in range(world):
-                    m = p.index(int(chosen[name][k]), r, 0)
+    for k in range(steps):
+        for name, p in plans.items():  # interleaved: drift hits both plans alike
+            for r in range(world):
+                m = p.index(int(chosen[name][k]), r, 0)
+                for rep in range(2):  # back to back: the pair differs by jitter alone
                     times[name][rep, k, r] = time_micro(corpus, p, m, target, drafter)
     return times, chosen
 
@@ -173,8 +177,9 @@ def measure(plans: dict[str, EpochPlan], steps: int, corpus: Corpus, target, dra
 def noise_floor(times: dict[str, np.ndarray], seed: int, draws: int = 20_000) -> float:
     """Imbalance of 8 ranks with equal work, from the jitter of the twice-timed micro-batches."""
     pairs = np.concatenate([t.reshape(2, -1) for t in times.values()], axis=1)
-    d = (pairs[0] - pairs[1]) / (pairs[0] + pairs[1]) * np.sqrt(2.0)
-    jitter = np.concatenate([d, -d])  # each timing's deviation from the pair's mean
+    d = (pairs[0] - pairs[1]) / (pairs[0] + pairs[1])
+    d = (d - np.median(d)) * np.sqrt(2.0)  # one timing's deviation from the pair's mean
+    jitter = np.concatenate([d, -d])
     world = next(iter(times.values())).shape[2]
     sample = 1.0 + np.random.default_rng(seed).choice(jitter, (draws, world))
     return imbalance(sample)

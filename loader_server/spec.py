@@ -10,7 +10,7 @@ micro-batch of ``rows`` samples whose longest (effective) length is ``L`` holds 
 tokens, a packed row ``sum(l_i)``, and neither may exceed it. The cost model
 (``loader_server.cost``: ``c0 + c_tok*tokens + c_attn*sum L^2 + c_slot*block slots``) is
 the time bound: a micro-batch's modelled cost may not exceed ``cost_budget`` (0: "auto",
-the cost of a full token budget of the corpus's median-token length), and steps are
+``planner.auto_budget``: the cheapest full micro-batch of the corpus), and steps are
 balanced across ranks by it. The defaults (``cost_tok`` 1, the other coefficients 0) make
 the cost the token count and the cost budget the token budget: the planner without a cost
 model, plan for plan. A single row of ``max_seq_len`` tokens must fit both bounds,
