@@ -154,35 +154,37 @@ def time_micro(corpus: Corpus, plan: EpochPlan, m: int, target, drafter) -> floa
 
 
 def measure(plans: dict[str, EpochPlan], steps: int, corpus: Corpus, target, drafter, seed: int):
-    """[plan] -> (times [2, steps, world]) for the sampled steps, each micro-batch timed
-    twice in a row."""
+    """[plan] -> (times [2, steps, world, grad_accum]) for the sampled steps, each
+    micro-batch timed twice in a row."""
     rng = np.random.default_rng(seed)
-    world = next(iter(plans.values())).spec.world_size
+    spec = next(iter(plans.values())).spec
+    world, accum = spec.world_size, spec.grad_accum
     chosen = {
         name: np.sort(rng.choice(p.num_steps, steps, replace=False)) for name, p in plans.items()
     }
-    times = {name: np.zeros((2, steps, world)) for name in plans}
+    times = {name: np.zeros((2, steps, world, accum)) for name in plans}
     for _ in range(3):  # warm-up: allocator, first-call costs
         p = next(iter(plans.values()))
         time_micro(corpus, p, 0, target, drafter)
     for k in range(steps):
         for name, p in plans.items():  # interleaved: drift hits both plans alike
-            for r in range(world):
-                m = p.index(int(chosen[name][k]), r, 0)
+            for r, g in np.ndindex(world, accum):
+                m = p.index(int(chosen[name][k]), r, g)
                 for rep in range(2):  # back to back: the pair differs by jitter alone
-                    times[name][rep, k, r] = time_micro(corpus, p, m, target, drafter)
+                    times[name][rep, k, r, g] = time_micro(corpus, p, m, target, drafter)
     return times, chosen
 
 
 def noise_floor(times: dict[str, np.ndarray], seed: int, draws: int = 20_000) -> float:
-    """Imbalance of 8 ranks with equal work, from the jitter of the twice-timed micro-batches."""
+    """Imbalance of 8 ranks with equal work (each ``grad_accum`` micro-batches), from the
+    jitter of the twice-timed micro-batches."""
     pairs = np.concatenate([t.reshape(2, -1) for t in times.values()], axis=1)
     d = (pairs[0] - pairs[1]) / (pairs[0] + pairs[1])
     d = (d - np.median(d)) * np.sqrt(2.0)  # one timing's deviation from the pair's mean
     jitter = np.concatenate([d, -d])
-    world = next(iter(times.values())).shape[2]
-    sample = 1.0 + np.random.default_rng(seed).choice(jitter, (draws, world))
-    return imbalance(sample)
+    _, _, world, accum = next(iter(times.values())).shape
+    sample = 1.0 + np.random.default_rng(seed).choice(jitter, (draws, world, accum))
+    return imbalance(sample.mean(axis=2))
 
 
 def imbalance(t: np.ndarray) -> float:
@@ -218,16 +220,20 @@ def reference_targets() -> dict[str, dict[str, Any]]:
     "--calibrate", "calib", type=int, default=240, show_default=True, help="Micro-batches."
 )
 @click.option("--steps", type=int, default=20, show_default=True, help="Timed steps per plan.")
+@click.option(
+    "--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per rank."
+)
 @click.option("--hidden", type=int, default=64, show_default=True, help="Tiny target width.")
 @click.option("--threads", type=int, default=1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--skip-reference", is_flag=True, help="Skip the 902K plan targets.")
-def main(samples, calib, steps, hidden, threads, seed, json_out, skip_reference) -> None:
+def main(samples, calib, steps, grad_accum, hidden, threads, seed, json_out, skip_reference):
     torch.set_num_threads(threads)
     corpus = Corpus(samples, seed)
     tokens = BatchSpec(
         token_budget=4096, max_batch_size=64, max_seq_len=1024, world_size=8, seed=seed,
+        grad_accum=grad_accum,
         block_size=BLOCK, anchors_per_doc=PER_DOC, max_anchors=MAX_ANCHORS,
     )  # fmt: skip
     target, drafter = build_models(hidden)
@@ -243,12 +249,12 @@ def main(samples, calib, steps, hidden, threads, seed, json_out, skip_reference)
     }
     t0 = time.perf_counter()
     times, _ = measure(plans, steps, corpus, target, drafter, seed)
-    print(f"timed {2 * steps * 8 * len(plans)} micro-batches ({time.perf_counter() - t0:.0f} s)")
+    print(f"timed {2 * steps * 8 * grad_accum * len(plans)} micro-batches ({time.perf_counter() - t0:.0f} s)")
     coef = cost_spec.coefficients
     floor = noise_floor(times, seed)
     rows: dict[str, dict[str, float]] = {}
     for name, p in plans.items():
-        t = times[name]
+        t = times[name].sum(axis=3)  # a rank's time: its micro-batches of the step
         per_step_max = t.max(axis=2).mean()
         rows[name] = {
             "steps_per_epoch": p.num_steps,
