@@ -249,7 +249,8 @@ def main(samples, calib, steps, grad_accum, hidden, threads, seed, json_out, ski
     }
     t0 = time.perf_counter()
     times, _ = measure(plans, steps, corpus, target, drafter, seed)
-    print(f"timed {2 * steps * 8 * grad_accum * len(plans)} micro-batches ({time.perf_counter() - t0:.0f} s)")
+    timed = 2 * steps * 8 * grad_accum * len(plans)
+    print(f"timed {timed} micro-batches ({time.perf_counter() - t0:.0f} s)")
     coef = cost_spec.coefficients
     floor = noise_floor(times, seed)
     rows: dict[str, dict[str, float]] = {}
