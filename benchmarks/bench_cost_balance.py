@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -227,8 +228,11 @@ def reference_targets() -> dict[str, dict[str, Any]]:
 @click.option("--threads", type=int, default=1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--plot", type=click.Path(dir_okay=False, path_type=Path), help="Keep calibrate's PNG here."
+)
 @click.option("--skip-reference", is_flag=True, help="Skip the 902K plan targets.")
-def main(samples, calib, steps, grad_accum, hidden, threads, seed, json_out, skip_reference):
+def main(samples, calib, steps, grad_accum, hidden, threads, seed, json_out, plot, skip_reference):
     torch.set_num_threads(threads)
     corpus = Corpus(samples, seed)
     tokens = BatchSpec(
@@ -243,6 +247,8 @@ def main(samples, calib, steps, grad_accum, hidden, threads, seed, json_out, ski
         report = calibrate(corpus, token_plan, target, drafter, calib, Path(tmp))
         print(f"calibration ({time.perf_counter() - t0:.0f} s)\n{report.summary()}\n")
         cost_spec = dataclasses.replace(tokens, **cost.profile_fields(report.profile))
+        if plot is not None and report.plot is not None:
+            shutil.copyfile(report.plot, plot)
     plans = {
         "token-balanced": token_plan,
         "cost-balanced": plan_epoch(corpus.lengths, cost_spec, epoch=0),
