@@ -301,10 +301,10 @@ def _schedule(batches: _Batches, spec: BatchSpec, epoch: int) -> np.ndarray:
     costs = np.ceil(batches.costs * scale).astype(np.int64)
     args = (spec.world_size, spec.grad_accum, rng)
     if stratify:
+        # Cost-matched units for modelled costs only: default plans stay what they were.
         modelled = batches.cut is not None
-        thetas = schedule.THETAS_MODELLED if modelled else schedule.THETAS_TOKENS
         return schedule.stratified_steps(
-            batches.lens, batches.tokens, costs, *args, thetas=thetas, match_costs=modelled
+            batches.lens, batches.tokens, costs, *args, match_costs=modelled
         )
     return schedule.shuffled_steps(batches.tokens, costs, *args)
 

@@ -39,13 +39,7 @@ import math
 import numpy as np
 
 BALANCE_TOLERANCE = 0.04
-#: Thresholds tried, as fractions of the median cost. Token costs keep the coarse grid
-#: (plans stay bit for bit what they were); modelled costs are continuous and sit closer
-#: together, so one grid step there moves many micro-batches at once: a finer grid stops
-#: nearer the tolerance and groups fewer of them (step mix 0.10 instead of 0.13 on one
-#: 902K corpus).
-THETAS_TOKENS = np.linspace(0.0, 1.0, 11)
-THETAS_MODELLED = np.linspace(0.0, 1.0, 21)
+_THETAS = np.linspace(0.0, 1.0, 11)
 
 
 def drop_remainder(tokens: np.ndarray, step_size: int) -> np.ndarray:
@@ -79,7 +73,6 @@ def stratified_steps(
     grad_accum: int,
     rng: np.random.Generator,
     tolerance: float = BALANCE_TOLERANCE,
-    thetas: np.ndarray = THETAS_TOKENS,
     match_costs: bool = False,
 ) -> np.ndarray:
     """[num_steps, world_size*grad_accum] micro-batch indices, rank-major within a step.
@@ -87,7 +80,7 @@ def stratified_steps(
     ``match_costs``: a unit takes the micro-batches of equal cost rank in every length
     stratum instead of random ones (see ``_balanced_units``)."""
     kept = drop_remainder(tokens, world_size * grad_accum)
-    units = _balanced_units(kept, lens, costs, world_size, rng, tolerance, thetas, match_costs)
+    units = _balanced_units(kept, lens, costs, world_size, rng, tolerance, match_costs)
     if grad_accum == 1:
         steps = units[rng.permutation(units.shape[0])]
     else:
@@ -105,7 +98,6 @@ def _balanced_units(
     world: int,
     rng: np.random.Generator,
     tolerance: float,
-    thetas: np.ndarray,
     match_costs: bool,
 ) -> np.ndarray:
     """[num_units, world]: cheap micro-batches grouped by cost, the rest stratified by L.
@@ -124,7 +116,7 @@ def _balanced_units(
     cost_rank[by_cost] = np.arange(kept.size)
     median = float(np.median(costs[kept]))
     units = kept.reshape(-1, world)
-    for theta in thetas * median:
+    for theta in _THETAS * median:
         n_cheap = int(np.searchsorted(costs[by_cost], theta)) // world * world
         mixed = by_len[cost_rank[by_len] >= n_cheap]  # still sorted by length
         dealt = _deal_matched(mixed, world, costs, rng) if match_costs else _deal(mixed, world, rng)
