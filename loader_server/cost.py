@@ -122,7 +122,9 @@ def check_coefficients(values: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: every cost coefficient is 0 (at least one must be positive)")
 
 
-def write_profile(path: Path, coefficients: dict[str, float], rule: dict[str, int], **info: Any):
+def write_profile(
+    path: Path, coefficients: dict[str, float], rule: dict[str, int], **info: Any
+) -> None:
     """Write a cost profile (``info``: fit report, source run, units...) atomically."""
     check_coefficients(coefficients, str(path))
     doc = {"version": PROFILE_VERSION, "coefficients": coefficients, "anchor_rule": rule, **info}
