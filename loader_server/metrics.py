@@ -37,11 +37,7 @@ from loader_server.spec import REFERENCE_BUCKETS, BatchSpec
 NUM_BANDS = 4
 #: The cost fields of a spec without a cost model (cost = tokens, budget = token budget).
 TOKEN_COST: dict[str, Any] = {
-    "cost_c0": 0.0,
-    "cost_tok": 1.0,
-    "cost_attn": 0.0,
-    "cost_slot": 0.0,
-    "cost_budget": 0.0,
+    name: getattr(BatchSpec(), name) for name in (*cost.COEFFICIENTS, "cost_budget")
 }
 
 
