@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup_venv.sh loader_server/_native.c client/_ring.c
+$(STAMP): pyproject.toml scripts/setup_venv.sh loader_server/data/_native.c loader_server/wire/_ring.c
 	PY=$(PY) bash scripts/setup_venv.sh $(VENV)
 	touch $(STAMP)
 

@@ -48,10 +48,10 @@ import click
 import numpy as np
 import torch
 
-from loader_server import cost, metrics
-from loader_server.planner import EpochPlan, plan_epoch
-from loader_server.spec import BatchSpec
-from loader_server.synth import SynthSpec, synth_lengths
+from loader_server.data.synth import SynthSpec, synth_lengths
+from loader_server.planning import cost, metrics
+from loader_server.planning.planner import EpochPlan, plan_epoch
+from loader_server.planning.spec import BatchSpec
 from trainer.batches import Batch, pad_batch
 from trainer.calibrate import calibrate_run
 from trainer.distributed import local_env

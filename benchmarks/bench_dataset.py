@@ -20,7 +20,7 @@ import click
 _PROBE = """
 import json, resource, sys, time
 t0 = time.perf_counter()
-from loader_server.dataset import open_dataset
+from loader_server.data.dataset import open_dataset
 t1 = time.perf_counter()
 ds = open_dataset(sys.argv[1])
 t2 = time.perf_counter()
@@ -63,7 +63,7 @@ def main(corpus: Path, samples: int) -> None:
     print(f"{'open + all lengths, warm (s)':<34}{r['open_s']:>12.3f}{'<= 1.0':>12}")
     print(f"{'RSS after open (MB)':<34}{r['rss_mb']:>12.1f}{'< 200':>12}")
     print(f"{'peak RSS (MB)':<34}{r['peak_rss_mb']:>12.1f}{'':>12}")
-    print(f"{'import loader_server.dataset (s)':<34}{r['import_s']:>12.3f}{'':>12}")
+    print(f"{'import loader_server.data.dataset (s)':<34}{r['import_s']:>12.3f}{'':>12}")
 
 
 if __name__ == "__main__":

@@ -26,13 +26,16 @@ from pathlib import Path
 
 import click
 
+# The probe imports benchmarks/ (not installed), so it runs from the repository root.
+ROOT = Path(__file__).resolve().parents[1]
+
 _PROBE = """
 import json, sys, time
 import numpy as np
-from loader_server.bench.run import memcpy_gbps
-from loader_server.dataset import open_dataset
-from loader_server.planner import plan_epoch
-from loader_server.spec import BatchSpec
+from benchmarks.loader_bench.run import memcpy_gbps
+from loader_server.data.dataset import open_dataset
+from loader_server.planning.planner import plan_epoch
+from loader_server.planning.spec import BatchSpec
 
 path, mode, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ds = open_dataset(path)
@@ -78,7 +81,9 @@ def main(corpus: Path, batches: int) -> None:
     for mode in ("first-touch", "readahead", "mapped"):
         t = time.perf_counter()
         cmd = [sys.executable, "-c", _PROBE, str(corpus), mode, str(batches)]
-        r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        r = json.loads(
+            subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+        )
         extra = f" (+ populate {r['populate_us']:.0f} us)" if mode == "readahead" else ""
         print(
             f"  {mode:<12} fill {r['fill_us']:6.0f} us/batch{extra}, {r['gbps']:.2f} GB/s padded "

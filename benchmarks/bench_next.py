@@ -11,6 +11,7 @@ p50/p90/p99 in ms and the mean padded bytes per batch.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,8 +20,11 @@ import click
 import numpy as np
 import torch
 
-from client import LoaderClient
-from loader_server.launch import DaemonProcess
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # scripts/ and benchmarks/ are not installed
+
+from client import LoaderClient  # noqa: E402
+from scripts.daemon_process import DaemonProcess  # noqa: E402
 
 
 @click.command()

@@ -20,10 +20,10 @@ from typing import Any
 import click
 import numpy as np
 
-from loader_server import buckets as bk
-from loader_server import metrics
-from loader_server.spec import REFERENCE_BUCKETS, BatchSpec
-from loader_server.synth import SynthSpec, synth_lengths
+from loader_server.data.synth import SynthSpec, synth_lengths
+from loader_server.planning import buckets as bk
+from loader_server.planning import metrics
+from loader_server.planning.spec import REFERENCE_BUCKETS, BatchSpec
 
 
 def python_sort_and_pack(lengths: list[int], budget: int, max_rows: int) -> list[list[int]]:

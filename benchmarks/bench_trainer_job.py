@@ -19,7 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from loader_server import launch
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # scripts/ and benchmarks/ are not installed
+
+from scripts.daemon_process import DaemonProcess  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +41,7 @@ def main() -> None:
             check=True,
         )  # fmt: skip
     run_dir = args.work / f"run-{int(time.time())}"
-    daemon = launch.DaemonProcess(
+    daemon = DaemonProcess(
         corpus,
         f"ipc://{args.work}/loader.sock",
         "--token-budget", "4096", "--max-seq-len", "2048",

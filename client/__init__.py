@@ -5,21 +5,18 @@
                               rank=rank, world_size=world):
         ...
 
-``LoaderClient`` and ``Batch`` are imported lazily: the daemon imports ``client.protocol``
-(the shared wire module) and must not pay for importing torch.
+The daemon never imports this package (it shares only ``loader_server.wire`` with it), so
+importing torch here costs the daemon nothing.
 """
 
-from typing import TYPE_CHECKING, Any
-
-from client.protocol import (
+from client.batch import Batch
+from client.loader import LoaderClient
+from loader_server.wire.protocol import (
     LoaderError,
     LoaderRequestError,
     LoaderUnavailableError,
     ProtocolError,
 )
-
-if TYPE_CHECKING:
-    from client.loader import Batch, LoaderClient
 
 __all__ = [
     "Batch",
@@ -29,11 +26,3 @@ __all__ = [
     "LoaderUnavailableError",
     "ProtocolError",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("Batch", "LoaderClient"):
-        from client import loader
-
-        return getattr(loader, name)
-    raise AttributeError(f"module 'client' has no attribute {name!r}")

@@ -31,9 +31,10 @@ from typing import Any
 import torch
 import zmq
 
-from client import protocol as P
 from client.batch import Batch
-from client.ring import Ring, RingGone, default_shm_dir
+from client.ring import Ring, RingGone
+from loader_server.wire import protocol as P
+from loader_server.wire import ring as R
 
 __all__ = ["Batch", "LoaderClient"]
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class LoaderClient:
         self.curve_server_key = (
             curve_server_key.encode() if isinstance(curve_server_key, str) else curve_server_key
         )
-        self.shm_dir = os.fspath(shm_dir) if shm_dir is not None else default_shm_dir()
+        self.shm_dir = os.fspath(shm_dir) if shm_dir is not None else R.default_shm_dir()
         self.pin_memory = pin_memory
         self.position: tuple[int, int, int] = (0, 0, 0)
         self.wait_s = 0.0  # total time blocked waiting for data
@@ -502,7 +503,7 @@ class LoaderClient:
         assert ring is not None
         old = consumed - 1
         ring.set_consumed(consumed)
-        if P.crossed(old, consumed, ring.daemon_wake()):
+        if R.crossed(old, consumed, ring.daemon_wake()):
             self._send("release", s=self._sid)
 
     def _send(self, kind: str, **fields: Any) -> None:

@@ -19,7 +19,6 @@ import collections
 import contextlib
 import mmap
 import os
-import re
 import stat
 from collections.abc import Mapping
 from typing import Any
@@ -27,23 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from client import _ring
-from client import protocol as P
-
-DEFAULT_SHM_DIR = "/dev/shm"
-SHM_DIR_ENV = "DFLASH_LOADER_SHM_DIR"
-_NAME = re.compile(r"^dflash-(\d{1,10})-([0-9a-f]{8})-([0-9a-f]{12})$")
-_SIZES = {"int32": 4, "uint8": 1, "int64": 8}
-_ALIGN = 64
-MAX_SLOTS = 64
+from loader_server.wire import _ring
+from loader_server.wire import protocol as P
+from loader_server.wire import ring as R
 
 
 class RingGone(P.ProtocolError):
     """The ring named by a welcome no longer exists: its session already ended."""
-
-
-def default_shm_dir() -> str:
-    return os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR
 
 
 def ring_files(shm_dir: str, msg: Mapping[str, Any]) -> tuple[str, str]:
@@ -53,15 +42,15 @@ def ring_files(shm_dir: str, msg: Mapping[str, Any]) -> tuple[str, str]:
     if not all(isinstance(x, str) for x in (sid, instance, shm, ctl)):
         raise P.ProtocolError("welcome lacks the session, instance or ring names")
     folder, name = os.path.split(str(shm))
-    m = _NAME.match(name)
-    if m is None or m.group(2) != instance or m.group(3) != sid:
+    m = R.RING_NAME.match(name)
+    if m is None or m.group(4) or m.group(2) != instance or m.group(3) != sid:
         raise P.ProtocolError(
             f"the daemon named ring {shm!r}, not dflash-<pid>-{instance}-{sid}; refusing to map it"
         )
     if os.path.realpath(folder) != os.path.realpath(shm_dir):
         raise P.ProtocolError(
             f"the daemon's ring {shm} is not in this client's shm dir {shm_dir}: give the "
-            f"client the daemon's --shm-dir (shm_dir=, or ${SHM_DIR_ENV})"
+            f"client the daemon's --shm-dir (shm_dir=, or ${R.SHM_DIR_ENV})"
         )
     if ctl != f"{shm}.ctl":
         raise P.ProtocolError(f"the daemon named control page {ctl!r} for ring {shm!r}")
@@ -76,14 +65,14 @@ class Ring:
         self, shm_dir: str, msg: Mapping[str, Any], socket_owner: int | None = None
     ) -> None:
         slots = msg.get("slots")
-        if not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
-            raise P.ProtocolError(f"welcome: slots {slots!r} not in [1, {MAX_SLOTS}]")
-        layout = P.SlotLayout.from_wire(msg.get("layout"), msg.get("slot_bytes"))
+        if not isinstance(slots, int) or not 1 <= slots <= R.MAX_SLOTS:
+            raise P.ProtocolError(f"welcome: slots {slots!r} not in [1, {R.MAX_SLOTS}]")
+        layout = R.SlotLayout.from_wire(msg.get("layout"), msg.get("slot_bytes"))
         path, control = ring_files(shm_dir, msg)
-        header = P.header_bytes(slots)
+        header = R.header_bytes(slots)
         self._mm, owner = _map(path, header + slots * layout.slot_bytes, mmap.PROT_READ)
         try:
-            self._ctl, ctl_owner = _map(control, P.CONTROL_BYTES, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._ctl, ctl_owner = _map(control, R.CONTROL_BYTES, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             self._mm.close()
             raise
@@ -95,8 +84,8 @@ class Ring:
                 f"daemon's socket (uid {socket_owner}) belong to different users"
             )
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
-        meta = self.buf[P.META : P.META + slots * P.META_STRIDE].view(np.int64)
-        self._meta = meta.reshape(slots, P.META_STRIDE // 8)[:, : len(P.META_FIELDS)]
+        meta = self.buf[R.META : R.META + slots * R.META_STRIDE].view(np.int64)
+        self._meta = meta.reshape(slots, R.META_STRIDE // 8)[:, : len(R.META_FIELDS)]
         self._starts = [header + k * layout.slot_bytes for k in range(slots)]
         self.layout = layout
         self.slots = slots
@@ -105,17 +94,17 @@ class Ring:
     # --- counters -------------------------------------------------------------------------
 
     def produced(self) -> int:
-        return int(_ring.load(self._mm, P.PRODUCED))
+        return int(_ring.load(self._mm, R.PRODUCED))
 
     def bell(self) -> int:
-        return int(_ring.bell(self._mm, P.BELL))
+        return int(_ring.bell(self._mm, R.BELL))
 
     def wait(self, bell: int, timeout_s: float) -> bool:
         """Sleep until the daemon rings the bell past ``bell`` (True) or the timeout."""
-        return bool(_ring.wait(self._mm, P.BELL, bell, timeout_s))
+        return bool(_ring.wait(self._mm, R.BELL, bell, timeout_s))
 
     def daemon_wake(self) -> int:
-        return int(_ring.load(self._mm, P.WAKE_DAEMON))
+        return int(_ring.load(self._mm, R.WAKE_DAEMON))
 
     def _store(self, offset: int, value: int) -> None:
         try:
@@ -126,18 +115,18 @@ class Ring:
             ) from None
 
     def set_consumed(self, n: int) -> None:
-        self._store(P.CONSUMED, n)
+        self._store(R.CONSUMED, n)
 
     def wake_client_at(self, n: int) -> None:
-        self._store(P.WAKE_CLIENT, n)
+        self._store(R.WAKE_CLIENT, n)
 
     def set_wait(self, seconds: float) -> None:
-        self._store(P.WAIT_US, int(seconds * 1e6))
+        self._store(R.WAIT_US, int(seconds * 1e6))
 
     # --- batches ----------------------------------------------------------------------------
 
     def meta(self, slot: int) -> list[int]:
-        """Slot ``slot``'s batch description (``P.META_FIELDS``); read after ``produced``."""
+        """Slot ``slot``'s batch description (``R.META_FIELDS``); read after ``produced``."""
         values = self._meta[slot].tolist()
         if min(values[1:]) < 0:
             raise P.ProtocolError(f"slot {slot} describes its batch with negative numbers")
@@ -158,11 +147,11 @@ class Ring:
             count = shape[0] * shape[1] if len(shape) == 2 else shape[0]
             if count > capacity:
                 raise P.ProtocolError(f"field {name}: {count} elements > capacity {capacity}")
-            size = _SIZES[dtype]
+            size = R.ITEMSIZE[dtype]
             ranges += (total, start + offset, count * size)
             views.append((name, shape, dtype, total // size))
-            total += -(-count * size // _ALIGN) * _ALIGN
-        total = max(total, _ALIGN)
+            total += -(-count * size // R.ALIGN) * R.ALIGN
+        total = max(total, R.ALIGN)
         if pin:  # PyTorch's pinned-memory cache recycles blocks (and waits for their DMAs)
             u8 = torch.empty(total, dtype=torch.uint8, pin_memory=True)
             out = u8.numpy()

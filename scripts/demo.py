@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loader_server.launch import DaemonProcess
+from scripts.daemon_process import DaemonProcess
 
 DEMO_DIR = Path("demo-run")
 PY = sys.executable
@@ -60,7 +60,7 @@ def start_daemon(corpus: Path, endpoint: str) -> DaemonProcess:
 
 
 def consume(endpoint: str, world: int, seconds: float) -> None:
-    cmd = [PY, "-m", "loader_server.bench.consumer", endpoint, "--job", "readers",
+    cmd = [PY, "-m", "benchmarks.loader_bench.consumer", endpoint, "--job", "readers",
            "--world", str(world), "--seconds", str(seconds)]  # fmt: skip
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True)
              for r in range(world)]  # fmt: skip

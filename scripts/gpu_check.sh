@@ -30,8 +30,8 @@ fi
 inc=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 suffix=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 cc=${CC:-$(command -v gcc || command -v cc)}
-"$cc" -O3 -shared -fPIC -I"$inc" loader_server/_native.c -o "loader_server/_native$suffix" || exit 1
-"$cc" -O2 -shared -fPIC -I"$inc" client/_ring.c -o "client/_ring$suffix" || exit 1
+"$cc" -O3 -shared -fPIC -I"$inc" loader_server/data/_native.c -o "loader_server/data/_native$suffix" || exit 1
+"$cc" -O2 -shared -fPIC -I"$inc" loader_server/wire/_ring.c -o "loader_server/wire/_ring$suffix" || exit 1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 timeout --signal=INT 460 python3 scripts/gpu_check.py --out "$OUT_DIR" "$@"

@@ -11,16 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.ring import SHM_DIR_ENV
-from loader_server import launch
-from loader_server.dataset import ArrowDataset, open_dataset
-from loader_server.planner import EpochPlan, plan_epoch
-from loader_server.spec import BatchSpec
-from loader_server.synth import SynthSpec, write_corpus
+from loader_server.data.dataset import ArrowDataset, open_dataset
+from loader_server.data.synth import SynthSpec, write_corpus
+from loader_server.planning.planner import EpochPlan, plan_epoch
+from loader_server.planning.spec import BatchSpec
+from loader_server.wire.ring import SHM_DIR_ENV
+from scripts import daemon_process
 
 # Small enough to run epochs in a second, varied enough to exercise buckets and truncation.
 TEST_SPEC = {"token_budget": 4096, "max_batch_size": 16, "max_seq_len": 1024}
 READY_TIMEOUT_S = 30.0
+#: The repository root (scripts/ and benchmarks/ run from here: they are not installed).
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +54,7 @@ def check_batch_tokens(ds: ArrowDataset, batch, max_seq_len: int = TEST_SPEC["ma
         assert not ids[r, n:].any() and not mask[r, n:].any()
 
 
-class DaemonProcess(launch.DaemonProcess):
+class DaemonProcess(daemon_process.DaemonProcess):
     """A real `dflash-loader serve` subprocess on TEST_SPEC, rings in ``shm_dir``."""
 
     def __init__(

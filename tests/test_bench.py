@@ -1,4 +1,4 @@
-"""`dflash-loader bench` runs end to end on a small corpus (numbers are not judged here:
+"""`benchmarks/bench_loader.py` runs end to end on a small corpus (numbers are not judged here:
 benchmarks measure, tests check the command works and reports every figure)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TEST_SPEC
+from conftest import ROOT, TEST_SPEC
 
 pytestmark = pytest.mark.integration
 
@@ -18,8 +18,8 @@ def test_bench_reports_every_figure(corpus_path, tmp_path):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TEST_SPEC.items()]
     png = tmp_path / "bench.png"
     out = subprocess.run(
-        [sys.executable, "-m", "loader_server", "bench", str(corpus_path), "--seconds", "0.5",
-         "--warmup", "0.3", "--json", "--plot", str(png), *flags],
+        [sys.executable, str(ROOT / "benchmarks/bench_loader.py"), str(corpus_path),
+         "--seconds", "0.5", "--warmup", "0.3", "--json", "--plot", str(png), *flags],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip
     r = json.loads(out)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from loader_server.dataset import open_dataset
+from loader_server.data.dataset import open_dataset
 from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 from trainer.chat import (
     HELDOUT_NAME,

@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from loader_server.dataset import open_dataset
-from loader_server.synth import SynthSpec, synth_lengths, write_corpus
+from loader_server.data.dataset import open_dataset
+from loader_server.data.synth import SynthSpec, synth_lengths, write_corpus
 
 CLI = [sys.executable, "-m", "loader_server"]
 

@@ -18,10 +18,10 @@ pytestmark = pytest.mark.integration
 
 def _consumed(client) -> int:
     """The control page's ``consumed`` counter, as the daemon reads it."""
-    from client import _ring
-    from client import protocol as P
+    from loader_server.wire import _ring
+    from loader_server.wire import ring as R
 
-    return int(_ring.load(client._ring._ctl, P.CONSUMED))
+    return int(_ring.load(client._ring._ctl, R.CONSUMED))
 
 
 def test_the_slot_goes_back_as_soon_as_the_batch_is_copied(daemons):

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from loader_server.corpus_watch import CorpusWatch
-from loader_server.dataset import open_dataset
-from loader_server.synth import SynthSpec, write_corpus
+from loader_server.data.corpus_watch import CorpusWatch
+from loader_server.data.dataset import open_dataset
+from loader_server.data.synth import SynthSpec, write_corpus
 
 
 @pytest.fixture

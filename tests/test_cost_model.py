@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from loader_server import cost, metrics
 from loader_server.cli import main as loader_cli
-from loader_server.config import load_config
-from loader_server.planner import plan_epoch
-from loader_server.spec import BatchSpec
-from loader_server.synth import SynthSpec, synth_lengths
+from loader_server.data.synth import SynthSpec, synth_lengths
+from loader_server.planning import cost, metrics
+from loader_server.planning.planner import plan_epoch
+from loader_server.planning.spec import BatchSpec
+from loader_server.service.config import load_config
 from trainer.calibrate import calibrate_run, fit_nnls, load_samples
 from trainer.cli import main as train_cli
 

@@ -27,7 +27,8 @@ from conftest import (
 )
 
 from client import LoaderClient, LoaderRequestError, LoaderUnavailableError
-from client import protocol as P
+from loader_server.wire import protocol as P
+from loader_server.wire import ring as R
 
 pytestmark = pytest.mark.integration
 WORKER = Path(__file__).parent / "workers" / "consume.py"
@@ -310,11 +311,11 @@ def test_ring_and_socket_modes_follow_config(daemons):
     client.close()
 
 
-def test_client_imports_neither_pyarrow_nor_the_planner():
+def test_client_imports_neither_pyarrow_nor_the_daemon_beyond_the_wire():
     code = (
         "import sys, client; from client import LoaderClient, Batch; "
         "bad = [m for m in sys.modules if m.startswith('pyarrow') or m.startswith("
-        "('loader_server.planner', 'loader_server.dataset'))]; print(bad); assert not bad"
+        "'loader_server.') and not m.startswith('loader_server.wire')]; print(bad); assert not bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -397,7 +398,7 @@ def test_garbage_in_a_control_page_ends_only_that_session(daemons, corpus):
     next(other)
     ctl = next(p for p in d.shm_dir.iterdir() if p.suffix == ".ctl" and victim._sid in p.name)
     with open(ctl, "r+b") as f:
-        f.seek(P.CONSUMED)
+        f.seek(R.CONSUMED)
         f.write((10**12).to_bytes(8, "little"))  # consumed far past anything produced
     deadline = time.monotonic() + 10
     while "consumed counter" not in d.log() and time.monotonic() < deadline:
@@ -414,9 +415,9 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
     """A waiting client asks to be woken for two batches. When the daemon cannot make the
     second (epoch 1's plan takes 3 s here), it must still wake the client for the first.
     The server runs in this process so that planning and filling can be slowed down."""
-    import loader_server.plans as plans
-    from loader_server.dataset import ArrowDataset
-    from loader_server.server import LoaderServer, ServerConfig
+    import loader_server.service.plans as plans
+    from loader_server.data.dataset import ArrowDataset
+    from loader_server.service.server import LoaderServer, ServerConfig
 
     real_plan, real_fill = plans.plan_epoch, ArrowDataset.fill
 

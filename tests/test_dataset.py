@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from loader_server.dataset import DatasetError, open_dataset
-from loader_server.synth import SynthSpec, write_corpus
+from loader_server.data.dataset import DatasetError, open_dataset
+from loader_server.data.synth import SynthSpec, write_corpus
 
 ROWS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
 MASKS = [[0, 1, 1], [1], [0, 0, 1, 1, 1], [1, 0]]
@@ -374,7 +374,7 @@ def test_populate_maps_each_sample_once(tmp_path, mask_type):
 def test_readahead_thread_populates_until_nothing_is_left(tmp_path):
     import time
 
-    from loader_server.readahead import Readahead
+    from loader_server.service.readahead import Readahead
 
     ds = open_dataset(_write(tmp_path / "d.arrow", _table()))
     ra = Readahead(ds)

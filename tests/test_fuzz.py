@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client import LoaderClient
-from client import protocol as P
+from loader_server.wire import protocol as P
 
 pytestmark = pytest.mark.integration
 KINDS = ["open", "release", "heartbeat", "close", "stats", "ping", "batch", "welcome", "", "x"]

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader_server import metrics
-from loader_server.planner import EpochPlan, plan_epoch
-from loader_server.spec import BatchSpec
+from loader_server.planning import metrics
+from loader_server.planning.planner import EpochPlan, plan_epoch
+from loader_server.planning.spec import BatchSpec
 
 
 def make_plan(

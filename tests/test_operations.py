@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import DaemonProcess
 
-from loader_server.dataset import _permission_denied
+from loader_server.data.dataset import _permission_denied
 
 ROOT = Path(__file__).resolve().parent.parent
 NOBODY = 65534  # nobody / nogroup on Debian and most distributions

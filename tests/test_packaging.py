@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from loader_server.launch import DaemonProcess
+from scripts.daemon_process import DaemonProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 

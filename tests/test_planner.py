@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader_server import metrics, packing, schedule
-from loader_server.buckets import assign
-from loader_server.planner import EpochPlan, effective_lengths, plan_epoch
-from loader_server.spec import BatchSpec
-from loader_server.synth import SynthSpec, synth_lengths
+from loader_server.data.synth import SynthSpec, synth_lengths
+from loader_server.planning import metrics, packing, schedule
+from loader_server.planning.buckets import assign
+from loader_server.planning.planner import EpochPlan, effective_lengths, plan_epoch
+from loader_server.planning.spec import BatchSpec
 
 REFERENCE = synth_lengths(SynthSpec(num_samples=20_000, seed=5))
 
@@ -145,7 +145,7 @@ def check_invariants(plan: EpochPlan, lengths: np.ndarray, spec: BatchSpec) -> N
 
 
 def model_cost(docs: np.ndarray, spec: BatchSpec) -> float:
-    """The cost model of ``loader_server.cost``, for one micro-batch, in plain Python."""
+    """The cost model of ``loader_server.planning.cost``, for one micro-batch, in plain Python."""
     b, per_doc, cap = spec.block_size, spec.anchors_per_doc, spec.max_anchors
     lengths = [int(v) for v in docs]
     if spec.layout == "padded":
@@ -390,9 +390,9 @@ def test_drop_remainder_drops_the_fewest_tokens():
 _DIGEST = """
 import hashlib, sys
 import numpy as np
-from loader_server.planner import plan_epoch
-from loader_server.spec import BatchSpec
-from loader_server.synth import SynthSpec, synth_lengths
+from loader_server.planning.planner import plan_epoch
+from loader_server.planning.spec import BatchSpec
+from loader_server.data.synth import SynthSpec, synth_lengths
 x = synth_lengths(SynthSpec(num_samples=20_000, seed=5))
 h = hashlib.sha256()
 model = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}

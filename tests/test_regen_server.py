@@ -113,7 +113,7 @@ def model_run(checkpoint, tmp_path_factory) -> dict:
 def test_end_to_end_corpus_holds_the_server_replies(model_run, checkpoint):
     from transformers import AutoTokenizer
 
-    from loader_server.dataset import open_dataset
+    from loader_server.data.dataset import open_dataset
 
     summary, recs = model_run["summary"], model_run["records"]
     assert summary["rows"] == 8 and summary["regenerated"] == 6 and summary["holdout"] == 2

@@ -25,7 +25,8 @@ import zmq
 from conftest import TEST_SPEC, check_batch_tokens, expected_plan
 
 from client import LoaderClient, LoaderError, ProtocolError
-from client import protocol as P
+from loader_server.wire import protocol as P
+from loader_server.wire import ring as R
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).parent.parent
@@ -180,7 +181,7 @@ class FakeDaemon:
 
 def _welcome(shm_dir: Path, **over) -> dict:
     name = f"dflash-{os.getpid()}-0123abcd-0123456789ab"
-    layout = P.SlotLayout.build(TEST_SPEC["token_budget"], TEST_SPEC["max_batch_size"])
+    layout = R.SlotLayout.build(TEST_SPEC["token_budget"], TEST_SPEC["max_batch_size"])
     w = {"s": "0123456789ab", "instance": "0123abcd", "shm": str(shm_dir / name),
          "ctl": str(shm_dir / name) + ".ctl", "slots": 4, "slot_bytes": layout.slot_bytes,
          "layout": layout.to_wire(), "steps": 10, "fingerprint": "f", "spec": {}}  # fmt: skip
@@ -249,7 +250,7 @@ def test_hostile_slot_descriptions_are_refused(daemons):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     meta = np.array(ring._meta)  # the header as the daemon wrote it
-    meta[1, P.META_FIELDS.index("rows")] = 10**6
+    meta[1, R.META_FIELDS.index("rows")] = 10**6
     ring._meta = meta  # as if the daemon had written this
     with pytest.raises(ProtocolError, match="capacity"):
         c._batch(1)

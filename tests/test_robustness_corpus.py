@@ -19,9 +19,9 @@ import pytest
 from test_robustness_daemon import one_line_error, run_cli
 
 from client import LoaderClient, LoaderRequestError
-from client import protocol as P
-from loader_server.dataset import DatasetError, open_dataset
-from loader_server.synth import SynthSpec, write_corpus
+from loader_server.data.dataset import DatasetError, open_dataset
+from loader_server.data.synth import SynthSpec, write_corpus
+from loader_server.wire import protocol as P
 
 ROOT = Path(__file__).parent.parent
 
@@ -112,7 +112,7 @@ _CORRUPTER = """
 import sys
 import numpy as np
 from pathlib import Path
-from loader_server.dataset import DatasetError, open_dataset
+from loader_server.data.dataset import DatasetError, open_dataset
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 data = bytearray(src.read_bytes())
 offsets = [int(x) for x in sys.argv[3].split(",")]

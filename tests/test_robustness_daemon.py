@@ -29,8 +29,8 @@ import zmq
 from conftest import TEST_SPEC, DaemonProcess, check_batch_tokens, expected_plan
 
 from client import LoaderClient, LoaderError, LoaderRequestError
-from client import protocol as P
-from loader_server.synth import SynthSpec, write_corpus
+from loader_server.data.synth import SynthSpec, write_corpus
+from loader_server.wire import protocol as P
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).parent.parent
@@ -491,9 +491,9 @@ def test_planning_never_blocks_the_serving_thread(corpus, tmp_path, shm_dir, mon
     """One job's epoch takes 3 s to plan (slowed here); another job's next() stays fast
     meanwhile, and the slow job gets its welcome once the plan is ready. The server runs in
     this process so that planning can be slowed down."""
-    import loader_server.plans as plans
-    from loader_server.server import LoaderServer, ServerConfig
-    from loader_server.spec import BatchSpec
+    import loader_server.service.plans as plans
+    from loader_server.planning.spec import BatchSpec
+    from loader_server.service.server import LoaderServer, ServerConfig
 
     real_plan = plans.plan_epoch
 

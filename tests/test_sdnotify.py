@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_server.sdnotify import Notifier
+from loader_server.service.sdnotify import Notifier
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="needs AF_UNIX sockets")
 
@@ -134,7 +134,7 @@ def test_vanished_socket_does_not_raise_and_warns_once(
     rx.close()  # the file stays behind: ECONNREFUSED
     if how == "unlinked":
         sock_path.unlink()  # ENOENT
-    with caplog.at_level(logging.WARNING, logger="loader_server.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="loader_server.service.sdnotify"):
         assert n.watchdog() is False
         assert n.stopping() is False
         assert n.ready("again") is False
@@ -169,7 +169,7 @@ def test_unset_environment_hides_the_socket_from_children(sock_path: Path) -> No
 
 
 def test_non_unix_address_disables_notifications(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="loader_server.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="loader_server.service.sdnotify"):
         n = Notifier("vsock:2:1234")
     assert not n.enabled
     assert n.ready() is False

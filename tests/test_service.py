@@ -14,8 +14,8 @@ import pytest
 from conftest import DaemonProcess
 
 from client import LoaderClient, LoaderUnavailableError
-from loader_server.config import DaemonConfig, load_config
-from loader_server.spec import BatchSpec
+from loader_server.planning.spec import BatchSpec
+from loader_server.service.config import DaemonConfig, load_config
 
 
 def _datagrams(sock: socket.socket, until: str, timeout_s: float = 30) -> list[str]:
@@ -140,7 +140,7 @@ def test_journald_logs_have_no_timestamp(tmp_path, shm_dir, corpus_path, monkeyp
     d = DaemonProcess(corpus_path, tmp_path, shm_dir)
     d.stop()
     line = next(x for x in d.log().splitlines() if "READY" in x)
-    assert line.startswith("INFO loader_server.daemon: READY"), line
+    assert line.startswith("INFO loader_server.service.daemon: READY"), line
     monkeypatch.delenv("JOURNAL_STREAM")
     d = DaemonProcess(corpus_path, tmp_path, shm_dir)
     d.stop()

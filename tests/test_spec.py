@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from loader_server.spec import REFERENCE_BUCKETS, BatchSpec
+from loader_server.planning.spec import REFERENCE_BUCKETS, BatchSpec
 
 
 def test_defaults_match_the_contract():

@@ -236,7 +236,7 @@ def test_trainer_stop_and_restart_timing() -> None:
     svc = u["Service"]
     assert last(svc, "KillMode") == "mixed" and last(svc, "KillSignal") == "SIGTERM"
     assert "SuccessExitStatus" not in svc  # exit 1 is a crash, never a stop
-    from loader_server.config import DaemonConfig
+    from loader_server.service.config import DaemonConfig
 
     timeout = DaemonConfig().session_timeout_s
     restart_s = int(last(svc, "RestartSec") or 0)
@@ -335,7 +335,7 @@ def test_loader_toml_has_the_schema_keys() -> None:
 
 
 def test_loader_toml_is_accepted_by_the_daemon_config() -> None:
-    config_module = pytest.importorskip("loader_server.config")
+    config_module = pytest.importorskip("loader_server.service.config")
     config = config_module.load_config(SYSTEMD_DIR / "loader.toml")
     assert config.shm_mode == 0o660
     assert config.spec.token_budget == 65536

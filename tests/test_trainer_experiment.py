@@ -1,5 +1,5 @@
 """The batching experiment: spikiness measures on hand-made loss series, the run commands,
-and a tiny end-to-end run of ``dflash-train experiment`` (real daemon and trainers)."""
+and a tiny end-to-end run of ``python -m benchmarks.experiment`` (real daemon and trainers)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
-from trainer.experiment import SPECS, ExperimentConfig, train_command
-from trainer.experiment_analysis import length_bands, pooled_diff_std, rolling_mean, spikiness
+from benchmarks.experiment.analysis import length_bands, pooled_diff_std, rolling_mean, spikiness
+from benchmarks.experiment.run import SPECS, ExperimentConfig, train_command
 
 # ---- spikiness ----------------------------------------------------------------------------
 
@@ -133,8 +134,8 @@ TINY = [
 
 def _experiment(out: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "trainer.cli", "experiment", str(out), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    cmd = [sys.executable, "-m", "benchmarks.experiment", str(out), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
 
 
 @pytest.mark.integration

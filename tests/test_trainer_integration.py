@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_server.synth import SynthSpec, write_corpus
+from loader_server.data.synth import SynthSpec, write_corpus
 
 pytestmark = pytest.mark.integration
 

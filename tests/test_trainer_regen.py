@@ -81,7 +81,7 @@ def test_regen_rewrites_responses_with_greedy_output(tmp_path):
     ]
 
     # The loader opens the result as it is.
-    from loader_server.dataset import open_dataset
+    from loader_server.data.dataset import open_dataset
 
     ds = open_dataset(out)
     assert len(ds) == 7 and ds.has_loss_mask

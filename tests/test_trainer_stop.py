@@ -22,7 +22,7 @@ import zmq
 from test_trainer_integration import RUN_TIMEOUT_S, _children, daemon, env, records
 
 from client import LoaderClient, LoaderRequestError
-from client import protocol as P
+from loader_server.wire import protocol as P
 
 pytestmark = pytest.mark.integration
 __all__ = ["daemon"]  # the fixture, re-used from the 2-rank integration tests

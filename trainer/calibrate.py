@@ -1,7 +1,7 @@
 """``dflash-train calibrate RUN_DIR``: fit the planner's cost model to measured micro-batches.
 
 Input: the timings a training run recorded (``trainer.costlog``). Each micro-batch becomes
-a row of the planner's own features (``loader_server.cost.features``: 1, tokens as laid
+a row of the planner's own features (``loader_server.planning.cost.features``: 1, tokens as laid
 out, sum of squared lengths, block slots under the trainer's anchor rule) and its measured
 time ``y``. The fit minimises *relative* squared error, ``sum(((X c - y) / y)**2)``, over
 ``c >= 0`` (non-negative least squares: a negative coefficient would let the planner think
@@ -15,7 +15,7 @@ reported: median and 90th-percentile relative error of the predicted time. Micro
 whose backward all-reduced gradients (``synced``: they include waiting for other ranks)
 are left out when at least ``MIN_SAMPLES`` others exist.
 
-Output: a cost profile (``loader_server.cost.write_profile``; seconds), a predicted-vs-
+Output: a cost profile (``loader_server.planning.cost.write_profile``; seconds), a predicted-vs-
 measured plot, and a report.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from loader_server import cost
+from loader_server.planning import cost
 from trainer.costlog import cost_dir
 
 #: Fewest micro-batches a fit (training part) needs: 4 coefficients, with room to spare.

@@ -4,7 +4,7 @@ Input rows are ShareGPT (``{"conversations": [{"from", "value"}]}``) or OpenAI
 (``{"messages": [{"role", "content"}]}``) conversations, read from JSONL, JSON, Parquet or
 Hugging Face ``save_to_disk`` folders. Each conversation is rendered with the tokenizer's chat
 template and tokenized; the output is a folder of Arrow shards with ``input_ids``
-(``list<int32>``) and ``loss_mask`` (``list<uint8>``), which ``loader_server.dataset`` serves.
+(``list<int32>``) and ``loss_mask`` (``list<uint8>``), which ``loader_server.data.dataset`` serves.
 
 The loss mask is 1 exactly on what the assistant writes: every token of each assistant
 message's rendered content plus the end-of-turn string that closes it (``<|im_end|>`` for

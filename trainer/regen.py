@@ -121,7 +121,7 @@ def regen_corpus(
     """Write the regenerated corpus to ``out`` (one Arrow IPC file, temp + rename)."""
     import pyarrow as pa
 
-    from loader_server.dataset import open_dataset
+    from loader_server.data.dataset import open_dataset
 
     ds = open_dataset(src)
     n_keep = len(ds) - spec.holdout

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from loader_server.cost import profile_fields
+from loader_server.planning.cost import profile_fields
 from trainer import stop
 from trainer.distributed import DistEnv, init_distributed, shutdown
 from trainer.drafter import DFlashDrafter, DrafterConfig

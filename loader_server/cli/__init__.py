@@ -16,8 +16,8 @@ import sys
 import click
 import zmq
 
-from client.protocol import LoaderError
-from loader_server.dataset import DatasetError
+from loader_server.data.dataset import DatasetError
+from loader_server.wire.protocol import LoaderError
 
 _USER_ERRORS: tuple[type[Exception], ...] = (
     DatasetError,
@@ -79,9 +79,9 @@ def main(verbose: bool, debug: bool) -> None:
 
 def _register() -> None:
     # One module per area; each exports COMMANDS.
-    from loader_server.cli import bench, data, plan, service
+    from loader_server.cli import data, plan, service
 
-    for module in (data, plan, service, bench):
+    for module in (data, plan, service):
         for cmd in module.COMMANDS:
             main.add_command(cmd)
 

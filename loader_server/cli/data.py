@@ -10,9 +10,9 @@ from typing import Any
 import click
 import numpy as np
 
-from loader_server import report
-from loader_server.dataset import open_dataset
-from loader_server.synth import QWEN3_VOCAB, SynthSpec, synth_lengths, write_corpus
+from loader_server.data import report
+from loader_server.data.dataset import open_dataset
+from loader_server.data.synth import QWEN3_VOCAB, SynthSpec, synth_lengths, write_corpus
 
 
 @click.command()

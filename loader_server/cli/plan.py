@@ -13,12 +13,12 @@ from typing import Any
 import click
 import numpy as np
 
-from loader_server import buckets as bk
-from loader_server import metrics
 from loader_server.cli.spec_flags import spec_from_options, spec_options
-from loader_server.dataset import open_dataset
-from loader_server.planner import EpochPlan, effective_lengths
-from loader_server.spec import (
+from loader_server.data.dataset import open_dataset
+from loader_server.planning import buckets as bk
+from loader_server.planning import metrics
+from loader_server.planning.planner import EpochPlan, effective_lengths
+from loader_server.planning.spec import (
     REFERENCE_BUCKETS,
     BatchSpec,
 )

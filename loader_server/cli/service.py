@@ -11,10 +11,10 @@ from typing import Any
 import click
 import zmq
 
-from client import protocol as P
 from loader_server.cli.spec_flags import pop_spec_overrides, spec_options
-from loader_server.config import load_config
-from loader_server.daemon import Daemon, EndpointBusyError
+from loader_server.service.config import load_config
+from loader_server.service.daemon import Daemon, EndpointBusyError
+from loader_server.wire import protocol as P
 
 
 def _daemon_options(f: Any) -> Any:

@@ -13,7 +13,14 @@ from typing import Any, TypeVar
 
 import click
 
-from loader_server.spec import COMPOSITIONS, LAYOUTS, ORDERS, OVERLONG, BatchSpec, expand_profile
+from loader_server.planning.spec import (
+    COMPOSITIONS,
+    LAYOUTS,
+    ORDERS,
+    OVERLONG,
+    BatchSpec,
+    expand_profile,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 _DEFAULT = BatchSpec()

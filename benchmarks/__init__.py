@@ -1,0 +1,1 @@
+"""Benchmarks and research tools (not installed): run from the repository root."""

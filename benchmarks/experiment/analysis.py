@@ -1,0 +1,341 @@
+"""Measures of the batching experiment (``benchmarks.experiment.run``): loss spikiness, the length
+mix of every step, and held-out loss per length band.
+
+* **Spikiness** of a training-loss series ``l_1..l_n`` (after a burn-in that skips the
+  fast initial descent): ``diff_std`` = std of ``l_t - l_{t-1}``; ``max_jump`` = the
+  largest single-step increase; ``spike_frac`` = the fraction of steps whose increase
+  exceeds a threshold shared by all specs of a seed (twice the pooled ``diff_std``), so
+  the fraction compares specs on one yardstick; ``resid_std`` = std of the loss around its
+  centered rolling mean (noise with the trend removed).
+* **Step mix**: the plan is a pure function of (lengths, spec, seed, epoch), so each logged
+  step's samples are known exactly; ``hard_frac`` is the share of them at or above the
+  corpus's difficulty split (the synth median length). The reconstruction is checked
+  against the tokens each step logged. ``corr_resid_hard`` correlates it with the loss
+  residual: the mechanism behind the spikes. ``all_hard_frac`` is the share of steps with
+  no short (easy) sample at all.
+* **Held-out loss per band**: the final checkpoint's drafter, the same weighted block CE
+  as training (``trainer.loss.draft_loss``), on held-out samples grouped into 4 bands at
+  the quartiles of their lengths. Batches and anchor generators are fixed, so every
+  drafter is scored on exactly the same blocks (a paired comparison).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+NUM_BANDS = 4
+ROLLING_WINDOW = 21
+EVAL_TOKEN_BUDGET = 8192
+EVAL_SEED = 20240611
+
+
+def rolling_mean(x: np.ndarray, window: int = ROLLING_WINDOW) -> np.ndarray:
+    """Centered moving average; windows shrink at the ends (no padding bias)."""
+    x = np.asarray(x, dtype=np.float64)
+    half = window // 2
+    c = np.concatenate([[0.0], np.cumsum(x)])
+    idx = np.arange(x.size)
+    lo, hi = np.maximum(idx - half, 0), np.minimum(idx + half + 1, x.size)
+    return (c[hi] - c[lo]) / (hi - lo)
+
+
+def spikiness(losses: Sequence[float], *, threshold: float | None = None) -> dict[str, Any]:
+    """Spikiness of one loss series (see the module docstring); ``spike_frac`` only when a
+    ``threshold`` (an increase in loss units) is given."""
+    x = np.asarray(losses, dtype=np.float64)
+    if x.ndim != 1 or x.size < 3 or not np.isfinite(x).all():
+        raise ValueError(f"need >= 3 finite losses, got {x.size} values")
+    d = np.diff(x)
+    out: dict[str, Any] = {
+        "num_steps": int(x.size),
+        "diff_std": float(d.std(ddof=1)),
+        "max_jump": float(d.max()),
+        "resid_std": float((x - rolling_mean(x)).std(ddof=1)),
+    }
+    if threshold is not None:
+        out["spike_frac"] = float((d > threshold).mean())
+    return out
+
+
+def pooled_diff_std(series: Sequence[Sequence[float]]) -> float:
+    """Std of the step-to-step changes of several series taken together."""
+    return float(np.concatenate([np.diff(np.asarray(s, np.float64)) for s in series]).std(ddof=1))
+
+
+# ---- runs ---------------------------------------------------------------------------------
+
+
+def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``(config.json, training records)``; records are the optimizer steps 1..n."""
+    from trainer.metrics import metrics_path, read_metrics
+
+    config = json.loads((run_dir / "config.json").read_text())
+    served = run_dir / "loader_spec.json"  # the spec the daemon served (trainer writes it)
+    if served.is_file():
+        config["loader_spec"] = json.loads(served.read_text())
+    records = [r for r in read_metrics(metrics_path(run_dir)) if r["step"] >= 1]
+    if [r["step"] for r in records] != list(range(1, len(records) + 1)):
+        raise ValueError(f"{run_dir}: metrics.jsonl does not hold steps 1..n once each")
+    return config, records
+
+
+def effective_spec(config: dict[str, Any]) -> Any:
+    """The BatchSpec the daemon planned this run with (as served, else its defaults + the
+    trainer's fields)."""
+    from loader_server.planning.spec import BatchSpec
+
+    spec = config.get("loader_spec") or config["requested_loader_spec"]
+    return BatchSpec.from_dict({**spec, "world_size": config["world_size"]})
+
+
+def step_hard_frac(
+    records: list[dict[str, Any]], spec: Any, lengths: np.ndarray, split_len: float
+) -> np.ndarray:
+    """Per logged step, the share of its samples with length >= ``split_len`` (rank 0 of a
+    world of one), from the deterministic plan; checks the plan's tokens against the log."""
+    from loader_server.planning.planner import plan_epoch
+
+    if spec.world_size != 1:
+        raise ValueError("the step mix is reconstructed for a world of one")
+    eff = np.minimum(lengths, spec.max_seq_len)
+    plans: dict[int, Any] = {}
+    within: dict[int, int] = {}
+    out = np.empty(len(records))
+    for i, rec in enumerate(records):
+        e = int(rec["epoch"])
+        plan = plans.setdefault(e, plan_epoch(lengths, spec, epoch=e))
+        s = within.get(e, 0)
+        within[e] = s + 1
+        ids = np.concatenate([plan.micro(s, 0, m) for m in range(spec.grad_accum)])
+        if int(eff[ids].sum()) != rec["tokens"]:
+            raise RuntimeError(
+                f"step {rec['step']}: the plan gives {int(eff[ids].sum())} tokens, the run "
+                f"logged {rec['tokens']}: the reconstructed spec is not the daemon's"
+            )
+        out[i] = float((lengths[ids] >= split_len).mean())
+    return out
+
+
+def plan_quality(spec: Any, lengths: np.ndarray) -> dict[str, float]:
+    """Padding efficiency, composition repeat (epoch 0 -> 1) and step mix distance."""
+    from loader_server.planning import metrics
+    from loader_server.planning.planner import plan_epoch
+
+    s = metrics.summarize(plan_epoch(lengths, spec, epoch=0), plan_epoch(lengths, spec, epoch=1))
+    keys = ("padding_efficiency", "composition_repeat", "step_mix_distance", "num_steps")
+    return {k: s[k] for k in keys}
+
+
+def loss_series(records: list[dict[str, Any]], burn_in: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices into records, losses)`` after the burn-in, steps with no loss left out."""
+    skip = int(burn_in * len(records))
+    idx = np.array([i for i in range(skip, len(records)) if records[i]["loss"] is not None])
+    return idx, np.array([records[i]["loss"] for i in idx], dtype=np.float64)
+
+
+# ---- held-out loss ------------------------------------------------------------------------
+
+
+def length_bands(lengths: np.ndarray, num_bands: int = NUM_BANDS) -> np.ndarray:
+    """Band of every sample: 0..num_bands-1, cut at the quantiles of ``lengths``."""
+    edges = np.quantile(lengths, np.arange(1, num_bands) / num_bands)
+    return np.searchsorted(edges, lengths, side="left")
+
+
+def heldout_batches(path: Path, band: np.ndarray, token_budget: int = EVAL_TOKEN_BUDGET):
+    """Padded batches of one band each (length-sorted, ``rows x longest <= token_budget``)."""
+    from loader_server.data.dataset import open_dataset
+    from trainer.batches import pad_batch
+
+    ds = open_dataset(path)
+    out = []
+    for b in range(int(band.max()) + 1):
+        ids = np.flatnonzero(band == b)
+        ids = ids[np.argsort(ds.lengths[ids], kind="stable")]
+        rows: list[int] = []
+        for i in [*ids.tolist(), None]:
+            if i is not None and (len(rows) + 1) * int(ds.lengths[i]) <= token_budget:
+                rows.append(i)
+                continue
+            if rows:
+                out.append(
+                    (b, pad_batch([(ds.input_ids(r).copy(), ds.loss_mask(r).copy()) for r in rows]))
+                )
+            rows = [] if i is None else [i]
+    return out
+
+
+def heldout_loss(target: Any, drafter: Any, batches: list, loss_cfg: Any) -> dict[str, Any]:
+    """Weighted block CE and accuracy per band and overall, on fixed anchors."""
+    import torch
+
+    from trainer.loss import draft_loss
+
+    num_bands = max(b for b, _ in batches) + 1
+    sums = np.zeros((num_bands, 4))  # weighted CE, weight, hits, slots
+    drafter.eval()
+    with torch.no_grad():
+        for i, (b, batch) in enumerate(batches):
+            gen = torch.Generator().manual_seed(EVAL_SEED + i)
+            out = draft_loss(target, drafter, batch, loss_cfg, gen)
+            sums[b] += [
+                float(out.weighted_ce_sum),
+                float(out.weight_sum),
+                float(out.correct.sum()),
+                float(out.count.sum()),
+            ]
+    tot = sums.sum(0)
+    return {
+        "loss": [float(s[0] / s[1]) for s in sums],
+        "acc": [float(s[2] / s[3]) for s in sums],
+        "loss_all": float(tot[0] / tot[1]),
+        "acc_all": float(tot[2] / tot[3]),
+    }
+
+
+def load_final_drafter(run_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """The drafter of the run's newest checkpoint and the checkpoint's shared state."""
+    from trainer import checkpoint as ckpt
+    from trainer.distributed import local_env
+    from trainer.drafter import DFlashDrafter, DrafterConfig
+
+    path = ckpt.latest_checkpoint(run_dir)
+    if path is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint")
+    shared, _ = ckpt.load_checkpoint(path, local_env())
+    drafter = DFlashDrafter(DrafterConfig(**shared["drafter_config"]))
+    drafter.load_state_dict(shared["drafter"])
+    return drafter, shared
+
+
+# ---- everything ---------------------------------------------------------------------------
+
+
+def _stats(values: list[float | None]) -> dict[str, Any]:
+    v = np.array([x for x in values if x is not None], dtype=np.float64)
+    if v.size == 0:
+        return {"mean": None, "min": None, "max": None, "n": 0}
+    return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max()), "n": int(v.size)}
+
+
+def _run_measures(cfg: Any, name: str, lengths: np.ndarray) -> dict[str, Any]:
+    config, records = read_run(cfg.out_dir / "runs" / name)
+    spec = effective_spec(config)
+    idx, losses = loss_series(records, cfg.burn_in)
+    hard = step_hard_frac(records, spec, lengths, cfg.median_len)[idx]
+    resid = losses - rolling_mean(losses)
+    corr = float(np.corrcoef(hard, resid)[0, 1]) if hard.std() > 0 and resid.std() > 0 else None
+    tail = losses[-max(1, len(losses) // 10) :]
+    summary = json.loads((cfg.out_dir / "runs" / name / "summary.json").read_text())
+    return {
+        "config": config,
+        "plan": plan_quality(spec, lengths),
+        "final_loss": float(tail.mean()),
+        "hard_frac_std": float(hard.std()),
+        "all_hard_frac": float((hard == 1.0).mean()),
+        "corr_resid_hard": corr,
+        "median_steps_per_s": summary.get("median_steps_per_s"),
+        "series": {
+            "step": [records[i]["step"] for i in idx],
+            "loss": losses.tolist(),
+            "hard_frac": hard.tolist(),
+        },
+    }
+
+
+def analyse(cfg: Any, train_path: Path, heldout_path: Path) -> dict[str, Any]:
+    """All measures of every (spec, seed) run of ``cfg`` plus a per-spec summary."""
+    import torch
+
+    from loader_server.data.dataset import open_dataset
+    from trainer.run import build_drafter, target_from_opts
+
+    torch.set_num_threads(cfg.threads)
+    lengths = open_dataset(train_path).lengths
+    held_lengths = open_dataset(heldout_path).lengths
+    band = length_bands(held_lengths)
+    batches = heldout_batches(heldout_path, band)
+    runs: dict[str, dict[str, Any]] = {}
+    for seed in cfg.seeds:
+        names = [cfg.run_name(spec, seed) for spec in cfg.specs]
+        for spec, name in zip(cfg.specs, names, strict=True):
+            runs[name] = {"spec": spec, "seed": seed, **_run_measures(cfg, name, lengths)}
+        threshold = 2 * pooled_diff_std([runs[n]["series"]["loss"] for n in names])
+        for n in names:
+            runs[n]["spike_threshold"] = threshold
+            runs[n]["spikiness"] = spikiness(runs[n]["series"]["loss"], threshold=threshold)
+
+    target, untrained = None, None
+    for name, run in runs.items():
+        drafter, shared = load_final_drafter(cfg.out_dir / "runs" / name)
+        layer_ids = list(shared["meta"]["layer_ids"])
+        if target is None:  # every run has the same target options (one command line)
+            target = target_from_opts(run["config"], "cpu", layer_ids)
+        if layer_ids != target.layer_ids:
+            raise ValueError(f"{name}: target layers {layer_ids} differ from {target.layer_ids}")
+        loss_cfg = _eval_loss_config(shared["loss_config"], cfg.eval_anchors)
+        run["heldout"] = heldout_loss(target, drafter, batches, loss_cfg)
+        if untrained is None:  # the same init as every run of this seed (trainer.run)
+            opts = {**run["config"], "seed": run["seed"]}
+            untrained = heldout_loss(target, build_drafter(target, opts, "cpu"), batches, loss_cfg)
+        log.info("%s: held-out loss %.4f", name, run["heldout"]["loss_all"])
+    return {
+        "config": {**cfg.fixed_part(), "seeds": list(cfg.seeds), "specs": list(cfg.specs)},
+        "corpus": _corpus_facts(lengths, held_lengths, band, cfg.median_len),
+        "untrained": untrained,
+        "runs": runs,
+        "summary": {spec: _summarize_spec(runs, spec) for spec in cfg.specs},
+    }
+
+
+def _eval_loss_config(saved: dict[str, Any], num_anchors: int) -> Any:
+    from trainer.loss import LossConfig
+
+    return LossConfig(**{**saved, "num_anchors": num_anchors})
+
+
+def _corpus_facts(
+    lengths: np.ndarray, held: np.ndarray, band: np.ndarray, split_len: float
+) -> dict[str, Any]:
+    def facts(x: np.ndarray) -> dict[str, Any]:
+        return {
+            "samples": int(x.size),
+            "tokens": int(x.sum(dtype=np.int64)),
+            "median_len": float(np.median(x)),
+            "max_len": int(x.max()),
+            "hard_frac": float((x >= split_len).mean()),
+        }
+
+    bands = [
+        {
+            "band": b,
+            "min_len": int(held[band == b].min()),
+            "max_len": int(held[band == b].max()),
+            "samples": int((band == b).sum()),
+            "hard_frac": float((held[band == b] >= split_len).mean()),
+        }
+        for b in range(int(band.max()) + 1)
+    ]
+    return {"train": facts(lengths), "heldout": facts(held), "split_len": split_len, "bands": bands}
+
+
+def _summarize_spec(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any]:
+    mine = [r for r in runs.values() if r["spec"] == spec]
+    out = {k: _stats([r["spikiness"][k] for r in mine]) for k in mine[0]["spikiness"]}
+    out.pop("num_steps")
+    for k in ("final_loss", "hard_frac_std", "all_hard_frac", "corr_resid_hard"):
+        out[k] = _stats([r[k] for r in mine])
+    for k in ("padding_efficiency", "composition_repeat", "step_mix_distance"):
+        out[k] = _stats([r["plan"][k] for r in mine])
+    out["heldout_all"] = _stats([r["heldout"]["loss_all"] for r in mine])
+    nb = len(mine[0]["heldout"]["loss"])
+    out["heldout_band"] = [_stats([r["heldout"]["loss"][b] for r in mine]) for b in range(nb)]
+    return out

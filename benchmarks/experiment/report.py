@@ -1,0 +1,222 @@
+"""Tables and plots of the batching experiment, from its results dict alone
+(``benchmarks.experiment.analysis.analyse``): ``results.md`` and four PNGs (matplotlib, Agg).
+
+* ``experiment-loss.png``: training loss of every spec (first seed), raw (thin) and as a
+  21-step rolling mean (thick), and the rolling std of the loss around that mean (how
+  spiky the curve is at each point of the run).
+* ``experiment-heldout.png``: held-out loss per length band, and its difference to
+  ``shuffled`` (bars: mean over seeds; whiskers: min..max).
+* ``experiment-jumps.png``: histogram of the step-to-step loss changes.
+* ``experiment-mix.png``: each step's share of long (hard) samples against its loss
+  residual: why a step spikes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.experiment.analysis import rolling_mean
+
+COLORS = {"sorted": "tab:red", "shuffled": "tab:orange", "stratified": "tab:blue"}
+LABELS = {
+    "sorted": "sorted (frozen composition)",
+    "shuffled": "bucketed + shuffled",
+    "stratified": "bucketed + stratified",
+}
+
+
+def fmt(stat: dict[str, Any], digits: int = 3) -> str:
+    """``mean`` for one seed, ``mean (min..max)`` for several, ``-`` for none."""
+    if stat["n"] == 0:
+        return "-"
+    text = f"{stat['mean']:.{digits}f}"
+    if stat["n"] > 1:
+        text += f" ({stat['min']:.{digits}f}..{stat['max']:.{digits}f})"
+    return text
+
+
+def band_names(results: dict[str, Any]) -> list[str]:
+    return [f"{b['min_len']}-{b['max_len']}" for b in results["corpus"]["bands"]]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The two result tables (training spikiness; held-out loss per band)."""
+    cfg, summary = results["config"], results["summary"]
+    seeds = ", ".join(str(s) for s in cfg["seeds"])
+    lines = [
+        f"Seeds {seeds}; {cfg['steps']} steps of {cfg['grad_accum']} micro-batches of "
+        f"<= {cfg['token_budget']} tokens; spikiness after the first {cfg['burn_in']:.0%} of "
+        "steps. Several seeds: mean (min..max).",
+        "",
+        "| spec | step mix dist | comp. repeat | padding eff. | std of step change | "
+        "largest jump | jumps > 2σ pooled | resid. std | steps with no short sample | "
+        "corr(resid, long share) | final train loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for spec, s in summary.items():
+        cells = [
+            fmt(s["step_mix_distance"]),
+            fmt(s["composition_repeat"]),
+            fmt(s["padding_efficiency"]),
+            fmt(s["diff_std"], 4),
+            fmt(s["max_jump"]),
+            fmt(s["spike_frac"]),
+            fmt(s["resid_std"], 4),
+            fmt(s["all_hard_frac"]),
+            fmt(s["corr_resid_hard"], 2),
+            fmt(s["final_loss"]),
+        ]
+        lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+    names = band_names(results)
+    lines += [
+        "",
+        "Held-out weighted block CE per length band (quartiles of held-out lengths; share of "
+        "long, hard samples in brackets):",
+        "",
+        "| spec | "
+        + " | ".join(
+            f"{n} ({b['hard_frac']:.0%})"
+            for n, b in zip(names, results["corpus"]["bands"], strict=True)
+        )
+        + " | all |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
+    if results.get("untrained"):
+        u = results["untrained"]
+        lines.append(
+            "| untrained drafter | "
+            + " | ".join(f"{x:.3f}" for x in u["loss"])
+            + f" | {u['loss_all']:.3f} |"
+        )
+    for spec, s in summary.items():
+        cells = [fmt(b) for b in s["heldout_band"]] + [fmt(s["heldout_all"])]
+        lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """``results.md`` and the PNGs in ``out_dir``; returns their paths."""
+    out_dir = Path(out_dir)
+    md = out_dir / "results.md"
+    md.write_text(markdown(results))
+    return [md, *plot_all(results, out_dir)]
+
+
+def _first_seed_runs(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    seed = results["config"]["seeds"][0]
+    return {r["spec"]: r for r in results["runs"].values() if r["seed"] == seed}
+
+
+def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    runs = _first_seed_runs(results)
+    seed = results["config"]["seeds"][0]
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    for spec, r in runs.items():
+        step, loss = np.array(r["series"]["step"]), np.array(r["series"]["loss"])
+        smooth = rolling_mean(loss)
+        c = COLORS.get(spec)
+        ax1.plot(step, loss, color=c, lw=0.6, alpha=0.35)
+        ax1.plot(step, smooth, color=c, lw=1.8, label=LABELS.get(spec, spec))
+        ax2.plot(step, np.sqrt(rolling_mean((loss - smooth) ** 2)), color=c, lw=1.8)
+    ax1.set(ylabel="training loss (weighted block CE)", title=f"training loss, seed {seed}")
+    ax1.legend()
+    ax2.set(xlabel="optimizer step", ylabel="rolling std of loss around its trend")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    save(fig, "experiment-loss.png")
+
+    save(_plot_heldout(plt, results), "experiment-heldout.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    diffs = {s: np.diff(r["series"]["loss"]) for s, r in runs.items()}
+    lim = max(float(np.abs(d).max()) for d in diffs.values())
+    bins = np.linspace(-lim, lim, 41)
+    for spec, d in diffs.items():
+        ax.hist(d, bins=bins, histtype="step", lw=1.6, color=COLORS.get(spec), label=spec)
+    ax.set(
+        xlabel="loss(t) - loss(t-1)", ylabel="steps", title=f"step-to-step loss change, seed {seed}"
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "experiment-jumps.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for spec, r in runs.items():
+        loss = np.array(r["series"]["loss"])
+        ax.scatter(
+            r["series"]["hard_frac"],
+            loss - rolling_mean(loss),
+            s=8,
+            alpha=0.6,
+            color=COLORS.get(spec),
+            label=LABELS.get(spec, spec),
+        )
+    ax.set(
+        xlabel="share of the step's samples that are long (hard)",
+        ylabel="loss - rolling mean",
+        title=f"why steps spike: length mix vs loss residual, seed {seed}",
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "experiment-mix.png")
+    return written
+
+
+def paired_delta(results: dict[str, Any], spec: str, ref: str) -> np.ndarray:
+    """Per seed, held-out loss (bands, then all) of ``spec`` minus ``ref``'s: [seeds, B+1]."""
+    out = []
+    for seed in results["config"]["seeds"]:
+        by_spec = {r["spec"]: r["heldout"] for r in results["runs"].values() if r["seed"] == seed}
+        a, b = by_spec[spec], by_spec[ref]
+        out.append(np.array([*a["loss"], a["loss_all"]]) - np.array([*b["loss"], b["loss_all"]]))
+    return np.array(out)
+
+
+def _plot_heldout(plt: Any, results: dict[str, Any]) -> Any:
+    summary = results["summary"]
+    names = [*band_names(results), "all"]
+    x = np.arange(len(names))
+    width = 0.8 / max(len(summary), 1)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+
+    def values(spec: str, key: str) -> np.ndarray:
+        s = summary[spec]
+        return np.array([b[key] for b in s["heldout_band"]] + [s["heldout_all"][key]])
+
+    ref = "shuffled" if "shuffled" in summary else next(iter(summary))
+    for k, spec in enumerate(summary):
+        mean = values(spec, "mean")
+        err = np.vstack([mean - values(spec, "min"), values(spec, "max") - mean])
+        kw = {"color": COLORS.get(spec), "label": LABELS.get(spec, spec), "width": width}
+        pos = x + (k - (len(summary) - 1) / 2) * width
+        ax1.bar(pos, mean, yerr=err, capsize=2, **kw)
+        delta = paired_delta(results, spec, ref)  # [seeds, bands + 1]
+        d_err = np.vstack([delta.mean(0) - delta.min(0), delta.max(0) - delta.mean(0)])
+        ax2.bar(pos, delta.mean(0), yerr=d_err, capsize=2, **kw)
+    ax1.set(xticks=x, xticklabels=names, xlabel="held-out length band (tokens)")
+    ax1.set(ylabel="held-out weighted block CE", title="held-out loss per length band")
+    ax2.set(xticks=x, xticklabels=names, xlabel="held-out length band (tokens)")
+    ax2.set(ylabel=f"difference to {ref}", title=f"held-out loss minus {ref} (lower is better)")
+    ax2.axhline(0, color="black", lw=0.8)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, axis="y")
+    ax1.legend(fontsize=8)
+    return fig

@@ -1,0 +1,374 @@
+"""Epoch plans: ``plan_epoch(lengths, spec, epoch=e)`` -> every micro-batch of the epoch.
+
+A plan is a pure, deterministic function of (lengths, spec, epoch): every random choice
+comes from ``np.random.default_rng([seed, epoch, purpose, ...])``, never from Python's
+``hash`` or global state, so any process on any machine computes the same plan and a
+restarted trainer can ask for exactly the micro-batch it stopped at.
+
+Steps (padded layout, ``composition="bucketed"``):
+
+1. Effective lengths ``min(len, max_seq_len)``; empty samples and (``overlong="drop"``)
+   overlong ones leave the epoch and are counted.
+2. Buckets: explicit bounds, or the optimal ones of ``loader_server.planning.buckets`` (exact DP).
+3. Shuffle inside each bucket with ``rng(seed, epoch, bucket)`` and cut each bucket into
+   greedy micro-batches under the token budget and ``max_batch_size``
+   (``loader_server.planning.packing``, exact greedy, vectorized).
+4. Drop the remainder that cannot fill a last step, order micro-batches into steps
+   (stratified by length in cost-balanced units, or shuffled) and deal each step's
+   micro-batches to ranks balancing cost (``loader_server.planning.schedule``).
+
+``composition="sorted"`` is the original flaw: one stable global length sort, greedy
+batches (identical every epoch), only their order shuffled per epoch. ``"random"``:
+one full shuffle, greedy batches, shuffled order. ``layout="packed"``: rows of up to
+``token_budget`` from randomly drawn samples (windowed worst-fit/first-fit decreasing,
+``loader_server.planning.packing``), in shuffled order.
+
+The result is flat numpy (CSR): ``sample_ids`` grouped by micro-batch, micro-batches in
+(step, rank, micro) order, so ``plan.micro(step, rank, micro)`` is an O(1) slice.
+On the reference shape (902K samples, 8 ranks) a padded plan takes ~0.14 s, ~0.25 s for
+the first epoch when the "auto" bucket DP runs (cached by length histogram after that);
+a packed plan ~0.27 s (docs/PLANNER.md has the measured table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loader_server.planning import buckets as bk
+from loader_server.planning import cost, packing, schedule
+from loader_server.planning.spec import BatchSpec
+
+# Third element of every RNG seed: what the randomness is for.
+_RNG_BUCKET, _RNG_FULL, _RNG_ORDER, _RNG_PACKED = 1, 2, 3, 4
+# Resolution of modelled costs in the scheduler's integer arithmetic (the costliest
+# micro-batch's cost): fine enough that rounding never decides a balance.
+_COST_UNITS = 2**20
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class EpochPlan:
+    """All micro-batches of one epoch, flat.
+
+    Micro-batch ``m = (step*world_size + rank)*grad_accum + micro`` holds
+    ``sample_ids[offsets[m]:offsets[m+1]]`` (row order) whose effective lengths are the
+    same slice of ``sample_lengths``. ``micro_lens[m]`` is the padded length L (padded
+    layout) or the packed row's token count T (packed); ``micro_costs[m]`` its cost under
+    the spec's cost model; ``micro_buckets[m]`` its bucket (0 for sorted, random and
+    packed plans). ``bucket_bounds`` are the upper bounds of the buckets used.
+    """
+
+    spec: BatchSpec
+    epoch: int
+    num_steps: int
+    sample_ids: np.ndarray
+    sample_lengths: np.ndarray
+    offsets: np.ndarray
+    micro_lens: np.ndarray
+    micro_costs: np.ndarray
+    micro_buckets: np.ndarray
+    bucket_bounds: np.ndarray
+    stats: dict[str, Any]
+
+    @property
+    def num_micro(self) -> int:
+        return int(self.micro_lens.shape[0])
+
+    def index(self, step: int, rank: int, micro: int) -> int:
+        """Flat micro-batch index of (step, rank, micro); IndexError when out of range."""
+        s = self.spec
+        if not (0 <= step < self.num_steps and 0 <= rank < s.world_size):
+            raise IndexError(
+                f"(step {step}, rank {rank}) outside {self.num_steps} steps x "
+                f"{s.world_size} ranks of epoch {self.epoch}"
+            )
+        if not 0 <= micro < s.grad_accum:
+            raise IndexError(f"micro {micro} outside grad_accum {s.grad_accum}")
+        return (step * s.world_size + rank) * s.grad_accum + micro
+
+    def micro(self, step: int, rank: int, micro: int) -> np.ndarray:
+        """Sample ids (int64) of one micro-batch, in row order: a view, no copy."""
+        m = self.index(step, rank, micro)
+        return self.sample_ids[self.offsets[m] : self.offsets[m + 1]]
+
+    def micro_parts(self, step: int, rank: int, micro: int) -> tuple[np.ndarray, int, int]:
+        """``(micro, micro_len, micro_bucket)`` in one lookup (the daemon's hot path)."""
+        m = self.index(step, rank, micro)
+        ids = self.sample_ids[self.offsets[m] : self.offsets[m + 1]]
+        return ids, int(self.micro_lens[m]), int(self.micro_buckets[m])
+
+    def micro_len(self, step: int, rank: int, micro: int) -> int:
+        """Padded: longest effective row length L. Packed: total tokens T of the row."""
+        return int(self.micro_lens[self.index(step, rank, micro)])
+
+    def micro_bucket(self, step: int, rank: int, micro: int) -> int:
+        return int(self.micro_buckets[self.index(step, rank, micro)])
+
+    def micro_rows(self) -> np.ndarray:
+        """Samples per micro-batch (int64)."""
+        return np.diff(self.offsets)
+
+
+@dataclass(frozen=True)
+class _Batches:
+    """Micro-batches over a sample sequence, before scheduling."""
+
+    seq: np.ndarray  # sample ids in batch order
+    seq_lengths: np.ndarray  # their effective lengths (int64)
+    starts: np.ndarray  # where each micro-batch begins in seq
+    lens: np.ndarray  # L (padded) or T (packed)
+    costs: np.ndarray
+    tokens: np.ndarray
+    buckets: np.ndarray
+    bounds: np.ndarray
+    cut: packing.CostCut | None  # the cost bound (None: token budget only)
+
+
+def effective_lengths(lengths: np.ndarray, spec: BatchSpec) -> tuple[np.ndarray, np.ndarray]:
+    """``(effective lengths int64, servable mask)``: truncated to max_seq_len; empty and
+    (policy ``drop``) overlong samples are not servable."""
+    raw = np.asarray(lengths)
+    if raw.ndim != 1:
+        raise ValueError(f"lengths must be a 1-D array, got shape {raw.shape}")
+    if raw.size and raw.min() < 0:
+        raise ValueError(f"lengths must be >= 0, got {int(raw.min())} at {int(raw.argmin())}")
+    eff = np.minimum(raw.astype(np.int64), spec.max_seq_len)
+    ok = raw > 0
+    if spec.overlong == "drop":
+        ok &= raw <= spec.max_seq_len
+    return eff, ok
+
+
+def plan_epoch(lengths: np.ndarray, spec: BatchSpec, *, epoch: int) -> EpochPlan:
+    """The deterministic plan of one epoch (see the module docstring)."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
+        raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+    epoch = int(epoch)
+    eff, ok = effective_lengths(lengths, spec)
+    ids = np.flatnonzero(ok).astype(np.int64)
+    if spec.layout == "packed":
+        batches = _packed_batches(ids, eff, spec, epoch)
+    elif spec.composition == "bucketed":
+        batches = _bucketed_batches(ids, eff, spec, epoch)
+    else:
+        batches = _global_batches(ids, eff, spec, epoch)
+    steps = _schedule(batches, spec, epoch)
+    return _assemble(batches, steps, np.asarray(lengths), ok, spec, epoch)
+
+
+def _bucketed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: int) -> _Batches:
+    bounds = bk.resolve_bounds(eff[ids], spec)
+    b = bk.assign(eff[ids], bounds)
+    small = b.astype(np.int16) if bounds.size < 2**15 else b  # int16: a stable radix sort
+    seq = ids[np.argsort(small, kind="stable")]
+    counts = np.bincount(b, minlength=bounds.size)
+    edges = np.zeros(bounds.size + 1, np.int64)
+    np.cumsum(counts, out=edges[1:])
+    for k in np.flatnonzero(counts > 1):
+        rng = np.random.default_rng([spec.seed, epoch, _RNG_BUCKET, int(k)])
+        part = seq[edges[k] : edges[k + 1]]
+        part[:] = part[rng.permutation(part.size)]
+    seg_buckets = np.flatnonzero(counts)
+    return _greedy(seq, eff, spec, edges[seg_buckets], seg_buckets, bounds)
+
+
+def _global_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: int) -> _Batches:
+    if spec.composition == "sorted":
+        seq = ids[np.argsort(eff[ids], kind="stable")]  # no randomness: frozen batches
+    else:
+        seq = ids[np.random.default_rng([spec.seed, epoch, _RNG_FULL]).permutation(ids.size)]
+    bounds = np.array([spec.max_seq_len], np.int64)
+    seg = np.zeros(min(1, seq.size), np.int64)
+    return _greedy(seq, eff, spec, seg, seg.astype(np.int32), bounds)
+
+
+def _greedy(
+    seq: np.ndarray,
+    eff: np.ndarray,
+    spec: BatchSpec,
+    seg_starts: np.ndarray,
+    seg_buckets: np.ndarray,
+    bounds: np.ndarray,
+) -> _Batches:
+    x = eff[seq]
+    cut = cost_cut(eff[seq], spec)
+    starts = packing.greedy_starts(
+        x,
+        seg_starts,
+        token_budget=spec.token_budget,
+        max_batch_size=spec.max_batch_size,
+        cut=cut,
+    )
+    if starts.size == 0:
+        return _empty_batches(seq, x, bounds, cut)
+    lens = np.maximum.reduceat(x, starts)
+    tokens = np.add.reduceat(x, starts)
+    seg_of = np.searchsorted(seg_starts, starts, side="right") - 1
+    costs = _costs(x, starts, spec, "padded")
+    return _Batches(seq, x, starts, lens, costs, tokens, seg_buckets[seg_of], bounds, cut)
+
+
+def _packed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: int) -> _Batches:
+    items = ids[np.random.default_rng([spec.seed, epoch, _RNG_PACKED]).permutation(ids.size)]
+    bounds = np.array([spec.max_seq_len], np.int64)
+    cut = cost_cut(eff[items], spec)
+    if items.size == 0:
+        return _empty_batches(items, eff[items], bounds, cut)
+    sizes = packing.item_sizes(eff[items], spec.token_budget, cut)
+    order, starts = packing.pack_rows(sizes, capacity=spec.token_budget)
+    seq = items[order]
+    x = eff[seq]
+    lens = np.add.reduceat(x, starts)
+    costs = _costs(x, starts, spec, "packed")
+    return _Batches(seq, x, starts, lens, costs, lens, np.zeros(starts.size, np.int32), bounds, cut)
+
+
+def cost_cut(lengths: np.ndarray, spec: BatchSpec) -> packing.CostCut | None:
+    """The cost bound of ``spec`` for samples of these effective lengths (None: the default
+    model, where the token budget is the only bound); ``cost_budget`` 0 is ``auto_budget``."""
+    if not spec.cost_model_on:
+        return None
+    budget = float(spec.cost_budget) or auto_budget(lengths, spec)
+    c0, tok, attn, slot = spec.coefficients.tolist()
+    return packing.CostCut((c0, tok, attn, slot), budget, spec.anchor_rule)
+
+
+def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
+    """The cost budget ``cost_budget`` 0 stands for, never below one ``max_seq_len`` row.
+
+    Padded: the cost of the *cheapest full micro-batch*: over the lengths that carry the
+    middle 90% of the corpus's tokens, a micro-batch of rows all of one length ``l``, as
+    many as the token budget holds (only lengths where that is within
+    ``max_batch_size``: micro-batches the token budget fills), the one of least modelled
+    cost. Every costlier-per-token shape is cut down to it, so full micro-batches cost
+    alike whatever their lengths; only those the row limit or a bucket's end leaves short
+    are cheaper (the scheduler groups those). Packed: rows already mix lengths at random,
+    so the budget is the cost of a full row of the corpus's average mix (token-weighted
+    mean length and anchors per token); only rows that drew more than their share of
+    costly documents are cut."""
+    tb, rule = spec.token_budget, spec.anchor_rule
+    floor = spec.row_cost(spec.max_seq_len)
+    if lengths.size == 0:
+        return floor
+    hist = np.bincount(lengths)
+    values = np.arange(hist.size)
+    if spec.layout == "packed":
+        tokens = float(hist @ values)
+        per_token = (hist @ cost.doc_anchors(values, rule[0], rule[1])) / tokens
+        sq_per_token = float(hist @ (values * values)) / tokens
+        block, _, cap = rule
+        slots = block * (min(cap, tb * per_token) if cap > 0 else tb * per_token)
+        c0, tok, attn, slot = spec.coefficients.tolist()
+        return max(c0 + tok * tb + attn * tb * sq_per_token + slot * slots, floor)
+    mass = np.cumsum(hist * values)
+    lo, hi = (int(v) for v in np.searchsorted(mass, mass[-1] * np.array([0.05, 0.95])))
+    lo = max(lo, -(-tb // spec.max_batch_size), 1)  # rows = tb // l <= max_batch_size
+    candidates = np.arange(lo, max(hi, lo) + 1)
+    fill = cost.uniform_features(candidates, tb // candidates, rule=rule) @ spec.coefficients
+    return max(float(fill.min()), floor)
+
+
+def _costs(x: np.ndarray, starts: np.ndarray, spec: BatchSpec, layout: str) -> np.ndarray:
+    """Each micro-batch's cost: tokens as laid out (default model; exact integers in
+    float64), else the modelled cost."""
+    if not spec.cost_model_on:
+        if layout == "packed":
+            return np.add.reduceat(x, starts).astype(np.float64)
+        rows = np.diff(np.append(starts, x.size))
+        return (rows * np.maximum.reduceat(x, starts)).astype(np.float64)
+    return cost.features(x, starts, layout=layout, rule=spec.anchor_rule) @ spec.coefficients
+
+
+def _empty_batches(
+    seq: np.ndarray, x: np.ndarray, bounds: np.ndarray, cut: packing.CostCut | None
+) -> _Batches:
+    z = np.zeros(0, np.int64)
+    return _Batches(seq, x, z, z, z.astype(np.float64), z, z.astype(np.int32), bounds, cut)
+
+
+def _schedule(batches: _Batches, spec: BatchSpec, epoch: int) -> np.ndarray:
+    """[num_steps, world_size*grad_accum] micro-batch indices, rank-major within a step."""
+    rng = np.random.default_rng([spec.seed, epoch, _RNG_ORDER])
+    stratify = (
+        spec.layout == "padded" and spec.composition == "bucketed" and spec.order == "stratified"
+    )
+    # Whole-token costs: balancing sums are then exact, independent of summation order.
+    # Modelled costs (any unit) are first scaled so that the costliest is 2**20 units.
+    top = float(batches.costs.max(initial=0.0))
+    scale = 1.0 if batches.cut is None or top <= 0 else _COST_UNITS / top
+    costs = np.ceil(batches.costs * scale).astype(np.int64)
+    args = (spec.world_size, spec.grad_accum, rng)
+    if stratify:
+        # Cost-matched units for modelled costs only: default plans stay what they were.
+        modelled = batches.cut is not None
+        return schedule.stratified_steps(
+            batches.lens, batches.tokens, costs, *args, match_costs=modelled
+        )
+    return schedule.shuffled_steps(batches.tokens, costs, *args)
+
+
+def _assemble(
+    batches: _Batches,
+    steps: np.ndarray,
+    raw: np.ndarray,
+    ok: np.ndarray,
+    spec: BatchSpec,
+    epoch: int,
+) -> EpochPlan:
+    micro = steps.ravel()
+    ends = np.append(batches.starts[1:], batches.seq.size)
+    rows = (ends - batches.starts)[micro]
+    offsets = np.zeros(micro.size + 1, np.int64)
+    np.cumsum(rows, out=offsets[1:])
+    pos = np.arange(offsets[-1], dtype=np.int64) + np.repeat(
+        batches.starts[micro] - offsets[:-1], rows
+    )
+    plan = EpochPlan(
+        spec=spec,
+        epoch=epoch,
+        num_steps=int(steps.shape[0]),
+        sample_ids=batches.seq[pos],
+        sample_lengths=batches.seq_lengths[pos].astype(np.int32),
+        offsets=offsets,
+        micro_lens=batches.lens[micro].astype(np.int64),
+        micro_costs=batches.costs[micro].astype(np.float64),
+        micro_buckets=batches.buckets[micro].astype(np.int32),
+        bucket_bounds=batches.bounds,
+        stats={},
+    )
+    plan.stats.update(_stats(plan, batches, raw, ok, spec))
+    return plan
+
+
+def _stats(
+    plan: EpochPlan, batches: _Batches, raw: np.ndarray, ok: np.ndarray, spec: BatchSpec
+) -> dict[str, Any]:
+    served_tokens = int(plan.sample_lengths.sum(dtype=np.int64))
+    rows = plan.micro_rows()
+    if spec.layout == "packed":
+        capacity = plan.num_micro * spec.token_budget
+    else:
+        capacity = int((rows * plan.micro_lens).sum())
+    empty = int((raw == 0).sum())
+    overlong = int((raw > spec.max_seq_len).sum())
+    cost_budget = float(spec.token_budget if batches.cut is None else batches.cut.budget)
+    return {
+        "samples": int(raw.size),
+        "served": int(plan.sample_ids.size),
+        "tokens": int(raw.sum(dtype=np.int64)),
+        "served_tokens": served_tokens,
+        "dropped_empty": empty,
+        "dropped_overlong": overlong if spec.overlong == "drop" else 0,
+        "truncated": int((raw[plan.sample_ids] > spec.max_seq_len).sum()),
+        "dropped_leftover": int(ok.sum()) - int(plan.sample_ids.size),
+        "dropped_leftover_micro": int(batches.starts.size) - plan.num_micro,
+        "num_micro": plan.num_micro,
+        "num_steps": plan.num_steps,
+        "num_buckets": int(plan.bucket_bounds.size),
+        "bucket_bounds": plan.bucket_bounds.tolist(),
+        "padding_efficiency": served_tokens / capacity if capacity else 1.0,
+        "cost_budget": cost_budget,
+        "budget_fill": float(plan.micro_costs.mean() / cost_budget) if rows.size else 0.0,
+    }

@@ -1,0 +1,134 @@
+"""Opening a session without stalling anyone: check at once, plan and map in the background.
+
+An ``open`` is checked on the serving thread as soon as it arrives (``parse_open``: every
+field's type and range, the daemon's spec limits, a resumed position's spec and corpus) and
+refused at once when something is wrong. What can take time runs elsewhere: the start
+epoch's plan on the planner thread (``PlanCache``), a large ring's creation (reserving up
+to ``max_ring_bytes`` of shared memory) on a helper thread. Meanwhile the client hears
+``pending`` every second and every other session is served as usual; once both are ready
+the server checks the start position against the plan and sends ``welcome``.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from loader_server.planning.planner import EpochPlan
+from loader_server.planning.spec import BatchSpec, SpecLimits
+from loader_server.service.rings import ShmRing
+from loader_server.wire import protocol as P
+
+Position = tuple[int, int, int]
+#: Rings up to this size are made on the serving thread (reserving them takes ~1 ms).
+SYNC_RING_BYTES = 64 << 20
+MAX_JOB_CHARS = 128
+
+
+class SpecMismatch(ValueError):
+    """A job's ranks, or a resumed position, disagree with this open's spec or corpus."""
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    job: str
+    rank: int
+    world_size: int
+    spec: BatchSpec
+    start: Position
+    epochs: int | None
+
+
+def parse_open(
+    msg: dict[str, Any], defaults: BatchSpec, limits: SpecLimits, num_samples: int,
+    fingerprint: str,
+) -> OpenRequest:  # fmt: skip
+    """The request an ``open`` message makes, fully checked (ValueError says what is wrong;
+    SpecMismatch when the position it resumes belongs to another spec or corpus)."""
+    job, rank, world = msg.get("job"), msg.get("rank"), msg.get("world_size")
+    if not isinstance(job, str) or not job or len(job) > MAX_JOB_CHARS or not job.isprintable():
+        raise ValueError(
+            f"job must be a non-empty printable string of <= {MAX_JOB_CHARS} chars, got {job!r}"
+        )
+    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= 65536:
+        raise ValueError(f"world_size must be an int in [1, 65536], got {world!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+        raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
+    overrides = msg.get("spec") or {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"spec must be a map of BatchSpec fields, got {type(overrides)}")
+    spec = BatchSpec.from_dict({**defaults.to_dict(), **overrides, "world_size": world})
+    limits.check(spec, num_samples)
+    start = P.position(msg.get("pos", [0, 0, 0]))
+    if start[2] >= spec.grad_accum:
+        raise ValueError(f"pos micro {start[2]} >= grad_accum {spec.grad_accum}")
+    epochs = msg.get("epochs")
+    if epochs is not None and (
+        not isinstance(epochs, int) or isinstance(epochs, bool) or not 0 <= epochs <= P.MAX_INDEX
+    ):
+        raise ValueError(f"epochs must be an int in [0, {P.MAX_INDEX}] or nil, got {epochs!r}")
+    _check_expected(msg, spec, fingerprint, start)
+    return OpenRequest(job, rank, world, spec, start, epochs)
+
+
+def _check_expected(
+    msg: dict[str, Any], spec: BatchSpec, fingerprint: str, start: Position
+) -> None:
+    """A position saved with a state_dict is only meaningful under its spec and corpus."""
+    want_fp = msg.get("expect_fingerprint")
+    if want_fp is not None and want_fp != fingerprint:
+        raise SpecMismatch(
+            f"position {list(start)} belongs to corpus {want_fp!r}, but this daemon serves "
+            f"{fingerprint}; resuming would replay other data"
+        )
+    want = msg.get("expect_spec")
+    if want is None:
+        return
+    if not isinstance(want, dict):
+        raise ValueError(f"expect_spec must be a map of BatchSpec fields, got {type(want)}")
+    try:
+        saved = BatchSpec.from_dict(want).to_dict()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"expect_spec is not a valid spec: {e}") from None
+    now = spec.to_dict()
+    diff = {k: (saved[k], now[k]) for k in now if saved[k] != now[k]}
+    if diff:
+        raise SpecMismatch(
+            f"position {list(start)} was saved under another spec; differences "
+            f"(saved, now): {diff}. Resume with the saved spec, or start the job afresh"
+        )
+
+
+def check_start(start: Position, plan: EpochPlan, num_samples: int) -> None:
+    """ValueError unless ``start`` lies inside ``plan`` (the plan of its epoch)."""
+    e, s, m = start
+    if plan.num_steps == 0:
+        raise ValueError(
+            f"epoch {e} has no steps: {num_samples} samples are too few for "
+            f"{plan.spec.micro_per_step} micro-batches per step"
+        )
+    if s >= plan.num_steps:
+        raise ValueError(
+            f"position {[e, s, m]} is past the end of epoch {e}, whose steps are 0.."
+            f"{plan.num_steps - 1} with this spec, world size and corpus (a position saved "
+            f"under another spec, world size or corpus?)"
+        )
+
+
+@dataclass
+class Opening:
+    """An accepted ``open`` waiting for its plan (and maybe its ring)."""
+
+    sid: str
+    peer: bytes
+    req: OpenRequest
+    nbytes: int  # shared memory reserved for it
+    plan: Future[EpochPlan]
+    ring: Future[ShmRing]
+    next_notice: float = field(default_factory=lambda: time.monotonic() + 1.0)
+    opened_at: float = field(default_factory=time.time)  # wall clock, for messages
+
+    def ready(self) -> bool:
+        return self.plan.done() and self.ring.done()

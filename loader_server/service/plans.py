@@ -1,0 +1,84 @@
+"""Epoch plans computed on demand, cached, and prepared one epoch ahead in the background.
+
+Plans are keyed by ``(dataset fingerprint, spec key, epoch)``; the planner is pure numpy,
+so background threads compute them while the server thread keeps serving (numpy releases
+the GIL in its heavy loops). There are several (``workers``), so one job's slow plan (a
+large corpus, an exotic spec) does not hold back another job's next epoch. Errors in a
+background thread surface on the serving thread when the plan is asked for, never as a
+silent hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from loader_server.planning.planner import EpochPlan, plan_epoch
+from loader_server.planning.spec import BatchSpec
+
+log = logging.getLogger(__name__)
+
+
+class PlanCache:
+    """``try_get`` never blocks the server loop: it returns None until the plan is ready."""
+
+    def __init__(
+        self, lengths: np.ndarray, fingerprint: str, *, max_plans: int = 16, workers: int = 4
+    ) -> None:
+        self._lengths = lengths
+        self._fingerprint = fingerprint
+        self._max_plans = max_plans
+        self._futures: OrderedDict[tuple[str, int], Future[EpochPlan]] = OrderedDict()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="planner")
+
+    def future(self, spec: BatchSpec, epoch: int) -> Future[EpochPlan]:
+        """The plan's future (planning starts now if it has not)."""
+        return self._future(spec, epoch)
+
+    def _future(self, spec: BatchSpec, epoch: int) -> Future[EpochPlan]:
+        key = (spec.key(), epoch)
+        fut = self._futures.get(key)
+        if fut is None:
+            fut = self._pool.submit(self._plan, spec, epoch)
+            self._futures[key] = fut
+            while len(self._futures) > self._max_plans:
+                self._futures.popitem(last=False)
+        else:
+            self._futures.move_to_end(key)
+        return fut
+
+    def _plan(self, spec: BatchSpec, epoch: int) -> EpochPlan:
+        t = time.perf_counter()
+        plan = plan_epoch(self._lengths, spec, epoch=epoch)
+        log.info(
+            "planned epoch %d of spec %s on %s: %d steps in %.2f s",
+            epoch,
+            spec.key(),
+            self._fingerprint[:12],
+            plan.num_steps,
+            time.perf_counter() - t,
+        )
+        return plan
+
+    def has(self, spec: BatchSpec, epoch: int) -> bool:
+        """Whether this plan was asked for already (ready or being computed)."""
+        return (spec.key(), epoch) in self._futures
+
+    def try_get(self, spec: BatchSpec, epoch: int) -> EpochPlan | None:
+        """The plan if ready (re-raising a planning error), else None; starts it if needed."""
+        fut = self._future(spec, epoch)
+        return fut.result() if fut.done() else None
+
+    def get(self, spec: BatchSpec, epoch: int) -> EpochPlan:
+        """The plan, waiting for it."""
+        return self._future(spec, epoch).result()
+
+    def prefetch(self, spec: BatchSpec, epoch: int) -> None:
+        self._future(spec, epoch)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
