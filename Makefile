@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean setup
+.PHONY: demo test test-fast soak lint typecheck bench clean setup
 
 setup: $(STAMP)
 
@@ -23,8 +23,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Unit and integration layers (tests/unit, tests/integration); the soak layer is `make soak`.
 test: lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The unit layer alone: pure code, no daemon or torchrun subprocesses (well under 30 s).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+# Long fault-injection, fuzzing and load runs (minutes each).
+soak: $(STAMP)
+	$(BIN)/python -m pytest -m slow tests/soak $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_dataset.py

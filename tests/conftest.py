@@ -23,6 +23,8 @@ TEST_SPEC = {"token_budget": 4096, "max_batch_size": 16, "max_seq_len": 1024}
 READY_TIMEOUT_S = 30.0
 #: The repository root (scripts/ and benchmarks/ run from here: they are not installed).
 ROOT = Path(__file__).resolve().parents[1]
+#: A client process that reads its batches and logs them (the tests' stand-in trainer rank).
+WORKER = Path(__file__).parent / "workers" / "consume.py"
 
 
 @pytest.fixture(scope="session")
@@ -165,3 +167,28 @@ def batch_crc(ds: ArrowDataset, ids: list[int], layout: str = "padded") -> int:
     else:
         out_ids, out_mask = np.concatenate(rows), np.concatenate(masks)
     return zlib.crc32(out_mask.tobytes(), zlib.crc32(out_ids.tobytes()))
+
+
+def consume(client, limit: int | None = None) -> list:
+    out = []
+    for batch in client:
+        out.append(batch.clone())
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def plan_sequence(ds, rank: int, epochs: range, **spec) -> list[tuple[tuple[int, int, int], list]]:
+    """This rank's (position, sample ids) in order, straight from the planner."""
+    seq = []
+    for e in epochs:
+        plan = expected_plan(ds, e, **spec)
+        g = plan.spec.grad_accum
+        for s in range(plan.num_steps):
+            for m in range(g):
+                seq.append(((e, s, m), plan.micro(s, rank, m).tolist()))
+    return seq
+
+
+def seq_of(batches) -> list[tuple[tuple[int, int, int], list]]:
+    return [(b.position, b.sample_ids.tolist()) for b in batches]

@@ -1,4 +1,5 @@
-"""Protocol fuzzing against a live daemon, and a load test with many ranks.
+"""Scenarios shared by the integration (short) and soak (long) tests: protocol fuzzing
+against a live daemon, and a load test with many ranks.
 
 Fuzzing: hypothesis generates messages (2,500 by default, 11,000 with ``-m slow``): random
 bytes, random msgpack values, well-formed maps with hostile field values, multi-frame and
@@ -20,7 +21,6 @@ import threading
 import time
 
 import msgpack
-import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,7 +28,6 @@ from hypothesis import strategies as st
 from client import LoaderClient
 from loader_server.wire import protocol as P
 
-pytestmark = pytest.mark.integration
 KINDS = ["open", "release", "heartbeat", "close", "stats", "ping", "batch", "welcome", "", "x"]
 
 scalars = st.one_of(
@@ -98,7 +97,7 @@ class _Fuzzer:
             self._new()
 
 
-def _fuzz(daemons, examples: int) -> None:
+def fuzz(daemons, examples: int) -> None:
     d = daemons("--session-timeout-s", "5")
     stop = threading.Event()
     legit: dict[str, float] = {"batches": 0}
@@ -149,16 +148,7 @@ def _fuzz(daemons, examples: int) -> None:
     assert json.loads(stats)["errors"] > examples // 10
 
 
-def test_fuzzing_short(daemons):
-    _fuzz(daemons, examples=2500)
-
-
-@pytest.mark.slow
-def test_fuzzing_ten_thousand_messages(daemons):
-    _fuzz(daemons, examples=11_000)
-
-
-def _load(daemons, seconds: float) -> None:
+def load(daemons, seconds: float) -> None:
     """Fairness is the daemon's job only when the daemon sets the pace: big micro-batches
     make it the slow side, and each rank "trains" 1 ms per batch (releasing the GIL, as
     a GPU step does), so the 16 client threads of this one process do not compete for
@@ -207,12 +197,3 @@ def _load(daemons, seconds: float) -> None:
     assert min(rates) >= 0.8 * max(rates), f"unfair: {sorted(rates)}"
     assert max(fills) <= jobs * world, "more rings than sessions"
     assert d.proc.poll() is None
-
-
-def test_load_two_jobs_of_eight_ranks_short(daemons):
-    _load(daemons, seconds=6)
-
-
-@pytest.mark.slow
-def test_load_two_jobs_of_eight_ranks_minutes(daemons):
-    _load(daemons, seconds=180)

@@ -232,35 +232,3 @@ def test_default_cost_model_plans_what_the_planner_planned_before(kwargs):
         for a in (p.sample_ids, p.offsets, p.micro_lens, p.micro_costs, p.micro_buckets):
             h.update(np.ascontiguousarray(a).tobytes())
     assert h.hexdigest()[:32] == BEFORE_COST_MODEL[kwargs]
-
-
-@pytest.mark.integration
-def test_daemon_serves_cost_balanced_plans(daemons, corpus, tmp_path):
-    """``serve --cost-profile``: every client gets the cost-balanced plan, micro-batch for
-    micro-batch; a client's own cost fields (what ``train --cost-profile`` sends) too."""
-    from conftest import TEST_SPEC
-
-    from client import LoaderClient
-
-    coefficients = {"cost_c0": 0.05, "cost_tok": 1e-5, "cost_attn": 2e-9, "cost_slot": 1e-4}
-    rule = {"block_size": 8, "anchors_per_doc": 4, "max_anchors": 64}
-    profile = write_profile(tmp_path / "profile.json", coefficients, rule)
-    d = daemons("--cost-profile", str(profile))
-    want_spec = BatchSpec(**TEST_SPEC, **coefficients, **rule, world_size=2)
-    got = {}
-    for rank in range(2):
-        c = LoaderClient(d.endpoint, job="cost", rank=rank, world_size=2, epochs=1)
-        got[rank] = [(b.position, b.sample_ids.tolist()) for b in c]
-        assert c.effective_spec["cost_slot"] == coefficients["cost_slot"]
-        c.close()
-    plan = plan_epoch(corpus.lengths, want_spec, epoch=0)
-    assert plan.stats["cost_budget"] > 0 and want_spec.cost_model_on
-    for rank in range(2):
-        assert got[rank] == [((0, s, 0), plan.micro(s, rank, 0).tolist())
-                             for s in range(plan.num_steps)]  # fmt: skip
-    own = {**coefficients, "cost_c0": 0.5, **rule}
-    c = LoaderClient(d.endpoint, job="own", rank=0, world_size=1, epochs=1, spec=own)
-    first = next(iter(c))
-    mine = plan_epoch(corpus.lengths, BatchSpec(**TEST_SPEC, **own), epoch=0)
-    assert first.sample_ids.tolist() == mine.micro(0, 0, 0).tolist()
-    c.close()

@@ -22,14 +22,13 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import TEST_SPEC, check_batch_tokens, expected_plan
+from conftest import ROOT, TEST_SPEC, check_batch_tokens, expected_plan
 
 from client import LoaderClient, LoaderError, ProtocolError
 from loader_server.wire import protocol as P
 from loader_server.wire import ring as R
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).parent.parent
 
 
 # --- 5. in-place writes to a batch ------------------------------------------------------------

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import tomllib  # Python >= 3.11, as pyproject.toml requires
+from conftest import ROOT
 
-SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
+SYSTEMD_DIR = ROOT / "systemd"
 LOADER_UNIT = "dflash-loader.service"
 TRAINER_UNIT = "dflash-trainer@.service"
 UNITS = (LOADER_UNIT, TRAINER_UNIT)

@@ -15,11 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DaemonProcess
+from conftest import ROOT, DaemonProcess
 
 from loader_server.data.dataset import _permission_denied
 
-ROOT = Path(__file__).resolve().parent.parent
 NOBODY = 65534  # nobody / nogroup on Debian and most distributions
 
 needs_root_and_setpriv = pytest.mark.skipif(

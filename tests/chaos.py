@@ -1,4 +1,5 @@
-"""Fault injection: kill -9 clients and the daemon at random moments; audit the delivery.
+"""Fault injection, the scenario shared by the integration (short) and soak (long) tests:
+kill -9 clients and the daemon at random moments; audit the delivery.
 
 4 trainer stand-ins (tests/workers/consume.py, real processes) consume 2+ epochs through
 a real daemon, checkpointing their loader state after every batch. A seeded chaos loop
@@ -22,11 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-from conftest import audited, batch_crc, expected_plan, read_runs
+from conftest import WORKER, audited, batch_crc, expected_plan, read_runs
 
-pytestmark = pytest.mark.integration
-WORKER = Path(__file__).parent / "workers" / "consume.py"
 WORLD = 4
 
 
@@ -51,7 +49,7 @@ class Worker:
         return self.proc.poll() is None and self._lines() > self.lines_at_start + 1
 
 
-def _chaos(daemons, corpus, tmp_path, *, epochs, client_kills, daemon_kills, pause_ms, seed):
+def chaos(daemons, corpus, tmp_path, *, epochs, client_kills, daemon_kills, pause_ms, seed):
     rng = random.Random(seed)
     d = daemons()
     workers = [Worker(d.endpoint, r, tmp_path, epochs, pause_ms) for r in range(WORLD)]
@@ -103,14 +101,3 @@ def _audit(corpus, tmp_path: Path, epochs: int) -> None:
             served[e] += ids
     for e, p in enumerate(plans):
         assert sorted(served[e]) == sorted(p.sample_ids.tolist()), f"epoch {e} not exactly once"
-
-
-def test_chaos_short(daemons, corpus, tmp_path):
-    _chaos(daemons, corpus, tmp_path, epochs=2, client_kills=6, daemon_kills=2, pause_ms=30,
-           seed=1)  # fmt: skip
-
-
-@pytest.mark.slow
-def test_chaos_long(daemons, corpus, tmp_path):
-    _chaos(daemons, corpus, tmp_path, epochs=3, client_kills=24, daemon_kills=6, pause_ms=100,
-           seed=2)  # fmt: skip

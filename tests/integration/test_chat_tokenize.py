@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import ROOT
 
 from loader_server.data.dataset import open_dataset
 from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
@@ -23,8 +24,6 @@ from trainer.chat import (
     token_mask,
     tokenize_corpus,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def chatml(sep: str = "\\n", generation: bool = False) -> str:

@@ -12,14 +12,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import tomllib
+from conftest import ROOT
 
 from scripts.daemon_process import DaemonProcess
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _names(requirements: list[str]) -> set[str]:

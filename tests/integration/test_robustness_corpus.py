@@ -16,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import ROOT
 from test_robustness_daemon import one_line_error, run_cli
 
 from client import LoaderClient, LoaderRequestError
 from loader_server.data.dataset import DatasetError, open_dataset
 from loader_server.data.synth import SynthSpec, write_corpus
 from loader_server.wire import protocol as P
-
-ROOT = Path(__file__).parent.parent
 
 
 def _write(path: Path, ids: list[list[int]], masks: list[list[int]], id_type, mask_type) -> Path:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import ROOT
 
 from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 from trainer.cli import main
@@ -32,7 +33,6 @@ from trainer.regen_server import (
     retry_after_s,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 SERVER = ROOT / "scripts" / "chat_server.py"
 MAX_TOKENS = 12
 
