@@ -79,20 +79,40 @@ def features(
     out = np.empty((starts.size, len(FEATURES)), np.float64)
     if starts.size == 0:
         return out
+    anchors = np.add.reduceat(doc_anchors(x, block, per_doc), starts)
     if layout == "packed":
         tokens = np.add.reduceat(x, starts)
         sq = np.add.reduceat(x * x, starts)
+        slots = capped_slots(anchors, block, cap)
     else:
         rows = np.diff(np.append(starts, x.size))
-        longest = np.maximum.reduceat(x, starts)
-        tokens = rows * longest
-        sq = tokens * longest
-    anchors = np.add.reduceat(doc_anchors(x, block, per_doc), starts)
+        tokens, sq, slots = padded_terms(rows, np.maximum.reduceat(x, starts), anchors, rule)
     out[:, 0] = 1.0
     out[:, 1] = tokens
     out[:, 2] = sq
-    out[:, 3] = capped_slots(anchors, block, cap)
+    out[:, 3] = slots
     return out
+
+
+def padded_terms(
+    rows: np.ndarray, longest: np.ndarray, anchors: np.ndarray, rule: tuple[int, int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, sq, slots) of padded micro-batches of ``rows`` rows ``longest`` wide whose
+    documents draw ``anchors`` anchors, elementwise: the one statement of the padded
+    features (float64, exact below 2^53)."""
+    tokens = rows * np.asarray(longest).astype(np.float64)
+    return tokens, tokens * longest, capped_slots(anchors, rule[0], rule[2])
+
+
+def modelled(
+    coefficients: tuple[float, float, float, float],
+    tokens: np.ndarray,
+    sq: np.ndarray,
+    slots: np.ndarray,
+) -> np.ndarray:
+    """The cost model itself: ``c0 + c_tok*tokens + c_attn*sq + c_slot*slots``."""
+    c0, tok, attn, slot = coefficients
+    return c0 + tok * tokens + attn * sq + slot * slots
 
 
 def uniform_features(
@@ -102,12 +122,9 @@ def uniform_features(
     (padded and packed alike: no padding)."""
     x = np.asarray(lengths, dtype=np.int64)
     n = np.asarray(rows, dtype=np.int64)
-    block, per_doc, cap = rule
     out = np.empty((x.size, len(FEATURES)), np.float64)
     out[:, 0] = 1.0
-    out[:, 1] = n * x
-    out[:, 2] = n * x * x
-    out[:, 3] = capped_slots(n * doc_anchors(x, block, per_doc), block, cap)
+    out[:, 1:] = np.stack(padded_terms(n, x, n * doc_anchors(x, rule[0], rule[1]), rule), 1)
     return out
 
 

@@ -67,11 +67,7 @@ class CostCut:
 
     def padded(self, rows: np.ndarray, longest: np.ndarray, anchors: np.ndarray) -> np.ndarray:
         """Modelled cost of padded micro-batches (elementwise; float64)."""
-        c0, tok, attn, slot = self.coefficients
-        tokens = rows * longest.astype(np.float64)
-        block, _, cap = self.rule
-        slots = cm.capped_slots(anchors, block, cap)
-        return c0 + tok * tokens + attn * (tokens * longest) + slot * slots
+        return cm.modelled(self.coefficients, *cm.padded_terms(rows, longest, anchors, self.rule))
 
     def rows_within(self, longest: np.ndarray, most: np.ndarray) -> np.ndarray:
         """Most rows (at most ``most``) whose cost fits when every row has length
