@@ -1,8 +1,8 @@
 """A loader daemon in a subprocess: start it, wait (bounded) for its READY line, stop it.
 
 One mechanism for everything that runs a daemon of its own: the tests, the README demo,
-``python benchmarks/bench_loader.py`` and ``python -m benchmarks.experiment``. Production runs the daemon under
-systemd instead (``systemd/``).
+``python benchmarks/bench_loader.py`` and ``python -m benchmarks.experiment``. Production
+runs the daemon under systemd instead (``systemd/``).
 """
 
 from __future__ import annotations
