@@ -19,7 +19,8 @@ kind is checked (source is read as text or with ``ast``; nothing heavy is import
   are its options (also on the command lines of code blocks); ``X --flag`` with X one of
   the subcommands likewise; ``python benchmarks/...`` / ``python -m benchmarks...`` and
   ``scripts/`` commands take only flags their source defines; a span of flags alone
-  (``--slots``) names an option of some command of ours.
+  (``--slots``) names an option of some command of ours; ``from ... import`` lines of
+  code blocks import names our modules define.
 
 Names of other projects (systemd directives, torch, Transformers, SGLang, vLLM...) are in the
 allow-lists below, each with its origin. Plain lowercase words (``auto``, ``fill``), values,
@@ -492,6 +493,16 @@ def check_bare_flags(text: str) -> list[str]:
     return check_flags(flags_in(text.split()), every_flag(), "no command")
 
 
+def check_imports(text: str) -> list[str]:
+    """``from loader_server.x import y`` in a code block: y is defined in that module."""
+    m = re.fullmatch(r"\s*from ([\w.]+) import ([\w, ]+)", text)
+    if not m or m.group(1).split(".")[0] not in PACKAGES:
+        return []
+    return [
+        e for name in m.group(2).split(",") for e in check_dotted(f"{m.group(1)}.{name.strip()}")
+    ]
+
+
 CHECKS = (check_paths, check_dotted, check_call, check_word, check_commands, check_bare_flags)
 
 
@@ -500,7 +511,8 @@ def problems() -> list[str]:
     for where, text in spans():
         out += [f"{where}: `{text}`: {e}" for check in CHECKS for e in check(text)]
     for where, text in command_lines():
-        out += [f"{where}: {e}" for check in (check_paths, check_commands) for e in check(text)]
+        block_checks = (check_paths, check_commands, check_imports)
+        out += [f"{where}: {e}" for check in block_checks for e in check(text)]
     return out
 
 
@@ -529,6 +541,13 @@ def test_every_code_name_in_the_docs_exists():
 )
 def test_a_name_that_does_not_exist_is_caught(text):
     assert [e for check in CHECKS for e in check(text)]
+
+
+def test_an_import_in_a_code_block_is_checked():
+    assert check_imports("from loader_server.planning.planner import plan_epoch, EpochPlan") == []
+    assert check_imports("from client import LoaderClient") == []
+    assert check_imports("from loader_server.service.server import NoSuchName")
+    assert check_imports("from torch import nn") == []
 
 
 @pytest.mark.parametrize(
