@@ -520,6 +520,17 @@ def test_every_code_name_in_the_docs_exists():
     assert problems() == []
 
 
+def test_every_relative_link_in_the_docs_exists():
+    """``[text](path)`` and ``![image](path)`` links to files of the repository."""
+    missing = [
+        f"{doc.relative_to(ROOT)}: {target}"
+        for doc in DOCS
+        for target in re.findall(r"\]\(([^)\s#]+)[^)]*\)", doc.read_text())
+        if "://" not in target and not (doc.parent / target).exists()
+    ]
+    assert missing == []
+
+
 @pytest.mark.parametrize(
     "text",
     [
