@@ -35,9 +35,15 @@ from loader_server.service.endpoint import EndpointBusyError, check_endpoint, ch
 from loader_server.service.prometheus import start_exporter
 from loader_server.service.rings import sweep_dead_segments
 from loader_server.service.sdnotify import Notifier
-from loader_server.service.server import LoaderServer, ServerConfig
+from loader_server.service.server import LoaderServer
 
 log = logging.getLogger(__name__)
+# How often systemd's status line (``systemctl status``) is refreshed: fresh enough for a
+# person looking, rare enough to cost nothing.
+STATUS_EVERY_S = 5.0
+# The open-file limit asked for when the hard limit is unlimited: one descriptor per shard
+# stays open, and corpora of tens of thousands of shards exist.
+FD_LIMIT_IF_UNLIMITED = 1 << 16
 __all__ = ["Daemon", "EndpointBusyError", "State"]
 
 
@@ -124,25 +130,7 @@ class Daemon:
             ds.fingerprint,
             time.perf_counter() - t,
         )
-        self.server = LoaderServer(
-            ds,
-            ServerConfig(
-                endpoint=c.endpoint,
-                slots=c.slots,
-                shm_dir=c.shm_dir,
-                shm_mode=c.shm_mode,
-                group=c.group,
-                pad_id=c.pad_id,
-                session_timeout_s=c.session_timeout_s,
-                corpus_check_s=c.corpus_check_s,
-                max_ring_bytes=c.max_ring_bytes,
-                shm_budget_bytes=c.shm_budget_bytes,
-                max_sessions_per_peer=c.max_sessions_per_peer,
-                spec_defaults=c.spec,
-                limits=c.limits(),
-                curve_secret_key_file=c.curve_secret_key_file,
-            ),
-        )
+        self.server = LoaderServer(ds, c)
         self.server.bind()
         log.info(
             "shared memory caps: %s bytes per session, %s bytes in all (%s)",
@@ -218,12 +206,12 @@ class Daemon:
             self._next_watchdog = now + interval
         if self.notifier.enabled and now >= self._next_status:
             self.notifier.status(self._status_line())
-            self._next_status = now + 5.0
+            self._next_status = now + STATUS_EVERY_S
 
 
 def _raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, FD_LIMIT_IF_UNLIMITED)
     if soft != resource.RLIM_INFINITY and soft < want:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))

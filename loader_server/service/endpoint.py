@@ -33,13 +33,21 @@ from loader_server.wire import protocol as P
 
 log = logging.getLogger(__name__)
 IPC_PATH_MAX = 107  # sun_path holds 108 bytes with its NUL
+# A daemon answers a ping in microseconds; a second covers a loaded machine.
+PING_TIMEOUT_S = 1.0
+# Start-up probes of an existing socket (connect, then ping): a live daemon answers far
+# sooner, and a start must not hang long on a listener that never answers.
+PROBE_TIMEOUT_S = 0.5
+# Pending connections the kernel queues for the daemon: a whole cluster's ranks connecting
+# at once.
+LISTEN_BACKLOG = 256
 
 
 class EndpointBusyError(RuntimeError):
     """Another live daemon (or another program) listens on the endpoint."""
 
 
-def ping(endpoint: str, timeout_s: float = 1.0) -> int | None:
+def ping(endpoint: str, timeout_s: float = PING_TIMEOUT_S) -> int | None:
     """The pid of the daemon answering on ``endpoint``, or None if nobody answers in time."""
     ctx: zmq.Context = zmq.Context.instance()
     sock: zmq.Socket = ctx.socket(zmq.DEALER)
@@ -125,7 +133,7 @@ def _check_ipc(addr: IpcAddress) -> None:
             os.unlink(path)
             log.info("removed stale socket %s (a socket nobody listens on)", path)
         return
-    pid = ping(addr.endpoint, timeout_s=0.5)
+    pid = ping(addr.endpoint, timeout_s=PROBE_TIMEOUT_S)
     if pid is not None:
         raise EndpointBusyError(
             f"another dflash-loader daemon (pid {pid}) is serving on {addr.endpoint}; stop it "
@@ -133,13 +141,13 @@ def _check_ipc(addr: IpcAddress) -> None:
         )
     raise EndpointBusyError(
         f"something listens on {addr.endpoint} (no dflash-loader daemon answered a ping "
-        f"there within 0.5 s); choose another --endpoint"
+        f"there within {PROBE_TIMEOUT_S} s); choose another --endpoint"
     )
 
 
 def _listening(addr: IpcAddress) -> bool:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(0.5)
+    probe.settimeout(PROBE_TIMEOUT_S)
     try:
         probe.connect(addr.sockaddr)
         return True
@@ -182,7 +190,7 @@ def listen_ipc(addr: IpcAddress, mode: int, group: str | None) -> int:
             os.chmod(addr.path, mode)
             if group is not None:
                 os.chown(addr.path, -1, grp.getgrnam(group).gr_gid)
-        sock.listen(256)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:

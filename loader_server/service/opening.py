@@ -24,7 +24,14 @@ from loader_server.wire import protocol as P
 Position = tuple[int, int, int]
 #: Rings up to this size are made on the serving thread (reserving them takes ~1 ms).
 SYNC_RING_BYTES = 64 << 20
+#: A job name is a label in logs and stats: long enough for any run name, short enough to
+#: keep those lines readable.
 MAX_JOB_CHARS = 128
+#: Ranks per job: far above any real cluster, low enough to keep a bogus open cheap to refuse.
+MAX_WORLD_SIZE = 65536
+#: How often a client waiting for its session hears ``pending``: well within the silence
+#: after which a client presumes the daemon gone (``dead_after_s``, 5 s by default).
+PENDING_EVERY_S = 1.0
 
 
 class SpecMismatch(ValueError):
@@ -52,8 +59,8 @@ def parse_open(
         raise ValueError(
             f"job must be a non-empty printable string of <= {MAX_JOB_CHARS} chars, got {job!r}"
         )
-    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= 65536:
-        raise ValueError(f"world_size must be an int in [1, 65536], got {world!r}")
+    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be an int in [1, {MAX_WORLD_SIZE}], got {world!r}")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
         raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
     overrides = msg.get("spec") or {}
@@ -127,7 +134,7 @@ class Opening:
     nbytes: int  # shared memory reserved for it
     plan: Future[EpochPlan]
     ring: Future[ShmRing]
-    next_notice: float = field(default_factory=lambda: time.monotonic() + 1.0)
+    next_notice: float = field(default_factory=lambda: time.monotonic() + PENDING_EVERY_S)
     opened_at: float = field(default_factory=time.time)  # wall clock, for messages
 
     def ready(self) -> bool:

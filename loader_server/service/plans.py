@@ -21,13 +21,24 @@ from loader_server.planning.planner import EpochPlan, plan_epoch
 from loader_server.planning.spec import BatchSpec
 
 log = logging.getLogger(__name__)
+# Plans kept (the least recently used go first): each job holds its current epoch's and the
+# next one's, so this serves 8 jobs at once without replanning; a plan holds every sample
+# id of its epoch, so many more would cost memory on a large corpus.
+MAX_PLANS = 16
+# Planner threads: one job's slow plan must not hold back another job's next epoch.
+PLANNER_THREADS = 4
 
 
 class PlanCache:
     """``try_get`` never blocks the server loop: it returns None until the plan is ready."""
 
     def __init__(
-        self, lengths: np.ndarray, fingerprint: str, *, max_plans: int = 16, workers: int = 4
+        self,
+        lengths: np.ndarray,
+        fingerprint: str,
+        *,
+        max_plans: int = MAX_PLANS,
+        workers: int = PLANNER_THREADS,
     ) -> None:
         self._lengths = lengths
         self._fingerprint = fingerprint

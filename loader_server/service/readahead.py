@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 DEPTH = 8
 # Requests queued beyond this are dropped (the fill then faults the pages itself).
 _MAX_QUEUED = 256
+# At close, how long the thread may take to finish the request it is on (a hint: a slower
+# one is left behind, a daemon thread, rather than holding up a reload or shutdown).
+_JOIN_TIMEOUT_S = 5.0
 
 
 class Readahead:
@@ -58,4 +61,4 @@ class Readahead:
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=_JOIN_TIMEOUT_S)

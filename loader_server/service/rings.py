@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 MAX_RING_BYTES = 1 << 30
 #: Default daemon budget: this share of the shm folder's free space when the daemon starts.
 BUDGET_SHARE = 0.75
+#: Default per-session cap: the budget divided by this, so this many ranks (a node's GPUs)
+#: at the cap always fit.
+RINGS_AT_CAP = 8
 
 
 class ShmSpaceError(ValueError):
@@ -76,7 +79,7 @@ def shm_caps(
         vfs = os.statvfs(shm_dir)
         budget_bytes = int(vfs.f_bavail * vfs.f_frsize * BUDGET_SHARE)
     if max_ring_bytes is None:
-        max_ring_bytes = min(MAX_RING_BYTES, budget_bytes // 8)
+        max_ring_bytes = min(MAX_RING_BYTES, budget_bytes // RINGS_AT_CAP)
     return max_ring_bytes, budget_bytes
 
 

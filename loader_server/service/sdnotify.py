@@ -35,6 +35,11 @@ from collections.abc import Mapping, MutableMapping
 log = logging.getLogger(__name__)
 
 _ENV_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+# A datagram to a local socket goes at once or the receiver is wedged: do not wait longer.
+SEND_TIMEOUT_S = 1.0
+# Pings per watchdog period: every half of it, the margin sd_watchdog_enabled(3) recommends.
+PINGS_PER_WATCHDOG = 2
+_USEC_PER_S = 1_000_000
 
 
 class Notifier:
@@ -50,7 +55,7 @@ class Notifier:
         *,
         watchdog_usec: int | None = None,
         watchdog_pid: int | None = None,
-        timeout_s: float = 1.0,
+        timeout_s: float = SEND_TIMEOUT_S,
     ) -> None:
         self._address = _parse_address(address)
         self._label = address or ""
@@ -105,7 +110,7 @@ class Notifier:
 
     def extend_timeout(self, seconds: float) -> bool:
         """``EXTEND_TIMEOUT_USEC``: ask for ``seconds`` more before the start/stop timeout."""
-        return self.send(f"EXTEND_TIMEOUT_USEC={max(0, round(seconds * 1_000_000))}")
+        return self.send(f"EXTEND_TIMEOUT_USEC={max(0, round(seconds * _USEC_PER_S))}")
 
     def watchdog_interval_s(self) -> float | None:
         """Seconds between watchdog pings (half of ``$WATCHDOG_USEC``), or ``None``.
@@ -118,7 +123,7 @@ class Notifier:
             return None
         if self._watchdog_pid is not None and self._watchdog_pid != os.getpid():
             return None
-        return self._watchdog_usec / 2 / 1_000_000
+        return self._watchdog_usec / PINGS_PER_WATCHDOG / _USEC_PER_S
 
     def send(self, *assignments: str) -> bool:
         """Send ``KEY=VALUE`` assignments as one datagram; True if it was sent.

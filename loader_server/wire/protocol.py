@@ -76,6 +76,14 @@ class ProtocolError(LoaderError):
     """A malformed or unexpected message, or a version mismatch."""
 
 
+class MalformedError(ProtocolError):
+    """A frame that is not a message: too big, undecodable, or not a map with a type."""
+
+
+class VersionError(ProtocolError):
+    """A message of another protocol version (the two sides run different releases)."""
+
+
 class LoaderUnavailableError(LoaderError):
     """The daemon did not answer within the client's timeout."""
 
@@ -150,10 +158,11 @@ def encode(kind: str, **fields: Any) -> bytes:
 
 
 def decode(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
-    """Parse one frame, bounding every size; raises ProtocolError on anything unexpected.
-    ``max_bytes`` is raised only for a ``stats`` reply (one entry per session)."""
+    """Parse one frame, bounding every size; raises MalformedError on anything unexpected,
+    VersionError on another protocol version. ``max_bytes`` is raised only for a ``stats``
+    reply (one entry per session)."""
     if len(frame) > max_bytes:
-        raise ProtocolError(f"message of {len(frame)} bytes exceeds {max_bytes}")
+        raise MalformedError(f"message of {len(frame)} bytes exceeds {max_bytes}")
     try:
         msg = msgpack.unpackb(
             frame,
@@ -166,12 +175,12 @@ def decode(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
             max_ext_len=0,
         )
     except Exception as e:  # msgpack raises a zoo of types for garbage input
-        raise ProtocolError(f"undecodable message ({type(e).__name__}: {e})") from e
+        raise MalformedError(f"undecodable message ({type(e).__name__}: {e})") from e
     if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-        raise ProtocolError("message is not a map with a string 't' (type) field")
+        raise MalformedError("message is not a map with a string 't' (type) field")
     version = msg.get("v")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(
+        raise VersionError(
             f"protocol version {version!r} is not supported (this side speaks "
             f"{PROTOCOL_VERSION}); run the same dflash-loader version on daemon and clients"
         )

@@ -146,7 +146,8 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
     The server runs in this process so that planning and filling can be slowed down."""
     import loader_server.service.plans as plans
     from loader_server.data.dataset import ArrowDataset
-    from loader_server.service.server import LoaderServer, ServerConfig
+    from loader_server.service.config import DaemonConfig
+    from loader_server.service.server import LoaderServer
 
     real_plan, real_fill = plans.plan_epoch, ArrowDataset.fill
     planning, finish = threading.Event(), threading.Event()
@@ -164,7 +165,7 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
     monkeypatch.setattr(plans, "plan_epoch", slow_plan)
     monkeypatch.setattr(ArrowDataset, "fill", slow_fill)
     endpoint = f"ipc://{tmp_path}/inproc.sock"
-    server = LoaderServer(corpus, ServerConfig(endpoint=endpoint, shm_dir=shm_dir))
+    server = LoaderServer(corpus, DaemonConfig(endpoint=endpoint, shm_dir=shm_dir))
     server.bind()
     stop = threading.Event()
     loop = threading.Thread(target=server.serve_forever, args=(stop.is_set,))

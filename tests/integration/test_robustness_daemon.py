@@ -492,7 +492,8 @@ def test_planning_never_blocks_the_serving_thread(corpus, tmp_path, shm_dir, mon
     that planning can be held."""
     import loader_server.service.plans as plans
     from loader_server.planning.spec import BatchSpec
-    from loader_server.service.server import LoaderServer, ServerConfig
+    from loader_server.service.config import DaemonConfig
+    from loader_server.service.server import LoaderServer
 
     real_plan = plans.plan_epoch
     planning, finish, planned = threading.Event(), threading.Event(), threading.Event()
@@ -508,8 +509,8 @@ def test_planning_never_blocks_the_serving_thread(corpus, tmp_path, shm_dir, mon
 
     monkeypatch.setattr(plans, "plan_epoch", slow_plan)
     endpoint = f"ipc://{tmp_path}/inproc.sock"
-    server = LoaderServer(corpus, ServerConfig(endpoint=endpoint, shm_dir=shm_dir,
-                                               spec_defaults=BatchSpec(**TEST_SPEC)))  # fmt: skip
+    server = LoaderServer(corpus, DaemonConfig(endpoint=endpoint, shm_dir=shm_dir,
+                                               spec=BatchSpec(**TEST_SPEC)))  # fmt: skip
     server.bind()
     stop = threading.Event()
     loop = threading.Thread(target=server.serve_forever, args=(stop.is_set,))
