@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import zmq
 
+from client.backoff import Backoff
 from client.batch import Batch
 from client.ring import Ring, RingGone
 from loader_server.wire import protocol as P
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 2: the effective spec is recorded (1, without it, still loads)
 # After the bell rang for a message rather than a batch: how long to wait for it to arrive.
 _MESSAGE_IN_FLIGHT_S = 0.1
+# Error codes saying the daemon no longer has this session (it restarted, or another open
+# replaced it): reopen it rather than fail.
+_SESSION_LOST = (P.E_UNKNOWN_SESSION, P.E_REPLACED)
 
 
 class LoaderClient:
@@ -112,6 +116,8 @@ class LoaderClient:
         self._sid: str | None = None
         self._ring: Ring | None = None
         self._n = 0  # index in the session of the next batch to receive
+        self._heard_at = 0.0  # while waiting for a batch: when the daemon was last heard
+        self._heartbeat_at = 0.0  # ... and when the next heartbeat is due
         self._pid: int | None = None  # the process that connected (owns socket and session)
         self._closed = False  # close() was called: the client cannot be used again
         self._done = False  # the requested epochs were served: StopIteration from now on
@@ -129,7 +135,8 @@ class LoaderClient:
         if self.epochs is not None and self.position[0] >= self.epochs:
             self._finish()  # free the daemon's ring now rather than at session timeout
             raise StopIteration
-        deadline = None
+        deadline = None  # of an outage: timeout_s after its first failure
+        backoff = Backoff()
         while True:
             try:
                 if self._sid is None:
@@ -141,7 +148,7 @@ class LoaderClient:
                 return batch
             except _Reconnect as why:
                 deadline = deadline or time.monotonic() + self.timeout_s
-                self._reset(str(why), deadline)
+                self._reset(str(why), deadline, backoff.next_wait())
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the next batch this rank should receive, with the spec and corpus
@@ -333,7 +340,7 @@ class LoaderClient:
                 break
             if msg["t"] == "error" and msg.get("s") == sid:
                 code = str(msg.get("code"))
-                if code not in (P.E_UNKNOWN_SESSION, P.E_REPLACED):
+                if code not in _SESSION_LOST:
                     raise P.LoaderRequestError(code, str(msg.get("msg")))
         raise _Reconnect(f"session {sid} ended before its ring could be mapped")
 
@@ -374,106 +381,108 @@ class LoaderClient:
         return st.st_uid if stat.S_ISSOCK(st.st_mode) else None
 
     def _receive(self) -> Batch | None:
-        """This session's next batch (None: the requested epochs are done).
+        """This session's next batch (None: the requested epochs are done). A batch already
+        in the ring is taken without a system call; otherwise the client sleeps for it."""
+        if self._ready():
+            return self._batch(self._n)
+        return self._wait_for_batch()
 
-        A batch already in the ring is taken without a system call. Otherwise the client
-        sets its wake threshold and sleeps on the ring's bell, which the daemon rings for
-        the batch and after any message it sends this session; heartbeats go out every
-        ``heartbeat_s``, and silence for ``dead_after_s`` means the daemon is gone.
-        """
-        ring, n = self._ring, self._n
+    def _ready(self) -> bool:
+        """Has the daemon published the next batch?"""
+        assert self._ring is not None
+        return self._ring.produced() > self._n
+
+    def _wait_for_batch(self) -> Batch | None:
+        """Sleep until the next batch (or the end), counting the time as waiting for data."""
+        ring = self._ring
         assert ring is not None
-        if ring.produced() > n:
-            return self._batch(n)
         t0 = time.monotonic()
-        last_heard = t0
-        next_hb = t0 + self.heartbeat_s
+        self._heard_at, self._heartbeat_at = t0, t0 + self.heartbeat_s
         # Waiting means the daemon is the slow side: ask to be woken when two batches are
         # ready, halving wake-ups at no cost in throughput (the second is taken at once).
         # The daemon also rings after any message, such as "end" after the last batch.
-        ring.wake_client_at(n + min(2, ring.slots))
+        ring.wake_client_at(self._n + min(2, ring.slots))
         try:
-            while True:
-                bell = ring.bell()  # before looking: a ring after this read wakes the wait
-                if ring.produced() > n:
-                    return self._batch(n)
-                msg = self._recv(0)
-                if msg is None:
-                    now = time.monotonic()
-                    timeout = min(next_hb, last_heard + self.dead_after_s) - now
-                    if timeout > 0 and ring.wait(bell, timeout):
-                        if ring.produced() > n:
-                            continue
-                        # Rung for a message, which may still be in flight through ZeroMQ.
-                        msg = self._recv(_MESSAGE_IN_FLIGHT_S)
-                        if msg is None:
-                            continue
-                    else:
-                        now = time.monotonic()
-                        if now - last_heard >= self.dead_after_s:
-                            raise _Reconnect(
-                                f"no message from the daemon for {self.dead_after_s:.1f} s"
-                            )
-                        if now < next_hb:
-                            continue
-                        self._send("heartbeat", s=self._sid)
-                        next_hb = now + self.heartbeat_s
-                        # The answer rings the bell, but a daemon that no longer knows this
-                        # session (restarted, or it expired) answers without one.
-                        msg = self._recv(_MESSAGE_IN_FLIGHT_S)
-                        if msg is None:
-                            continue
-                last_heard = time.monotonic()
-                if msg.get("s") not in (None, self._sid):
-                    continue  # stale: from a session we already left
-                kind = msg["t"]
-                if kind == "end":  # sent after the last batch was published
-                    return self._batch(n) if ring.produced() > n else None
-                if kind == "bye":
-                    raise _Reconnect(str(msg.get("why", "daemon is shutting down")))
-                if kind == "error":
-                    code = str(msg.get("code"))
-                    if code in (P.E_UNKNOWN_SESSION, P.E_REPLACED):
-                        raise _Reconnect(f"session lost: {msg.get('msg')}")
-                    raise P.LoaderRequestError(code, str(msg.get("msg")))
-                # "hb": the daemon is alive; look at the ring again
+            return self._sleep_until_batch()
         finally:
             ring.wake_client_at(0)  # awake again: no bells wanted (see Session.nudge)
             self.wait_s += time.monotonic() - t0
             ring.set_wait(self.wait_s)
 
+    def _sleep_until_batch(self) -> Batch | None:
+        """Sleep on the ring's bell, which the daemon rings for the batch and after any
+        message it sends this session, until the batch is there or the session ends."""
+        assert self._ring is not None
+        while True:
+            bell = self._ring.bell()  # before looking: a ring after this read wakes the wait
+            if self._ready():
+                return self._batch(self._n)
+            msg = self._recv(0)
+            if msg is None:
+                msg = self._sleep_on_bell(bell)
+            if msg is not None:
+                self._heard_at = time.monotonic()
+                if self._is_end(msg):
+                    return self._batch(self._n) if self._ready() else None
+
+    def _sleep_on_bell(self, bell: int) -> dict[str, Any] | None:
+        """Sleep until the bell rings past ``bell`` or a heartbeat is due; the message that
+        woke the client, if any (None: look at the ring again)."""
+        assert self._ring is not None
+        timeout = min(self._heartbeat_at, self._heard_at + self.dead_after_s) - time.monotonic()
+        if timeout <= 0 or not self._ring.wait(bell, timeout):
+            return self._heartbeat()
+        if self._ready():
+            return None
+        # Rung for a message, which may still be in flight through ZeroMQ.
+        return self._recv(_MESSAGE_IN_FLIGHT_S)
+
+    def _heartbeat(self) -> dict[str, Any] | None:
+        """The bell stayed quiet: give up on a silent daemon, or ask whether it is alive
+        when a heartbeat is due; its answer, if one comes at once."""
+        now = time.monotonic()
+        if now - self._heard_at >= self.dead_after_s:
+            raise _Reconnect(f"no message from the daemon for {self.dead_after_s:.1f} s")
+        if now < self._heartbeat_at:
+            return None
+        self._send("heartbeat", s=self._sid)
+        self._heartbeat_at = now + self.heartbeat_s
+        # The answer rings the bell, but a daemon that no longer knows this session
+        # (restarted, or it expired) answers without one.
+        return self._recv(_MESSAGE_IN_FLIGHT_S)
+
+    def _is_end(self, msg: dict[str, Any]) -> bool:
+        """Act on a message that came while waiting: True for ``end`` (sent after the last
+        batch was published); reconnect on ``bye`` or a lost session, raise other errors;
+        anything else (``hb``: the daemon is alive, or a stale message) changes nothing."""
+        if msg.get("s") not in (None, self._sid):
+            return False  # stale: from a session we already left
+        kind = msg["t"]
+        if kind == "bye":
+            raise _Reconnect(str(msg.get("why", "daemon is shutting down")))
+        if kind == "error":
+            code = str(msg.get("code"))
+            if code in _SESSION_LOST:
+                raise _Reconnect(f"session lost: {msg.get('msg')}")
+            raise P.LoaderRequestError(code, str(msg.get("msg")))
+        return kind == "end"
+
     def _batch(self, n: int) -> Batch:
+        """Take batch ``n`` out of its slot, give the slot back, and move past it."""
         ring = self._ring
         assert ring is not None
         slot = n % ring.slots
-        seq, e, s, m, ne, ns, nm, steps, bucket, rows, width, tokens, maxlen = ring.meta(slot)
-        if seq != n or (e, s, m) != self.position:
+        meta = ring.meta(slot)
+        if meta.n != n or meta.position != self.position:
             raise P.ProtocolError(
-                f"slot {slot} holds batch {seq} at {(e, s, m)}, expected batch {n} at "
+                f"slot {slot} holds batch {meta.n} at {meta.position}, expected batch {n} at "
                 f"{self.position}: the daemon and this client disagree about the plan"
             )
         layout = (self.effective_spec or {}).get("layout", "padded")
-        shapes: tuple[tuple[str, tuple[int, ...]], ...]
-        if layout == "packed":
-            shapes = (
-                ("input_ids", (1, width)),
-                ("loss_mask", (1, width)),
-                ("position_ids", (1, width)),
-                ("lengths", (rows,)),
-                ("sample_ids", (rows,)),
-                ("cu_seqlens", (rows + 1,)),
-            )
-        else:
-            shapes = (
-                ("input_ids", (rows, width)),
-                ("loss_mask", (rows, width)),
-                ("lengths", (rows,)),
-                ("sample_ids", (rows,)),
-            )
         pin = self.pin_memory
         if pin is None:  # pinned pages only help (and only cost) once CUDA is in use
             pin = torch.cuda.is_initialized()
-        t = ring.take(slot, shapes, pin)
+        t = ring.take(slot, _field_shapes(layout, meta.rows, meta.width), pin)
         self._release(n + 1)  # the slot goes straight back: the batch is a private copy
         batch = Batch(
             input_ids=t["input_ids"],
@@ -482,17 +491,17 @@ class LoaderClient:
             sample_ids=t["sample_ids"],
             position_ids=t.get("position_ids"),
             cu_seqlens=t.get("cu_seqlens"),
-            max_seqlen=maxlen,
-            epoch=e,
-            step=s,
-            micro=m,
-            bucket=bucket,
+            max_seqlen=meta.maxlen,
+            epoch=meta.epoch,
+            step=meta.step,
+            micro=meta.micro,
+            bucket=meta.bucket,
             layout=layout,
-            steps_per_epoch=steps,
-            num_tokens=tokens,
+            steps_per_epoch=meta.steps,
+            num_tokens=meta.tokens,
         )
-        self.steps_per_epoch = steps
-        self.position = (ne, ns, nm)
+        self.steps_per_epoch = meta.steps
+        self.position = meta.next_position
         self._n = n + 1
         return batch
 
@@ -523,8 +532,9 @@ class LoaderClient:
             self._ring.close()
             self._ring = None
 
-    def _reset(self, why: str, deadline: float) -> None:
-        """Drop socket and session; back off before the next open attempt."""
+    def _reset(self, why: str, deadline: float, wait_s: float) -> None:
+        """Drop socket and session; wait ``wait_s`` (but not past ``deadline``) before the
+        next open attempt, or raise if that attempt can no longer succeed in time."""
         self._close_session()
         if self._sock is not None:
             self._sock.close(linger=0)
@@ -539,9 +549,32 @@ class LoaderClient:
                 f"(last problem: {problem[1] if problem else why}); is `dflash-loader serve` "
                 f"running?"
             )
-        log.warning("loader connection lost (%s); reconnecting to %s", why, self.endpoint)
-        time.sleep(min(0.2, left))
+        wait_s = min(wait_s, left)
+        log.warning(
+            "loader connection lost (%s); reconnecting to %s in %.2f s", why, self.endpoint, wait_s
+        )
+        time.sleep(wait_s)
+
+
+def _field_shapes(layout: str, rows: int, width: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The fields of a batch of ``rows`` x ``width`` and their shapes, as ``Ring.take``
+    copies them (a packed batch is one row of ``width`` tokens holding ``rows`` documents)."""
+    if layout == "packed":
+        return (
+            ("input_ids", (1, width)),
+            ("loss_mask", (1, width)),
+            ("position_ids", (1, width)),
+            ("lengths", (rows,)),
+            ("sample_ids", (rows,)),
+            ("cu_seqlens", (rows + 1,)),
+        )
+    return (
+        ("input_ids", (rows, width)),
+        ("loss_mask", (rows, width)),
+        ("lengths", (rows,)),
+        ("sample_ids", (rows,)),
+    )
 
 
 class _Reconnect(Exception):
-    pass
+    """The daemon or this session is gone: reopen the session (at the client's position)."""

@@ -83,9 +83,6 @@ class Ring:
                 f"ring {path} (uid {owner}), its control page (uid {ctl_owner}) and the "
                 f"daemon's socket (uid {socket_owner}) belong to different users"
             )
-        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
-        meta = self.buf[R.META : R.META + slots * R.META_STRIDE].view(np.int64)
-        self._meta = meta.reshape(slots, R.META_STRIDE // 8)[:, : len(R.META_FIELDS)]
         self._starts = [header + k * layout.slot_bytes for k in range(slots)]
         self.layout = layout
         self.slots = slots
@@ -125,12 +122,12 @@ class Ring:
 
     # --- batches ----------------------------------------------------------------------------
 
-    def meta(self, slot: int) -> list[int]:
-        """Slot ``slot``'s batch description (``R.META_FIELDS``); read after ``produced``."""
-        values = self._meta[slot].tolist()
-        if min(values[1:]) < 0:
+    def meta(self, slot: int) -> R.SlotMeta:
+        """Slot ``slot``'s batch description; read after ``produced``."""
+        meta = R.SlotMeta.unpack_from(self._mm, slot)
+        if min(meta[1:]) < 0:
             raise P.ProtocolError(f"slot {slot} describes its batch with negative numbers")
-        return values
+        return meta
 
     def take(
         self, slot: int, shapes: tuple[tuple[str, tuple[int, ...]], ...], pin: bool
@@ -166,8 +163,6 @@ class Ring:
         }
 
     def close(self) -> None:
-        self.buf = np.zeros(0, np.uint8)
-        self._meta = np.zeros((0, 0), np.int64)
         for mm in (self._mm, self._ctl):
             with contextlib.suppress(BufferError):  # a view still alive: GC unmaps it later
                 mm.close()

@@ -115,8 +115,6 @@ class ShmRing:
             path.unlink(missing_ok=True)
             raise
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
-        self._meta = self._buf[R.META : R.META + num_slots * R.META_STRIDE].view(np.int64)
-        self._meta = self._meta.reshape(num_slots, R.META_STRIDE // 8)
         # Typed full-capacity views of every field of every slot, made once.
         self._fields = [
             {
@@ -131,13 +129,11 @@ class ShmRing:
         """Writable full-capacity views of every field of ``slot``."""
         return self._fields[slot]
 
-    def publish(self, n: int, meta: tuple[int, ...]) -> None:
-        """Describe batch ``n`` (already written into slot ``n % num_slots``), then publish
-        it: the counter store orders every write before it."""
-        row = self._meta[n % self.num_slots]
-        row[0] = n
-        row[1 : len(meta) + 1] = meta
-        _ring.store(self._mm, R.PRODUCED, n + 1)
+    def publish(self, meta: R.SlotMeta) -> None:
+        """Describe batch ``meta.n`` (already written into slot ``n % num_slots``), then
+        publish it: the counter store orders every write before it."""
+        meta.pack_into(self._mm, meta.n % self.num_slots)
+        _ring.store(self._mm, R.PRODUCED, meta.n + 1)
 
     def ring_bell(self) -> None:
         """Wake the client if it sleeps on this ring (a batch or a message is there)."""
@@ -174,7 +170,6 @@ class ShmRing:
         if self._mm is None:
             return
         self._buf = np.zeros(0, np.uint8)
-        self._meta = np.zeros((0, 0), np.int64)
         self._fields = []
         for mm in (self._mm, self._ctl):
             try:

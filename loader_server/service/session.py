@@ -156,8 +156,18 @@ class Session:
         if not padded:
             assert tokens == width, f"packed row {self.pos}: {tokens} tokens, plan says {width}"
         nxt = self.advance(plan)
-        meta = (*self.pos, *nxt, plan.num_steps, bucket, rows, width, tokens, maxlen)
-        self.ring.publish(self.produced, meta)
+        meta = R.SlotMeta(
+            self.produced,
+            *self.pos,
+            *nxt,
+            steps=plan.num_steps,
+            bucket=bucket,
+            rows=rows,
+            width=width,
+            tokens=tokens,
+            maxlen=maxlen,
+        )
+        self.ring.publish(meta)
         self.produced += 1
         self.pos = nxt
         self.stats.batches += 1

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from loader_server.wire.protocol import ProtocolError
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
 
 #: Largest slot a welcome may describe (a sanity bound against garbage, not a policy).
 MAX_SLOT_BYTES = 1 << 40
@@ -112,7 +116,7 @@ class SlotLayout:
 #   header   PRODUCED     batches published; batch n lives in slot n % slots
 #            WAKE_DAEMON  the daemon sleeps until CONSUMED >= this (0: it does not)
 #            BELL         uint32 futex word: the daemon advances it and wakes the client
-#            META + k * META_STRIDE: slot k's batch, META_FIELDS as int64
+#            META + k * META_STRIDE: slot k's batch, a SlotMeta (int64 words)
 #   control  CONSUMED     batches the client is done with (it holds at most one more)
 #            WAKE_CLIENT  the client sleeps until PRODUCED >= this (0: it does not)
 #            WAIT_US      the client's total time spent waiting for data (for stats)
@@ -124,27 +128,59 @@ class SlotLayout:
 
 PRODUCED, WAKE_DAEMON, BELL, META, META_STRIDE = 0, 64, 96, 128, 128
 CONSUMED, WAKE_CLIENT, WAIT_US, CONTROL_BYTES = 0, 64, 128, 4096
-META_FIELDS = (
-    "n",
-    "epoch",
-    "step",
-    "micro",
-    "next_epoch",
-    "next_step",
-    "next_micro",
-    "steps",
-    "bucket",
-    "rows",
-    "width",
-    "tokens",
-    "maxlen",
-)
+
+
+class SlotMeta(NamedTuple):
+    """A slot's batch description: one int64 word per field, in this order, at
+    ``META + slot * META_STRIDE`` (native byte order, like the counters). The daemon writes
+    it before publishing the batch; the client reads it once ``PRODUCED`` has passed it."""
+
+    n: int  # the batch's index in its session (it lives in slot n % slots)
+    epoch: int
+    step: int
+    micro: int
+    next_epoch: int  # the position after this batch: the daemon knows where epochs end
+    next_step: int
+    next_micro: int
+    steps: int  # steps in this batch's epoch
+    bucket: int
+    rows: int  # samples (padded) or documents in the packed row
+    width: int  # padded row width, or the packed row's length
+    tokens: int  # real (non-pad) tokens
+    maxlen: int  # the longest sample (as cut to max_seq_len)
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        return self.epoch, self.step, self.micro
+
+    @property
+    def next_position(self) -> tuple[int, int, int]:
+        return self.next_epoch, self.next_step, self.next_micro
+
+    def pack_into(self, header: WriteableBuffer, slot: int) -> None:
+        """Write this description into ``slot``'s words of a ring's ``header``."""
+        _META_WORDS.pack_into(header, meta_offset(slot), *self)
+
+    @classmethod
+    def unpack_from(cls, header: ReadableBuffer, slot: int) -> SlotMeta:
+        """The description in ``slot``'s words of a ring's ``header``."""
+        return cls._make(_META_WORDS.unpack_from(header, meta_offset(slot)))
+
+
+META_FIELDS = SlotMeta._fields
+# "=": native byte order with no padding, so word k of a slot is field k at 8 * k bytes.
+_META_WORDS = struct.Struct(f"={len(META_FIELDS)}q")
 _PAGE = 4096
 
 
 def header_bytes(slots: int) -> int:
     """Size of a ring's header for ``slots`` slots (whole pages, so slots stay aligned)."""
     return -(-(META + slots * META_STRIDE) // _PAGE) * _PAGE
+
+
+def meta_offset(slot: int) -> int:
+    """Byte offset in a ring's header of ``slot``'s ``SlotMeta``."""
+    return META + slot * META_STRIDE
 
 
 def crossed(old: int, new: int, threshold: int) -> bool:
