@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,106 +13,65 @@ import click
 import zmq
 
 from loader_server.cli.spec_flags import pop_spec_overrides, spec_options
-from loader_server.service.config import load_config
+from loader_server.service.config import (
+    DIRECTORY,
+    FILE,
+    INTEGER,
+    NUMBER,
+    PATH,
+    SETTINGS,
+    SWITCH,
+    DaemonConfig,
+    Kind,
+    Setting,
+    load_config,
+)
 from loader_server.service.daemon import Daemon, EndpointBusyError
 from loader_server.wire import protocol as P
 
+#: click's type per kind of setting; the other kinds reach the config as text and are read
+#: there (sizes, octal modes), exactly as the same text in the config file would be.
+_CLICK_TYPES: dict[Kind, Any] = {
+    INTEGER: int,
+    NUMBER: float,
+    # Not exists=True: click calls an unreadable path "does not exist"; the daemon says which
+    # of the two it is.
+    PATH: click.Path(path_type=Path),
+    DIRECTORY: click.Path(file_okay=False, path_type=Path),
+    FILE: click.Path(exists=True, dir_okay=False, path_type=Path),
+}
+
+
+def _flag(s: Setting, decl: str) -> Callable[[Any], Any]:
+    """The ``serve`` option ``decl`` of one setting. Its default is None: only a flag that is
+    given overrides the config file."""
+    shown = "" if s.shown_default is None else f" [default: {s.shown_default}]"
+    kw: dict[str, Any] = {"default": None, "help": f"{s.help}{shown}."}
+    if s.kind is SWITCH:
+        kw["is_flag"] = True
+    else:
+        kw["type"] = _CLICK_TYPES.get(s.kind)
+    return click.option(decl, s.name, **kw)
+
 
 def _daemon_options(f: Any) -> Any:
-    opts = [
-        click.option(
-            "--config",
-            "config_path",
-            type=click.Path(dir_okay=False, path_type=Path),
-            help="TOML config ([daemon], [spec]); flags override it.",
-        ),
-        click.option(
-            "--dataset",
-            # Not exists=True: click calls an unreadable path "does not exist"; the daemon
-            # says which of the two it is.
-            type=click.Path(path_type=Path),
-            help="Arrow file or shard folder to serve.",
-        ),
-        click.option("--endpoint", help=f"ZeroMQ endpoint [default: {P.DEFAULT_ENDPOINT}]."),
-        click.option("--slots", type=int, help="Ring slots per session [default: 4]."),
-        click.option(
-            "--shm-dir",
-            type=click.Path(file_okay=False, path_type=Path),
-            help="Where rings live [default: /dev/shm].",
-        ),
-        click.option("--shm-mode", help="Ring file mode, octal [default: 0600]."),
-        click.option("--group", help="Group owning ring files (with --shm-mode 0660)."),
-        click.option("--vocab-size", type=int, help="Token ids must be below this."),
-        click.option(
-            "--check-values/--no-check-values",
-            default=None,
-            help="Scan every token at start (ids < vocab, mask in {0,1}).",
-        ),
-        click.option(
-            "--value-scan-bytes",
-            help="Scan every value at start for corpora with at most this much token data "
-            "(larger ones are checked as served) [default: 256M].",
-        ),
-        click.option("--pad-id", type=int, help="Padding token id [default: 0]."),
-        click.option(
-            "--session-timeout-s",
-            type=float,
-            help="Drop a session silent this long [default: 120].",
-        ),
-        click.option(
-            "--corpus-check-s",
-            type=float,
-            help="How often the corpus files are checked for changes [default: 0.5].",
-        ),
-        click.option(
-            "--max-ring-bytes",
-            help="Shared memory one session may take (64M, 1G...) [default: min(1G, budget/8)].",
-        ),
-        click.option(
-            "--shm-budget-bytes",
-            help="Shared memory all sessions may take [default: 3/4 of the shm dir's free space].",
-        ),
-        click.option(
-            "--max-sessions-per-peer",
-            type=int,
-            help="Sessions one client connection may hold [default: 8].",
-        ),
-        click.option(
-            "--limit-grad-accum",
-            type=int,
-            help="Largest grad_accum a client may ask for [default: 4096].",
-        ),
-        click.option(
-            "--limit-token-budget",
-            type=int,
-            help="Largest token_budget a client may ask for [default: 16777216].",
-        ),
-        click.option(
-            "--limit-batch-size",
-            type=int,
-            help="Largest max_batch_size a client may ask for [default: 65536].",
-        ),
-        click.option(
-            "--limit-seq-len",
-            type=int,
-            help="Largest max_seq_len a client may ask for [default: 1048576].",
-        ),
-        click.option("--metrics-port", type=int, help="Prometheus port; 0 = off [default: 0]."),
-        click.option(
-            "--curve-secret-key-file",
-            type=click.Path(exists=True, dir_okay=False, path_type=Path),
-            help="ZeroMQ CURVE certificate (zmq.auth.create_certificates) securing tcp://.",
-        ),
-        click.option(
-            "--insecure-tcp",
-            is_flag=True,
-            default=None,
-            help="Allow a tcp:// endpoint without CURVE (loopback only; testing).",
-        ),
-    ]
-    for opt in reversed(opts):
+    """``--config`` and one flag per ``DaemonConfig`` setting (those not file-only)."""
+    flags = [_flag(s, s.flag) for s in SETTINGS.values() if s.flag is not None]
+    for opt in reversed(flags):
         f = opt(f)
-    return f
+    return click.option(
+        "--config",
+        "config_path",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="TOML config ([daemon], [spec]); flags override it.",
+    )(f)
+
+
+def resolve_config(config_path: Path | None, options: dict[str, Any]) -> DaemonConfig:
+    """The daemon's config: defaults < the ``--config`` file < the flags given (``options``:
+    ``serve``'s keyword arguments, None where a flag was not given; the spec's are taken out)."""
+    spec = pop_spec_overrides(options)
+    return load_config(config_path).with_overrides(options, spec)
 
 
 @click.command()
@@ -126,8 +86,7 @@ def serve(config_path: Path | None, **kw: Any) -> None:
     """
     from loader_server.cli import setup_logging
 
-    spec = pop_spec_overrides(kw)
-    config = load_config(config_path).with_overrides(kw, spec)
+    config = resolve_config(config_path, kw)
     setup_logging(config.log_level == "debug")
     try:
         sys.exit(Daemon(config).run())
