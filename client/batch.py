@@ -12,38 +12,40 @@ cache keeps that block alive until the copy has run, even if the batch is droppe
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
-TENSOR_FIELDS = ("input_ids", "loss_mask", "lengths", "sample_ids", "position_ids", "cu_seqlens")
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Batch:
     """One micro-batch for this rank: private CPU tensors (pinned under CUDA).
 
     Padded: ``input_ids``/``loss_mask`` ``[B, L]``, ``lengths``/``sample_ids`` ``[B]``.
     Packed: ``input_ids``/``loss_mask``/``position_ids`` ``[1, T]``, ``cu_seqlens`` ``[n+1]``,
     ``lengths``/``sample_ids`` ``[n]``, ``max_seqlen``.
+
+    The loader client and the trainer's own sources (``trainer.batches``) build this one
+    type; the defaults describe a hand-built padded batch outside any plan.
     """
 
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    lengths: torch.Tensor
-    sample_ids: torch.Tensor
-    position_ids: torch.Tensor | None
-    cu_seqlens: torch.Tensor | None
-    max_seqlen: int
-    epoch: int
-    step: int
-    micro: int
-    bucket: int
-    layout: str
-    steps_per_epoch: int
+    input_ids: torch.Tensor  # int32
+    loss_mask: torch.Tensor  # uint8, same shape
+    lengths: torch.Tensor  # int32: per row (padded) or per document (packed)
+    sample_ids: torch.Tensor  # int64
+    position_ids: torch.Tensor | None = None  # packed only
+    cu_seqlens: torch.Tensor | None = None  # packed only, int32 [n + 1]
+    max_seqlen: int  # the longest row (padded) or document (packed)
     num_tokens: int  # real (unpadded) tokens: the sum of ``lengths``
+    layout: str = "padded"
+    epoch: int = 0
+    step: int = 0
+    micro: int = 0
+    bucket: int = 0
+    steps_per_epoch: int = 0  # 0: not served from a plan
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -76,3 +78,17 @@ class Batch:
 
 def _rebuild(state: dict[str, Any]) -> Batch:
     return Batch(**state)
+
+
+def _tensor_fields(cls: type) -> tuple[str, ...]:
+    """The fields declared as tensors (optional or not), read from the annotations, so a
+    tensor field added to ``Batch`` is moved, cloned and pickled with the others."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        f.name
+        for f in fields(cls)
+        if torch.Tensor in (hints[f.name], *typing.get_args(hints[f.name]))
+    )
+
+
+TENSOR_FIELDS = _tensor_fields(Batch)

@@ -1,11 +1,13 @@
-"""Micro-batches as the trainer sees them, and an in-process batch source for tests.
+"""Micro-batches as the trainer sees them, what it consumes them from, and an in-process
+batch source for tests.
 
-The trainer consumes objects shaped like the loader client's batches (``client.LoaderClient``
-yields them): ``input_ids``/``loss_mask`` ``[B, L]`` right-padded rows (``layout="padded"``)
-or one packed row ``[1, T]`` with ``position_ids`` and ``cu_seqlens``
-(``layout="packed"``), plus the position ``(epoch, step, micro)``. ``Batch`` is that shape as
-a plain dataclass; ``ListSource`` serves hand-built batches from a list of samples with the
-client's iterator/state API, so the training loop can be tested without a daemon.
+The trainer consumes ``client.Batch``, the type ``client.LoaderClient`` yields:
+``input_ids``/``loss_mask`` ``[B, L]`` right-padded rows (``layout="padded"``) or one packed
+row ``[1, T]`` with ``position_ids`` and ``cu_seqlens`` (``layout="packed"``), plus the
+position ``(epoch, step, micro)``. ``BatchSource`` is what the training loop asks of its
+source; ``pad_batch``/``pack_batch`` build batches by hand and ``ListSource`` serves them from
+a list of samples with the client's iterator/state API, so the loop can be tested without a
+daemon.
 
 ``DocView`` is the one representation the model code works on: every document of a batch as
 ``(row, start, length)``. A padded row is one document starting at 0; a packed row holds
@@ -17,40 +19,41 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from client.batch import Batch
+
+__all__ = ["PAD_ID", "Batch", "BatchSource", "DocView", "ListSource", "pack_batch", "pad_batch"]
 
 PAD_ID = 0
 _SOURCE_STATE_VERSION = 1
 
 
-@dataclass(frozen=True)
-class Batch:
-    """One micro-batch (the fields of a loader-client batch the trainer uses)."""
+@runtime_checkable
+class BatchSource(Protocol):
+    """What the training loop consumes (``client.LoaderClient``, ``ListSource``).
 
-    input_ids: torch.Tensor  # int32 [B, L] (padded) or [1, T] (packed)
-    loss_mask: torch.Tensor  # uint8, same shape
-    lengths: torch.Tensor  # int32 [B] (padded) or per-document lengths (packed)
-    sample_ids: torch.Tensor  # int64
-    layout: str = "padded"
-    position_ids: torch.Tensor | None = None  # packed only
-    cu_seqlens: torch.Tensor | None = None  # packed only, int32 [n + 1]
-    epoch: int = 0
-    step: int = 0
-    micro: int = 0
-    bucket: int = 0
+    Iterating yields the micro-batches in plan order; ``state_dict`` is where to resume (kept
+    in each rank's checkpoint) and ``load_state_dict`` goes back there. ``steps_per_epoch``
+    (known once the first batch is served) turns ``--epochs`` into steps; ``effective_spec``
+    is the batch spec actually served (None before the first batch, or when unknown).
+    """
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
+    @property
+    def steps_per_epoch(self) -> int | None: ...
 
-        return replace(
-            self,
-            input_ids=move(self.input_ids),
-            loss_mask=move(self.loss_mask),
-            position_ids=move(self.position_ids),
-        )
+    @property
+    def effective_spec(self) -> dict[str, Any] | None: ...
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,11 @@ class DocView:
     length: torch.Tensor
 
     @staticmethod
-    def of(batch: Any) -> DocView:
-        """Documents of a padded or packed batch (``batch`` has the ``Batch`` fields)."""
+    def of(batch: Batch) -> DocView:
+        """Documents of a padded or packed batch."""
         if batch.layout == "packed":
+            if batch.cu_seqlens is None:
+                raise ValueError("a packed batch needs cu_seqlens")
             cu = batch.cu_seqlens.to("cpu", torch.int64)
             length = cu[1:] - cu[:-1]
             return DocView(row=torch.zeros_like(length), start=cu[:-1].clone(), length=length)
@@ -94,7 +99,8 @@ class DocView:
 
 
 def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: int) -> Batch:
-    """A padded batch from ``(input_ids, loss_mask)`` pairs (right padding with ``PAD_ID``)."""
+    """A padded batch from ``(input_ids, loss_mask)`` pairs (right padding with ``PAD_ID``);
+    ``position``: ``Batch``'s int fields (``epoch=``, ``step=``, ...)."""
     lengths = [len(ids) for ids, _ in samples]
     width = max(lengths)
     ids = torch.full((len(samples), width), PAD_ID, dtype=torch.int32)
@@ -107,6 +113,8 @@ def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position
         loss_mask=mask,
         lengths=torch.tensor(lengths, dtype=torch.int32),
         sample_ids=torch.arange(len(samples), dtype=torch.int64),
+        max_seqlen=width,
+        num_tokens=sum(lengths),
         **position,
     )
 
@@ -124,6 +132,8 @@ def pack_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], **positio
         loss_mask=mask,
         lengths=torch.tensor(lengths, dtype=torch.int32),
         sample_ids=torch.arange(len(samples), dtype=torch.int64),
+        max_seqlen=max(lengths),
+        num_tokens=sum(lengths),
         layout="packed",
         position_ids=pos,
         cu_seqlens=cu,
@@ -156,13 +166,13 @@ class ListSource:
         if self.steps_per_epoch == 0:
             raise ValueError(f"{len(samples)} samples make no full step of {grad_accum}x{rows}")
         self._micro_batches = [
-            (make(chunks[s * grad_accum + m]), s, m)
+            (make(chunks[s * grad_accum + m], steps_per_epoch=self.steps_per_epoch), s, m)
             for s in range(self.steps_per_epoch)
             for m in range(grad_accum)
         ]
         self.epochs = epochs
         # What a LoaderClient reports after its session opens (the spec it is served).
-        self.effective_spec = {"grad_accum": grad_accum, "layout": layout}
+        self.effective_spec: dict[str, Any] = {"grad_accum": grad_accum, "layout": layout}
         self.position = 0  # micro-batches served so far, over all epochs
 
     def __iter__(self) -> Iterator[Batch]:
@@ -173,10 +183,10 @@ class ListSource:
             self.position += 1
             yield replace(batch, epoch=epoch, step=step, micro=micro)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         return {"version": _SOURCE_STATE_VERSION, "position": self.position}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != _SOURCE_STATE_VERSION:
             raise ValueError(f"ListSource state version {state.get('version')} is not supported")
         self.position = int(state["position"])

@@ -183,9 +183,10 @@ def train(**opts: Any) -> None:
     from trainer import stop
 
     stop.install()  # before torch loads (seconds): a SIGTERM from then on stops cleanly
+    from trainer.options import RunOptions
     from trainer.run import run_training
 
-    summary = run_training(opts)
+    summary = run_training(RunOptions(**opts))
     if summary is not None:
         click.echo(json.dumps(summary, indent=2))
 
@@ -319,11 +320,12 @@ def regen(ctx: click.Context, src: tuple[Path, ...], out: Path, **opts: Any) -> 
     holdout_out = opts["holdout_out"] or out.with_suffix(".heldout.jsonl")
     import torch
 
+    from trainer.options import TargetOptions
     from trainer.regen import RegenSpec, regen_corpus
     from trainer.run import target_from_opts
 
     device = opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = target_from_opts(opts, device)
+    target = target_from_opts(TargetOptions.pick(opts), device)
     spec = RegenSpec(batch_size=opts["batch_size"], holdout=opts["holdout"], limit=opts["limit"])
     result = regen_corpus(
         target, src[0], out, spec, holdout_out=holdout_out, progress=not opts["no_progress"]
@@ -456,10 +458,11 @@ def export(run_dir: Path, out: Path, step: int | None, dtype: str, force: bool) 
 )
 def save_target(out: Path, tokenizer: Path | None, **opts: Any) -> None:
     """Save the (tiny) target as a Hugging Face model directory, for --target PATH."""
+    from trainer.options import TargetOptions
     from trainer.run import target_from_opts
     from trainer.target import adopt_tokenizer
 
-    target = target_from_opts(opts, "cpu")
+    target = target_from_opts(TargetOptions.pick(opts), "cpu")
     if tokenizer is not None:
         adopt_tokenizer(target.model, tokenizer).save_pretrained(out)
     target.model.save_pretrained(out)

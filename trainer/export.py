@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from trainer import checkpoint as ckpt
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.hf import remote_code_paths
 from trainer.hf.configuration_dflash import DFLASH_KEYS
+from trainer.options import CONFIG_FILE, RunOptions, TargetOptions
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +68,18 @@ def target_record(config: Any) -> dict[str, Any]:
 
 def _target_from_run_config(run_dir: Path) -> dict[str, Any]:
     """The target record of a run whose checkpoints predate ``meta["target_config"]``."""
-    path = Path(run_dir) / "config.json"
+    path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} is missing and the checkpoint records no target config: cannot tell the "
             "target's vocabulary, depth and RoPE"
         )
-    opts = json.loads(path.read_text())
-    if opts.get("target") == "tiny":
+    opts = TargetOptions.from_record(json.loads(path.read_text()), str(path))
+    if opts.target == "tiny":
         from trainer.run import target_from_opts
 
         return target_record(target_from_opts(opts, "meta").config)
-    target = Path(str(opts.get("target")))
+    target = Path(opts.target)
     if not (target / "config.json").is_file():
         raise FileNotFoundError(
             f"{path}: --target {str(target)!r} has no config.json here, and the checkpoint "
@@ -435,37 +436,38 @@ def _agree(flag: str, mine: Any, key: str, theirs: Any, file: Path) -> Any:
     return theirs
 
 
-def options_from_folder(opts: dict[str, Any], folder: DrafterFolder) -> dict[str, Any]:
+def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
     """``opts`` with ``--layers``, ``--drafter-layers``, ``--block-size`` and
     ``--mask-token-id`` taken from ``folder`` where the user gave none; a value the user gave
     must agree with the folder's (the MASK token may be overridden, with a warning)."""
     from trainer.run import parse_int_list
 
     file, c = folder.path / "config.json", folder.config
-    out = dict(opts)
     ids = _agree(
-        "--layers", parse_int_list(opts.get("layers")), "target_layer_ids",
+        "--layers", parse_int_list(opts.layers), "target_layer_ids",
         folder.target_layer_ids, file,
     )  # fmt: skip
-    out["layers"] = ",".join(str(i) for i in ids)
     layers = c.get("num_hidden_layers")
-    out["drafter_layers"] = int(
-        _agree("--drafter-layers", opts.get("drafter_layers"), "num_hidden_layers", layers, file)
+    drafter_layers = int(
+        _agree("--drafter-layers", opts.drafter_layers, "num_hidden_layers", layers, file)
     )
     block = folder.value("block_size")
-    out["block_size"] = int(
-        _agree("--block-size", opts.get("block_size"), "block_size", block, file)
-    )
-    if out.get("learned_mask"):
+    block_size = int(_agree("--block-size", opts.block_size, "block_size", block, file))
+    if opts.learned_mask:
         raise ValueError(f"--learned-mask: {file} embeds a mask token id instead")
     mask = folder.mask_token_id
-    if out.get("mask_token_id") is None:
-        out["mask_token_id"] = mask
-    elif mask is not None and out["mask_token_id"] != mask:
-        log.warning(
-            "--mask-token-id %d overrides %s's mask_token_id %d", out["mask_token_id"], file, mask
-        )
-    return out
+    mask_token_id = opts.mask_token_id
+    if mask_token_id is None:
+        mask_token_id = mask
+    elif mask is not None and mask_token_id != mask:
+        log.warning("--mask-token-id %d overrides %s's mask_token_id %d", mask_token_id, file, mask)
+    return replace(
+        opts,
+        layers=",".join(str(i) for i in ids),
+        drafter_layers=drafter_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+    )
 
 
 def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: Any) -> None:

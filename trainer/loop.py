@@ -24,19 +24,20 @@ import resource
 import struct
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from trainer import checkpoint as ckpt
 from trainer import stop
 from trainer.attention import BACKENDS, resolve_backend
+from trainer.batches import Batch, BatchSource
 from trainer.costlog import CostLog
 from trainer.distributed import DistEnv, all_reduce
 from trainer.drafter import DFlashDrafter
-from trainer.loss import DEFAULT_CHUNK_SIZE, LossConfig, draft_loss, zero_loss
+from trainer.loss import DEFAULT_CHUNK_SIZE, LossConfig, LossOutput, draft_loss, zero_loss
 from trainer.metrics import MetricsWriter, metrics_path, read_metrics, summarize
 from trainer.target import Target
 from trainer.verifier import DrafterProposer, eos_ids, evaluate_tau
@@ -113,10 +114,97 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0):
     return factor
 
 
-# The per-rank scalar sums of a step, in the order of the all-reduced tensor (then the
-# per-offset hits and counts, then timing).
-_SCALARS = ("ce", "weight", "tokens", "blocks", "capped", "micro")
-_S = {name: i for i, name in enumerate(_SCALARS)}
+_PER_OFFSET = {"per_offset": True}  # a StepSums field with one value per block offset 1..B-1
+
+
+@dataclass(kw_only=True)
+class StepSums:
+    """One optimizer step's sums on this rank, added over ranks by one all-reduce of
+    ``to_tensor()``: float64, the fields in this order, each a scalar except the
+    ``per_offset`` ones (``B - 1`` values). Accumulated on the model's device (no host sync)."""
+
+    ce: torch.Tensor  # weighted block cross-entropy
+    weight: torch.Tensor  # the weights of that cross-entropy
+    tokens: torch.Tensor  # real tokens
+    blocks: torch.Tensor  # anchors trained on
+    capped: torch.Tensor  # anchors drawn but dropped by the per-micro-batch cap
+    micro: torch.Tensor  # micro-batches
+    correct: torch.Tensor = field(metadata=_PER_OFFSET)  # argmax hits per block offset
+    count: torch.Tensor = field(metadata=_PER_OFFSET)  # supervised slots per block offset
+    step_time: torch.Tensor  # seconds, first next() to the end of the optimizer step
+    wait: torch.Tensor  # seconds blocked in next()
+    wait_frac: torch.Tensor  # wait / step_time
+
+    @staticmethod
+    def _shapes(offsets: int) -> dict[str, tuple[int, ...]]:
+        return {
+            f.name: (offsets,) if f.metadata.get("per_offset") else () for f in fields(StepSums)
+        }
+
+    @classmethod
+    def zeros(cls, offsets: int, device: torch.device | str) -> StepSums:
+        return cls(
+            **{
+                name: torch.zeros(shape, dtype=torch.float64, device=device)
+                for name, shape in cls._shapes(offsets).items()
+            }
+        )
+
+    def add(self, out: LossOutput) -> None:
+        """Add one micro-batch's loss sums (in place)."""
+        self.ce += out.weighted_ce_sum
+        self.weight += out.weight_sum
+        self.tokens += out.num_tokens
+        self.blocks += out.num_blocks
+        self.capped += out.capped_blocks
+        self.micro += 1
+        self.correct += out.correct
+        self.count += out.count
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.cat([getattr(self, f.name).reshape(-1) for f in fields(self)])
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor, offsets: int) -> StepSums:
+        """The inverse of ``to_tensor`` (fields are views of ``t``)."""
+        shapes = cls._shapes(offsets)
+        sizes = [math.prod(shape) for shape in shapes.values()]
+        if t.shape != (sum(sizes),):
+            raise ValueError(
+                f"step sums of {offsets} offsets need {sum(sizes)} values, got {t.shape}"
+            )
+        parts = t.split(sizes)
+        return cls(
+            **{
+                name: p.reshape(shape)
+                for (name, shape), p in zip(shapes.items(), parts, strict=True)
+            }
+        )
+
+
+class StepResult(NamedTuple):
+    """What one optimizer step returns to be recorded."""
+
+    sums: StepSums
+    grad_norm: torch.Tensor
+    lr: float
+
+
+class StepPeaks(NamedTuple):
+    """One step's values whose maximum over ranks is reported (one max all-reduce)."""
+
+    step_time: float  # seconds: the slowest rank sets the step's throughput
+    wait_frac: float
+    rss_gb: float  # peak resident memory since the process began
+    gpu_mem_gb: float  # peak CUDA memory allocated (0 on CPU)
+
+    def to_tensor(self, device: torch.device) -> torch.Tensor:
+        # float32: these are only compared and reported (rounded), never summed.
+        return torch.tensor(self, dtype=torch.float32).to(device)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> StepPeaks:
+        return cls(*t.tolist())
 
 
 def anchor_generator(seed: int, rank: int, epoch: int, step: int, micro: int) -> torch.Generator:
@@ -134,7 +222,7 @@ class Trainer:
         *,
         target: Target,
         drafter: DFlashDrafter,
-        source: Any,
+        source: BatchSource,
         env: DistEnv,
         eval_prompts: Sequence[torch.Tensor] = (),
         meta: dict[str, Any] | None = None,
@@ -151,7 +239,7 @@ class Trainer:
         self.total_steps: int | None = cfg.steps
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._scheduler_state: dict[str, Any] | None = None
-        self._pending: tuple[Any, float] | None = None  # the batch peeked by run()
+        self._pending: tuple[Batch, float] | None = None  # the batch peeked by run()
         self.step = 0
         self.epoch = 0
         self.metrics = MetricsWriter(metrics_path(cfg.run_dir), enabled=env.is_main)
@@ -260,7 +348,7 @@ class Trainer:
 
     # ---- training ----------------------------------------------------------------------
 
-    def _micro_batches(self, it: Iterator[Any]) -> Iterator[tuple[Any, float]]:
+    def _micro_batches(self, it: Iterator[Batch]) -> Iterator[tuple[Batch, float]]:
         """The step's micro-batches with the time spent waiting for each."""
         first = None
         for m in range(self.grad_accum):
@@ -283,13 +371,13 @@ class Trainer:
                 )
             yield batch, waited
 
-    def train_step(self, it: Iterator[Any]) -> dict[str, Any]:
-        """One optimizer step; returns this rank's raw sums."""
+    def train_step(self, it: Iterator[Batch]) -> StepResult:
+        """One optimizer step; returns this rank's sums."""
         cfg, b = self.cfg, self.cfg.loss.block_size
         dev = self.env.device
         t_start = time.perf_counter() - (self._pending[1] if self._pending else 0.0)
         wait = 0.0
-        sums = torch.zeros(len(_SCALARS) + 2 * (b - 1), dtype=torch.float64, device=dev)
+        sums = StepSums.zeros(b - 1, dev)
         for batch, waited in self._micro_batches(it):
             wait += waited
             self.epoch = int(batch.epoch)
@@ -318,15 +406,7 @@ class Trainer:
                     loss = out.loss if out.loss is not None else zero_loss(self.target, self.model)
                 (loss / self.grad_accum).backward()
             self.costs.stop(batch, anchors=out.num_blocks, synced=last and self.env.distributed)
-            sums[_S["ce"]] += out.weighted_ce_sum
-            sums[_S["weight"]] += out.weight_sum
-            sums[_S["tokens"]] += out.num_tokens
-            sums[_S["blocks"]] += out.num_blocks
-            sums[_S["capped"]] += out.capped_blocks
-            sums[_S["micro"]] += 1
-            n = len(_SCALARS)
-            sums[n : n + b - 1] += out.correct
-            sums[n + b - 1 :] += out.count
+            sums.add(out)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -335,41 +415,42 @@ class Trainer:
         self.step += 1
         self.costs.end_step()
         step_time = time.perf_counter() - t_start
-        return {"sums": sums, "wait": wait, "time": step_time, "grad_norm": grad_norm, "lr": lr}
+        sums.step_time += step_time
+        sums.wait += wait
+        sums.wait_frac += wait / max(step_time, 1e-9)
+        return StepResult(sums=sums, grad_norm=grad_norm, lr=lr)
 
-    def _record(self, raw: dict[str, Any]) -> dict[str, Any]:
+    def _record(self, raw: StepResult) -> dict[str, Any]:
         """Combine the ranks' sums (one sum and one max all-reduce) into a metrics record."""
-        b = self.cfg.loss.block_size
-        frac = raw["wait"] / max(raw["time"], 1e-9)
-        timing = torch.tensor([raw["time"], raw["wait"], frac], dtype=torch.float64)
-        sums = all_reduce(torch.cat([raw["sums"], timing.to(raw["sums"].device)]), self.env)
-        peaks = torch.tensor([*timing[[0, 2]].tolist(), *_memory_peaks_gb(self.env.device)])
-        mx = all_reduce(peaks.to(self.env.device), self.env, op="max").cpu()
-        sums, n = sums.cpu(), self.env.world_size
-        k = len(_SCALARS)
-        correct, count = sums[k : k + b - 1], sums[k + b - 1 : k + 2 * (b - 1)]
-        step_time, wait, wait_frac = (sums[-3:] / n).tolist()
-        total = {name: float(sums[i]) for name, i in _S.items()}
+        mine, n, offsets = raw.sums, self.env.world_size, self.cfg.loss.block_size - 1
+        total = StepSums.from_tensor(all_reduce(mine.to_tensor(), self.env).cpu(), offsets)
+        peaks = StepPeaks(
+            float(mine.step_time), float(mine.wait_frac), *_memory_peaks_gb(self.env.device)
+        )
+        mx = StepPeaks.from_tensor(all_reduce(peaks.to_tensor(self.env.device), self.env, op="max"))
+        ce, weight = float(total.ce), float(total.weight)
+        tokens, blocks = float(total.tokens), float(total.blocks)
+        correct, count = total.correct, total.count
         return {
             "step": self.step,
             "epoch": self.epoch,
-            "loss": total["ce"] / total["weight"] if total["weight"] > 0 else None,
+            "loss": ce / weight if weight > 0 else None,
             "acc": float(correct.sum() / count.sum()) if count.sum() > 0 else None,
             "acc_k": [round(float(c / max(k, 1)), 5) for c, k in zip(correct, count, strict=True)],
-            "lr": raw["lr"],
-            "grad_norm": float(raw["grad_norm"]),
-            "tokens": int(total["tokens"]),
-            "blocks": int(total["blocks"]),
-            "anchors_per_micro": total["blocks"] / max(total["micro"], 1),
-            "anchors_capped": int(total["capped"]),
-            "step_time_s": step_time,
-            "tokens_per_s": total["tokens"] / float(mx[0]),
-            "anchors_per_s": total["blocks"] / float(mx[0]),
-            "data_wait_s": wait,
-            "data_wait_frac": wait_frac,
-            "data_wait_frac_max": float(mx[1]),
-            "rss_peak_gb": round(float(mx[2]), 3),  # max over ranks, since the process began
-            "gpu_mem_peak_gb": round(float(mx[3]), 3),  # max over ranks (0 on CPU)
+            "lr": raw.lr,
+            "grad_norm": float(raw.grad_norm),
+            "tokens": int(tokens),
+            "blocks": int(blocks),
+            "anchors_per_micro": blocks / max(float(total.micro), 1),
+            "anchors_capped": int(total.capped),
+            "step_time_s": float(total.step_time / n),  # the mean over ranks
+            "tokens_per_s": tokens / mx.step_time,
+            "anchors_per_s": blocks / mx.step_time,
+            "data_wait_s": float(total.wait / n),
+            "data_wait_frac": float(total.wait_frac / n),
+            "data_wait_frac_max": mx.wait_frac,
+            "rss_peak_gb": round(mx.rss_gb, 3),  # max over ranks, since the process began
+            "gpu_mem_peak_gb": round(mx.gpu_mem_gb, 3),  # max over ranks (0 on CPU)
             "time": time.time(),
         }
 
@@ -440,7 +521,7 @@ class Trainer:
         )
         return summary
 
-    def _start(self, it: Iterator[Any]) -> bool:
+    def _start(self, it: Iterator[Batch]) -> bool:
         """Peek the first batch (the loader reports its steps per epoch with it), fix the
         step count and build the LR schedule; False when the loader has nothing left."""
         t0 = time.perf_counter()
@@ -473,7 +554,7 @@ class Trainer:
         """Take ``grad_accum`` from the spec the loader actually serves (the daemon's
         configured one where the user set nothing), check that every rank and the resumed
         checkpoint were served the same spec, log it and keep it with checkpoints."""
-        spec = dict(getattr(self.source, "effective_spec", None) or {})
+        spec = dict(self.source.effective_spec or {})
         served = int(spec.get("grad_accum", self.cfg.grad_accum or 1))
         if self.cfg.grad_accum is not None and served != self.cfg.grad_accum:
             raise RuntimeError(

@@ -1,7 +1,8 @@
 """Assemble one rank's training run from the ``dflash-train train`` options.
 
 Kept apart from the click layer so the steps (process group, target, drafter, loader client,
-trainer) read in order and each can be swapped in tests.
+trainer) read in order and each can be swapped in tests. The options arrive as one
+``trainer.options.RunOptions``.
 """
 
 from __future__ import annotations
@@ -9,17 +10,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from loader_server.planning.cost import profile_fields
 from trainer import stop
-from trainer.distributed import DistEnv, init_distributed, shutdown
+from trainer.distributed import init_distributed, shutdown
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loop import TrainConfig, Trainer
 from trainer.loss import LossConfig
+from trainer.options import RunOptions, TargetOptions
 from trainer.regen import load_prompts
 from trainer.target import Target, TinyTargetSpec, load_target, mask_token_id
 
@@ -52,56 +54,57 @@ def parse_spec_pairs(pairs: tuple[str, ...]) -> dict[str, Any]:
 
 
 def target_from_opts(
-    opts: dict[str, Any], device: torch.device | str, layer_ids: list[int] | None = None
+    opts: TargetOptions, device: torch.device | str, layer_ids: list[int] | None = None
 ) -> Target:
     """The target named by ``--target`` (``tiny`` shaped by the ``--tiny-*`` options)."""
     tiny = TinyTargetSpec(
-        vocab_size=opts["tiny_vocab"],
-        num_layers=opts["tiny_layers"],
-        hidden_size=opts["tiny_hidden"],
-        intermediate_size=opts.get("tiny_intermediate") or 3 * opts["tiny_hidden"],
-        num_heads=opts.get("tiny_heads", 4),
-        num_kv_heads=opts.get("tiny_kv_heads", 2),
-        seed=opts["tiny_seed"],
+        vocab_size=opts.tiny_vocab,
+        num_layers=opts.tiny_layers,
+        hidden_size=opts.tiny_hidden,
+        intermediate_size=opts.tiny_intermediate or 3 * opts.tiny_hidden,
+        num_heads=opts.tiny_heads,
+        num_kv_heads=opts.tiny_kv_heads,
+        seed=opts.tiny_seed,
     )
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return load_target(opts["target"], layer_ids=layer_ids, device=device, dtype=dtype, tiny=tiny)
+    return load_target(opts.target, layer_ids=layer_ids, device=device, dtype=dtype, tiny=tiny)
 
 
 SPEC_OPTIONS = ("token_budget", "max_batch_size", "max_seq_len", "layout", "grad_accum")
 
 
-def loader_spec(opts: dict[str, Any]) -> dict[str, Any]:
+def loader_spec(opts: RunOptions) -> dict[str, Any]:
     """The BatchSpec fields the user set (flags, then ``--spec``); the daemon's configured
     spec supplies every other field."""
-    spec = {k: opts[k] for k in SPEC_OPTIONS if opts.get(k) is not None}
-    extra = parse_spec_pairs(opts["spec_pairs"])
+    set_by_flag = {k: getattr(opts, k) for k in SPEC_OPTIONS}
+    spec = {k: v for k, v in set_by_flag.items() if v is not None}
+    extra = parse_spec_pairs(opts.spec_pairs)
     if "grad_accum" in extra and "grad_accum" in spec and extra["grad_accum"] != spec["grad_accum"]:
         raise ValueError("--spec grad_accum must equal --grad-accum")
     spec.update(extra)
-    if opts.get("cost_profile"):
-        spec = {**profile_fields(opts["cost_profile"]), **spec}
+    if opts.cost_profile:
+        spec = {**profile_fields(opts.cost_profile), **spec}
     return spec
 
 
-def resolve_mask_token(target: Target, opts: dict[str, Any]) -> int | None:
+def resolve_mask_token(target: Target, opts: RunOptions) -> int | None:
     """The MASK token id (None: the opt-in learned vector). Refuses ids outside the
     target's embedding, and a target that names none without ``--mask-token-id``."""
     vocab = int(target.embed_tokens.weight.shape[0])
-    if opts["learned_mask"]:
-        if opts["mask_token_id"] is not None:
+    if opts.learned_mask:
+        if opts.mask_token_id is not None:
             raise ValueError("--learned-mask and --mask-token-id exclude each other")
         log.warning(
             "--learned-mask: the MASK slot is a trained vector; SGLang, vLLM and Transformers "
             "embed a mask token id instead, so this drafter cannot be served as trained"
         )
         return None
-    found = opts["mask_token_id"]
+    found = opts.mask_token_id
     if found is None:
-        found = mask_token_id(target, None if opts["target"] == "tiny" else opts["target"])
+        found = mask_token_id(target, None if opts.target == "tiny" else opts.target)
     if found is None:
         raise ValueError(
-            f"target {opts['target']!r} names no mask token (no mask_token_id in its config, "
+            f"target {opts.target!r} names no mask token (no mask_token_id in its config, "
             "no mask token or <|MASK|> in its tokenizer): pass --mask-token-id ID, a token "
             "id the data never uses (or --learned-mask, which serving engines cannot load)"
         )
@@ -110,18 +113,22 @@ def resolve_mask_token(target: Target, opts: dict[str, Any]) -> int | None:
     return int(found)
 
 
-def build_drafter(target: Target, opts: dict[str, Any], device: torch.device) -> DFlashDrafter:
+def build_drafter(target: Target, opts: RunOptions, device: torch.device | str) -> DFlashDrafter:
+    """The drafter ``opts`` describes (its depth and block size resolved already: see
+    ``resolve_init_drafter``), seeded by ``--seed``, on ``device``."""
+    if opts.drafter_layers is None or opts.block_size is None:
+        raise ValueError("drafter_layers and block_size are unresolved: see resolve_init_drafter")
     mask_id = resolve_mask_token(target, opts)
     cfg = DrafterConfig.from_target(
         target.config,
         num_target_layers=len(target.layer_ids),
-        num_layers=opts["drafter_layers"],
-        block_size=opts["block_size"],
+        num_layers=opts.drafter_layers,
+        block_size=opts.block_size,
         mask_token_id=mask_id,
     )
     log.info("drafter MASK: %s", "learned vector" if mask_id is None else f"token {mask_id}")
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(opts["seed"])  # same init on every rank (DDP also broadcasts it)
+        torch.manual_seed(opts.seed)  # same init on every rank (DDP also broadcasts it)
         drafter = DFlashDrafter(cfg)
     if drafter.mask_embedding is not None:
         with torch.no_grad():
@@ -129,72 +136,64 @@ def build_drafter(target: Target, opts: dict[str, Any], device: torch.device) ->
     return drafter.to(device)
 
 
-def eval_prompts(opts: dict[str, Any], vocab_size: int) -> list[torch.Tensor]:
-    if opts["eval_prompts"] is not None:
-        return load_prompts(opts["eval_prompts"])[: opts["num_eval_prompts"]]
-    if opts["num_eval_prompts"] == 0:
+def eval_prompts(opts: RunOptions, vocab_size: int) -> list[torch.Tensor]:
+    if opts.eval_prompts is not None:
+        return load_prompts(opts.eval_prompts)[: opts.num_eval_prompts]
+    if opts.num_eval_prompts == 0:
         return []  # tau is not measured
     log.warning(
         "no --eval-prompts: tau is measured on %d random prompts, not held-out data",
-        opts["num_eval_prompts"],
+        opts.num_eval_prompts,
     )
-    g = torch.Generator().manual_seed(opts["seed"] + 1)
-    return [
-        torch.randint(0, vocab_size, (16,), generator=g) for _ in range(opts["num_eval_prompts"])
-    ]
+    g = torch.Generator().manual_seed(opts.seed + 1)
+    return [torch.randint(0, vocab_size, (16,), generator=g) for _ in range(opts.num_eval_prompts)]
 
 
-def train_config(opts: dict[str, Any]) -> TrainConfig:
+def train_config(opts: RunOptions) -> TrainConfig:
+    if opts.block_size is None:
+        raise ValueError("block_size is unresolved: see resolve_init_drafter")
     return TrainConfig(
-        run_dir=opts["run_dir"],
+        run_dir=opts.run_dir,
         loss=LossConfig(
-            block_size=opts["block_size"],
-            num_anchors=opts["num_anchors"],
-            max_anchors=opts["max_anchors"],
-            gamma=opts["gamma"],
+            block_size=opts.block_size,
+            num_anchors=opts.num_anchors,
+            max_anchors=opts.max_anchors,
+            gamma=opts.gamma,
         ),
-        loss_chunk=opts["loss_chunk"],
-        attention=opts["attention"],
-        steps=opts["steps"],
-        epochs=opts["epochs"],
-        grad_accum=opts["grad_accum"],
-        lr=opts["lr"],
-        warmup=opts["warmup"],
-        weight_decay=opts["weight_decay"],
-        grad_clip=opts["grad_clip"],
-        seed=opts["seed"],
-        eval_every=opts["eval_every"],
-        eval_new_tokens=opts["eval_new_tokens"],
-        ckpt_every=opts["ckpt_every"],
-        keep_checkpoints=opts["keep_checkpoints"],
-        resume=opts["resume"],
-        progress=not opts["no_progress"],
-        cost_samples=opts.get("cost_samples", 2000),
+        loss_chunk=opts.loss_chunk,
+        attention=opts.attention,
+        steps=opts.steps,
+        epochs=opts.epochs,
+        grad_accum=opts.grad_accum,
+        lr=opts.lr,
+        warmup=opts.warmup,
+        weight_decay=opts.weight_decay,
+        grad_clip=opts.grad_clip,
+        seed=opts.seed,
+        eval_every=opts.eval_every,
+        eval_new_tokens=opts.eval_new_tokens,
+        ckpt_every=opts.ckpt_every,
+        keep_checkpoints=opts.keep_checkpoints,
+        resume=opts.resume,
+        progress=not opts.no_progress,
+        cost_samples=opts.cost_samples,
     )
-
-
-def _write_config(env: DistEnv, run_dir: Path, opts: dict[str, Any], spec: dict[str, Any]) -> None:
-    if not env.is_main:
-        return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record = {k: (str(v) if isinstance(v, Path) else v) for k, v in opts.items()}
-    record.update(requested_loader_spec=spec, world_size=env.world_size)
-    (run_dir / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
 DEFAULT_DRAFTER_LAYERS, DEFAULT_BLOCK_SIZE = 1, 16
 
 
-def resolve_init_drafter(opts: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+def resolve_init_drafter(opts: RunOptions) -> tuple[RunOptions, Any]:
     """``(opts, folder)``: with ``--init-drafter DIR`` the folder's layer ids, drafter depth,
     block size and MASK token fill the options the user left out (``trainer.export``);
     without it the plain defaults. ``folder`` is None without ``--init-drafter``."""
-    if not opts.get("init_drafter"):
+    if opts.init_drafter is None:
         defaults = {"drafter_layers": DEFAULT_DRAFTER_LAYERS, "block_size": DEFAULT_BLOCK_SIZE}
-        return {**opts, **{k: v for k, v in defaults.items() if opts.get(k) is None}}, None
+        unset = {k: v for k, v in defaults.items() if getattr(opts, k) is None}
+        return replace(opts, **unset), None
     from trainer.export import options_from_folder, read_drafter_folder
 
-    folder = read_drafter_folder(Path(opts["init_drafter"]))
+    folder = read_drafter_folder(opts.init_drafter)
     return options_from_folder(opts, folder), folder
 
 
@@ -210,43 +209,44 @@ def init_from_folder(drafter: DFlashDrafter, folder: Any, target: Target, cfg: T
     init_drafter(drafter, folder, target)
 
 
-def run_meta(opts: dict[str, Any], target: Target) -> dict[str, Any]:
+def run_meta(opts: TargetOptions, target: Target) -> dict[str, Any]:
     """What checkpoints record about the target (``dflash-train export`` reads it)."""
     from trainer.export import target_record
 
     return {
-        "target": opts["target"],
+        "target": opts.target,
         "layer_ids": target.layer_ids,
         "target_config": target_record(target.config),
     }
 
 
-def run_training(opts: dict[str, Any]) -> dict[str, Any] | None:
+def run_training(opts: RunOptions) -> dict[str, Any] | None:
     """Run one rank; returns the summary on rank 0 (None elsewhere). SIGTERM stops it
     cleanly after the current step (``trainer.stop``)."""
     stop.install()
     opts, folder = resolve_init_drafter(opts)
     cfg = train_config(opts)  # validates before anything is started
     spec = loader_spec(opts)
-    env = init_distributed(opts["device"])
+    env = init_distributed(opts.device)
     client = None
     try:
-        target = target_from_opts(opts, env.device, parse_int_list(opts["layers"]))
+        target = target_from_opts(opts, env.device, parse_int_list(opts.layers))
         drafter = build_drafter(target, opts, env.device)
         if folder is not None:
             init_from_folder(drafter, folder, target, cfg)
         from client import LoaderClient
 
         client = LoaderClient(
-            opts["endpoint"],
-            job=opts["job"],
+            opts.endpoint,
+            job=opts.job,
             rank=env.rank,
             world_size=env.world_size,
             spec=spec,
-            epochs=opts["epochs"],
-            timeout_s=opts["timeout_s"],
+            epochs=opts.epochs,
+            timeout_s=opts.timeout_s,
         )
-        _write_config(env, cfg.run_dir, opts, spec)
+        if env.is_main:
+            opts.write(spec, env.world_size)
         meta = run_meta(opts, target)
         trainer = Trainer(
             cfg,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,7 @@ def analyse(cfg: Any, train_path: Path, heldout_path: Path) -> dict[str, Any]:
     import torch
 
     from loader_server.data.dataset import open_dataset
+    from trainer.options import RunOptions
     from trainer.run import build_drafter, target_from_opts
 
     torch.set_num_threads(cfg.threads)
@@ -276,16 +278,17 @@ def analyse(cfg: Any, train_path: Path, heldout_path: Path) -> dict[str, Any]:
     target, untrained = None, None
     for name, run in runs.items():
         drafter, shared = load_final_drafter(cfg.out_dir / "runs" / name)
+        opts = RunOptions.read(cfg.out_dir / "runs" / name)
         layer_ids = list(shared["meta"]["layer_ids"])
         if target is None:  # every run has the same target options (one command line)
-            target = target_from_opts(run["config"], "cpu", layer_ids)
+            target = target_from_opts(opts, "cpu", layer_ids)
         if layer_ids != target.layer_ids:
             raise ValueError(f"{name}: target layers {layer_ids} differ from {target.layer_ids}")
         loss_cfg = _eval_loss_config(shared["loss_config"], cfg.eval_anchors)
         run["heldout"] = heldout_loss(target, drafter, batches, loss_cfg)
         if untrained is None:  # the same init as every run of this seed (trainer.run)
-            opts = {**run["config"], "seed": run["seed"]}
-            untrained = heldout_loss(target, build_drafter(target, opts, "cpu"), batches, loss_cfg)
+            fresh = build_drafter(target, replace(opts, seed=run["seed"]), "cpu")
+            untrained = heldout_loss(target, fresh, batches, loss_cfg)
         log.info("%s: held-out loss %.4f", name, run["heldout"]["loss_all"])
     return {
         "config": {**cfg.fixed_part(), "seeds": list(cfg.seeds), "specs": list(cfg.specs)},

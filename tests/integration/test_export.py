@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from trainer.drafter import DFlashDrafter, DraftBlocks, DrafterConfig
 from trainer.export import export_drafter, read_trained_drafter
 from trainer.loop import TrainConfig, Trainer
 from trainer.loss import LossConfig
+from trainer.options import RunOptions, TargetOptions
 from trainer.run import (
     build_drafter,
     init_from_folder,
@@ -41,18 +43,18 @@ MASK = 511
 STEPS = 60
 
 
-def tiny_opts(**over) -> dict:
-    """``dflash-train train`` options as click hands them to ``run_training``."""
+def tiny_opts(**over) -> RunOptions:
+    """``dflash-train train`` options as the command line hands them to ``run_training``."""
     opts = dict(
-        target="tiny", tiny_vocab=512, tiny_layers=4, tiny_hidden=128, tiny_seed=0,
-        tiny_heads=4, tiny_kv_heads=2, tiny_intermediate=None, layers=None,
+        endpoint="unused", target="tiny", tiny_vocab=512, tiny_layers=4, tiny_hidden=128,
+        tiny_seed=0, tiny_heads=4, tiny_kv_heads=2, tiny_intermediate=None, layers=None,
         drafter_layers=None, block_size=None, init_drafter=None, mask_token_id=None,
         learned_mask=False, seed=0, run_dir=Path("unused"), resume=False, num_anchors=6,
         max_anchors=2048, gamma=7.0, loss_chunk=1024, attention="sdpa", steps=1, epochs=None,
         grad_accum=None, lr=3e-3, warmup=0.0, weight_decay=0.01, grad_clip=1.0,
         eval_every=0, eval_new_tokens=16, ckpt_every=0, keep_checkpoints=3, no_progress=True,
     )  # fmt: skip
-    return {**opts, **over}
+    return RunOptions(**{**opts, **over})
 
 
 def train(target, samples, run_dir: Path, *, mask: int | None = MASK, steps: int = 1) -> Path:
@@ -70,7 +72,7 @@ def train(target, samples, run_dir: Path, *, mask: int | None = MASK, steps: int
     )  # fmt: skip
     Trainer(
         tc, target=target, drafter=drafter, source=ListSource(samples, rows=4), env=local_env(),
-        meta=run_meta({"target": "tiny"}, target),
+        meta=run_meta(TargetOptions(), target),
     ).run()  # fmt: skip
     return run_dir
 
@@ -229,8 +231,8 @@ def test_transformers_dflash_generate_is_lossless(folders, target, trained, samp
 def test_init_drafter_round_trip(folders, trained, target, run_dir, tmp_path, caplog):
     for dtype, folder in folders.items():
         opts, folder_spec = resolve_init_drafter(tiny_opts(init_drafter=folder, run_dir=tmp_path))
-        assert (opts["layers"], opts["block_size"], opts["drafter_layers"]) == ("0,1,2", B, 1)
-        assert opts["mask_token_id"] == MASK
+        assert (opts.layers, opts.block_size, opts.drafter_layers) == ("0,1,2", B, 1)
+        assert opts.mask_token_id == MASK
         run_target = target_from_opts(opts, "cpu", [0, 1, 2])
         drafter = build_drafter(run_target, opts, torch.device("cpu"))
         init_from_folder(drafter, folder_spec, run_target, train_config(opts))
@@ -241,7 +243,7 @@ def test_init_drafter_round_trip(folders, trained, target, run_dir, tmp_path, ca
     with torch.no_grad():  # the fp32 round trip: the same drafter, the same logits
         fresh = DFlashDrafter(trained.config)
         opts, spec = resolve_init_drafter(tiny_opts(init_drafter=folders["fp32"]))
-        init_from_folder(fresh, spec, target, train_config({**opts, "run_dir": tmp_path}))
+        init_from_folder(fresh, spec, target, train_config(replace(opts, run_dir=tmp_path)))
         assert torch.equal(fresh(target.embed_tokens, blocks), trained(target.embed_tokens, blocks))
 
     # --resume with a checkpoint: the checkpoint wins, the folder's weights are not loaded.
@@ -296,7 +298,7 @@ def test_export_of_a_checkpoint_without_target_config(run_dir, tmp_path):
     ckpt.save_checkpoint(old, 5, local_env(), shared=shared, per_rank=mine)
     with pytest.raises(FileNotFoundError, match=r"config\.json is missing"):
         export_drafter(old, tmp_path / "a")
-    (old / "config.json").write_text(json.dumps(tiny_opts(), default=str))
+    tiny_opts(run_dir=old).write(requested_loader_spec={}, world_size=1)
     cfg = json.loads((export_drafter(old, tmp_path / "b") / "config.json").read_text())
     assert (cfg["num_target_layers"], cfg["vocab_size"]) == (4, 512)
 
@@ -316,7 +318,7 @@ def init_error(folder: Path, target, tmp_path: Path, **opts) -> str:
     with pytest.raises(ValueError) as err:
         o, spec = resolve_init_drafter(tiny_opts(init_drafter=folder, **opts))
         drafter = build_drafter(target, o, torch.device("cpu"))
-        init_from_folder(drafter, spec, target, train_config({**o, "run_dir": tmp_path}))
+        init_from_folder(drafter, spec, target, train_config(replace(o, run_dir=tmp_path)))
     return str(err.value)
 
 

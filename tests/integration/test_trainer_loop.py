@@ -18,6 +18,7 @@ from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.loop import TrainConfig, Trainer, warmup_cosine
 from trainer.loss import LossConfig
 from trainer.metrics import metrics_path, read_metrics
+from trainer.options import RunOptions
 from trainer.run import loader_spec, resolve_mask_token
 from trainer.target import Target
 from trainer.verifier import greedy_generate
@@ -219,18 +220,7 @@ def test_epochs_set_the_length_from_the_loader(target, samples, tmp_path):
 
 
 def _opts(**kw):
-    base = dict(
-        token_budget=None,
-        max_batch_size=None,
-        max_seq_len=None,
-        layout=None,
-        grad_accum=None,
-        spec_pairs=(),
-        learned_mask=False,
-        mask_token_id=None,
-        target="tiny",
-    )
-    return {**base, **kw}
+    return RunOptions(endpoint="unused", run_dir=Path("unused"), **kw)
 
 
 def test_loader_spec_holds_only_what_the_user_set():
@@ -303,7 +293,6 @@ def test_cost_profile_goes_into_the_requested_spec(tmp_path):
         "coefficients": {"cost_c0": 0.1, "cost_tok": 1e-5, "cost_attn": 0.0, "cost_slot": 1e-6},
         "anchor_rule": {"block_size": 8, "anchors_per_doc": 6, "max_anchors": 64},
     }))  # fmt: skip
-    opts = {"spec_pairs": ("cost_c0=0.2",), "cost_profile": profile, "token_budget": 4096}
-    spec = loader_spec(opts)
+    spec = loader_spec(_opts(spec_pairs=("cost_c0=0.2",), cost_profile=profile, token_budget=4096))
     assert spec["cost_c0"] == 0.2 and spec["cost_slot"] == 1e-6 and spec["token_budget"] == 4096
     assert spec["max_anchors"] == 64

@@ -198,7 +198,10 @@ def test_position_weights():
 def test_plan_blocks_hand_checked():
     ids = torch.arange(100, 110)[None].int()
     lm = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 1, 1]], dtype=torch.uint8)
-    batch = Batch(input_ids=ids, loss_mask=lm, lengths=torch.tensor([10]), sample_ids=ids[0])
+    batch = Batch(
+        input_ids=ids, loss_mask=lm, lengths=torch.tensor([10]), sample_ids=ids[0],
+        max_seqlen=10, num_tokens=10,
+    )  # fmt: skip
     # B=2: supervised anchors with a + 2 <= 10.
     plan = plan_blocks(batch, LossConfig(block_size=2, gamma=2.0), torch.Generator())
     assert plan.blk_anchor.tolist() == [1, 2, 3, 4, 5, 6, 8]
