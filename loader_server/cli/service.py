@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -87,7 +88,8 @@ def serve(config_path: Path | None, **kw: Any) -> None:
     from loader_server.cli import setup_logging
 
     config = resolve_config(config_path, kw)
-    setup_logging(config.log_level == "debug")
+    # `dflash-loader -v serve` (debug already on) is debug whatever the configured level.
+    setup_logging(logging.getLogger().isEnabledFor(logging.DEBUG) or config.log_level == "debug")
     try:
         sys.exit(Daemon(config).run())
     except EndpointBusyError as e:

@@ -39,7 +39,9 @@ slot's header, so the client never needs the plan to know where it is.
 from __future__ import annotations
 
 import errno
+import grp
 import os
+import pwd
 import socket
 from typing import Any
 
@@ -127,10 +129,8 @@ def ipc_problem(endpoint: str) -> tuple[int, str] | None:
 
 def _whoami() -> str:
     try:
-        import pwd
-
         return f"user {pwd.getpwuid(os.geteuid()).pw_name}"
-    except (ImportError, KeyError):
+    except KeyError:
         return f"uid {os.geteuid()}"
 
 
@@ -142,10 +142,8 @@ def _group_of(path: str) -> str:
         except OSError:
             continue
         try:
-            import grp
-
             return grp.getgrgid(gid).gr_name
-        except (ImportError, KeyError):
+        except KeyError:
             return str(gid)
     return "dflash"
 
