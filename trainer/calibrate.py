@@ -30,10 +30,15 @@ from typing import Any
 import numpy as np
 
 from loader_server.planning import cost
-from trainer.costlog import cost_dir
 
 #: Fewest micro-batches a fit (training part) needs: 4 coefficients, with room to spare.
 MIN_SAMPLES = 8
+
+
+def cost_dir(run_dir: Path) -> Path:
+    """Where each rank's ``CostLog`` writes its timings (``rank{R}.jsonl``). Here, not in
+    ``costlog``, so that reading them (``dflash-train calibrate``) needs no torch."""
+    return run_dir / "costs"
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,10 @@ from typing import IO, Any
 import torch
 
 from trainer.batches import DocView
+from trainer.calibrate import cost_dir
 
 #: Optimizer steps of each process that are not recorded (warm-up).
 WARMUP_STEPS = 2
-
-
-def cost_dir(run_dir: Path) -> Path:
-    return run_dir / "costs"
 
 
 class CostLog:
