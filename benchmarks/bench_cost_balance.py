@@ -14,7 +14,7 @@ What it does, on this machine (CPU, one thread):
    token count. (With the reference 512/2,048 rule on 65,536-token micro-batches the
    micro-batch cap binds nearly always and attention is the term that varies; on this
    tiny target attention is too cheap to show that.)
-2. Calibration, for real: the trainer (``trainer.loop.Trainer``, one rank) trains on the
+2. Calibration, for real: the trainer (``trainer.train.loop.Trainer``, one rank) trains on the
    token-balanced plan's micro-batches with ``--cost-samples``, then ``dflash-train
    calibrate`` fits the cost model to what it recorded (hold-out error printed).
 3. Two plans of the same corpus: token-balanced (no cost model) and cost-balanced (the
@@ -52,13 +52,15 @@ from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning import cost, metrics
 from loader_server.planning.planner import EpochPlan, plan_epoch
 from loader_server.planning.spec import BatchSpec
-from trainer.batches import Batch, pad_batch
-from trainer.calibrate import calibrate_run
-from trainer.distributed import local_env
-from trainer.drafter import DFlashDrafter, DrafterConfig
-from trainer.loop import TrainConfig, Trainer, anchor_generator
-from trainer.loss import LossConfig, draft_loss
-from trainer.target import Target, TinyTargetSpec, load_target
+from trainer.model.blocks import LossConfig, anchor_generator
+from trainer.model.drafter import DFlashDrafter, DrafterConfig
+from trainer.model.loss import draft_loss
+from trainer.model.target import Target, TinyTargetSpec, load_target
+from trainer.ops.calibrate import calibrate_run
+from trainer.train import hostmem
+from trainer.train.batches import Batch, pad_batch
+from trainer.train.distributed import local_env
+from trainer.train.loop import TrainConfig, Trainer
 
 VOCAB = 151_936
 BLOCK, PER_DOC, MAX_ANCHORS = 8, 1, 32
@@ -125,7 +127,7 @@ def build_models(hidden: int) -> tuple[Target, DFlashDrafter]:
 
 
 def loss_config() -> LossConfig:
-    return LossConfig(block_size=BLOCK, num_anchors=PER_DOC, max_anchors=MAX_ANCHORS)
+    return LossConfig(block_size=BLOCK, anchors_per_doc=PER_DOC, max_anchors=MAX_ANCHORS)
 
 
 def calibrate(corpus: Corpus, plan: EpochPlan, target, drafter, micro: int, run_dir: Path):
@@ -146,7 +148,7 @@ def time_micro(corpus: Corpus, plan: EpochPlan, m: int, target, drafter) -> floa
     batch = corpus.batch(ids, epoch=0, step=m, micro=0)
     gen = anchor_generator(0, 0, 0, m, 0)
     t0 = time.perf_counter()
-    out = draft_loss(target, drafter, batch, loss_config(), gen)
+    out = draft_loss(target, drafter, batch, loss_config(), gen, on_chunks=hostmem.fit_chunks)
     if out.loss is not None:
         out.loss.backward()
     elapsed = time.perf_counter() - t0

@@ -45,7 +45,8 @@ def start_server(delay: float, capacity: int) -> tuple[subprocess.Popen, str]:
 
 
 def run_one(url: str, src: Path, tok: Path, out: Path, concurrency: int) -> dict:
-    from trainer.regen_server import ServerRegenSpec, regen_from_server
+    from trainer.data.server.run import regen_from_server
+    from trainer.data.server.spec import ServerRegenSpec
 
     spec = ServerRegenSpec(url=url, tokenizer=tok, concurrency=concurrency, max_tokens=64)
     return regen_from_server([src], out, spec, progress=False)

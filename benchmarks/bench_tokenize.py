@@ -33,7 +33,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
-from trainer.chat import ChatEncoder, to_messages, tokenize_corpus
+from trainer.data.encoder import ChatEncoder
+from trainer.data.messages import to_messages
+from trainer.data.tokenize import tokenize_corpus
 
 
 def baseline(tok: object, conversations: list[list[dict]]) -> tuple[float, float, int]:

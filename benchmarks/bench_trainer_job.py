@@ -2,7 +2,7 @@
 
 The daemon serves 2,048-token samples (``--token-budget 4096 --max-seq-len 2048``, so two
 documents per micro-batch); the tiny target has a 151,936-token vocabulary; every trainer
-flag is at its default except ``--num-anchors 256``. Prints steps, peak RSS per rank (the
+flag is at its default except ``--anchors-per-doc 256``. Prints steps, peak RSS per rank (the
 largest over ranks and steps), step time and loss. Before the chunked head this job was
 killed by the OOM killer at 22-23 GB per rank.
 
@@ -29,7 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-job"))
-    ap.add_argument("--num-anchors", type=int, default=256)
+    ap.add_argument("--anchors-per-doc", type=int, default=256)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     corpus = args.work / "corpus.arrow"
@@ -52,7 +52,8 @@ def main() -> None:
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             "2", "-m", "trainer.cli", "train", "--endpoint", daemon.endpoint,
             "--target", "tiny", "--tiny-vocab", "151936", "--steps", str(args.steps),
-            "--num-anchors", str(args.num_anchors), "--run-dir", str(run_dir), "--no-progress",
+            "--anchors-per-doc", str(args.anchors_per_doc), "--run-dir", str(run_dir),
+            "--no-progress",
         ]  # fmt: skip
         t0 = time.perf_counter()
         with open(args.work / "train.log", "wb") as log:

@@ -24,10 +24,12 @@ VOCAB, HIDDEN, BLOCK, DOC_LEN = 151936, 256, 16, 4096 + 32
 def one(anchors: int, chunk: int) -> dict[str, float]:
     import torch
 
-    from trainer.batches import pad_batch
-    from trainer.drafter import DFlashDrafter, DrafterConfig
-    from trainer.loss import LossConfig, draft_loss
-    from trainer.target import Target, TinyTargetSpec, build_tiny_model
+    from trainer.model.blocks import LossConfig
+    from trainer.model.drafter import DFlashDrafter, DrafterConfig
+    from trainer.model.loss import draft_loss
+    from trainer.model.target import Target, TinyTargetSpec, build_tiny_model
+    from trainer.train import hostmem
+    from trainer.train.batches import pad_batch
 
     torch.manual_seed(0)
     spec = TinyTargetSpec(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=3 * HIDDEN)
@@ -38,12 +40,15 @@ def one(anchors: int, chunk: int) -> dict[str, float]:
     drafter = DFlashDrafter(cfg)
     ids = torch.randint(0, VOCAB - 1, (DOC_LEN,)).tolist()
     batch = pad_batch([(ids, [1] * DOC_LEN)])
-    loss_cfg = LossConfig(block_size=BLOCK, num_anchors=anchors, max_anchors=0)
+    loss_cfg = LossConfig(block_size=BLOCK, anchors_per_doc=anchors, max_anchors=0)
     rss_before = _rss_gb()
     times = []
     for _ in range(2):
         t0 = time.perf_counter()
-        out = draft_loss(target, drafter, batch, loss_cfg, torch.Generator(), chunk_size=chunk)
+        out = draft_loss(
+            target, drafter, batch, loss_cfg, torch.Generator(), chunk_size=chunk,
+            on_chunks=hostmem.fit_chunks,  # the trainer's CPU allocator policy
+        )  # fmt: skip
         out.loss.backward()
         times.append(time.perf_counter() - t0)
         drafter.zero_grad(set_to_none=True)

@@ -25,10 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def measure(steps: int) -> dict[str, float]:
     import torch
 
-    from trainer.batches import pad_batch
-    from trainer.drafter import DFlashDrafter, DrafterConfig
-    from trainer.loss import LossConfig, draft_loss
-    from trainer.target import Target, TinyTargetSpec, build_tiny_model
+    from trainer.model.blocks import LossConfig
+    from trainer.model.drafter import DFlashDrafter, DrafterConfig
+    from trainer.model.loss import draft_loss
+    from trainer.model.target import Target, TinyTargetSpec, build_tiny_model
+    from trainer.train import hostmem
+    from trainer.train.batches import pad_batch
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -49,12 +51,13 @@ def measure(steps: int) -> dict[str, float]:
         rows = [(torch.randint(0, 511, (n,), generator=g).tolist(), [0] * 16 + [1] * (n - 16))
                 for n in lengths]  # fmt: skip
         batches.append(pad_batch(rows))
-    loss_cfg = LossConfig(block_size=8, num_anchors=16)
+    loss_cfg = LossConfig(block_size=8, anchors_per_doc=16)
     times, tokens = [], 0
     for i in range(steps + 5):
         batch = batches[i % len(batches)]
         t0 = time.perf_counter()
-        out = draft_loss(target, drafter, batch, loss_cfg, torch.Generator().manual_seed(i))
+        gen = torch.Generator().manual_seed(i)
+        out = draft_loss(target, drafter, batch, loss_cfg, gen, on_chunks=hostmem.fit_chunks)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

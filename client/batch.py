@@ -28,7 +28,7 @@ class Batch:
     Packed: ``input_ids``/``loss_mask``/``position_ids`` ``[1, T]``, ``cu_seqlens`` ``[n+1]``,
     ``lengths``/``sample_ids`` ``[n]``, ``max_seqlen``.
 
-    The loader client and the trainer's own sources (``trainer.batches``) build this one
+    The loader client and the trainer's own sources (``trainer.train.batches``) build this one
     type; the defaults describe a hand-built padded batch outside any plan.
     """
 

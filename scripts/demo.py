@@ -77,7 +77,7 @@ def train_cmd(endpoint: str, run_dir: Path, heldout: Path, target: Path) -> list
     return [*TORCHRUN, "-m", "trainer.cli", "train", "--endpoint", endpoint,
             "--target", str(target), "--job", "demo", "--run-dir", str(run_dir),
             "--steps", str(STEPS),
-            "--block-size", "8", "--num-anchors", "16", "--token-budget", "2048",
+            "--block-size", "8", "--anchors-per-doc", "16", "--token-budget", "2048",
             "--max-seq-len", "512", "--lr", "3e-3", "--eval-every", "30",
             "--eval-prompts", str(heldout), "--num-eval-prompts", "8", "--eval-new-tokens", "32",
             "--ckpt-every", "10", "--no-progress"]  # fmt: skip
@@ -180,7 +180,7 @@ def reload_and_draft(target_dir: Path, drafter_dir: Path, heldout: Path) -> None
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
-    from trainer.regen import load_prompts
+    from trainer.data.regen import load_prompts
 
     print(f"reload {drafter_dir} with transformers (trust_remote_code) and draft with it:")
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

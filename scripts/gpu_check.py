@@ -82,7 +82,7 @@ def env_stage() -> dict[str, object]:
 
 
 def head_stage() -> dict[str, object]:
-    from trainer.loss import linear_cross_entropy
+    from trainer.model.loss import linear_cross_entropy
 
     dev = torch.device("cuda")
     hidden, vocab = 4096, 151936
@@ -126,7 +126,7 @@ def _measure_head(fn, h, head, labels, w, chunk) -> tuple[float, float]:
 def attention_stage() -> dict[str, object]:
     """Compiled flex_attention (BlockMask) against SDPA with the dense chunk mask, bf16, on
     one chunk of 64 blocks of 16 over an 8,192-token document: agreement and time."""
-    from trainer.attention import BlockChunk, block_attention
+    from trainer.model.attention import BlockChunk, block_attention
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

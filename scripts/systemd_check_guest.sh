@@ -241,7 +241,7 @@ wait_for 30 systemctl is-active -q dflash-loader
 run_guide sudo install -m 0640 -g dflash-train /opt/dflash-loader/systemd/trainer.env.example \
     /etc/dflash-loader/trainer-$JOB.env
 # The edit the guide asks for (sudoedit): 2 CPU ranks, the tiny target, small batches.
-TRAIN="--target tiny --steps 100000 --ckpt-every 5 --token-budget 1024 --max-seq-len 256 --block-size 8 --num-anchors 16 --num-eval-prompts 0 --no-progress"
+TRAIN="--target tiny --steps 100000 --ckpt-every 5 --token-budget 1024 --max-seq-len 256 --block-size 8 --anchors-per-doc 16 --num-eval-prompts 0 --no-progress"
 sudo sed -i -e 's/^NPROC=.*/NPROC=2/' -e "s|^TRAIN_ARGS=.*|TRAIN_ARGS=$TRAIN|" /etc/dflash-loader/trainer-$JOB.env
 sudo systemctl start dflash-trainer@$JOB
 if wait_for 240 bash -c "ls $RUN/checkpoints/ 2>/dev/null | grep -q '^step-'"; then

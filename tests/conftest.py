@@ -90,7 +90,7 @@ def target():
     """The tiny seeded random-weight Qwen3 target, frozen: built once for all trainer tests."""
     import torch
 
-    from trainer.target import load_target
+    from trainer.model.target import load_target
 
     torch.set_num_threads(1)
     return load_target("tiny")

@@ -1,11 +1,15 @@
-"""The options of a training run, as typed values: built once from the command line, written
-to the run's ``config.json`` and read back from it.
+"""Every option of ``dflash-train``, stated once: typed dataclasses whose fields carry their
+flag, help and default. The click flags are generated from them (``trainer.cli.flags``), a
+training run writes its options to ``config.json`` and reads them back from it.
 
 ``TargetOptions`` names the target (``--target`` and the ``--tiny-*`` shape), which
 ``regen`` and ``save-target`` take too; ``RunOptions`` is every ``dflash-train train`` option
-(field name = click's parameter name, so the keys of ``config.json`` are the option names).
-Reading a ``config.json`` names every unknown and missing key and every value of the wrong
-type instead of failing later on one of them.
+(field name = click's parameter name, so the keys of ``config.json`` are the option names);
+``TokenizeOptions`` is how conversations become a corpus, for ``tokenize`` and for
+``regen --server``, which tokenizes what it regenerated. Reading a ``config.json`` names every
+unknown and missing key and every value of the wrong type instead of failing later on one.
+
+This module is the trainer's foundation: it imports nothing of the trainer and no torch.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,23 +27,34 @@ CONFIG_FILE = "config.json"
 RUN_FACTS = ("requested_loader_spec", "world_size")
 #: Options that runs written before they existed lack, with the value those runs had.
 ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_intermediate": None}
+#: Options renamed since: old key -> new key (both spellings are read).
+RENAMED = {"num_anchors": "anchors_per_doc"}
 
-_Options = TypeVar("_Options", bound="TargetOptions")
+_Options = TypeVar("_Options", bound="Options")
 
 
-@dataclass(frozen=True, kw_only=True)
-class TargetOptions:
-    """``--target`` (``tiny``: a seeded random Qwen3 shaped by the ``--tiny-*`` options, or a
-    local Hugging Face model directory)."""
+def opt(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    aliases: tuple[str, ...] = (),
+    choices: tuple[str, ...] | None = None,
+    path: dict[str, bool] | None = None,
+    flag: str | None = None,
+    show_default: bool = True,
+    section: str = "",
+) -> Any:
+    """A dataclass field with what its command-line flag needs: ``help``; ``aliases`` (older
+    spellings still accepted); ``choices``; ``path`` (``click.Path`` checks such as
+    ``{"exists": True, "file_okay": False}``); ``flag`` when it is not ``--field-name``;
+    ``section``: the group of flags it is listed under in ``--help``."""
+    meta = {"help": help, "aliases": aliases, "choices": choices, "path": path, "flag": flag,
+            "show_default": show_default, "section": section}  # fmt: skip
+    return field(default=default, metadata=meta)
 
-    target: str = "tiny"
-    tiny_vocab: int = 512
-    tiny_layers: int = 4
-    tiny_hidden: int = 128
-    tiny_seed: int = 0
-    tiny_heads: int = 4
-    tiny_kv_heads: int = 2
-    tiny_intermediate: int | None = None  # None: 3 x hidden
+
+class Options:
+    """Typed, validated, JSON-ready options (the base of every options dataclass here)."""
 
     def __post_init__(self) -> None:
         for name, hint in typing.get_type_hints(type(self)).items():
@@ -50,12 +65,14 @@ class TargetOptions:
     @classmethod
     def pick(cls: type[_Options], kwargs: Mapping[str, Any]) -> _Options:
         """These options out of a command's keyword arguments (which may hold others)."""
-        return cls(**{f.name: kwargs[f.name] for f in fields(cls)})
+        return cls(**{f.name: kwargs[f.name] for f in fields(cls) if f.name in kwargs})
 
     @classmethod
     def from_record(cls: type[_Options], record: Mapping[str, Any], source: str) -> _Options:
         """These options out of a JSON record (a run's ``config.json``, which may hold
-        others); ``source`` names the record in errors."""
+        others); ``source`` names the record in errors. Renamed keys are read under either
+        name."""
+        record = {RENAMED.get(k, k): v for k, v in record.items()}
         names = [f.name for f in fields(cls)]
         missing = [k for k in names if k not in record and k not in ADDED_LATER]
         if missing:
@@ -63,59 +80,156 @@ class TargetOptions:
         hints = typing.get_type_hints(cls)
         values = {k: _from_json(record[k], hints[k]) for k in names if k in record}
         try:
-            return cls(**{**{k: ADDED_LATER[k] for k in names if k not in record}, **values})
-        except ValueError as e:
+            return cls(**{**{k: ADDED_LATER[k] for k in names if k in ADDED_LATER}, **values})
+        except (ValueError, TypeError) as e:
             raise ValueError(f"{source}: {e}") from e
 
     def to_record(self) -> dict[str, Any]:
         """A JSON-ready dict: paths as strings, tuples as lists."""
-        return {f.name: _to_json(getattr(self, f.name)) for f in fields(self)}
+        return {f.name: _to_json(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+
+
+TARGET = "Target (tiny: a seeded random Qwen3)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetOptions(Options):
+    """``--target`` (``tiny``: a seeded random Qwen3 shaped by the ``--tiny-*`` options, or a
+    local Hugging Face model directory)."""
+
+    target: str = opt(
+        "tiny", "'tiny' (seeded random Qwen3) or a local Hugging Face model directory.",
+        section=TARGET,
+    )  # fmt: skip
+    tiny_vocab: int = opt(512, "Vocabulary of the tiny target.", section=TARGET)
+    tiny_layers: int = opt(4, "Decoder layers of the tiny target.", section=TARGET)
+    tiny_hidden: int = opt(128, "Hidden size of the tiny target.", section=TARGET)
+    tiny_seed: int = opt(0, "Seed of the tiny target's weights.", section=TARGET)
+    tiny_heads: int = opt(4, "Attention heads of the tiny target.", section=TARGET)
+    tiny_kv_heads: int = opt(2, "KV heads of the tiny target.", section=TARGET)
+    tiny_intermediate: int | None = opt(None, "MLP width of the tiny target [3 x hidden].",
+                                        section=TARGET)  # fmt: skip
+
+
+SPEC = "Loader spec (unset: the daemon's)"
+DRAFTER = "Drafter and objective"
+OPTIM = "Optimizer and length"
+EVAL = "Evaluation, checkpoints, output"
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions(TargetOptions):
-    """Every ``dflash-train train`` option; the defaults are the command line's (a unit test
-    holds them equal)."""
+    """Every ``dflash-train train`` option; the command line's flags are made from these
+    fields, so their defaults are the same by construction."""
 
-    endpoint: str
-    job: str = "train"
-    layers: str | None = None  # target layer ids "0,1,2" (None: spread)
-    drafter_layers: int | None = None  # None: resolved by trainer.run.resolve_init_drafter
-    block_size: int | None = None  # None: resolved by trainer.run.resolve_init_drafter
-    init_drafter: Path | None = None
-    num_anchors: int = 512
-    max_anchors: int = 2048
-    loss_chunk: int = 1024
-    attention: str = "auto"
-    mask_token_id: int | None = None
-    learned_mask: bool = False
-    gamma: float = 7.0
-    lr: float = 6e-4
-    warmup: float = 0.04
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    steps: int | None = None
-    epochs: int | None = None
-    grad_accum: int | None = None
-    token_budget: int | None = None
-    max_batch_size: int | None = None
-    max_seq_len: int | None = None
-    layout: str | None = None
-    spec_pairs: tuple[str, ...] = ()
-    cost_profile: Path | None = None
-    cost_samples: int = 2000
-    run_dir: Path
-    resume: bool = False
-    eval_every: int = 0
-    eval_prompts: Path | None = None
-    num_eval_prompts: int = 16
-    eval_new_tokens: int = 64
-    ckpt_every: int = 0
-    keep_checkpoints: int = 3
-    seed: int = 0
-    timeout_s: float = 60.0
-    device: str | None = None
-    no_progress: bool = False
+    endpoint: str = opt(help="Loader endpoint, e.g. ipc:///run/dflash-loader/loader.sock.")
+    job: str = opt("train", "Job name (a session per rank).")
+    run_dir: Path = opt(help="Where checkpoints, metrics and config.json go.")
+    resume: bool = opt(False, "Continue from the newest checkpoint, if any.")
+    layers: str | None = opt(
+        None, "Target layer ids for the features, e.g. 0,1,2 (default: spread).", section=DRAFTER
+    )
+    drafter_layers: int | None = opt(  # None: resolved by trainer.run.resolve_init_drafter
+        None, "Drafter decoder layers [1; --init-drafter: its own].", section=DRAFTER
+    )
+    block_size: int | None = opt(  # None: resolved by trainer.run.resolve_init_drafter
+        None, "Block size [16; --init-drafter: its own].", section=DRAFTER
+    )
+    init_drafter: Path | None = opt(
+        None,
+        "Start from a DFlash drafter folder (an export, or a released one): its weights, "
+        "and its layer ids, depth, block size and MASK token where not given. A checkpoint "
+        "found by --resume wins.",
+        path={"exists": True, "file_okay": False},
+        section=DRAFTER,
+    )
+    anchors_per_doc: int = opt(
+        512, "Anchors (blocks) drawn per document (the loader spec's name for it).",
+        aliases=("--num-anchors",), section=DRAFTER,
+    )  # fmt: skip
+    max_anchors: int = opt(
+        2048,
+        "Anchors (blocks) per micro-batch, drawn fairly across its documents; 0: no cap. "
+        "Compute and activation memory follow it (the reference recipe: 4 x 512 per GPU).",
+        section=DRAFTER,
+    )
+    loss_chunk: int = opt(
+        1024,
+        "Supervised slots per LM-head chunk (and chunk/block-size blocks per drafter "
+        "chunk): logits exist for this many slots at once. 0: unchunked (reference; memory "
+        "grows with anchors).",
+        section=DRAFTER,
+    )
+    attention: str = opt(
+        "auto", "Drafter attention kernel; auto: flex_attention on CUDA, SDPA elsewhere.",
+        choices=("auto", "sdpa", "flex"), section=DRAFTER,
+    )  # fmt: skip
+    mask_token_id: int | None = opt(
+        None,
+        "Token id whose frozen target embedding is the MASK slot (default: the target's "
+        "mask token from its config or tokenizer, e.g. Qwen3's <|MASK|> 151669).",
+        section=DRAFTER,
+    )
+    learned_mask: bool = opt(
+        False, "Train a MASK vector instead (NOT loadable by SGLang/vLLM/Transformers DFlash).",
+        section=DRAFTER,
+    )  # fmt: skip
+    gamma: float = opt(7.0, "Loss decay over block offsets: exp(-(k-1)/gamma).", section=DRAFTER)
+    lr: float = opt(6e-4, "Peak learning rate (AdamW).", section=OPTIM)
+    warmup: float = opt(0.04, "Warm-up steps; < 1: a fraction of the run.", section=OPTIM)
+    weight_decay: float = opt(0.01, "AdamW weight decay.", section=OPTIM)
+    grad_clip: float = opt(1.0, "Gradient norm clip.", section=OPTIM)
+    steps: int | None = opt(None, "Optimizer steps (or --epochs).", section=OPTIM)
+    epochs: int | None = opt(None, "Epochs of the loader's plan (or --steps).", section=OPTIM)
+    seed: int = opt(
+        0, "Trainer seed (init, anchors); the loader's plan seed is the daemon's or --spec seed=N.",
+        section=OPTIM,
+    )  # fmt: skip
+    grad_accum: int | None = opt(
+        None, "Micro-batches per optimizer step [default: the daemon's].", section=SPEC
+    )
+    token_budget: int | None = opt(None, "Padded tokens per micro-batch.", section=SPEC)
+    max_batch_size: int | None = opt(None, "Rows per micro-batch.", section=SPEC)
+    max_seq_len: int | None = opt(None, "Longer samples are cut or dropped.", section=SPEC)
+    layout: str | None = opt(
+        None, "Micro-batch layout.", choices=("padded", "packed"), section=SPEC
+    )
+    spec_pairs: tuple[str, ...] = opt(
+        (),
+        "Other loader spec fields KEY=VALUE (JSON values), e.g. seed=3 or "
+        "buckets=[770,1216]. Fields not given come from the daemon's configured spec.",
+        flag="--spec",
+        show_default=False,
+        section=SPEC,
+    )
+    cost_profile: Path | None = opt(
+        None,
+        "Ask the loader to cut and balance micro-batches by this cost profile (from "
+        "`dflash-train calibrate`); --spec fields given too win.",
+        path={"exists": True, "dir_okay": False},
+        section=SPEC,
+    )
+    cost_samples: int = opt(
+        2000,
+        "Micro-batches per rank whose compute time is recorded in RUN_DIR/costs for "
+        "`dflash-train calibrate` (after 2 warm-up steps; synchronizes CUDA while recording). "
+        "0: off.",
+        section=EVAL,
+    )
+    eval_every: int = opt(0, "Measure tau every N steps; 0: at the start and end.", section=EVAL)
+    eval_prompts: Path | None = opt(
+        None, "Held-out prompts (JSONL of {\"prompt\": [ids]}: tokenize/regen --holdout).",
+        path={"exists": True}, section=EVAL,
+    )  # fmt: skip
+    num_eval_prompts: int = opt(16, "Prompts tau is measured on.", section=EVAL)
+    eval_new_tokens: int = opt(64, "Tokens generated per prompt when measuring tau.", section=EVAL)
+    ckpt_every: int = opt(0, "Checkpoint every N steps; 0: at the end.", section=EVAL)
+    keep_checkpoints: int = opt(3, "Newest checkpoints kept.", section=EVAL)
+    timeout_s: float = opt(60.0, "How long to wait for the loader daemon.", section=EVAL)
+    device: str | None = opt(
+        None, "Default: cuda:LOCAL_RANK when a GPU is present, else cpu.", section=EVAL
+    )
+    no_progress: bool = opt(False, "No progress bar.", section=EVAL)
 
     @classmethod
     def read(cls, run_dir: Path) -> RunOptions:
@@ -127,7 +241,7 @@ class RunOptions(TargetOptions):
             raise ValueError(f"{path}: not JSON ({e})") from e
         if not isinstance(record, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(record).__name__}")
-        known = {f.name for f in fields(cls)} | set(RUN_FACTS)
+        known = {f.name for f in fields(cls)} | set(RUN_FACTS) | set(RENAMED)
         unknown = sorted(set(record) - known)
         if unknown:
             raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}")
@@ -141,6 +255,82 @@ class RunOptions(TargetOptions):
         path = self.run_dir / CONFIG_FILE
         path.write_text(json.dumps(record, indent=2, default=str) + "\n")
         return path
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        """``--layers`` as integers (None: spread over the target)."""
+        return parse_int_list(self.layers)
+
+
+TOKENIZE = "Tokenization"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizeOptions(Options):
+    """How conversations become a corpus (``tokenize``; ``regen --server`` embeds them)."""
+
+    max_length: int | None = opt(
+        None, "Longest sample in tokens (see --overflow).", section=TOKENIZE
+    )
+    overflow: str = opt(
+        "truncate", "What --max-length does to a longer conversation.",
+        choices=("truncate", "drop"), section=TOKENIZE,
+    )  # fmt: skip
+    workers: int = opt(1, "Tokenizer processes.", section=TOKENIZE)
+    shard_rows: int = opt(100_000, "Rows per output shard.", section=TOKENIZE)
+    strict: bool = opt(
+        False, "Stop at the first malformed row (default: count and skip it).", section=TOKENIZE
+    )
+    holdout: int = opt(
+        0, "The last N conversations stay out; their prompts go to OUT/heldout.jsonl.",
+        section=TOKENIZE,
+    )  # fmt: skip
+    limit: int | None = opt(None, "Read only the first N rows.", section=TOKENIZE)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.overflow not in ("truncate", "drop"):
+            raise ValueError(f"overflow must be 'truncate' or 'drop', got {self.overflow!r}")
+        for name, low in (("max_length", 1), ("workers", 1), ("shard_rows", 1), ("holdout", 0),
+                          ("limit", 1)):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+IN_PROCESS = "In process (no --server; SRC is ONE tokenized Arrow corpus, the target runs here)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenOptions(Options):
+    """In-process ``regen``: the target rewrites a tokenized corpus's responses."""
+
+    batch_size: int = opt(64, "Samples generated together.", section=IN_PROCESS)
+    chunk_samples: int = 4096  # samples read (and sorted by response length) at a time
+    holdout: int = opt(
+        0, "Samples (--server: conversations) kept out; their prompts go to the verifier."
+    )
+    limit: int | None = opt(
+        None, "Regenerate only the first N samples (after the holdout).", section=IN_PROCESS
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.batch_size < 1 or self.chunk_samples < 1 or self.holdout < 0:
+            raise ValueError(
+                f"need batch_size, chunk_samples >= 1 and holdout >= 0, got "
+                f"{self.batch_size}, {self.chunk_samples}, {self.holdout}"
+            )
+
+
+def parse_int_list(value: str | None) -> list[int] | None:
+    """``"0,1,2"`` -> ``[0, 1, 2]``; ``None``/empty -> ``None``."""
+    if not value:
+        return None
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError as e:
+        raise ValueError(f"expected comma-separated integers, got {value!r}") from e
 
 
 def _to_json(value: Any) -> Any:

@@ -16,26 +16,18 @@ from typing import Any
 import torch
 
 from loader_server.planning.cost import profile_fields
-from trainer import stop
-from trainer.distributed import init_distributed, shutdown
-from trainer.drafter import DFlashDrafter, DrafterConfig
-from trainer.loop import TrainConfig, Trainer
-from trainer.loss import LossConfig
-from trainer.options import RunOptions, TargetOptions
-from trainer.regen import load_prompts
-from trainer.target import Target, TinyTargetSpec, load_target, mask_token_id
+from trainer.data.regen import load_prompts
+from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, read_drafter_folder
+from trainer.model.blocks import LossConfig
+from trainer.model.drafter import DFlashDrafter, DrafterConfig
+from trainer.model.target import Target, mask_token_id, target_from_options, target_record
+from trainer.options import RunOptions, TargetOptions, parse_int_list
+from trainer.train import stop
+from trainer.train.checkpoint import latest_checkpoint
+from trainer.train.distributed import init_distributed, shutdown
+from trainer.train.loop import TrainConfig, Trainer
 
 log = logging.getLogger(__name__)
-
-
-def parse_int_list(value: str | None) -> list[int] | None:
-    """``"0,1,2"`` -> ``[0, 1, 2]``; ``None``/empty -> ``None``."""
-    if not value:
-        return None
-    try:
-        return [int(x) for x in value.split(",")]
-    except ValueError as e:
-        raise ValueError(f"expected comma-separated integers, got {value!r}") from e
 
 
 def parse_spec_pairs(pairs: tuple[str, ...]) -> dict[str, Any]:
@@ -51,23 +43,6 @@ def parse_spec_pairs(pairs: tuple[str, ...]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = raw
     return out
-
-
-def target_from_opts(
-    opts: TargetOptions, device: torch.device | str, layer_ids: list[int] | None = None
-) -> Target:
-    """The target named by ``--target`` (``tiny`` shaped by the ``--tiny-*`` options)."""
-    tiny = TinyTargetSpec(
-        vocab_size=opts.tiny_vocab,
-        num_layers=opts.tiny_layers,
-        hidden_size=opts.tiny_hidden,
-        intermediate_size=opts.tiny_intermediate or 3 * opts.tiny_hidden,
-        num_heads=opts.tiny_heads,
-        num_kv_heads=opts.tiny_kv_heads,
-        seed=opts.tiny_seed,
-    )
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return load_target(opts.target, layer_ids=layer_ids, device=device, dtype=dtype, tiny=tiny)
 
 
 SPEC_OPTIONS = ("token_budget", "max_batch_size", "max_seq_len", "layout", "grad_accum")
@@ -156,7 +131,7 @@ def train_config(opts: RunOptions) -> TrainConfig:
         run_dir=opts.run_dir,
         loss=LossConfig(
             block_size=opts.block_size,
-            num_anchors=opts.num_anchors,
+            anchors_per_doc=opts.anchors_per_doc,
             max_anchors=opts.max_anchors,
             gamma=opts.gamma,
         ),
@@ -183,25 +158,22 @@ def train_config(opts: RunOptions) -> TrainConfig:
 DEFAULT_DRAFTER_LAYERS, DEFAULT_BLOCK_SIZE = 1, 16
 
 
-def resolve_init_drafter(opts: RunOptions) -> tuple[RunOptions, Any]:
+def resolve_init_drafter(opts: RunOptions) -> tuple[RunOptions, DrafterFolder | None]:
     """``(opts, folder)``: with ``--init-drafter DIR`` the folder's layer ids, drafter depth,
-    block size and MASK token fill the options the user left out (``trainer.export``);
+    block size and MASK token fill the options the user left out (``trainer.hf.export``);
     without it the plain defaults. ``folder`` is None without ``--init-drafter``."""
     if opts.init_drafter is None:
         defaults = {"drafter_layers": DEFAULT_DRAFTER_LAYERS, "block_size": DEFAULT_BLOCK_SIZE}
         unset = {k: v for k, v in defaults.items() if getattr(opts, k) is None}
         return replace(opts, **unset), None
-    from trainer.export import options_from_folder, read_drafter_folder
-
     folder = read_drafter_folder(opts.init_drafter)
     return options_from_folder(opts, folder), folder
 
 
-def init_from_folder(drafter: DFlashDrafter, folder: Any, target: Target, cfg: TrainConfig) -> None:
+def init_from_folder(
+    drafter: DFlashDrafter, folder: DrafterFolder, target: Target, cfg: TrainConfig
+) -> None:
     """``--init-drafter``'s weights, unless ``--resume`` finds a checkpoint (which wins)."""
-    from trainer.checkpoint import latest_checkpoint
-    from trainer.export import init_drafter
-
     found = latest_checkpoint(cfg.run_dir) if cfg.resume else None
     if found is not None:
         log.info("--resume: %s wins over --init-drafter %s", found, folder.path)
@@ -211,8 +183,6 @@ def init_from_folder(drafter: DFlashDrafter, folder: Any, target: Target, cfg: T
 
 def run_meta(opts: TargetOptions, target: Target) -> dict[str, Any]:
     """What checkpoints record about the target (``dflash-train export`` reads it)."""
-    from trainer.export import target_record
-
     return {
         "target": opts.target,
         "layer_ids": target.layer_ids,
@@ -222,7 +192,7 @@ def run_meta(opts: TargetOptions, target: Target) -> dict[str, Any]:
 
 def run_training(opts: RunOptions) -> dict[str, Any] | None:
     """Run one rank; returns the summary on rank 0 (None elsewhere). SIGTERM stops it
-    cleanly after the current step (``trainer.stop``)."""
+    cleanly after the current step (``trainer.train.stop``)."""
     stop.install()
     opts, folder = resolve_init_drafter(opts)
     cfg = train_config(opts)  # validates before anything is started
@@ -230,7 +200,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
     env = init_distributed(opts.device)
     client = None
     try:
-        target = target_from_opts(opts, env.device, parse_int_list(opts.layers))
+        target = target_from_options(opts, env.device, parse_int_list(opts.layers))
         drafter = build_drafter(target, opts, env.device)
         if folder is not None:
             init_from_folder(drafter, folder, target, cfg)

@@ -37,7 +37,7 @@ def _int_tuple(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
 @click.option("--token-budget", type=int, default=2048, show_default=True)
 @click.option("--grad-accum", type=int, default=4, show_default=True)
 @click.option("--block-size", type=int, default=8, show_default=True)
-@click.option("--num-anchors", type=int, default=8, show_default=True)
+@click.option("--anchors-per-doc", type=int, default=8, show_default=True)
 @click.option("--lr", type=float, default=3e-3, show_default=True)
 @click.option("--eval-anchors", type=int, default=32, show_default=True, help="Held-out.")
 @click.option("--threads", type=int, default=1, show_default=True, help="Torch threads.")

@@ -14,7 +14,7 @@ mix of every step, and held-out loss per length band.
   residual: the mechanism behind the spikes. ``all_hard_frac`` is the share of steps with
   no short (easy) sample at all.
 * **Held-out loss per band**: the final checkpoint's drafter, the same weighted block CE
-  as training (``trainer.loss.draft_loss``), on held-out samples grouped into 4 bands at
+  as training (``trainer.model.loss.draft_loss``), on held-out samples grouped into 4 bands at
   the quartiles of their lengths. Batches and anchor generators are fixed, so every
   drafter is scored on exactly the same blocks (a paired comparison).
 """
@@ -76,7 +76,7 @@ def pooled_diff_std(series: Sequence[Sequence[float]]) -> float:
 
 def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``(config.json, training records)``; records are the optimizer steps 1..n."""
-    from trainer.metrics import metrics_path, read_metrics
+    from trainer.train.metrics import metrics_path, read_metrics
 
     config = json.loads((run_dir / "config.json").read_text())
     served = run_dir / "loader_spec.json"  # the spec the daemon served (trainer writes it)
@@ -154,7 +154,7 @@ def length_bands(lengths: np.ndarray, num_bands: int = NUM_BANDS) -> np.ndarray:
 def heldout_batches(path: Path, band: np.ndarray, token_budget: int = EVAL_TOKEN_BUDGET):
     """Padded batches of one band each (length-sorted, ``rows x longest <= token_budget``)."""
     from loader_server.data.dataset import open_dataset
-    from trainer.batches import pad_batch
+    from trainer.train.batches import pad_batch
 
     ds = open_dataset(path)
     out = []
@@ -178,7 +178,7 @@ def heldout_loss(target: Any, drafter: Any, batches: list, loss_cfg: Any) -> dic
     """Weighted block CE and accuracy per band and overall, on fixed anchors."""
     import torch
 
-    from trainer.loss import draft_loss
+    from trainer.model.loss import draft_loss
 
     num_bands = max(b for b, _ in batches) + 1
     sums = np.zeros((num_bands, 4))  # weighted CE, weight, hits, slots
@@ -202,19 +202,19 @@ def heldout_loss(target: Any, drafter: Any, batches: list, loss_cfg: Any) -> dic
     }
 
 
-def load_final_drafter(run_dir: Path) -> tuple[Any, dict[str, Any]]:
-    """The drafter of the run's newest checkpoint and the checkpoint's shared state."""
-    from trainer import checkpoint as ckpt
-    from trainer.distributed import local_env
-    from trainer.drafter import DFlashDrafter, DrafterConfig
+def load_final_drafter(run_dir: Path) -> tuple[Any, Any]:
+    """The drafter of the run's newest checkpoint and that checkpoint's record."""
+    from trainer.model.drafter import DFlashDrafter, DrafterConfig
+    from trainer.train import checkpoint as ckpt
+    from trainer.train.distributed import local_env
 
     path = ckpt.latest_checkpoint(run_dir)
     if path is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint")
-    shared, _ = ckpt.load_checkpoint(path, local_env())
-    drafter = DFlashDrafter(DrafterConfig(**shared["drafter_config"]))
-    drafter.load_state_dict(shared["drafter"])
-    return drafter, shared
+    saved, _ = ckpt.load_checkpoint(path, local_env())
+    drafter = DFlashDrafter(DrafterConfig(**saved.drafter_config))
+    drafter.load_state_dict(saved.drafter)
+    return drafter, saved
 
 
 # ---- everything ---------------------------------------------------------------------------
@@ -257,8 +257,9 @@ def analyse(cfg: Any, train_path: Path, heldout_path: Path) -> dict[str, Any]:
     import torch
 
     from loader_server.data.dataset import open_dataset
+    from trainer.model.target import target_from_options
     from trainer.options import RunOptions
-    from trainer.run import build_drafter, target_from_opts
+    from trainer.run import build_drafter
 
     torch.set_num_threads(cfg.threads)
     lengths = open_dataset(train_path).lengths
@@ -277,14 +278,14 @@ def analyse(cfg: Any, train_path: Path, heldout_path: Path) -> dict[str, Any]:
 
     target, untrained = None, None
     for name, run in runs.items():
-        drafter, shared = load_final_drafter(cfg.out_dir / "runs" / name)
+        drafter, saved = load_final_drafter(cfg.out_dir / "runs" / name)
         opts = RunOptions.read(cfg.out_dir / "runs" / name)
-        layer_ids = list(shared["meta"]["layer_ids"])
+        layer_ids = list(saved.meta["layer_ids"])
         if target is None:  # every run has the same target options (one command line)
-            target = target_from_opts(opts, "cpu", layer_ids)
+            target = target_from_options(opts, "cpu", layer_ids)
         if layer_ids != target.layer_ids:
             raise ValueError(f"{name}: target layers {layer_ids} differ from {target.layer_ids}")
-        loss_cfg = _eval_loss_config(shared["loss_config"], cfg.eval_anchors)
+        loss_cfg = _eval_loss_config(saved.loss_config, cfg.eval_anchors)
         run["heldout"] = heldout_loss(target, drafter, batches, loss_cfg)
         if untrained is None:  # the same init as every run of this seed (trainer.run)
             fresh = build_drafter(target, replace(opts, seed=run["seed"]), "cpu")
@@ -299,10 +300,10 @@ def analyse(cfg: Any, train_path: Path, heldout_path: Path) -> dict[str, Any]:
     }
 
 
-def _eval_loss_config(saved: dict[str, Any], num_anchors: int) -> Any:
-    from trainer.loss import LossConfig
+def _eval_loss_config(saved: dict[str, Any], anchors_per_doc: int) -> Any:
+    from trainer.model.blocks import LossConfig
 
-    return LossConfig(**{**saved, "num_anchors": num_anchors})
+    return LossConfig(**{**saved, "anchors_per_doc": anchors_per_doc})
 
 
 def _corpus_facts(

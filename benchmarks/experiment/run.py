@@ -72,7 +72,7 @@ class ExperimentConfig:
     token_budget: int = 2048
     grad_accum: int = 4
     block_size: int = 8
-    num_anchors: int = 8
+    anchors_per_doc: int = 8
     lr: float = 3e-3
     eval_anchors: int = 32
     threads: int = 1
@@ -144,7 +144,7 @@ def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
         "--run-dir", str(cfg.out_dir / "runs" / name),
         "--steps", str(cfg.steps), "--grad-accum", str(cfg.grad_accum),
         "--token-budget", str(cfg.token_budget), "--max-seq-len", str(cfg.max_len),
-        "--block-size", str(cfg.block_size), "--num-anchors", str(cfg.num_anchors),
+        "--block-size", str(cfg.block_size), "--anchors-per-doc", str(cfg.anchors_per_doc),
         "--lr", str(cfg.lr), "--seed", str(seed), "--tiny-vocab", "512",
         "--num-eval-prompts", "0", "--no-progress", "--resume",
     ]  # fmt: skip

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 IDS_COLUMN = "input_ids"
 MASK_COLUMN = "loss_mask"
+#: The schema corpus writers use (the reader also takes other integer widths).
+CORPUS_SCHEMA = pa.schema([(IDS_COLUMN, pa.list_(pa.int32())), (MASK_COLUMN, pa.list_(pa.uint8()))])
 _ID_TYPES = (pa.int32(), pa.int64(), pa.uint32())
 # Masks are usually uint8/bool; Hugging Face `datasets` stores Python ints as int64.
 _MASK_TYPES = (

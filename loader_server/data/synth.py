@@ -25,10 +25,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from loader_server.data.dataset import IDS_COLUMN, MASK_COLUMN
+from loader_server.data.dataset import CORPUS_SCHEMA as _SCHEMA
 
 QWEN3_VOCAB = 151936
-_SCHEMA = pa.schema([(IDS_COLUMN, pa.list_(pa.int32())), (MASK_COLUMN, pa.list_(pa.uint8()))])
 
 
 @dataclass(frozen=True, kw_only=True)

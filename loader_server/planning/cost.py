@@ -17,7 +17,7 @@ over features the planner knows from sample lengths alone (``features``):
   ``block_size * min(max_anchors, sum of per-document anchors)``, where a document of
   length ``l`` gets ``min(anchors_per_doc, l - block_size + 1)`` anchors when
   ``l >= 2 * block_size`` and none otherwise. That is the trainer's anchor rule
-  (``trainer.loss``) with every position supervised: the loader sees lengths, not loss
+  (``trainer.model.loss``) with every position supervised: the loader sees lengths, not loss
   masks, and calibration (``dflash-train calibrate``, which fits on these same features)
   absorbs the corpus's supervised fraction into ``c_slot``;
 * ``c0``: the fixed cost of a micro-batch (kernel launches, its share of the optimizer

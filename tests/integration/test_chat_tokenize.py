@@ -1,4 +1,4 @@
-"""``dflash-train tokenize`` / ``trainer.chat``: masks, input formats, accounting, output."""
+"""``dflash-train tokenize`` / ``trainer.data.chat``: masks, input formats, accounting, output."""
 
 from __future__ import annotations
 
@@ -14,16 +14,11 @@ from conftest import ROOT
 
 from loader_server.data.dataset import open_dataset
 from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
-from trainer.chat import (
-    HELDOUT_NAME,
-    REPORT_NAME,
-    ChatEncoder,
-    MalformedRow,
-    read_rows,
-    to_messages,
-    token_mask,
-    tokenize_corpus,
-)
+from trainer.data.corpus import HELDOUT_NAME, REPORT_NAME
+from trainer.data.encoder import ChatEncoder, token_mask
+from trainer.data.messages import MalformedRow, to_messages
+from trainer.data.sources import read_rows
+from trainer.data.tokenize import tokenize_corpus
 
 
 def chatml(sep: str = "\\n", generation: bool = False) -> str:
@@ -273,7 +268,7 @@ def test_qwen3_thinking_switch(toks, caplog):
     )
     assert on.tokenizer.decode(prompt_on.tolist()).endswith("<|im_start|>assistant\n")
     assert on.takes_thinking and not caplog.records
-    with caplog.at_level("WARNING", logger="trainer.chat"):
+    with caplog.at_level("WARNING", logger="trainer.data.encoder"):
         ChatEncoder(toks["chatml"], enable_thinking=False)
         ChatEncoder(toks["chatml"], enable_thinking=False)
     assert [r.getMessage() for r in caplog.records] == [
@@ -312,7 +307,7 @@ def test_template_errors_and_no_torch(toks):
         enc.encode([{"role": "user", "content": "only a question"}])
     assert e.value.reason == "no_assistant_turn"
     code = (
-        "import sys, trainer.chat as c;"
+        "import sys, trainer.data.encoder as c;"
         f"e = c.ChatEncoder({str(toks['qwen3'])!r});"
         "e.encode([{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]);"
         "assert 'torch' not in sys.modules, 'torch imported'"
@@ -500,7 +495,7 @@ def test_deterministic_any_worker_count_and_loader_opens_it(toks, rows, tmp_path
 
 
 def test_holdout_prompts_load_with_regen(toks, rows, tmp_path):
-    from trainer.regen import load_prompts
+    from trainer.data.regen import load_prompts
 
     src = write_jsonl(tmp_path / "rows.jsonl", rows)
     report = _tokenize(src, tmp_path / "out", toks["qwen3"], holdout=4, enable_thinking=False)

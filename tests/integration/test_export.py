@@ -6,6 +6,7 @@ the folder reads back into a drafter bit for bit; what cannot be served is refus
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -19,24 +20,24 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 
-from trainer import checkpoint as ckpt
-from trainer.batches import ListSource
 from trainer.cli import main
-from trainer.distributed import local_env
-from trainer.drafter import DFlashDrafter, DraftBlocks, DrafterConfig
-from trainer.export import export_drafter, read_trained_drafter
-from trainer.loop import TrainConfig, Trainer
-from trainer.loss import LossConfig
+from trainer.hf.export import export_drafter, read_trained_drafter
+from trainer.model.blocks import LossConfig
+from trainer.model.drafter import DFlashDrafter, DraftBlocks, DrafterConfig
+from trainer.model.target import target_from_options
+from trainer.model.verifier import DrafterProposer, greedy_generate, speculative_generate
 from trainer.options import RunOptions, TargetOptions
 from trainer.run import (
     build_drafter,
     init_from_folder,
     resolve_init_drafter,
     run_meta,
-    target_from_opts,
     train_config,
 )
-from trainer.verifier import DrafterProposer, greedy_generate, speculative_generate
+from trainer.train import checkpoint as ckpt
+from trainer.train.batches import ListSource
+from trainer.train.distributed import local_env
+from trainer.train.loop import TrainConfig, Trainer
 
 B = 8
 MASK = 511
@@ -49,7 +50,7 @@ def tiny_opts(**over) -> RunOptions:
         endpoint="unused", target="tiny", tiny_vocab=512, tiny_layers=4, tiny_hidden=128,
         tiny_seed=0, tiny_heads=4, tiny_kv_heads=2, tiny_intermediate=None, layers=None,
         drafter_layers=None, block_size=None, init_drafter=None, mask_token_id=None,
-        learned_mask=False, seed=0, run_dir=Path("unused"), resume=False, num_anchors=6,
+        learned_mask=False, seed=0, run_dir=Path("unused"), resume=False, anchors_per_doc=6,
         max_anchors=2048, gamma=7.0, loss_chunk=1024, attention="sdpa", steps=1, epochs=None,
         grad_accum=None, lr=3e-3, warmup=0.0, weight_decay=0.01, grad_clip=1.0,
         eval_every=0, eval_new_tokens=16, ckpt_every=0, keep_checkpoints=3, no_progress=True,
@@ -67,7 +68,7 @@ def train(target, samples, run_dir: Path, *, mask: int | None = MASK, steps: int
     if mask is None:
         drafter.mask_embedding.data.copy_(target.embed_tokens.weight.mean(0))
     tc = TrainConfig(
-        run_dir=run_dir, loss=LossConfig(block_size=B, num_anchors=6), steps=steps, lr=3e-3,
+        run_dir=run_dir, loss=LossConfig(block_size=B, anchors_per_doc=6), steps=steps, lr=3e-3,
         warmup=2, progress=False,
     )  # fmt: skip
     Trainer(
@@ -233,7 +234,7 @@ def test_init_drafter_round_trip(folders, trained, target, run_dir, tmp_path, ca
         opts, folder_spec = resolve_init_drafter(tiny_opts(init_drafter=folder, run_dir=tmp_path))
         assert (opts.layers, opts.block_size, opts.drafter_layers) == ("0,1,2", B, 1)
         assert opts.mask_token_id == MASK
-        run_target = target_from_opts(opts, "cpu", [0, 1, 2])
+        run_target = target_from_options(opts, "cpu", [0, 1, 2])
         drafter = build_drafter(run_target, opts, torch.device("cpu"))
         init_from_folder(drafter, folder_spec, run_target, train_config(opts))
         for name, value in trained.state_dict().items():
@@ -268,18 +269,18 @@ def test_export_refusals(target, samples, run_dir, tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
 
     # A MASK id outside the target vocabulary, in the trainer's own checkpoint format.
-    shared, mine = ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir), local_env())
-    shared["drafter_config"] = {**shared["drafter_config"], "mask_token_id": 512}
-    shared = {k: v for k, v in shared.items() if k not in ("version", "step", "world_size")}
+    saved, mine = ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir), local_env())
+    config = {**saved.drafter_config, "mask_token_id": 512}
     mine = {k: v for k, v in mine.items() if k in ("loader", "rng")}
-    ckpt.save_checkpoint(tmp_path / "big", 3, local_env(), shared=shared, per_rank=mine)
+    record = dataclasses.replace(saved, drafter_config=config)
+    ckpt.save_checkpoint(tmp_path / "big", 3, local_env(), record=record, per_rank=mine)
     res = export_cli(tmp_path / "big", tmp_path / "y")
     assert res.exit_code == 1 and "mask_token_id 512 is outside" in res.output
 
     out = tmp_path / "out"
     assert export_cli(run_dir, out).exit_code == 0
     res = export_cli(run_dir, out)
-    assert res.exit_code == 1 and "pass --force" in res.output
+    assert res.exit_code == 1 and "--force replaces it" in res.output
     res = export_cli(run_dir, out, "--force", "--dtype", "fp32")
     assert res.exit_code == 0, res.output
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
@@ -290,12 +291,12 @@ def test_export_refusals(target, samples, run_dir, tmp_path):
 
 def test_export_of_a_checkpoint_without_target_config(run_dir, tmp_path):
     """Checkpoints written before ``meta.target_config``: the run's config.json tells."""
-    shared, mine = ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir), local_env())
-    shared["meta"] = {k: v for k, v in shared["meta"].items() if k != "target_config"}
-    shared = {k: v for k, v in shared.items() if k not in ("version", "step", "world_size")}
+    saved, mine = ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir), local_env())
+    meta = {k: v for k, v in saved.meta.items() if k != "target_config"}
     mine = {k: v for k, v in mine.items() if k in ("loader", "rng")}
     old = tmp_path / "old"
-    ckpt.save_checkpoint(old, 5, local_env(), shared=shared, per_rank=mine)
+    record = dataclasses.replace(saved, meta=meta)
+    ckpt.save_checkpoint(old, 5, local_env(), record=record, per_rank=mine)
     with pytest.raises(FileNotFoundError, match=r"config\.json is missing"):
         export_drafter(old, tmp_path / "a")
     tiny_opts(run_dir=old).write(requested_loader_spec={}, world_size=1)

@@ -24,14 +24,9 @@ from conftest import ROOT
 
 from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 from trainer.cli import main
-from trainer.regen_server import (
-    Journal,
-    RowFailed,
-    base_url,
-    journal_path,
-    reply_slots,
-    retry_after_s,
-)
+from trainer.data.server.http import RowFailed, base_url, retry_after_s
+from trainer.data.server.journal import Journal, journal_path
+from trainer.data.server.run import reply_slots
 
 SERVER = ROOT / "scripts" / "chat_server.py"
 MAX_TOKENS = 12
@@ -74,7 +69,7 @@ def journal_records(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A tiny target + its tokenizer in one folder (vocab 1024 both)."""
-    from trainer.target import TinyTargetSpec, load_target
+    from trainer.model.target import TinyTargetSpec, load_target
 
     path = tmp_path_factory.mktemp("tiny-checkpoint")
     build_tokenizer(path, vocab_size=1024, template="qwen3")

@@ -78,7 +78,7 @@ def train_cmd(endpoint: str, run_dir: Path, job: str, steps: int, *extra: str) -
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "trainer.cli", "train",
         "--endpoint", endpoint, "--job", job, "--run-dir", str(run_dir),
-        "--steps", str(steps), "--block-size", "8", "--num-anchors", "16",
+        "--steps", str(steps), "--block-size", "8", "--anchors-per-doc", "16",
         "--token-budget", "1024", "--max-seq-len", "256", "--lr", "3e-3", "--warmup", "2",
         "--num-eval-prompts", "4", "--eval-new-tokens", "16", "--no-progress",
         *extra,
@@ -198,7 +198,7 @@ def test_trainer_follows_the_daemons_spec(tmp_path, monkeypatch):
     try:
         cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", d.endpoint,
                "--run-dir", str(run_dir), "--steps", "3", "--block-size", "8",
-               "--num-anchors", "4", "--num-eval-prompts", "0", "--no-progress"]  # fmt: skip
+               "--anchors-per-doc", "4", "--num-eval-prompts", "0", "--no-progress"]  # fmt: skip
         run(cmd, tmp_path / "t.log")
     finally:
         d.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -10,18 +11,18 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from trainer import checkpoint as ckpt
-from trainer.batches import ListSource
 from trainer.cli import main
-from trainer.distributed import DistEnv, local_env
-from trainer.drafter import DFlashDrafter, DrafterConfig
-from trainer.loop import TrainConfig, Trainer, warmup_cosine
-from trainer.loss import LossConfig
-from trainer.metrics import metrics_path, read_metrics
+from trainer.model.blocks import LossConfig
+from trainer.model.drafter import DFlashDrafter, DrafterConfig
+from trainer.model.target import Target
+from trainer.model.verifier import greedy_generate
 from trainer.options import RunOptions
 from trainer.run import loader_spec, resolve_mask_token
-from trainer.target import Target
-from trainer.verifier import greedy_generate
+from trainer.train import checkpoint as ckpt
+from trainer.train.batches import ListSource
+from trainer.train.distributed import DistEnv, local_env
+from trainer.train.loop import TrainConfig, Trainer, warmup_cosine
+from trainer.train.metrics import metrics_path, read_metrics
 
 B = 8
 
@@ -49,7 +50,7 @@ def make_drafter(target: Target, seed: int = 0) -> DFlashDrafter:
 def make_trainer(target, source, run_dir: Path, drafter_seed: int = 0, **kw) -> Trainer:
     defaults = dict(
         run_dir=run_dir,
-        loss=LossConfig(block_size=B, num_anchors=6),
+        loss=LossConfig(block_size=B, anchors_per_doc=6),
         steps=10,
         lr=3e-3,
         warmup=2,
@@ -153,13 +154,14 @@ def test_checkpoint_contents_and_retention(target, samples, tmp_path):
     names = [p.name for p in ckpt.list_checkpoints(tmp_path)]
     assert names == ["step-00000005", "step-00000006"]
     assert not list(ckpt.checkpoint_dir(tmp_path).glob("*.tmp"))
-    shared, mine = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), local_env())
-    assert shared["step"] == mine["step"] == 6
+    saved, mine = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), local_env())
+    assert saved.step == mine["step"] == 6
     assert mine["loader"] == {"version": 1, "position": 6}
-    assert set(shared) >= {"drafter", "optimizer", "scheduler", "drafter_config", "loss_config"}
+    assert saved.optimizer is not None and saved.scheduler is not None
+    assert saved.loss_config == dataclasses.asdict(tr.cfg.loss)
     assert set(mine["rng"]) >= {"torch", "python"}
     for k, v in tr.drafter.state_dict().items():
-        assert torch.equal(shared["drafter"][k], v), k
+        assert torch.equal(saved.drafter[k], v), k
     two = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="same world size"):
         ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path), two)

@@ -11,9 +11,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.attention import BlockChunk, block_attention
-from trainer.batches import Batch, pack_batch, pad_batch
-from trainer.drafter import (
+from trainer.model.attention import BlockChunk, block_attention
+from trainer.model.blocks import (
+    LossConfig,
+    cap_anchors,
+    plan_blocks,
+    position_weights,
+    sample_anchors,
+)
+from trainer.model.drafter import (
     DFlashDrafter,
     DraftBlocks,
     DrafterConfig,
@@ -21,17 +27,8 @@ from trainer.drafter import (
     plan_chunks,
     rotary,
 )
-from trainer.loss import (
-    LossConfig,
-    cap_anchors,
-    draft_loss,
-    linear_cross_entropy,
-    plan_blocks,
-    position_weights,
-    sample_anchors,
-    zero_loss,
-)
-from trainer.target import (
+from trainer.model.loss import draft_loss, linear_cross_entropy, zero_loss
+from trainer.model.target import (
     Target,
     TinyTargetSpec,
     build_tiny_model,
@@ -39,7 +36,8 @@ from trainer.target import (
     load_target,
     mask_token_id,
 )
-from trainer.verifier import DrafterProposer
+from trainer.model.verifier import DrafterProposer
+from trainer.train.batches import Batch, pack_batch, pad_batch
 
 B = 4
 
@@ -122,7 +120,7 @@ def test_per_document_sdpa_and_flex_equal_the_dense_mask():
 def test_anchors_hand_checked():
     lm = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
     pos, valid = sample_anchors(
-        lm, torch.tensor([10]), num_anchors=100, block_size=2, generator=torch.Generator()
+        lm, torch.tensor([10]), anchors_per_doc=100, block_size=2, generator=torch.Generator()
     )
     # Supervised from 3; a block of 2 needs a + 2 <= 10: anchors 3..8, all of them.
     assert pos[0][valid[0]].tolist() == [3, 4, 5, 6, 7, 8]
@@ -132,7 +130,7 @@ def test_anchors_skip_docs_with_few_supervised_tokens():
     lm = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])
     # B=4 needs 8 supervised tokens: doc 0 has 7, doc 1 has 6 -> nothing.
     _, valid = sample_anchors(
-        lm, torch.tensor([8, 8]), num_anchors=4, block_size=4, generator=torch.Generator()
+        lm, torch.tensor([8, 8]), anchors_per_doc=4, block_size=4, generator=torch.Generator()
     )
     assert not valid.any()
 
@@ -142,10 +140,10 @@ def test_anchors_skip_docs_with_few_supervised_tokens():
     data=st.data(),
     n_docs=st.integers(1, 4),
     block=st.integers(2, 5),
-    num_anchors=st.integers(1, 6),
+    anchors_per_doc=st.integers(1, 6),
     seed=st.integers(0, 2**31),
 )
-def test_anchor_properties(data, n_docs, block, num_anchors, seed):
+def test_anchor_properties(data, n_docs, block, anchors_per_doc, seed):
     lengths = [data.draw(st.integers(1, 30)) for _ in range(n_docs)]
     width = max(lengths)
     lm = torch.zeros(n_docs, width, dtype=torch.uint8)
@@ -155,19 +153,19 @@ def test_anchor_properties(data, n_docs, block, num_anchors, seed):
     pos, valid = sample_anchors(
         lm,
         torch.tensor(lengths),
-        num_anchors=num_anchors,
+        anchors_per_doc=anchors_per_doc,
         block_size=block,
         generator=torch.Generator().manual_seed(seed),
     )
     for d, n in enumerate(lengths):
         chosen = pos[d][valid[d]].tolist()
         cands = [a for a in range(n) if lm[d, a] == 1 and a + block <= n]
-        assert len(chosen) == len(set(chosen)) <= num_anchors
+        assert len(chosen) == len(set(chosen)) <= anchors_per_doc
         if int(lm[d].sum()) < 2 * block:
             assert chosen == []
             continue
         assert set(chosen) <= set(cands)
-        assert len(chosen) == min(num_anchors, len(cands))
+        assert len(chosen) == min(anchors_per_doc, len(cands))
 
 
 def test_anchors_resampled_per_generator():
@@ -176,7 +174,7 @@ def test_anchors_resampled_per_generator():
         sample_anchors(
             lm,
             torch.tensor([200]),
-            num_anchors=8,
+            anchors_per_doc=8,
             block_size=4,
             generator=torch.Generator().manual_seed(s),
         )[0]
@@ -239,7 +237,7 @@ def hidden_of(target, drafter, feats, ids, anchors) -> torch.Tensor:
 
 def test_loss_is_position_weighted_mean(target, drafter):
     batch = pad_batch(_samples(3))
-    cfg = LossConfig(block_size=B, num_anchors=3, gamma=2.0)
+    cfg = LossConfig(block_size=B, anchors_per_doc=3, gamma=2.0)
     out = draft_loss(target, drafter, batch, cfg, torch.Generator().manual_seed(5))
     # Recompute by hand with the same anchors, one document at a time.
     plan = plan_blocks(batch, cfg, torch.Generator().manual_seed(5))
@@ -306,7 +304,7 @@ def test_chunked_blocks_equal_the_dense_reference(target, drafter):
 
 def _loss_and_grads(target, drafter, batch, chunk_size, attention="sdpa"):
     drafter.zero_grad(set_to_none=True)
-    cfg = LossConfig(block_size=B, num_anchors=7, max_anchors=0)
+    cfg = LossConfig(block_size=B, anchors_per_doc=7, max_anchors=0)
     out = draft_loss(
         target, drafter, batch, cfg, _gen(), chunk_size=chunk_size, attention=attention
     )
@@ -351,7 +349,7 @@ def test_linear_cross_entropy_matches_autograd():
 
 def test_packed_and_padded_losses_agree(target, drafter):
     samples = _samples(4)
-    cfg = LossConfig(block_size=B, num_anchors=5)
+    cfg = LossConfig(block_size=B, anchors_per_doc=5)
     losses = [
         float(
             draft_loss(
@@ -400,7 +398,7 @@ def test_anchor_cap_is_fair_and_deterministic():
 
 def test_draft_loss_respects_the_anchor_cap(target, drafter):
     batch = pad_batch(_samples(4))
-    cfg = LossConfig(block_size=B, num_anchors=6, max_anchors=9)
+    cfg = LossConfig(block_size=B, anchors_per_doc=6, max_anchors=9)
     out = draft_loss(target, drafter, batch, cfg, _gen())
     assert out.num_blocks == 9 and out.capped_blocks == 4 * 6 - 9
     again = draft_loss(target, drafter, batch, cfg, _gen())
@@ -450,7 +448,7 @@ def test_block_sees_only_context_before_anchor_and_itself(target, drafter):
 
 def test_packed_documents_do_not_leak(target, drafter):
     samples = _samples(2)
-    cfg = LossConfig(block_size=B, num_anchors=4)
+    cfg = LossConfig(block_size=B, anchors_per_doc=4)
     first = float(draft_loss(target, drafter, pack_batch(samples[:1]), cfg, _gen()).loss.detach())
     # Changing the second document changes nothing the first document's blocks see.
     other = [samples[0], ([7] * len(samples[1][0]), [0] * len(samples[1][0]))]
@@ -574,7 +572,7 @@ def test_plan_chunks_context_covers_every_block():
 
 
 def test_host_allocator_threshold_follows_the_chunk_count():
-    from trainer import hostmem
+    from trainer.train import hostmem
 
     many = hostmem.fit_chunks(hostmem.MANY_CHUNKS + 1)
     if many is None:

@@ -11,9 +11,9 @@ import torch
 from click.testing import CliRunner
 
 from trainer.cli import main
-from trainer.regen import load_prompts, split_prompt
-from trainer.target import load_target
-from trainer.verifier import greedy_generate
+from trainer.data.regen import load_prompts, split_prompt
+from trainer.model.target import load_target
+from trainer.model.verifier import greedy_generate
 
 
 def write_corpus(path, samples) -> None:

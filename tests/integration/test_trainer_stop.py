@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 __all__ = ["daemon"]  # the fixture, re-used from the 2-rank integration tests
 
 TRAIN_FLAGS = (
-    "--block-size", "8", "--num-anchors", "16", "--max-seq-len", "256", "--lr", "3e-3",
+    "--block-size", "8", "--anchors-per-doc", "16", "--max-seq-len", "256", "--lr", "3e-3",
     "--warmup", "2", "--num-eval-prompts", "0", "--no-progress",
 )  # fmt: skip
 
@@ -49,7 +49,7 @@ def sessions(endpoint: str) -> list[dict]:
 def launch(endpoint: str, run_dir: Path, job: str, log: Path, *extra: str) -> subprocess.Popen:
     """The unit's command line: dflash-torchrun ... dflash-train train --resume --job JOB."""
     cmd = [
-        sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "trainer.train.launch", "--standalone", "--nproc-per-node", "2",
         "-m", "trainer.cli", "train", "--resume", "--job", job, "--endpoint", endpoint,
         "--run-dir", str(run_dir), *TRAIN_FLAGS, *extra,
     ]  # fmt: skip

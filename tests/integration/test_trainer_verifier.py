@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.drafter import DFlashDrafter, DrafterConfig
-from trainer.target import Target
-from trainer.verifier import (
+from trainer.model.drafter import DFlashDrafter, DrafterConfig
+from trainer.model.target import Target
+from trainer.model.verifier import (
     DrafterProposer,
     TauReport,
     eos_ids,

@@ -7,7 +7,7 @@ kind is checked (source is read as text or with ``ast``; nothing heavy is import
   exists, and so does the test it names; a relative code file (``cli/plan.py``,
   ``loss.py``) is the end of some repository path;
 * a dotted name rooted in one of our packages (``loader_server.data.dataset``,
-  ``trainer.regen.load_prompts``) resolves to a module file and a name it defines;
+  ``trainer.data.regen.load_prompts``) resolves to a module file and a name it defines;
   ``Class.method`` names a method of that class; ``module.name`` with a module's short name
   (``chat.tokenize_corpus``) or an object (``batch.num_tokens``) names something defined in
   our code;
@@ -85,7 +85,7 @@ EXTERNAL_NAMES = {
     "exp",
     "loss",
     "rng",
-    # an error kind our code builds with an f-string (trainer/regen_server.py: f"http_{status}")
+    # an error kind our code builds with an f-string (trainer/data/regen_server.py: f"http_{status}")
     "http_503",
 }
 #: Flags of other programs the docs name.
@@ -532,7 +532,7 @@ def test_an_import_in_a_code_block_is_checked():
         "loader_server/service/rings.py",
         "loader_server.data.dataset",
         "loader_server.data.dataset.ArrowDataset.fill",
-        "trainer.regen.load_prompts",
+        "trainer.data.regen.load_prompts",
         "open_dataset(path, vocab_size=None)",
         "LoaderClient.close()",
         "dflash-loader serve --slots",

@@ -1,7 +1,7 @@
 """A DFlash draft model for Transformers (the z-lab ``DFlashDraftModel`` weight layout).
 
 Written by dflash-loader's trainer; the math is exactly its drafter's
-(``trainer/drafter.py``), self-contained (torch + transformers only):
+(``trainer/model/drafter.py``), self-contained (torch + transformers only):
 
 * the context (the target's hidden states at ``target_layer_ids``, concatenated) goes
   through ``fc`` and ``hidden_norm`` once;

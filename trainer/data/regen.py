@@ -13,39 +13,26 @@ the first span's start regenerated: right for one-turn chat data, approximate ot
 Batching: samples are read in chunks; inside a chunk they are sorted by response length and
 generated ``batch_size`` at a time with left padding, so a batch runs about as many decoding
 steps as its longest member needs. The last ``holdout`` samples are left out of the corpus
-and their prompts written to a JSONL file (``{"sample": i, "prompt": [...]}``) the trainer
+and their prompts written to a JSONL file (``trainer.data.corpus.write_heldout``) the trainer
 uses as held-out verifier prompts.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
-from trainer.target import Target
-
-IDS_COLUMN, MASK_COLUMN = "input_ids", "loss_mask"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RegenSpec:
-    batch_size: int = 64
-    chunk_samples: int = 4096
-    holdout: int = 0
-    limit: int | None = None  # regenerate only the first N samples (after the holdout)
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.chunk_samples < 1 or self.holdout < 0:
-            raise ValueError(
-                f"need batch_size, chunk_samples >= 1 and holdout >= 0, got "
-                f"{self.batch_size}, {self.chunk_samples}, {self.holdout}"
-            )
+from loader_server.data.dataset import open_dataset
+from trainer.data.corpus import SCHEMA, HeldoutPrompt, read_heldout, record_batch, write_heldout
+from trainer.files import atomic_output
+from trainer.model.target import Target
+from trainer.options import RegenOptions
+from trainer.progress import progress_bar
 
 
 def split_prompt(mask: np.ndarray) -> int:
@@ -113,38 +100,33 @@ def regen_corpus(
     target: Target,
     src: Path,
     out: Path,
-    spec: RegenSpec,
+    spec: RegenOptions,
     *,
     holdout_out: Path | None = None,
     progress: bool = True,
 ) -> dict[str, object]:
     """Write the regenerated corpus to ``out`` (one Arrow IPC file, temp + rename)."""
-    import pyarrow as pa
-
-    from loader_server.data.dataset import open_dataset
-
     ds = open_dataset(src)
     n_keep = len(ds) - spec.holdout
     if n_keep < 1:
         raise ValueError(f"{src}: {len(ds)} samples leave none after a holdout of {spec.holdout}")
     n = n_keep if spec.limit is None else min(spec.limit, n_keep)
     if holdout_out is not None and spec.holdout:
-        _write_holdout(ds, range(n_keep, len(ds)), holdout_out)
-    schema = pa.schema([(IDS_COLUMN, pa.list_(pa.int32())), (MASK_COLUMN, pa.list_(pa.uint8()))])
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    bar = _bar(n, progress)
+        write_heldout(holdout_out, _heldout(ds, src, range(n_keep, len(ds))))
+    bar = progress_bar(n, "regen", "sample", progress)
     tokens = 0
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+    with (
+        atomic_output(Path(out), folder=False, force=True) as tmp,
+        pa.OSFile(str(tmp), "wb") as sink,
+        pa.ipc.new_file(sink, SCHEMA) as writer,
+    ):
         for lo in range(0, n, spec.chunk_samples):
             rows = range(lo, min(lo + spec.chunk_samples, n))
             ids = [np.asarray(ds.input_ids(i)) for i in rows]
             masks = [_mask(ds, i, len(ids[k])) for k, i in enumerate(rows)]
             new_ids, new_masks = _regen_chunk(target, ids, masks, spec.batch_size, bar.update)
             tokens += sum(len(x) for x in new_ids)
-            writer.write_batch(_record_batch(new_ids, new_masks, schema))
-    os.replace(tmp, out)
+            writer.write_batch(_record_batch(new_ids, new_masks))
     bar.close()
     return {"samples": n, "tokens": tokens, "holdout": spec.holdout, "out": str(out)}
 
@@ -155,54 +137,20 @@ def _mask(ds: object, i: int, length: int) -> np.ndarray:
     return np.asarray(ds.loss_mask(i)).astype(np.uint8)
 
 
-def _record_batch(ids: list[np.ndarray], masks: list[np.ndarray], schema: object) -> object:
-    import pyarrow as pa
-
-    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
-    np.cumsum([len(x) for x in ids], out=offsets[1:])
-    flat_ids = np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
-    flat_mask = np.concatenate(masks).astype(np.uint8) if masks else np.zeros(0, np.uint8)
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids)),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_mask)),
-        ],
-        schema=schema,
-    )
+def _record_batch(ids: list[np.ndarray], masks: list[np.ndarray]) -> pa.RecordBatch:
+    lengths = np.array([len(x) for x in ids], dtype=np.int32)
+    flat_ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+    flat_mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+    return record_batch(flat_ids, flat_mask, lengths)
 
 
-def _write_holdout(ds: object, rows: range, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        for i in rows:
-            ids = np.asarray(ds.input_ids(i))
-            s = split_prompt(_mask(ds, i, len(ids)))
-            f.write(json.dumps({"sample": i, "prompt": ids[:s].tolist()}) + "\n")
-    os.replace(tmp, path)
+def _heldout(ds: Any, src: Path, rows: range) -> Iterator[HeldoutPrompt]:
+    for i in rows:
+        ids = np.asarray(ds.input_ids(i))
+        s = split_prompt(_mask(ds, i, len(ids)))
+        yield HeldoutPrompt(i, ids[:s].tolist(), str(src), i)
 
 
 def load_prompts(path: Path, max_prompt_len: int | None = None) -> list[torch.Tensor]:
-    """Prompts from a JSONL file of ``{"prompt": [ids...]}`` lines (``regen --holdout``)."""
-    prompts = []
-    with open(path) as f:
-        for k, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["prompt"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"{path}:{k}: expected a JSON object with a 'prompt' list") from e
-            if not ids:
-                raise ValueError(f"{path}:{k}: empty prompt")
-            if max_prompt_len:
-                ids = ids[-max_prompt_len:]
-            prompts.append(torch.tensor(ids, dtype=torch.long))
-    return prompts
-
-
-def _bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="regen", unit="sample", disable=not enabled, dynamic_ncols=True)
+    """The held-out prompts of ``path`` (``trainer.data.corpus.read_heldout``) as tensors."""
+    return [torch.tensor(p, dtype=torch.long) for p in read_heldout(path, max_prompt_len)]

@@ -47,8 +47,8 @@ from typing import Any, Protocol
 
 import torch
 
-from trainer.drafter import DFlashDrafter, DraftBlocks
-from trainer.target import Target
+from trainer.model.drafter import DFlashDrafter, DraftBlocks
+from trainer.model.target import Target
 
 
 class Proposer(Protocol):

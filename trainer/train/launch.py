@@ -9,7 +9,7 @@ torchrun exit 1, no ``SuccessExitStatus=`` can tell a stop from a crash.
 This launcher takes SIGTERM out of torchrun's hands and forwards it to the worker process
 groups (torchrun starts each worker in its own session). The agent keeps monitoring and
 sees the workers exit as they choose: each ``dflash-train train`` rank finishes its step,
-checkpoints, closes its loader session and exits 0 (``trainer.stop``), so the agent
+checkpoints, closes its loader session and exits 0 (``trainer.train.stop``), so the agent
 reports success and this process exits 0; a rank that fails instead still makes it exit 1.
 The 30-s agent timeout no longer applies to a stop: the unit's ``TimeoutStopSec`` bounds
 it. Everything else (arguments, SIGINT/SIGHUP/SIGQUIT, restarts) is torchrun's own.

@@ -16,15 +16,14 @@ and calibration keeps the last line of each ``(rank, epoch, step, micro)``.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from trainer.batches import DocView
-from trainer.calibrate import cost_dir
+from trainer.model.docs import DocView
+from trainer.train.cost_records import make_record, rank_file
 
 #: Optimizer steps of each process that are not recorded (warm-up).
 WARMUP_STEPS = 2
@@ -37,7 +36,7 @@ class CostLog:
         self, run_dir: Path, rank: int, limit: int, rule: tuple[int, int, int], device: Any
     ) -> None:
         self.limit, self.rule, self.device = limit, list(rule), torch.device(device)
-        self.path = cost_dir(run_dir) / f"rank{rank}.jsonl"
+        self.path = rank_file(run_dir, rank)
         self.rank = rank
         self.written = 0
         self.steps_seen = 0
@@ -62,19 +61,17 @@ class CostLog:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a")
-        record = {
-            "rank": self.rank,
-            "epoch": int(batch.epoch),
-            "step": int(batch.step),
-            "micro": int(batch.micro),
-            "layout": batch.layout,
-            "doc_lengths": DocView.of(batch).length.tolist(),
-            "rule": self.rule,
-            "anchors": int(anchors),
-            "synced": bool(synced),
-            "time_s": elapsed,
-        }
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        line = make_record(
+            rank=self.rank,
+            position=(int(batch.epoch), int(batch.step), int(batch.micro)),
+            layout=batch.layout,
+            doc_lengths=DocView.of(batch).length.tolist(),
+            rule=self.rule,
+            anchors=int(anchors),
+            synced=bool(synced),
+            time_s=elapsed,
+        )
+        self._file.write(line)
         self.written += 1
 
     def end_step(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.metrics import iter_series, metrics_path, read_metrics
+from trainer.train.metrics import iter_series, metrics_path, read_metrics
 
 
 def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:

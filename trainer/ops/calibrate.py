@@ -1,6 +1,6 @@
 """``dflash-train calibrate RUN_DIR``: fit the planner's cost model to measured micro-batches.
 
-Input: the timings a training run recorded (``trainer.costlog``). Each micro-batch becomes
+Input: the timings a training run recorded (``trainer.train.costlog``). Each micro-batch becomes
 a row of the planner's own features (``loader_server.planning.cost.features``: 1, tokens as laid
 out, sum of squared lengths, block slots under the trainer's anchor rule) and its measured
 time ``y``. The fit minimises *relative* squared error, ``sum(((X c - y) / y)**2)``, over
@@ -22,7 +22,6 @@ measured plot, and a report.
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,15 +29,10 @@ from typing import Any
 import numpy as np
 
 from loader_server.planning import cost
+from trainer.train.cost_records import cost_dir, parse_record
 
 #: Fewest micro-batches a fit (training part) needs: 4 coefficients, with room to spare.
 MIN_SAMPLES = 8
-
-
-def cost_dir(run_dir: Path) -> Path:
-    """Where each rank's ``CostLog`` writes its timings (``rank{R}.jsonl``). Here, not in
-    ``costlog``, so that reading them (``dflash-train calibrate``) needs no torch."""
-    return run_dir / "costs"
 
 
 @dataclass(frozen=True)
@@ -110,24 +104,9 @@ def load_samples(run_dir: Path) -> Samples:
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-                key = (int(rec["rank"]), int(rec["epoch"]), int(rec["step"]), int(rec["micro"]))
-                rule = tuple(int(v) for v in rec["rule"])
-                lengths = [int(v) for v in rec["doc_lengths"]]
-                seconds = float(rec["time_s"])
-                layout = rec["layout"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{where}: not a micro-batch timing record ({e})") from None
-            if (
-                layout not in ("padded", "packed")
-                or not lengths
-                or not seconds > 0
-                or len(rule) != 3
-            ):
-                raise ValueError(f"{where}: bad layout, lengths or time in {line[:120]}")
-            rules.setdefault(rule, where)  # type: ignore[arg-type]
-            latest[key] = {**rec, "doc_lengths": lengths, "time_s": seconds}
+            rec = parse_record(line, where)
+            rules.setdefault(rec["rule"], where)
+            latest[rec["key"]] = rec
     if len(rules) > 1:
         (a, wa), (b, wb) = list(rules.items())[:2]
         raise ValueError(

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.options import TargetOptions
+
 log = logging.getLogger(__name__)
 
 TINY = "tiny"
@@ -269,6 +271,39 @@ def load_target(
         target.layer_ids,
     )
     return target
+
+
+def target_from_options(
+    opts: TargetOptions, device: torch.device | str, layer_ids: list[int] | None = None
+) -> Target:
+    """The target ``opts`` names (``--target``; ``tiny`` shaped by the ``--tiny-*`` options)."""
+    tiny = TinyTargetSpec(
+        vocab_size=opts.tiny_vocab,
+        num_layers=opts.tiny_layers,
+        hidden_size=opts.tiny_hidden,
+        intermediate_size=opts.tiny_intermediate or 3 * opts.tiny_hidden,
+        num_heads=opts.tiny_heads,
+        num_kv_heads=opts.tiny_kv_heads,
+        seed=opts.tiny_seed,
+    )
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return load_target(opts.target, layer_ids=layer_ids, device=device, dtype=dtype, tiny=tiny)
+
+
+def target_record(config: Any) -> dict[str, Any]:
+    """What an export needs from the target's Hugging Face config (kept in checkpoint meta)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    rope = dict(rope or {})
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    return {
+        "model_type": str(getattr(config, "model_type", "")),
+        "vocab_size": int(config.vocab_size),
+        "num_hidden_layers": int(config.num_hidden_layers),
+        "hidden_size": int(config.hidden_size),
+        "max_position_embeddings": int(config.max_position_embeddings),
+        "rope_type": str(rope.get("rope_type", rope.get("type", "default"))),
+        "rope_theta": None if theta is None else float(theta),
+    }
 
 
 MASK_TOKEN = "<|MASK|>"

@@ -23,27 +23,70 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.distributed import DistEnv, barrier
+from trainer.files import fsync_dir
+from trainer.options import RENAMED
+from trainer.train.distributed import DistEnv, barrier
 
 CHECKPOINT_VERSION = 1
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckpointRecord:
+    """What rank 0's ``model.pt`` holds besides the file header: the one place its keys are
+    spelled. ``training`` (optimizer and scheduler state) is absent where only the drafter
+    is read (``export``)."""
+
+    step: int
+    epoch: int
+    drafter: dict[str, torch.Tensor]
+    drafter_config: dict[str, Any]
+    loss_config: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+    optimizer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None
+
+    def to_shared(self) -> dict[str, Any]:
+        """The ``shared`` dict ``save_checkpoint`` writes (the step goes in the header)."""
+        return {
+            "drafter": self.drafter,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "drafter_config": self.drafter_config,
+            "loss_config": self.loss_config,
+            "meta": self.meta,
+            "epoch": self.epoch,
+        }
+
+    @classmethod
+    def from_shared(cls, shared: Mapping[str, Any], where: Path) -> CheckpointRecord:
+        """The record of a loaded ``model.pt`` (``where`` names it in errors); loss configs
+        written under the options' older names are read under the new ones."""
+        missing = sorted({"step", "drafter", "drafter_config", "loss_config"} - set(shared))
+        if missing:
+            raise ValueError(f"{where}: not a drafter checkpoint (no {', '.join(missing)})")
+        loss = {RENAMED.get(k, k): v for k, v in dict(shared["loss_config"]).items()}
+        return cls(
+            step=int(shared["step"]),
+            epoch=int(shared.get("epoch", 0)),
+            drafter=dict(shared["drafter"]),
+            drafter_config=dict(shared["drafter_config"]),
+            loss_config=loss,
+            meta=dict(shared.get("meta") or {}),
+            optimizer=shared.get("optimizer"),
+            scheduler=shared.get("scheduler"),
+        )
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -75,11 +118,11 @@ def save_checkpoint(
     step: int,
     env: DistEnv,
     *,
-    shared: dict[str, Any],
+    record: CheckpointRecord,
     per_rank: dict[str, Any],
     keep: int = 3,
 ) -> Path:
-    """Collective: every rank calls it with its own ``per_rank``; ``shared`` is written by
+    """Collective: every rank calls it with its own ``per_rank``; ``record`` is written by
     rank 0 only. Returns the final folder."""
     root = checkpoint_dir(run_dir)
     final = root / f"step-{step:08d}"
@@ -92,14 +135,14 @@ def save_checkpoint(
     head = {"version": CHECKPOINT_VERSION, "step": step, "world_size": env.world_size}
     atomic_save({**head, "rank": env.rank, **per_rank}, tmp / f"rank-{env.rank:05d}.pt")
     if env.is_main:
-        atomic_save({**head, **shared}, tmp / "model.pt")
+        atomic_save({**head, **record.to_shared()}, tmp / "model.pt")
     barrier(env)
     if env.is_main:
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         _prune(root, keep)
     barrier(env)
     return final
@@ -125,8 +168,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path, env: DistEnv) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(shared, per_rank)`` of this rank, checked for version and world size."""
+def load_checkpoint(path: Path, env: DistEnv) -> tuple[CheckpointRecord, dict[str, Any]]:
+    """``(record, per_rank)`` of this rank, checked for version and world size."""
     shared = _load(path / "model.pt")
     if shared.get("world_size") != env.world_size:
         raise ValueError(
@@ -138,7 +181,7 @@ def load_checkpoint(path: Path, env: DistEnv) -> tuple[dict[str, Any], dict[str,
         raise ValueError(
             f"checkpoint {path}: rank file step {per_rank['step']} != {shared['step']}"
         )
-    return shared, per_rank
+    return CheckpointRecord.from_shared(shared, path / "model.pt"), per_rank
 
 
 def _load(file: Path) -> dict[str, Any]:

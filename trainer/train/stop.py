@@ -24,7 +24,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported only when needed: install() runs before it loads
-    from trainer.distributed import DistEnv
+    from trainer.train.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def agreed(env: DistEnv) -> bool:
         return _requested.is_set()
     import torch
 
-    from trainer.distributed import all_reduce
+    from trainer.train.distributed import all_reduce
 
     flag = torch.tensor([1.0 if _requested.is_set() else 0.0], device=env.device)
     return bool(all_reduce(flag, env, op="max").item() > 0)

@@ -6,7 +6,7 @@ come only from the block's B tokens. Keys and values are the block's own tokens 
 anchor, concatenated (``n*H``), projected to ``H`` (no bias) and RMS-normalized once, then
 fed through each layer's own ``k_proj``/``v_proj`` (so every layer sees the target, not only
 the first). Attention is bidirectional inside a block; which context keys a block may see
-is ``trainer.attention``'s rule.
+is ``trainer.model.attention``'s rule.
 
 The drafter has no embedding or LM head of its own: block tokens are embedded with the
 target's frozen ``embed_tokens`` and scored with its frozen ``lm_head`` by the caller. The
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.attention import BlockChunk, block_attention
+from trainer.model.attention import BlockChunk, block_attention
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import resource
-import struct
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -30,17 +29,19 @@ from typing import Any, NamedTuple
 
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer import stop
-from trainer.attention import BACKENDS, resolve_backend
-from trainer.batches import Batch, BatchSource
-from trainer.costlog import CostLog
-from trainer.distributed import DistEnv, all_reduce
-from trainer.drafter import DFlashDrafter
-from trainer.loss import DEFAULT_CHUNK_SIZE, LossConfig, LossOutput, draft_loss, zero_loss
-from trainer.metrics import MetricsWriter, metrics_path, read_metrics, summarize
-from trainer.target import Target
-from trainer.verifier import DrafterProposer, eos_ids, evaluate_tau
+from trainer.model.attention import BACKENDS, resolve_backend
+from trainer.model.blocks import LossConfig, anchor_generator
+from trainer.model.drafter import DFlashDrafter
+from trainer.model.loss import DEFAULT_CHUNK_SIZE, LossOutput, draft_loss, zero_loss
+from trainer.model.target import Target
+from trainer.model.verifier import DrafterProposer, eos_ids, evaluate_tau
+from trainer.progress import progress_bar
+from trainer.train import checkpoint as ckpt
+from trainer.train import hostmem, stop
+from trainer.train.batches import Batch, BatchSource
+from trainer.train.costlog import CostLog
+from trainer.train.distributed import DistEnv, all_reduce
+from trainer.train.metrics import MetricsWriter, metrics_path, read_metrics, summarize
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class TrainConfig:
     epochs: int | None = None
     grad_accum: int | None = None  # None: the loader's spec decides
     loss_chunk: int = DEFAULT_CHUNK_SIZE  # supervised slots per LM-head chunk (0: unchunked)
-    attention: str = "auto"  # drafter attention kernel (trainer.attention)
+    attention: str = "auto"  # drafter attention kernel (trainer.model.attention)
     lr: float = 6e-4
     min_lr_ratio: float = 0.0
     warmup: float = 0.04
@@ -69,7 +70,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool = False
     progress: bool = True
-    cost_samples: int = 2000  # micro-batches per rank timed for calibration (trainer.costlog)
+    cost_samples: int = 2000  # micro-batches per rank timed for calibration (trainer.train.costlog)
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.epochs is None):
@@ -207,12 +208,6 @@ class StepPeaks(NamedTuple):
         return cls(*t.tolist())
 
 
-def anchor_generator(seed: int, rank: int, epoch: int, step: int, micro: int) -> torch.Generator:
-    """A CPU generator keyed on the position, identical in an uninterrupted and a resumed run."""
-    key = hashlib.blake2b(struct.pack("<5q", seed, rank, epoch, step, micro), digest_size=8)
-    return torch.Generator().manual_seed(int.from_bytes(key.digest(), "little") >> 1)
-
-
 class Trainer:
     """Owns the optimizer, the loop, evaluation, metrics and checkpoints of one rank."""
 
@@ -243,7 +238,7 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.metrics = MetricsWriter(metrics_path(cfg.run_dir), enabled=env.is_main)
-        rule = (cfg.loss.block_size, cfg.loss.num_anchors, cfg.loss.max_anchors)
+        rule = (cfg.loss.block_size, cfg.loss.anchors_per_doc, cfg.loss.max_anchors)
         self.costs = CostLog(cfg.run_dir, env.rank, cfg.cost_samples, rule, env.device)
         self.attention = resolve_backend(cfg.attention, env.device)
         generation = getattr(target.model, "generation_config", None)
@@ -251,6 +246,11 @@ class Trainer:
         self._checkpoint_spec: dict[str, Any] | None = None  # the spec a resumed run had
         # Known once the loader has answered (its spec decides when the user did not).
         self.grad_accum = cfg.grad_accum or 1
+
+    def _fit_host_memory(self, num_chunks: int) -> None:
+        """On CPU the allocator follows the drafter's chunk count (``trainer.train.hostmem``)."""
+        if self.env.device.type == "cpu":
+            hostmem.fit_chunks(num_chunks)
 
     def _autocast(self) -> torch.autocast:
         """bf16 autocast on CUDA; a no-op context on CPU."""
@@ -267,21 +267,24 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------
 
     def save(self) -> Path:
-        shared = {
-            "drafter": self.drafter.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "drafter_config": self.drafter.config.to_dict(),
-            "loss_config": asdict(self.cfg.loss),
-            "meta": self.meta,
-            "epoch": self.epoch,
-        }
+        if self.scheduler is None:
+            raise RuntimeError("save() before the LR schedule exists (see run())")
+        record = ckpt.CheckpointRecord(
+            step=self.step,
+            epoch=self.epoch,
+            drafter=self.drafter.state_dict(),
+            drafter_config=self.drafter.config.to_dict(),
+            loss_config=asdict(self.cfg.loss),
+            meta=self.meta,
+            optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict(),
+        )
         per_rank = {"loader": self.source.state_dict(), "rng": ckpt.rng_state()}
         return ckpt.save_checkpoint(
             self.cfg.run_dir,
             self.step,
             self.env,
-            shared=shared,
+            record=record,
             per_rank=per_rank,
             keep=self.cfg.keep_checkpoints,
         )
@@ -293,17 +296,19 @@ class Trainer:
             if self.cfg.resume:
                 log.info("no checkpoint in %s: starting fresh", self.cfg.run_dir)
             return False
-        shared, mine = ckpt.load_checkpoint(path, self.env)
-        if shared["drafter_config"] != self.drafter.config.to_dict():
+        saved, mine = ckpt.load_checkpoint(path, self.env)
+        if saved.drafter_config != self.drafter.config.to_dict():
             raise ValueError(f"{path}: drafter config differs from this run's")
-        if shared["loss_config"] != asdict(self.cfg.loss):
-            raise ValueError(f"{path}: loss config {shared['loss_config']} differs from this run's")
-        self._check_target(path, shared.get("meta") or {})
-        self.drafter.load_state_dict(shared["drafter"])
-        self.optimizer.load_state_dict(shared["optimizer"])
-        self._scheduler_state = shared["scheduler"]
-        self.step, self.epoch = int(shared["step"]), int(shared["epoch"])
-        self._checkpoint_spec = (shared.get("meta") or {}).get("loader_spec")
+        if saved.loss_config != asdict(self.cfg.loss):
+            raise ValueError(f"{path}: loss config {saved.loss_config} differs from this run's")
+        self._check_target(path, saved.meta)
+        self.drafter.load_state_dict(saved.drafter)
+        if saved.optimizer is None or saved.scheduler is None:
+            raise ValueError(f"{path}: the checkpoint holds no optimizer or scheduler state")
+        self.optimizer.load_state_dict(saved.optimizer)
+        self._scheduler_state = saved.scheduler
+        self.step, self.epoch = saved.step, saved.epoch
+        self._checkpoint_spec = saved.meta.get("loader_spec")
         self.source.load_state_dict(mine["loader"])
         ckpt.set_rng_state(mine["rng"])
         self.metrics.truncate_after(self.step)
@@ -402,6 +407,7 @@ class Trainer:
                         chunk_size=cfg.loss_chunk,
                         attention=self.attention,
                         host_batch=batch,  # valid until the next next(): anchors planned there
+                        on_chunks=self._fit_host_memory,
                     )
                     loss = out.loss if out.loss is not None else zero_loss(self.target, self.model)
                 (loss / self.grad_accum).backward()
@@ -579,7 +585,7 @@ class Trainer:
         loss = self.cfg.loss
         rule = {
             "block_size": loss.block_size,
-            "anchors_per_doc": loss.num_anchors,
+            "anchors_per_doc": loss.anchors_per_doc,
             "max_anchors": loss.max_anchors,
         }
         planned = {k: spec.get(k, v) for k, v in rule.items()}
@@ -611,12 +617,10 @@ class Trainer:
                 f"{json.dumps(spec, sort_keys=True)}); give every node's daemon the same [spec]"
             )
 
-    def _progress(self):
+    def _progress(self) -> Any:
         if not (self.cfg.progress and self.env.is_main):
             return None
-        from tqdm.auto import tqdm
-
-        return tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        return progress_bar(self.total_steps, "train", initial=self.step)
 
 
 def _memory_peaks_gb(device: torch.device) -> tuple[float, float]:

@@ -1,0 +1,85 @@
+"""The tools around a run: ``export`` (a checkpoint -> a served drafter folder),
+``save-target`` (the tiny target as a model folder), ``calibrate`` (the cost model fitted to
+a run's timings, no torch) and ``plot``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from trainer.cli.flags import options_from
+from trainer.options import TargetOptions
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), help="[RUN_DIR/cost_profile.json]"
+)
+@click.option(
+    "--holdout", type=float, default=0.2, show_default=True, help="Share of micro-batches held out."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Of the hold-out split.")
+@click.option("--no-plot", is_flag=True, help="Skip RUN_DIR/cost_fit.png.")
+def calibrate(run_dir: Path, out: Path | None, holdout: float, seed: int, no_plot: bool) -> None:
+    """Fit the planner's cost model to the micro-batch times a training run recorded.
+
+    Reads RUN_DIR/costs/rank*.jsonl (written by `train`, see --cost-samples), fits
+    c0 + c_tok*tokens + c_attn*sum L^2 + c_slot*block slots by non-negative least squares
+    on relative error, reports the error on held-out micro-batches, and writes a cost
+    profile for `dflash-loader serve --cost-profile` / `train --cost-profile`.
+    """
+    from trainer.ops.calibrate import calibrate_run
+
+    report = calibrate_run(run_dir, out=out, holdout=holdout, seed=seed, plot=not no_plot)
+    click.echo(report.summary())
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), help="Default: RUN_DIR/plots.")
+def plot(run_dir: Path, out: Path | None) -> None:
+    """Write PNG curves (loss, tau, throughput and data wait, accuracy by offset)."""
+    from trainer.ops.plot import plot_run
+
+    for path in plot_run(run_dir, out):
+        click.echo(str(path))
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--step", type=int, help="Checkpoint step [the newest].")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--force", is_flag=True, help="Replace an existing OUT.")
+def export(run_dir: Path, out: Path, step: int | None, dtype: str, force: bool) -> None:
+    """Write RUN_DIR's drafter as a Hugging Face folder OUT that SGLang, vLLM and
+    Transformers load (DFlashDraftModel format)."""
+    from trainer.hf.export import export_drafter
+
+    click.echo(str(export_drafter(run_dir, out, step=step, dtype=dtype, force=force)))
+
+
+@click.command("save-target")
+@click.argument("out", type=click.Path(path_type=Path))
+@options_from(TargetOptions)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Tokenizer folder saved next to the weights; its EOS, PAD and <|MASK|> ids go into "
+    "the model's config (its vocabulary must fit --tiny-vocab).",
+)
+def save_target(out: Path, tokenizer: Path | None, **opts: Any) -> None:
+    """Save the (tiny) target as a Hugging Face model directory, for --target PATH."""
+    from trainer.model.target import adopt_tokenizer, target_from_options
+
+    target = target_from_options(TargetOptions.pick(opts), "cpu")
+    if tokenizer is not None:
+        adopt_tokenizer(target.model, tokenizer).save_pretrained(out)
+    target.model.save_pretrained(out)
+    click.echo(str(out))
+
+
+COMMANDS = (calibrate, plot, export, save_target)

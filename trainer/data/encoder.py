@@ -1,0 +1,466 @@
+"""One conversation -> ``(input_ids, loss_mask)``: rendered with the tokenizer's chat template,
+tokenized, and masked to what the assistant writes (``ChatEncoder``).
+
+The loss mask is 1 exactly on what the assistant writes: every token of each assistant
+message's rendered content plus the end-of-turn string that closes it (``<|im_end|>`` for
+ChatML), and 0 on everything else (system and user turns, role headers, template-inserted
+scaffolding such as Qwen3's empty think block, the newline after ``<|im_end|>``). It needs no
+``{% generation %}`` markers:
+
+* Per role sequence (``("system", "user", "assistant")``...), the template is rendered once
+  with sentinel contents; splitting that text at the sentinels gives the scaffolding around
+  each message (its *skeleton*, cached). The end-of-turn string is learned once, from the
+  scaffolding after a final assistant reply: up to and including its first added token.
+* Each conversation is rendered once; if the text equals the skeleton with the real contents
+  put in, every content's character span is known by arithmetic (the fast path). Otherwise
+  the template changed the content (stripped it, split a think block out of it...) and the
+  exact fallback renders the conversation again once per assistant message with that
+  message's content replaced by a sentinel: the part of the text that differs is the
+  rendered content. Fallbacks are counted in the report.
+* Character spans become token spans without character offsets (computing them costs about
+  a third of the encode): added tokens split the text into segments tokenized independently,
+  so the k-th added token in the text is the k-th added-token id, which places every span
+  end (the end-of-turn token); a span start follows a short header (``assistant\\n``) whose
+  own tokens, cached, must be the first tokens of its segment. When they are not (a token
+  straddles header and reply), that conversation is encoded again with offsets. A token
+  that straddles a span boundary counts as supervised when it overlaps the span at all, the
+  rule of Transformers' own ``{% generation %}`` masks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.data.messages import MalformedRow, clip, normalize
+
+log = logging.getLogger(__name__)
+
+_SENTINEL = "\x00"
+
+
+@dataclass(frozen=True)
+class _Skeleton:
+    """The template's text around the messages of one role sequence."""
+
+    scaffold: tuple[str, ...]  # len(roles) + 1 pieces
+    eot_follows: tuple[bool, ...]  # per message: the end-of-turn string starts the next piece
+
+
+class ChatEncoder:
+    """Render and tokenize conversations with a tokenizer's chat template, with loss masks.
+
+    ``tokenizer`` is a local tokenizer folder (loaded as a ``PreTrainedTokenizerFast`` from
+    its ``tokenizer.json``, which imports no torch), a Hub id or an already loaded fast
+    tokenizer. ``enable_thinking`` is passed to the template when not None.
+    """
+
+    def __init__(self, tokenizer: Any, *, enable_thinking: bool | None = None) -> None:
+        self.name = str(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer)
+        template = self.tokenizer.chat_template
+        if not isinstance(template, str) or not template:
+            raise ValueError(f"{self.name}: tokenizer has no chat template")
+        self.takes_thinking = "enable_thinking" in template
+        self.enable_thinking = enable_thinking
+        if enable_thinking is not None and not self.takes_thinking:
+            _warn_once(f"{self.name}: the chat template ignores enable_thinking={enable_thinking}")
+        passed = enable_thinking is not None and self.takes_thinking
+        self._kwargs = {"enable_thinking": enable_thinking} if passed else {}
+        self._render_text = self._direct_renderer() or self._apply_template
+        self._added_ids = {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items()}
+        added = sorted(self._added_ids, key=len, reverse=True)  # leftmost-longest, as tokenizers
+        self._added = re.compile("|".join(map(re.escape, added)) or r"(?!x)x")
+        self._is_added = np.zeros(max(self.vocab_size, *self._added_ids.values(), 0) + 1, bool)
+        self._is_added[list(self._added_ids.values())] = True
+        self._heads: dict[str, np.ndarray] = {}
+        self._skeletons: dict[tuple[str, ...], _Skeleton | None] = {}
+        self.end_of_turn = ""
+        self.end_of_turn = self._learn_end_of_turn()
+        self.fallbacks = 0  # conversations masked by the exact (re-rendering) method
+        self.offset_fallbacks = 0  # conversations placed with character offsets
+        self._encode_texts = self._encode_offsets = self._offsets_encode
+        self._check_ids()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    # public API
+
+    def encode(self, messages: Sequence[Mapping]) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_ids int32, loss_mask uint8)`` of one conversation; raises MalformedRow."""
+        out = self.encode_many([messages])[0]
+        if isinstance(out, MalformedRow):
+            raise out
+        return out
+
+    def encode_many(
+        self, conversations: Sequence[Sequence[Mapping]]
+    ) -> list[tuple[np.ndarray, np.ndarray] | MalformedRow]:
+        """``encode`` for many conversations at once (one batched Rust encode); a conversation
+        that fails gives its ``MalformedRow`` in its place instead of raising."""
+        normalized: list[list[dict[str, str]] | MalformedRow] = []
+        for conv in conversations:
+            try:
+                normalized.append(normalize(list(conv), "messages", require_assistant=True))
+            except MalformedRow as e:
+                normalized.append(e)
+        return self.encode_normalized(normalized)
+
+    def prompt_ids(self, messages: Sequence[Mapping]) -> np.ndarray:
+        """The messages rendered with the generation prompt, tokenized (int32): what the model
+        sees before it answers."""
+        msgs = normalize(list(messages), "messages", require_assistant=False)
+        text = self._render(msgs, add_generation_prompt=True)
+        return np.asarray(self._encode_texts([text])[0].ids, dtype=np.int32)
+
+    # rendering and spans
+
+    def _render(
+        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = False
+    ) -> str:
+        try:
+            return self._render_text(messages, add_generation_prompt)
+        except Exception as e:  # the template is arbitrary code; report its error per row
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise MalformedRow("template_error", clip(first, 120)) from None
+
+    def _apply_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self._kwargs
+        )
+
+    def _direct_renderer(self) -> Callable[[list[dict[str, str]], bool], str] | None:
+        """The compiled template called directly: ``apply_chat_template`` spends about as long
+        again copying the messages (ours are plain strings already). Used only if it renders
+        the probes exactly as ``apply_chat_template`` does."""
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            compiled = _compile_jinja_template(self.tokenizer.chat_template)
+        except Exception:
+            return None
+        env = {**self.tokenizer.special_tokens_map, **self._kwargs}
+
+        def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+            return compiled.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **env,
+            )
+
+        for roles in (("user", "assistant"), ("system", "user", "assistant", "user", "assistant")):
+            messages = [{"role": r, "content": f"{r} {k} text"} for k, r in enumerate(roles)]
+            for gen in (False, True):
+                try:
+                    if render(messages, gen) != self._apply_template(messages, gen):
+                        return None
+                except Exception:
+                    return None
+        return render
+
+    def _skeleton(self, roles: tuple[str, ...]) -> _Skeleton | None:
+        if roles not in self._skeletons:
+            if len(self._skeletons) >= 4096:
+                self._skeletons.clear()
+            self._skeletons[roles] = self._build_skeleton(roles)
+        return self._skeletons[roles]
+
+    def _build_skeleton(self, roles: tuple[str, ...]) -> _Skeleton | None:
+        marks = [f"{_SENTINEL}{k}{_SENTINEL}" for k in range(len(roles))]
+        try:
+            text = self._render(
+                [{"role": r, "content": m} for r, m in zip(roles, marks, strict=True)]
+            )
+        except MalformedRow:
+            return None
+        pieces, pos = [], 0
+        for mark in marks:
+            j = text.find(mark, pos)
+            if j < 0:
+                return None
+            pieces.append(text[pos:j])
+            pos = j + len(mark)
+        pieces.append(text[pos:])
+        if any(_SENTINEL in p for p in pieces):  # a content rendered twice or mangled
+            return None
+        eot = self.end_of_turn
+        follows = tuple(
+            bool(eot) and r == "assistant" and pieces[k + 1].startswith(eot)
+            for k, r in enumerate(roles)
+        )
+        return _Skeleton(tuple(pieces), follows)
+
+    def _learn_end_of_turn(self) -> str:
+        """What closes an assistant reply: the text after a final reply's content up to and
+        including the first added token ('' when the template adds none)."""
+        skeleton = self._build_skeleton(("user", "assistant"))
+        if skeleton is None:
+            raise ValueError(
+                f"{self.name}: the chat template cannot render a user/assistant conversation "
+                f"with its contents verbatim"
+            )
+        tail = skeleton.scaffold[-1]
+        m = self._added.search(tail)
+        return tail[: m.end()] if m else ""
+
+    def _spans(self, text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]]:
+        spans = self._spans_fast(text, messages)
+        if spans is None:
+            self.fallbacks += 1
+            spans = self._spans_exact(text, messages)
+        return spans
+
+    def _spans_fast(
+        self, text: str, messages: list[dict[str, str]]
+    ) -> list[tuple[int, int]] | None:
+        sk = self._skeleton(tuple(m["role"] for m in messages))
+        if sk is None:
+            return None
+        parts, spans, pos = [sk.scaffold[0]], [], len(sk.scaffold[0])
+        eot = len(self.end_of_turn)
+        for k, m in enumerate(messages):
+            c, after = m["content"], sk.scaffold[k + 1]
+            parts += (c, after)
+            if m["role"] == "assistant":
+                spans.append((pos, pos + len(c) + (eot if sk.eot_follows[k] else 0)))
+            pos += len(c) + len(after)
+        return spans if "".join(parts) == text else None
+
+    def _spans_exact(self, text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]]:
+        """Per assistant message, render once more with its content replaced by a sentinel:
+        the characters that differ are its rendered content."""
+        spans = []
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            other = self._render([*messages[:k], {**m, "content": _SENTINEL}, *messages[k + 1 :]])
+            a = _common_prefix(text, other)
+            b = len(text) - _common_suffix(text, other, min(len(text), len(other)) - a)
+            if b <= a:
+                continue
+            if self.end_of_turn and text.startswith(self.end_of_turn, b):
+                b += len(self.end_of_turn)
+            spans.append((a, b))
+        return spans
+
+    # tokenizing
+
+    def _fast_encode(self, texts: list[str]) -> list[Any]:
+        """Ids only: skipping the character offsets saves about a quarter of the encode."""
+        bt = self.tokenizer.backend_tokenizer
+        return getattr(bt, "encode_batch_fast", bt.encode_batch)(texts, add_special_tokens=False)
+
+    def _offsets_encode(self, texts: list[str]) -> list[Any]:
+        return self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+
+    def _call_encode(self, texts: list[str]) -> list[Any]:
+        return self.tokenizer(texts, add_special_tokens=False).encodings
+
+    def _check_ids(self) -> None:
+        """Our ids must equal ``apply_chat_template(tokenize=True)``; if the raw Rust encode
+        differs for this tokenizer, go through the tokenizer's own call instead."""
+        probe = [
+            {"role": "user", "content": "Hi there, what is 2+2? héllo 世界"},
+            {"role": "assistant", "content": "It is 4.\n\nAnything else? 👋"},
+        ]
+        out = self.tokenizer.apply_chat_template(probe, tokenize=True, **self._kwargs)
+        want = list(out["input_ids"] if isinstance(out, Mapping) else out)
+        text = self._render(probe)
+        if list(self._fast_encode([text])[0].ids) == want:
+            self._encode_texts, self._encode_offsets = self._fast_encode, self._offsets_encode
+        elif list(self._call_encode([text])[0].ids) == want:
+            self._encode_texts = self._encode_offsets = self._call_encode
+        else:
+            raise ValueError(f"{self.name}: cannot reproduce apply_chat_template's token ids")
+
+    def encode_normalized(
+        self, conversations: Sequence[list[dict[str, str]] | MalformedRow]
+    ) -> list[tuple[np.ndarray, np.ndarray] | MalformedRow]:
+        out: list[Any] = list(conversations)
+        todo, texts, spans = [], [], []
+        for i, messages in enumerate(conversations):
+            if isinstance(messages, MalformedRow):
+                continue
+            try:
+                text = self._render(messages)
+                spans.append(self._spans(text, messages))
+            except MalformedRow as e:
+                out[i] = e
+                continue
+            todo.append(i)
+            texts.append(text)
+        redo = []
+        for i, enc, text, sp in zip(todo, self._encode_texts(texts), texts, spans, strict=True):
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            token_spans = self._token_spans(text, ids, sp)
+            if token_spans is None:
+                redo.append((i, ids, text, sp))
+            else:
+                out[i] = _checked(ids, _span_mask(token_spans, len(ids)))
+        if redo:  # character offsets for the few the anchors cannot place
+            self.offset_fallbacks += len(redo)
+            encs = self._encode_offsets([r[2] for r in redo])
+            for (i, ids, _, sp), enc in zip(redo, encs, strict=True):
+                out[i] = _checked(ids, token_mask(enc, sp, len(ids)))
+        return out
+
+    def _token_spans(
+        self, text: str, ids: np.ndarray, spans: list[tuple[int, int]]
+    ) -> list[tuple[int, int]] | None:
+        """Token ranges of character spans without offsets, or None (then offsets decide).
+
+        Added tokens split the text into segments that are tokenized independently, so the
+        k-th added token in the text is the k-th added-token id in ``ids``: a span ending
+        just after an added token ends just after that id. A span starts inside a segment,
+        after a short header (``assistant\\n``): if the header's own tokens (cached) are the
+        segment's first tokens, they cover exactly its characters, and the content's first
+        token starts right after them (no token straddles the boundary)."""
+        anchors = self._anchors(text, ids)
+        if anchors is None:
+            return None
+        ends, positions = anchors
+        out = []
+        for a, b in spans:
+            j = bisect.bisect_right(ends, a) - 1
+            seg_char, seg_tok = (ends[j], positions[j] + 1) if j >= 0 else (0, 0)
+            head = self._segment_ids(text[seg_char:a])
+            if head is None or not np.array_equal(ids[seg_tok : seg_tok + head.size], head):
+                return None
+            k = bisect.bisect_left(ends, b)
+            if k == len(ends) or ends[k] != b:
+                return None
+            out.append((seg_tok + head.size, positions[k] + 1))
+        return out
+
+    def _anchors(self, text: str, ids: np.ndarray) -> tuple[list[int], list[int]] | None:
+        """Character end and token position of every added token, when they agree."""
+        found = [(m.end(), m.group()) for m in self._added.finditer(text)]
+        positions = np.flatnonzero(self._is_added[ids]).tolist()
+        if len(positions) != len(found):
+            return None
+        for p, (_, s) in zip(positions, found, strict=True):
+            if ids[p] != self._added_ids[s]:
+                return None
+        return [e for e, _ in found], positions
+
+    def _segment_ids(self, head: str) -> np.ndarray | None:
+        if len(head) > 256:  # no added token near the content: let the offsets decide
+            return None
+        cached = self._heads.get(head)
+        if cached is None:
+            if len(self._heads) >= 4096:
+                self._heads.clear()
+            cached = np.asarray(self._encode_texts([head])[0].ids, dtype=np.int32)
+            self._heads[head] = cached
+        return cached
+
+
+def _span_mask(token_spans: list[tuple[int, int]], n: int) -> np.ndarray:
+    mask = np.zeros(n, dtype=np.uint8)
+    for lo, hi in token_spans:
+        mask[lo:hi] = 1
+    return mask
+
+
+def _checked(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray] | MalformedRow:
+    if not mask.any():
+        return MalformedRow("no_supervised_tokens", "no assistant token survives rendering")
+    return ids, mask
+
+
+def token_mask(enc: Any, spans: list[tuple[int, int]], n: int) -> np.ndarray:
+    """uint8 mask of the tokens that overlap any character span (sorted, disjoint), from an
+    encoding with offsets.
+
+    ``char_to_token`` finds each span's first and last token (a couple of Rust calls per
+    span, no per-token Python); characters no token covers fall back to the offsets."""
+    mask = np.zeros(n, dtype=np.uint8)
+    for a, b in spans:
+        first, last = enc.char_to_token(a), enc.char_to_token(b - 1)
+        if first is None or last is None:
+            return mask_from_offsets(np.asarray(enc.offsets, dtype=np.int64), spans, n)
+        # Several tokens can share a character (byte-level pieces of one code point).
+        while last + 1 < n and enc.token_to_chars(last + 1)[0] < b:
+            last += 1
+        mask[first : last + 1] = 1
+    return mask
+
+
+def mask_from_offsets(offsets: np.ndarray, spans: list[tuple[int, int]], n: int) -> np.ndarray:
+    """Vectorized: token t is 1 when ``[start_t, end_t)`` overlaps a span ``[a, b)``."""
+    if not spans or n == 0:
+        return np.zeros(n, dtype=np.uint8)
+    a = np.array([s[0] for s in spans], dtype=np.int64)
+    b = np.array([s[1] for s in spans], dtype=np.int64)
+    offsets = offsets.reshape(-1, 2)
+    k = np.searchsorted(b, offsets[:, 0], side="right")  # first span ending after the start
+    hit = (k < len(b)) & (offsets[:, 1] > a[np.minimum(k, len(b) - 1)])
+    return hit.astype(np.uint8)
+
+
+def _common_prefix(x: str, y: str) -> int:
+    lo, hi = 0, min(len(x), len(y))
+    while lo < hi:  # binary search; each comparison runs in C
+        mid = (lo + hi + 1) // 2
+        if x[:mid] == y[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(x: str, y: str, limit: int) -> int:
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if x[len(x) - mid :] == y[len(y) - mid :]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in WARNED:
+        WARNED.add(message)
+        log.warning(message)
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A fast tokenizer from a folder (no torch when it has ``tokenizer.json``) or Hub id;
+    an object with ``apply_chat_template`` is returned as it is."""
+    if hasattr(tokenizer, "apply_chat_template"):
+        tok = tokenizer
+    else:
+        path = Path(tokenizer)
+        if not path.exists() and (path.is_absolute() or str(tokenizer).startswith((".", "~"))):
+            raise FileNotFoundError(f"{path}: no such tokenizer folder")
+        try:
+            if (path / "tokenizer.json").is_file():
+                from transformers import PreTrainedTokenizerFast
+
+                tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+            else:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{tokenizer}: cannot load a tokenizer ({first})") from e
+    if getattr(tok, "backend_tokenizer", None) is None:
+        raise ValueError(f"{tokenizer}: need a fast (Rust) tokenizer with a tokenizer.json")
+    return tok

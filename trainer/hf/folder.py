@@ -1,0 +1,224 @@
+"""Reading a DFlash drafter folder (``--init-drafter``): its ``config.json`` checked for what
+this drafter can express, its options filled in, its weights loaded. ``export`` writes the
+same format (``trainer.hf.export``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.hf.configuration_dflash import DFLASH_KEYS
+from trainer.model.drafter import DFlashDrafter
+from trainer.options import RunOptions, parse_int_list
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def weight_names(names: set[str]) -> str:
+    """``a`` or ``a (and 3 more)``: the first of ``names`` for a one-line error."""
+    first = sorted(names)
+    return first[0] + (f" (and {len(first) - 1} more)" if len(first) > 1 else "")
+
+
+@dataclass(frozen=True)
+class DrafterFolder:
+    """A DFlash drafter folder's ``config.json`` (checked for what this drafter can express)."""
+
+    path: Path
+    config: dict[str, Any]
+
+    @property
+    def dflash(self) -> dict[str, Any]:
+        return dict(self.config.get("dflash_config") or {})
+
+    def value(self, key: str) -> Any:
+        """``dflash_config[key]``, else the top-level key (the serving engines' order)."""
+        return self.dflash.get(key, self.config.get(key))
+
+    @property
+    def target_layer_ids(self) -> list[int] | None:
+        ids = self.value("target_layer_ids")
+        return None if ids is None else [int(i) for i in ids]
+
+    @property
+    def mask_token_id(self) -> int | None:
+        value = self.value("mask_token_id")
+        return None if value is None else int(value)
+
+    @property
+    def rope_theta(self) -> float | None:
+        rope = self.config.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", self.config.get("rope_theta"))
+        return None if theta is None else float(theta)
+
+
+# Keys (dflash_config or top level) that change the math, with their neutral value.
+_UNSUPPORTED = {
+    "conv_kernel_size": 0,
+    "selector_rank": 0,
+    "projector_type": None,
+    "attention_sink_bias": False,
+    "attention_value_scale": None,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+    "input_embedding_scale": 1.0,
+    "use_swa": False,
+    "causal": None,
+    "is_causal": None,
+    "has_embed_tokens": None,
+}
+
+
+def read_drafter_folder(path: Path) -> DrafterFolder:
+    """``path``'s config, refused where it is not a DFlash drafter this trainer can load."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"--init-drafter {path}: no config.json")
+    folder = DrafterFolder(Path(path), json.loads(file.read_text()))
+    arch = folder.config.get("architectures") or []
+    if ARCHITECTURE not in arch:
+        raise ValueError(f"{file}: architectures {arch} is not [{ARCHITECTURE!r}]")
+    if not folder.target_layer_ids:
+        raise ValueError(f"{file}: no dflash_config.target_layer_ids")
+    for key, neutral in _UNSUPPORTED.items():
+        value = folder.value(key)
+        if value not in (None, neutral, False, 0):
+            raise ValueError(f"{file}: {key} = {value!r} is not supported by this drafter")
+    kinds = set(folder.config.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise ValueError(f"{file}: layer_types {sorted(kinds)}: only full_attention is supported")
+    rope = folder.config.get("rope_parameters") or folder.config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"{file}: rope_type {kind!r}: only plain RoPE is supported")
+    if folder.config.get("hidden_act", "silu") != "silu" or folder.config.get("attention_bias"):
+        raise ValueError(f"{file}: only hidden_act silu without attention_bias is supported")
+    extra = sorted(set(folder.dflash) - set(DFLASH_KEYS) - set(_UNSUPPORTED) - {"mask_token"})
+    if extra:
+        raise ValueError(f"{file}: unknown dflash_config keys {extra}")
+    return folder
+
+
+def _agree(flag: str, mine: Any, key: str, theirs: Any, file: Path) -> Any:
+    """The folder's value, which the user's (if given) must equal."""
+    if theirs is None:
+        raise ValueError(f"{file}: no {key}")
+    if mine is not None and mine != theirs:
+        raise ValueError(f"{flag} {mine} differs from {file}'s {key} {theirs}: drop {flag}")
+    return theirs
+
+
+def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
+    """``opts`` with ``--layers``, ``--drafter-layers``, ``--block-size`` and
+    ``--mask-token-id`` taken from ``folder`` where the user gave none; a value the user gave
+    must agree with the folder's (the MASK token may be overridden, with a warning)."""
+    file, c = folder.path / "config.json", folder.config
+    ids = _agree(
+        "--layers", parse_int_list(opts.layers), "target_layer_ids",
+        folder.target_layer_ids, file,
+    )  # fmt: skip
+    layers = c.get("num_hidden_layers")
+    drafter_layers = int(
+        _agree("--drafter-layers", opts.drafter_layers, "num_hidden_layers", layers, file)
+    )
+    block = folder.value("block_size")
+    block_size = int(_agree("--block-size", opts.block_size, "block_size", block, file))
+    if opts.learned_mask:
+        raise ValueError(f"--learned-mask: {file} embeds a mask token id instead")
+    mask = folder.mask_token_id
+    mask_token_id = opts.mask_token_id
+    if mask_token_id is None:
+        mask_token_id = mask
+    elif mask is not None and mask_token_id != mask:
+        log.warning("--mask-token-id %d overrides %s's mask_token_id %d", mask_token_id, file, mask)
+    return replace(
+        opts,
+        layers=",".join(str(i) for i in ids),
+        drafter_layers=drafter_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+    )
+
+
+def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: Any) -> None:
+    """The folder's shape, vocabulary and depth against this run's drafter and target."""
+    file, cfg, c = folder.path / "config.json", drafter.config, folder.config
+    fields = (
+        ("hidden_size", c.get("hidden_size"), cfg.hidden_size),
+        ("intermediate_size", c.get("intermediate_size"), cfg.intermediate_size),
+        ("num_attention_heads", c.get("num_attention_heads"), cfg.num_heads),
+        ("num_key_value_heads", c.get("num_key_value_heads"), cfg.num_kv_heads),
+        ("head_dim", c.get("head_dim"), cfg.head_dim),
+        ("num_hidden_layers", c.get("num_hidden_layers"), cfg.num_layers),
+        ("block_size", folder.value("block_size"), cfg.block_size),
+        ("rms_norm_eps", c.get("rms_norm_eps"), cfg.rms_norm_eps),
+        ("rope_theta", folder.rope_theta, cfg.rope_theta),
+        ("vocab_size", c.get("vocab_size"), target.vocab_size),
+        ("num_target_layers", folder.value("num_target_layers"), target.num_layers),
+        ("target_layer_ids", folder.target_layer_ids, target.layer_ids),
+    )
+    for key, theirs, mine in fields:
+        if theirs is None and key in ("num_target_layers", "rms_norm_eps", "rope_theta"):
+            continue  # optional in released configs; the weights' shapes still decide
+        if theirs != mine:
+            raise ValueError(f"{file}: {key} {theirs} != {mine} (this run's drafter and target)")
+
+
+def read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder (``model.safetensors`` or a sharded index)."""
+    from safetensors.torch import load_file
+
+    index = folder / WEIGHTS_INDEX
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / WEIGHTS).is_file():
+        files = [WEIGHTS]
+    else:
+        raise FileNotFoundError(f"{folder}: neither {WEIGHTS} nor {WEIGHTS_INDEX}")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        out.update(load_file(str(folder / name)))
+    return out
+
+
+def load_folder_weights(folder: DrafterFolder, drafter: DFlashDrafter) -> None:
+    """Fill every drafter parameter from the folder and use every tensor of it."""
+    where = folder.path / WEIGHTS
+    tensors = read_folder_weights(folder.path)
+    params = drafter.state_dict()
+    missing, extra = set(params) - set(tensors), set(tensors) - set(params)
+    if missing:
+        raise ValueError(
+            f"{where}: no tensor {weight_names(missing)} (the drafter needs every one)"
+        )
+    if extra:
+        raise ValueError(f"{where}: tensor {weight_names(extra)} is not a drafter weight")
+    for name, value in tensors.items():
+        if value.shape != params[name].shape:
+            raise ValueError(
+                f"{where}: tensor {name} has shape {list(value.shape)}, the drafter's is "
+                f"{list(params[name].shape)}"
+            )
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(tensors[name].to(param.dtype))
+
+
+def init_drafter(drafter: DFlashDrafter, folder: DrafterFolder, target: Any) -> None:
+    """``--init-drafter``: the folder's weights into ``drafter`` after checking the folder
+    against this run's drafter and target."""
+    check_folder_against(folder, drafter, target)
+    if drafter.mask_embedding is not None:
+        raise ValueError(f"{folder.path}: a learned MASK vector cannot be initialised from it")
+    load_folder_weights(folder, drafter)
+    log.info("drafter initialised from %s", folder.path)
