@@ -6,7 +6,8 @@ them as JSONL, then times:
 
 * baseline: one process, ``for conv: tok.apply_chat_template(messages, tokenize=True)``
   (conversations already parsed and normalized in memory: the baseline gets that for free);
-* tokenize: ``tokenize_corpus(jsonl, out, workers=W)`` end to end: read and parse the JSONL,
+* tokenize: ``tokenize_corpus(jsonl, out, options=TokenizeOptions(workers=W))`` end to end:
+  read and parse the JSONL,
   render, tokenize, build the loss masks, write the Arrow shards.
 
 Prints conversations/s and tokens/s side by side and the ratio (target: >= 1.8x with 2
@@ -36,6 +37,7 @@ from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jso
 from trainer.data.encoder import ChatEncoder
 from trainer.data.messages import to_messages
 from trainer.data.tokenize import tokenize_corpus
+from trainer.options import TokenizeOptions
 
 
 def baseline(tok: object, conversations: list[list[dict]]) -> tuple[float, float, int]:
@@ -50,8 +52,9 @@ def baseline(tok: object, conversations: list[list[dict]]) -> tuple[float, float
 def ours(src: Path, out: Path, tok_dir: Path, workers: int) -> tuple[float, float, int]:
     """Seconds, CPU seconds (with the worker pool's) and tokens of ``tokenize_corpus``."""
     t0, c0 = time.perf_counter(), _cpu_all()
+    options = TokenizeOptions(workers=workers)
     report = tokenize_corpus(
-        [src], out, tokenizer=tok_dir, workers=workers, force=True, progress=False
+        [src], out, tokenizer=tok_dir, options=options, force=True, progress=False
     )
     if report["fallback_conversations"] or report["malformed_rows"]:
         raise SystemExit(f"unexpected fallbacks or malformed rows: {report}")

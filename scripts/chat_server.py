@@ -15,7 +15,8 @@ Two backends:
   At most ``--max-concurrent`` requests are served at once and the rest wait: a server of
   known capacity (``max_concurrent / S`` requests/s), for the regen benchmark.
 
-Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions`` (``messages``, ``max_tokens`` or
+Endpoints: ``GET /v1/models``, ``GET /load`` (requests running and waiting),
+``POST /v1/chat/completions`` (``messages``, ``max_tokens`` or
 ``max_completion_tokens``, ``temperature``, ``chat_template_kwargs``; the reply has
 ``choices[0].message.content``, ``finish_reason`` and ``usage``). Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 400 for a bad body or field, 404 for an unknown
@@ -110,10 +111,18 @@ class Capacity:
         self._slots = threading.BoundedSemaphore(limit)
         self._lock = threading.Lock()
         self._waiting = 0
+        self._running = 0
         self.max_queue, self.retry_after = max_queue, retry_after
+
+    def load(self) -> dict[str, int]:
+        """Requests being served and waiting for a slot (``GET /load``)."""
+        with self._lock:
+            return {"running": self._running, "waiting": self._waiting}
 
     def __enter__(self) -> Capacity:
         if self._slots.acquire(blocking=False):
+            with self._lock:
+                self._running += 1
             return self
         with self._lock:
             if self._waiting >= self.max_queue:
@@ -124,9 +133,13 @@ class Capacity:
         finally:
             with self._lock:
                 self._waiting -= 1
+        with self._lock:
+            self._running += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._running -= 1
         self._slots.release()
 
 
@@ -316,6 +329,8 @@ class Handler(BaseHTTPRequestHandler):
             super().log_message(fmt, *args)
 
     def do_GET(self) -> None:
+        if self.path.rstrip("/") == "/load":
+            return self._json(200, self.server.capacity.load())
         if self.path.rstrip("/") != "/v1/models":
             return self._error(HTTPError(404, f"no route GET {self.path}"))
         model = {"id": self.server.model_name, "object": "model", "owned_by": "dflash-loader"}

@@ -19,6 +19,7 @@ from trainer.data.encoder import ChatEncoder, token_mask
 from trainer.data.messages import MalformedRow, to_messages
 from trainer.data.sources import read_rows
 from trainer.data.tokenize import tokenize_corpus
+from trainer.options import TokenizeOptions
 
 
 def chatml(sep: str = "\\n", generation: bool = False) -> str:
@@ -155,9 +156,10 @@ def rows() -> list[dict]:
     return list(generate_conversations(60, seed=7, words=40))
 
 
-def _tokenize(src, out, tok, **kw):
+def _tokenize(src, out, tok, *, force=False, enable_thinking=None, **options):
     return tokenize_corpus(src if isinstance(src, list) else [src], out, tokenizer=tok,
-                           progress=False, **kw)  # fmt: skip
+                           enable_thinking=enable_thinking, options=TokenizeOptions(**options),
+                           progress=False, force=force)  # fmt: skip
 
 
 def _shard_bytes(folder: Path) -> list[bytes]:
@@ -316,47 +318,6 @@ def test_template_errors_and_no_torch(toks):
 
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def test_to_messages_shapes():
-    sharegpt = {
-        "conversations": [
-            {"from": "system", "value": "s"},
-            {"from": "human", "value": "q"},
-            {"from": "gpt", "value": "a"},
-        ]
-    }
-    openai = {
-        "messages": [
-            {"role": "system", "content": "s"},
-            {"role": "user", "content": [{"type": "text", "text": "q"}]},
-            {"role": "assistant", "content": "a", "name": None},
-        ]
-    }
-    assert (
-        to_messages(sharegpt)
-        == to_messages(openai)
-        == [
-            {"role": "system", "content": "s"},
-            {"role": "user", "content": "q"},
-            {"role": "assistant", "content": "a"},
-        ]
-    )
-    cases = {
-        "missing_messages": {"text": "x"},
-        "bad_shape": {"messages": "hello"},
-        "empty": {"messages": []},
-        "unknown_role": {"messages": [{"role": "robot", "content": "x"}]},
-        "non_string_content": {"messages": [{"role": "user", "content": 3}]},
-        "empty_assistant": {
-            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]
-        },
-        "no_assistant_turn": {"messages": [{"role": "user", "content": "q"}]},
-    }
-    for reason, row in cases.items():
-        with pytest.raises(MalformedRow) as e:
-            to_messages(row)
-        assert e.value.reason == reason
 
 
 def _write_formats(rows: list[dict], root: Path) -> dict[str, Path]:

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -145,12 +144,13 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
     wake the client for the first: the batch arrives while that plan is still in progress.
     The server runs in this process so that planning and filling can be slowed down."""
     import loader_server.service.plans as plans
+    from client.ring import Ring
     from loader_server.data.dataset import ArrowDataset
     from loader_server.service.config import DaemonConfig
     from loader_server.service.server import LoaderServer
 
-    real_plan, real_fill = plans.plan_epoch, ArrowDataset.fill
-    planning, finish = threading.Event(), threading.Event()
+    real_plan, real_fill, real_wait = plans.plan_epoch, ArrowDataset.fill, Ring.wait
+    planning, finish, asleep = threading.Event(), threading.Event(), threading.Event()
 
     def slow_plan(lengths, spec, *, epoch):
         if epoch >= 1:
@@ -158,12 +158,17 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
             finish.wait(60)
         return real_plan(lengths, spec, epoch=epoch)
 
+    def waiting(self, bell, timeout_s):
+        asleep.set()
+        return real_wait(self, bell, timeout_s)
+
     def slow_fill(self, *args, **kwargs):
-        time.sleep(0.2)  # the client is asleep on the bell before the batch is published
+        asleep.wait(30)  # the client is asleep on the bell before the batch is published
         return real_fill(self, *args, **kwargs)
 
     monkeypatch.setattr(plans, "plan_epoch", slow_plan)
     monkeypatch.setattr(ArrowDataset, "fill", slow_fill)
+    monkeypatch.setattr(Ring, "wait", waiting)
     endpoint = f"ipc://{tmp_path}/inproc.sock"
     server = LoaderServer(corpus, DaemonConfig(endpoint=endpoint, shm_dir=shm_dir))
     server.bind()
@@ -177,6 +182,7 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
         client.load_state_dict({**client.state_dict(), "position": [0, steps - 1, 0]})
         last = next(client)  # the last batch of epoch 0, the only one before epoch 1's plan
         assert last.position == (0, steps - 1, 0)
+        assert asleep.is_set(), "the client never waited on the bell"
         assert planning.is_set() and not finish.is_set(), "the batch came after epoch 1's plan"
         client.close()
     finally:

@@ -400,6 +400,13 @@ def test_chat_server_http_errors(tmp_path):
     import http.client
     from concurrent.futures import ThreadPoolExecutor
 
+    def load(url: str) -> dict:
+        conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
+        conn.request("GET", "/load")
+        out = json.loads(conn.getresponse().read())
+        conn.close()
+        return out
+
     def post(url: str, body: bytes) -> tuple[int, dict, dict]:
         conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
         conn.request("POST", "/v1/chat/completions", body=body)
@@ -413,7 +420,9 @@ def test_chat_server_http_errors(tmp_path):
     with chat_server(tmp_path, *server) as url:
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(post, url, ok)
-            time.sleep(0.2)
+            deadline = time.monotonic() + 10
+            while load(url)["running"] == 0:  # the first request holds the only slot
+                assert not first.done() and time.monotonic() < deadline, "first never ran"
             busy = post(url, ok)
         status, _, body = first.result()
         assert status == 200 and body["choices"][0]["finish_reason"] == "length"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -17,11 +16,11 @@ from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.target import Target
 from trainer.model.verifier import greedy_generate
 from trainer.options import RunOptions
-from trainer.run import loader_spec, resolve_mask_token
+from trainer.run import resolve_mask_token
 from trainer.train import checkpoint as ckpt
 from trainer.train.batches import ListSource
 from trainer.train.distributed import DistEnv, local_env
-from trainer.train.loop import TrainConfig, Trainer, warmup_cosine
+from trainer.train.loop import TrainConfig, Trainer
 from trainer.train.metrics import metrics_path, read_metrics
 
 B = 8
@@ -192,16 +191,6 @@ def test_packed_batches_and_batches_without_blocks(target, samples, tmp_path):
     assert recs[2]["loss"] is not None and recs[2]["blocks"] > 0
 
 
-def test_warmup_cosine():
-    f = warmup_cosine(4, 20, 0.1)
-    assert f(0) == pytest.approx(0.2) and f(3) == pytest.approx(0.8)
-    assert f(4) == pytest.approx(1.0)
-    assert f(12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert f(20) == pytest.approx(0.1) and f(30) == pytest.approx(0.1)
-    with pytest.raises(ValueError, match="exactly one"):
-        TrainConfig(run_dir=Path("x"))
-
-
 def test_plot_command(target, samples, tmp_path):
     make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=3).run()
     res = CliRunner().invoke(main, ["plot", str(tmp_path)])
@@ -223,17 +212,6 @@ def test_epochs_set_the_length_from_the_loader(target, samples, tmp_path):
 
 def _opts(**kw):
     return RunOptions(endpoint="unused", run_dir=Path("unused"), **kw)
-
-
-def test_loader_spec_holds_only_what_the_user_set():
-    assert loader_spec(_opts()) == {}
-    assert loader_spec(_opts(token_budget=2048, spec_pairs=("seed=3", "buckets=[100]"))) == {
-        "token_budget": 2048,
-        "seed": 3,
-        "buckets": [100],
-    }
-    with pytest.raises(ValueError, match="must equal --grad-accum"):
-        loader_spec(_opts(grad_accum=2, spec_pairs=("grad_accum=4",)))
 
 
 def test_mask_token_resolution(target):
@@ -286,15 +264,3 @@ def test_micro_batch_times_are_recorded_and_calibrate(target, samples, tmp_path)
     profile = json.loads((tmp_path / "cost_profile.json").read_text())
     assert profile["anchor_rule"] == {"block_size": B, "anchors_per_doc": 6, "max_anchors": 2048}
     assert profile["fit"]["n_fit"] + profile["fit"]["n_holdout"] == 12
-
-
-def test_cost_profile_goes_into_the_requested_spec(tmp_path):
-    profile = tmp_path / "p.json"
-    profile.write_text(json.dumps({
-        "version": 1,
-        "coefficients": {"cost_c0": 0.1, "cost_tok": 1e-5, "cost_attn": 0.0, "cost_slot": 1e-6},
-        "anchor_rule": {"block_size": 8, "anchors_per_doc": 6, "max_anchors": 64},
-    }))  # fmt: skip
-    spec = loader_spec(_opts(spec_pairs=("cost_c0=0.2",), cost_profile=profile, token_budget=4096))
-    assert spec["cost_c0"] == 0.2 and spec["cost_slot"] == 1e-6 and spec["token_budget"] == 4096
-    assert spec["max_anchors"] == 64

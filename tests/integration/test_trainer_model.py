@@ -8,16 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from trainer.model.attention import BlockChunk, block_attention
 from trainer.model.blocks import (
     LossConfig,
-    cap_anchors,
     plan_blocks,
-    position_weights,
-    sample_anchors,
 )
 from trainer.model.drafter import (
     DFlashDrafter,
@@ -27,17 +21,16 @@ from trainer.model.drafter import (
     plan_chunks,
     rotary,
 )
-from trainer.model.loss import draft_loss, linear_cross_entropy, zero_loss
+from trainer.model.loss import draft_loss, zero_loss
 from trainer.model.target import (
     Target,
     TinyTargetSpec,
     build_tiny_model,
-    default_layer_ids,
     load_target,
     mask_token_id,
 )
 from trainer.model.verifier import DrafterProposer
-from trainer.train.batches import Batch, pack_batch, pad_batch
+from trainer.train.batches import pack_batch, pad_batch
 
 B = 4
 
@@ -59,163 +52,10 @@ def drafter(target) -> DFlashDrafter:
 # ---- mask ---------------------------------------------------------------------------------
 
 
-def _chunk(ctx_len: int, anchors: list[int], b: int, docs=None, blk_docs=None) -> BlockChunk:
-    docs = torch.zeros(ctx_len, dtype=torch.long) if docs is None else torch.tensor(docs)
-    pos = torch.cat([torch.arange(int((docs == d).sum())) for d in docs.unique()])
-    blk = torch.zeros(len(anchors), dtype=torch.long) if blk_docs is None else blk_docs
-    return BlockChunk(docs, pos, torch.as_tensor(blk), torch.tensor(anchors), b)
-
-
-def test_mask_hand_checked():
-    # Context of 5 positions, blocks of 2 at anchors 1 and 3.
-    m = _chunk(5, [1, 3], 2).dense_mask()
-    expected = torch.tensor(
-        [
-            # ctx t0..t4   | block keys b0 b1 (block 0) b2 b3 (block 1)
-            [1, 0, 0, 0, 0, 1, 1, 0, 0],  # block 0, anchor slot: sees t0 only (< 1)
-            [1, 0, 0, 0, 0, 1, 1, 0, 0],  # block 0, mask slot: same, bidirectional in block
-            [1, 1, 1, 0, 0, 0, 0, 1, 1],  # block 1: t0..t2 (< 3), not block 0
-            [1, 1, 1, 0, 0, 0, 0, 1, 1],
-        ],
-        dtype=torch.bool,
-    )
-    assert torch.equal(m, expected)
-
-
-def test_mask_blocks_see_only_their_own_document():
-    # Two documents of 3 and 2 positions packed; one block in each, anchors 2 and 1.
-    m = _chunk(5, [2, 1], 1, docs=[0, 0, 0, 1, 1], blk_docs=torch.tensor([0, 1])).dense_mask()
-    assert m.tolist() == [
-        [True, True, False, False, False, True, False],
-        [False, False, False, True, False, False, True],
-    ]
-
-
-def test_mask_anchor_zero_sees_no_context():
-    m = _chunk(4, [0], 3).dense_mask()
-    assert not m[:, :4].any() and m[:, 4:].all()
-
-
-def test_per_document_sdpa_and_flex_equal_the_dense_mask():
-    """flex_attention's BlockMask (eager on CPU) and SDPA's dense mask give one output."""
-    pytest.importorskip("torch.nn.attention.flex_attention")
-    g = torch.Generator().manual_seed(0)
-    docs = [0] * 40 + [1] * 30 + [2] * 20
-    chunk = _chunk(90, [5, 17, 39, 0, 12, 29, 3], 4, docs, torch.tensor([0, 0, 0, 1, 1, 1, 2]))
-    q = torch.randn(1, 4, chunk.num_queries, 16, generator=g)
-    k = torch.randn(1, 2, chunk.num_keys, 16, generator=g)
-    v = torch.randn(1, 2, chunk.num_keys, 16, generator=g)
-    per_doc = block_attention(q, k, v, chunk, "sdpa")
-    flex = block_attention(q, k, v, chunk, "flex")
-    assert torch.allclose(per_doc, flex, atol=1e-5)
-    # ... and both equal one SDPA call over the whole chunk with its dense mask.
-    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
-    dense = F.scaled_dot_product_attention(q, kk, vv, attn_mask=chunk.dense_mask()[None, None])
-    assert torch.allclose(per_doc, dense, atol=1e-5)
-
-
 # ---- anchors ------------------------------------------------------------------------------
 
 
-def test_anchors_hand_checked():
-    lm = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
-    pos, valid = sample_anchors(
-        lm, torch.tensor([10]), anchors_per_doc=100, block_size=2, generator=torch.Generator()
-    )
-    # Supervised from 3; a block of 2 needs a + 2 <= 10: anchors 3..8, all of them.
-    assert pos[0][valid[0]].tolist() == [3, 4, 5, 6, 7, 8]
-
-
-def test_anchors_skip_docs_with_few_supervised_tokens():
-    lm = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])
-    # B=4 needs 8 supervised tokens: doc 0 has 7, doc 1 has 6 -> nothing.
-    _, valid = sample_anchors(
-        lm, torch.tensor([8, 8]), anchors_per_doc=4, block_size=4, generator=torch.Generator()
-    )
-    assert not valid.any()
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    data=st.data(),
-    n_docs=st.integers(1, 4),
-    block=st.integers(2, 5),
-    anchors_per_doc=st.integers(1, 6),
-    seed=st.integers(0, 2**31),
-)
-def test_anchor_properties(data, n_docs, block, anchors_per_doc, seed):
-    lengths = [data.draw(st.integers(1, 30)) for _ in range(n_docs)]
-    width = max(lengths)
-    lm = torch.zeros(n_docs, width, dtype=torch.uint8)
-    for d, n in enumerate(lengths):
-        bits = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
-        lm[d, :n] = torch.tensor(bits, dtype=torch.uint8)
-    pos, valid = sample_anchors(
-        lm,
-        torch.tensor(lengths),
-        anchors_per_doc=anchors_per_doc,
-        block_size=block,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    for d, n in enumerate(lengths):
-        chosen = pos[d][valid[d]].tolist()
-        cands = [a for a in range(n) if lm[d, a] == 1 and a + block <= n]
-        assert len(chosen) == len(set(chosen)) <= anchors_per_doc
-        if int(lm[d].sum()) < 2 * block:
-            assert chosen == []
-            continue
-        assert set(chosen) <= set(cands)
-        assert len(chosen) == min(anchors_per_doc, len(cands))
-
-
-def test_anchors_resampled_per_generator():
-    lm = torch.ones(1, 200, dtype=torch.uint8)
-    draw = [
-        sample_anchors(
-            lm,
-            torch.tensor([200]),
-            anchors_per_doc=8,
-            block_size=4,
-            generator=torch.Generator().manual_seed(s),
-        )[0]
-        for s in (1, 1, 2)
-    ]
-    assert torch.equal(draw[0], draw[1]) and not torch.equal(draw[0], draw[2])
-
-
 # ---- loss targets and weights ------------------------------------------------------------
-
-
-def test_position_weights():
-    w = position_weights(16, 7.0)
-    assert w.shape == (15,)
-    assert w[0] == 1.0
-    assert torch.allclose(w, torch.tensor([math.exp(-(k - 1) / 7) for k in range(1, 16)]))
-
-
-def test_plan_blocks_hand_checked():
-    ids = torch.arange(100, 110)[None].int()
-    lm = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 1, 1]], dtype=torch.uint8)
-    batch = Batch(
-        input_ids=ids, loss_mask=lm, lengths=torch.tensor([10]), sample_ids=ids[0],
-        max_seqlen=10, num_tokens=10,
-    )  # fmt: skip
-    # B=2: supervised anchors with a + 2 <= 10.
-    plan = plan_blocks(batch, LossConfig(block_size=2, gamma=2.0), torch.Generator())
-    assert plan.blk_anchor.tolist() == [1, 2, 3, 4, 5, 6, 8]
-    assert plan.labels[:, 0].tolist() == [102, 103, 104, 105, 106, 107, 109]
-    # loss_mask[7] == 0 drops offset 1 of anchor 6.
-    assert plan.weights[:, 0].tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
-    # B=4 needs 8 supervised tokens (there are 8) and a + 4 <= 10.
-    plan = plan_blocks(batch, LossConfig(block_size=4, gamma=2.0), torch.Generator())
-    e = math.exp(-0.5)
-    assert plan.blk_anchor.tolist() == [1, 2, 3, 4, 5, 6]
-    assert plan.labels[4].tolist() == [106, 107, 108]
-    assert torch.allclose(plan.weights[0], torch.tensor([1.0, e, e * e]))
-    assert torch.allclose(plan.weights[4], torch.tensor([1.0, 0.0, e * e]))
-    assert torch.allclose(plan.weights[5], torch.tensor([0.0, e, e * e]))
-    lm[0, 1] = 0  # 7 supervised < 2B: the document is skipped
-    assert plan_blocks(batch, LossConfig(block_size=4), torch.Generator()) is None
 
 
 def _samples(n_docs: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -329,24 +169,6 @@ def test_chunked_loss_and_gradients_equal_unchunked(target, drafter, make):
     drafter.zero_grad(set_to_none=True)
 
 
-def test_linear_cross_entropy_matches_autograd():
-    g = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(8, 50, bias=False).requires_grad_(False)
-    h = torch.randn(13, 8, generator=g, requires_grad=True)
-    labels = torch.randint(0, 50, (13,), generator=g)
-    w = torch.rand(13, generator=g)
-    ref, ref_hits = linear_cross_entropy(h, head, labels, w, 0)
-    (ref_grad,) = torch.autograd.grad(ref * 3.0, h)
-    for chunk in (1, 4, 13, 100):
-        got, hits = linear_cross_entropy(h, head, labels, w, chunk)
-        (grad,) = torch.autograd.grad(got * 3.0, h)
-        assert torch.allclose(got, ref, rtol=1e-6) and torch.equal(hits, ref_hits)
-        assert torch.allclose(grad, ref_grad, atol=1e-6)
-    trainable = torch.nn.Linear(8, 50, bias=False)
-    with pytest.raises(ValueError, match="frozen head"):
-        linear_cross_entropy(h, trainable, labels, w, 4)
-
-
 def test_packed_and_padded_losses_agree(target, drafter):
     samples = _samples(4)
     cfg = LossConfig(block_size=B, anchors_per_doc=5)
@@ -378,22 +200,6 @@ def test_zero_loss_reaches_every_parameter(target, drafter):
 
 
 # ---- anchor cap per micro-batch -----------------------------------------------------------
-
-
-def test_anchor_cap_is_fair_and_deterministic():
-    valid = torch.zeros(4, 50, dtype=torch.bool)
-    valid[0, :50] = True
-    valid[1, :3] = True  # few anchors: keeps all, its share goes to the others
-    valid[2, :20] = True
-    valid[3, :10] = True
-    kept = [cap_anchors(valid, 25, torch.Generator().manual_seed(s)) for s in (1, 1, 2)]
-    assert torch.equal(kept[0], kept[1]) and not torch.equal(kept[0], kept[2])
-    per_doc = kept[0].sum(1).tolist()
-    assert sum(per_doc) == 25 and per_doc[1] == 3
-    assert max(per_doc[0], per_doc[2], per_doc[3]) - min(per_doc[0], per_doc[2], per_doc[3]) <= 1
-    assert not (kept[0] & ~valid).any()
-    assert torch.equal(cap_anchors(valid, 0, torch.Generator()), valid)  # 0: no cap
-    assert torch.equal(cap_anchors(valid, 83, torch.Generator()), valid)  # not binding
 
 
 def test_draft_loss_respects_the_anchor_cap(target, drafter):
@@ -505,14 +311,6 @@ def test_target_from_directory(tmp_path, target):
         load_target(str(tmp_path / "missing"))
 
 
-def test_default_layer_ids():
-    assert default_layer_ids(36) == [1, 9, 17, 25, 33]
-    assert default_layer_ids(4) == [0, 1, 2]
-    assert default_layer_ids(2) == [0]
-    with pytest.raises(ValueError, match="out of range"):
-        Target(build_tiny_model(TinyTargetSpec()), [4])
-
-
 @pytest.mark.parametrize("layer_ids", [[0, 1, 2], [1, 3], [3]])
 def test_captured_features_equal_output_hidden_states(target, layer_ids):
     """Hooks capture exactly ``hidden_states[id + 1]`` (the last layer's normed, as HF
@@ -548,34 +346,3 @@ def test_mask_token_id_from_config_tokenizer_or_none(tmp_path, target):
     assert mask_token_id(plain) is None
     plain.config.dflash_config = {"mask_token_id": 42}
     assert mask_token_id(plain) == 42
-
-
-def test_anchor_cap_last_round_ignores_how_many_anchors_a_document_has():
-    """Two documents, 2 and 100 anchors, cap 3: the third anchor goes to either document
-    about half the time (a shared key would always favour the larger one)."""
-    valid = torch.zeros(2, 100, dtype=torch.bool)
-    valid[0, :2] = True
-    valid[1, :] = True
-    small_wins = sum(
-        int(cap_anchors(valid, 3, torch.Generator().manual_seed(s))[0].sum()) == 2
-        for s in range(400)
-    )
-    assert 140 <= small_wins <= 260
-
-
-def test_plan_chunks_context_covers_every_block():
-    # Documents start at 0, 10, 30; blocks in any order within a chunk.
-    doc_start = [0, 10, 30]
-    chunks = plan_chunks([0, 1, 1, 2, 2], [5, 8, 3, 2, 7], doc_start, 3)
-    assert chunks == ((0, 3, 0, 18), (3, 5, 30, 37))
-    assert plan_chunks([0, 0], [4, 9], [0], 0) == ((0, 2, 0, 9),)
-
-
-def test_host_allocator_threshold_follows_the_chunk_count():
-    from trainer.train import hostmem
-
-    many = hostmem.fit_chunks(hostmem.MANY_CHUNKS + 1)
-    if many is None:
-        pytest.skip("not glibc")
-    assert many == hostmem.SMALL_THRESHOLD_BYTES
-    assert hostmem.fit_chunks(1) == hostmem.DEFAULT_THRESHOLD_BYTES

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pyarrow as pa
-import pytest
 import torch
 from click.testing import CliRunner
 
@@ -32,12 +31,6 @@ def write_corpus(path, samples) -> None:
 def read_corpus(path) -> pa.Table:
     with pa.memory_map(str(path)) as src:
         return pa.ipc.open_file(src).read_all()
-
-
-def test_split_prompt():
-    assert split_prompt(np.array([0, 0, 1, 1])) == 2
-    assert split_prompt(np.array([1, 1, 1])) == 1  # never an empty prompt
-    assert split_prompt(np.array([0, 0])) == 2  # nothing to regenerate
 
 
 def test_regen_rewrites_responses_with_greedy_output(tmp_path):
@@ -85,10 +78,3 @@ def test_regen_rewrites_responses_with_greedy_output(tmp_path):
 
     ds = open_dataset(out)
     assert len(ds) == 7 and ds.has_loss_mask
-
-
-def test_load_prompts_errors(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": [1, 2]}\n{"nope": 1}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
-        load_prompts(bad)

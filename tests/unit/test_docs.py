@@ -85,7 +85,7 @@ EXTERNAL_NAMES = {
     "exp",
     "loss",
     "rng",
-    # an error kind our code builds with an f-string (trainer/data/regen_server.py: f"http_{status}")
+    # an error kind our code builds with an f-string (trainer/data/server/http.py: f"http_{status}")
     "http_503",
 }
 #: Flags of other programs the docs name.

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,100 @@ def test_the_rules_see_real_imports():
     assert "loader_server.wire.protocol" in imports("client")["client/loader.py"]
     assert "torch" in imports("client")["client/loader.py"]
     assert offenders("client", lambda n: n == "torch") != []
+
+
+# ---- the trainer ---------------------------------------------------------------------------
+
+#: trainer room -> what it must not import. The foundation (``trainer.options``,
+#: ``trainer.files``, ``trainer.progress``) is open to every room; ``trainer.run`` (the
+#: composition root) assembles the rooms and only ``trainer.cli`` stands above it.
+TRAINER_ROOMS = {
+    "trainer/model": ("data", "train", "hf", "ops", "cli", "run"),
+    "trainer/data": ("train", "hf", "ops", "cli", "run"),
+    "trainer/train": ("data", "hf", "ops", "cli", "run"),
+    "trainer/hf": ("data", "ops", "cli", "run"),
+    "trainer/ops": ("model", "data", "hf", "cli", "run"),
+    "trainer/run.py": ("cli",),
+}
+FOUNDATION = ("trainer/options.py", "trainer/files.py", "trainer/progress.py")
+
+
+def _trainer_module(name: str) -> str | None:
+    """The trainer module file an imported name refers to (None: not the trainer's)."""
+    if not _under(name, "trainer"):
+        return None
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:n])
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return str(path.relative_to(ROOT))
+    return None
+
+
+def _file_imports(path: str) -> set[str]:
+    tree = ast.parse((ROOT / path).read_text(), path)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("room", sorted(TRAINER_ROOMS))
+def test_trainer_rooms_import_only_what_lies_below_them(room):
+    banned = tuple(f"trainer.{r}" for r in TRAINER_ROOMS[room])
+    files = [room] if room.endswith(".py") else sorted(imports(room))
+    bad = [
+        f"{f} imports {n}" for f in files for n in sorted(_file_imports(f)) if _under(n, *banned)
+    ]
+    assert bad == []
+
+
+@pytest.mark.parametrize("module", FOUNDATION)
+def test_the_trainer_foundation_imports_no_trainer_module_and_no_torch(module):
+    names = _file_imports(module)
+    assert [n for n in sorted(names) if _under(n, "trainer", "torch")] == []
+
+
+def test_trainer_modules_form_no_import_cycle():
+    graph: dict[str, set[str]] = {}
+    for path in sorted(str(p.relative_to(ROOT)) for p in (ROOT / "trainer").rglob("*.py")):
+        deps = {_trainer_module(n) for n in _file_imports(path)}
+        graph[path] = {d for d in deps if d is not None and d != path}
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        if node in stack:
+            raise AssertionError(
+                "import cycle: " + " -> ".join([*stack[stack.index(node) :], node])
+            )
+        if node in done:
+            return
+        for dep in sorted(graph.get(node, ())):
+            # a package's __init__ importing its own modules is how a package is built
+            if not (node.endswith("__init__.py") and dep.startswith(node[: -len("__init__.py")])):
+                visit(dep, [*stack, node])
+        done.add(node)
+
+    for node in graph:
+        visit(node, [])
+    assert len(done) == len(graph)
+
+
+def test_the_trainer_layering_rules_see_real_imports():
+    assert _trainer_module("trainer.model.loss.draft_loss") == "trainer/model/loss.py"
+    assert _trainer_module("trainer.train") == "trainer/train/__init__.py"
+    assert "trainer.model.blocks" in _file_imports("trainer/model/loss.py")
+
+
+@pytest.mark.parametrize(
+    "module", ["trainer.cli", "trainer.ops.calibrate", "trainer.ops.plot", "trainer.data.tokenize"]
+)
+def test_torch_free_parts_of_the_trainer_import_no_torch(module):
+    # the command group, calibration, plots and tokenization start in well under a second
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
