@@ -1,16 +1,22 @@
-"""DFlash drafter training fed by the dflash-loader daemon.
+"""DFlash drafter training fed by the dflash-loader daemon (``dflash-train``).
 
-Modules, in the order data flows through them:
+Rooms, in the order data flows through them:
 
-* ``target``: the frozen Hugging Face causal LM (``tiny``: a seeded random Qwen3) and its
-  chosen-layer features;
-* ``batches``: the batch shape the trainer consumes, per-document views, an in-process source;
-* ``drafter``: the DFlash drafter and its block attention mask;
-* ``loss``: anchor sampling and the position-weighted block cross-entropy;
-* ``loop``: optimizer, gradient accumulation by the loader's ``micro``, DDP, metrics, resume;
-* ``checkpoint``: atomic per-rank checkpoints carrying the loader position;
-* ``verifier``: speculative decoding with the target, acceptance length tau;
-* ``regen``: rewrite a corpus's responses with the target's greedy output;
-* ``metrics`` / ``plot``: JSONL per step and PNG curves;
-* ``run`` / ``cli`` / ``distributed``: the ``dflash-train`` command under torchrun.
+* ``data``: conversations in, a loader corpus out: sources and messages, the chat-template
+  encoder and its span finder, ``tokenize``, the corpus format (schema, shard writer,
+  held-out prompts), regeneration in process (``regen``) and through a server
+  (``server``: spec, HTTP client, journal, run);
+* ``model``: the frozen target and its features, the drafter and its block attention, what a
+  micro-batch trains on (documents, anchors, labels: ``blocks``), the loss with its fused LM
+  head, the verifier (acceptance length tau);
+* ``train``: the loop (optimizer, accumulation by the loader's ``micro``, DDP, metrics,
+  eval), batch sources, checkpoints (which own their record), cost records, distributed
+  set-up, clean stop, ``dflash-torchrun``;
+* ``hf``: the remote code shipped with an export, the export itself, ``--init-drafter``;
+* ``ops``: tools over a finished run (``calibrate``, ``plot``), torch-free;
+* ``cli``: the ``dflash-train`` commands, thin; their flags come from ``options``.
+
+Below them, open to all: ``options`` (every option, typed, one source), ``files`` (atomic
+outputs), ``progress``. Above them: ``run``, the composition root that assembles one
+rank's training run. The rules are tests (``tests/unit/test_layering.py``).
 """
