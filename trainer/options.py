@@ -20,7 +20,10 @@ import typing
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    from dataclasses import Field
 
 CONFIG_FILE = "config.json"
 #: What ``config.json`` records about the run besides its options.
@@ -56,6 +59,11 @@ def opt(
 class Options:
     """Typed, validated, JSON-ready options (the base of every options dataclass here)."""
 
+    # Every subclass is a dataclass, so ``fields(cls)`` holds. Declared for the type checker
+    # only: at run time the annotation would be one of the hints ``__post_init__`` checks.
+    if TYPE_CHECKING:
+        __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+
     def __post_init__(self) -> None:
         for name, hint in typing.get_type_hints(type(self)).items():
             value = getattr(self, name)
@@ -86,7 +94,7 @@ class Options:
 
     def to_record(self) -> dict[str, Any]:
         """A JSON-ready dict: paths as strings, tuples as lists."""
-        return {f.name: _to_json(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+        return {f.name: _to_json(getattr(self, f.name)) for f in fields(self)}
 
 
 TARGET = "Target (tiny: a seeded random Qwen3)"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 def progress_bar(
     total: int | None, desc: str, unit: str = "it", enabled: bool = True, initial: int = 0
-) -> Any:
+) -> tqdm[Any]:
     """A tqdm bar on stderr, disabled (no output) when not ``enabled``."""
     from tqdm.auto import tqdm
 

@@ -164,7 +164,7 @@ def resolve_init_drafter(opts: RunOptions) -> tuple[RunOptions, DrafterFolder | 
     without it the plain defaults. ``folder`` is None without ``--init-drafter``."""
     if opts.init_drafter is None:
         defaults = {"drafter_layers": DEFAULT_DRAFTER_LAYERS, "block_size": DEFAULT_BLOCK_SIZE}
-        unset = {k: v for k, v in defaults.items() if getattr(opts, k) is None}
+        unset: dict[str, Any] = {k: v for k, v in defaults.items() if getattr(opts, k) is None}
         return replace(opts, **unset), None
     folder = read_drafter_folder(opts.init_drafter)
     return options_from_folder(opts, folder), folder

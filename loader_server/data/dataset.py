@@ -57,6 +57,25 @@ _INT32_MAX = np.iinfo(np.int32).max
 SCAN_BYTES = 256 << 20
 
 
+def record_batch(ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> pa.RecordBatch:
+    """Rows of ``lengths`` tokens, given as flat ``ids`` and ``mask``, as one record batch of
+    ``CORPUS_SCHEMA``: the one way this project's writers (``synth``, the trainer's
+    ``tokenize`` and ``regen``) build a corpus, zero-copy from numpy."""
+    offsets = np.zeros(np.size(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    arrays = [
+        pa.ListArray.from_arrays(_arrow_view(offsets, pa.int32()), _arrow_view(ids, pa.int32())),
+        pa.ListArray.from_arrays(_arrow_view(offsets, pa.int32()), _arrow_view(mask, pa.uint8())),
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=CORPUS_SCHEMA)
+
+
+def _arrow_view(values: np.ndarray, type_: pa.DataType) -> pa.Array:
+    """Zero-copy Arrow view of a numpy array (``pa.array`` would import pandas: 0.6 s)."""
+    values = np.ascontiguousarray(values, dtype=type_.to_pandas_dtype())
+    return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(values)])
+
+
 class DatasetError(Exception):
     """A dataset that cannot be served; the message names the file, column and row."""
 

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from loader_server.data.dataset import CORPUS_SCHEMA as _SCHEMA
+from loader_server.data.dataset import record_batch
 
 QWEN3_VOCAB = 151936
 
@@ -81,13 +82,7 @@ def _chunks(spec: SynthSpec, size: int) -> Iterator[pa.RecordBatch]:
         else:
             ids = _learnable_ids(lens, offsets, float(spec.median_len), rng)
         mask = _response_mask(lens, offsets, rng)
-        yield pa.RecordBatch.from_arrays(
-            [
-                pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
-                pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask)),
-            ],
-            schema=_SCHEMA,
-        )
+        yield record_batch(ids, mask, lens)
 
 
 def _response_mask(lens: np.ndarray, offsets: np.ndarray, rng: np.random.Generator) -> np.ndarray:

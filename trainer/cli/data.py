@@ -113,9 +113,9 @@ def regen(ctx: click.Context, src: tuple[Path, ...], out: Path, **opts: Any) -> 
         from trainer.data.server.run import regen_from_server
 
         tokenize = TokenizeOptions(**{k: opts[k] for k in (*_SERVER_TOKENIZE, "holdout")})
-        spec = ServerRegenSpec.pick({**opts, "tokenize": tokenize})
+        server = ServerRegenSpec.pick({**opts, "tokenize": tokenize})
         progress = not opts["no_progress"]
-        click.echo(json.dumps(regen_from_server(list(src), out, spec, progress=progress)))
+        click.echo(json.dumps(regen_from_server(list(src), out, server, progress=progress)))
         return
     holdout_out = opts["holdout_out"] or out.with_suffix(".heldout.jsonl")
     import torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 ROLES = {
     "system": "system",
@@ -90,7 +90,7 @@ def _text(value: Any, k: int) -> str:
     if isinstance(value, (list, tuple)) and value:
         parts = [p.get("text") if isinstance(p, Mapping) else None for p in value]
         if all(isinstance(p, str) for p in parts):
-            return "".join(parts)
+            return "".join(cast(list[str], parts))
     raise MalformedRow("non_string_content", f"message {k} content is {short(value)}")
 
 

@@ -21,18 +21,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from loader_server.data.dataset import open_dataset
+from loader_server.data.dataset import ArrowDataset, open_dataset
 from trainer.data.corpus import SCHEMA, HeldoutPrompt, read_heldout, record_batch, write_heldout
 from trainer.files import atomic_output
 from trainer.model.target import Target
 from trainer.options import RegenOptions
 from trainer.progress import progress_bar
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
 
 
 def split_prompt(mask: np.ndarray) -> int:
@@ -53,7 +56,8 @@ def greedy_batch(target: Target, prompts: list[np.ndarray], max_new: list[int]) 
         ids[r, width - len(p) :] = torch.from_numpy(p.astype(np.int64))
         attn[r, width - len(p) :] = 1
     eos = getattr(target.model.generation_config, "eos_token_id", None)
-    out = target.model.generate(
+    model = cast("GenerationMixin", target.model)  # a causal LM: it generates
+    out = model.generate(
         input_ids=ids.to(device),
         attention_mask=attn.to(device),
         max_new_tokens=max(max_new),
@@ -131,7 +135,7 @@ def regen_corpus(
     return {"samples": n, "tokens": tokens, "holdout": spec.holdout, "out": str(out)}
 
 
-def _mask(ds: object, i: int, length: int) -> np.ndarray:
+def _mask(ds: ArrowDataset, i: int, length: int) -> np.ndarray:
     if not ds.has_loss_mask:
         return np.ones(length, dtype=np.uint8)
     return np.asarray(ds.loss_mask(i)).astype(np.uint8)
@@ -144,7 +148,7 @@ def _record_batch(ids: list[np.ndarray], masks: list[np.ndarray]) -> pa.RecordBa
     return record_batch(flat_ids, flat_mask, lengths)
 
 
-def _heldout(ds: Any, src: Path, rows: range) -> Iterator[HeldoutPrompt]:
+def _heldout(ds: ArrowDataset, src: Path, rows: range) -> Iterator[HeldoutPrompt]:
     for i in rows:
         ids = np.asarray(ds.input_ids(i))
         s = split_prompt(_mask(ds, i, len(ids)))

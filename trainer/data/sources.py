@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import pyarrow as pa
 
@@ -97,7 +98,7 @@ def _file_source(path: Path, *, explicit: bool) -> Source | None:
     return None
 
 
-Payload = list | pa.Table  # a chunk of raw rows: JSONL lines, dicts, or an Arrow table
+Payload: TypeAlias = list | pa.Table  # a chunk of raw rows: JSONL lines, dicts, or an Arrow table
 
 
 def read_chunks(
@@ -249,7 +250,7 @@ def count_rows(sources: list[Source]) -> int | None:
     for src in sources:
         if src.kind == "jsonl":
             with open(src.path, "rb") as f:
-                total += sum(block.count(b"\n") for block in iter(lambda f=f: f.read(1 << 24), b""))
+                total += sum(block.count(b"\n") for block in iter(partial(f.read, 1 << 24), b""))
         elif src.kind == "parquet":
             import pyarrow.parquet as pq
 

@@ -85,10 +85,10 @@ def _encode_chunk(payload: Payload, max_length: int | None, overflow: str) -> _R
         if isinstance(r, MalformedRow):
             outcomes[i] = (r.reason, r.detail)
             continue
-        outcomes[i], r = _fit(r, max_length, overflow)
-        if r is not None:
-            ids.append(r[0])
-            masks.append(r[1])
+        outcomes[i], fitted = _fit(r, max_length, overflow)
+        if fitted is not None:
+            ids.append(fitted[0])
+            masks.append(fitted[1])
     lengths = np.array([len(x) for x in ids], dtype=np.int32)
     return _Result(
         np.concatenate(ids) if ids else np.zeros(0, np.int32),

@@ -25,6 +25,8 @@ Which loader reads which key (checked against their sources):
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import Qwen3Config
 
 # dflash_config keys this drafter's math knows (anything else, e.g. DFlash2's selector or
@@ -46,8 +48,8 @@ class DFlashConfig(Qwen3Config):
         self,
         block_size: int = 16,
         num_target_layers: int | None = None,
-        dflash_config: dict | None = None,
-        **kwargs,
+        dflash_config: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
         top_level = {k: kwargs.pop(k) for k in ("target_layer_ids", "mask_token_id") if k in kwargs}
         super().__init__(**kwargs)

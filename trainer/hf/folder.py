@@ -9,13 +9,16 @@ import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.hf.configuration_dflash import DFLASH_KEYS
 from trainer.model.drafter import DFlashDrafter
 from trainer.options import RunOptions, parse_int_list
+
+if TYPE_CHECKING:
+    from trainer.model.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,7 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
     )
 
 
-def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: Any) -> None:
+def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: Target) -> None:
     """The folder's shape, vocabulary and depth against this run's drafter and target."""
     file, cfg, c = folder.path / "config.json", drafter.config, folder.config
     fields = (
@@ -214,7 +217,7 @@ def load_folder_weights(folder: DrafterFolder, drafter: DFlashDrafter) -> None:
             param.copy_(tensors[name].to(param.dtype))
 
 
-def init_drafter(drafter: DFlashDrafter, folder: DrafterFolder, target: Any) -> None:
+def init_drafter(drafter: DFlashDrafter, folder: DrafterFolder, target: Target) -> None:
     """``--init-drafter``: the folder's weights into ``drafter`` after checking the folder
     against this run's drafter and target."""
     check_folder_against(folder, drafter, target)

@@ -27,6 +27,7 @@ Calls:
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .configuration_dflash import DFlashConfig
 
+if TYPE_CHECKING:
+    from transformers import Cache
+
 # transformers 5 renamed the output's ``past_key_values`` to ``cache``.
 _CACHE_FIELD = (
     "cache"
@@ -44,7 +48,9 @@ _CACHE_FIELD = (
 )
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` ``[b, 1, S, head_dim]`` (fp32) for integer ``positions [b, S]``."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
     ang = positions.float()[..., None] * inv
@@ -74,7 +80,10 @@ class DFlashAttention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.layer_idx, self.head_dim = layer_idx, d
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        kv_heads = config.num_key_value_heads
+        if kv_heads is None:  # Qwen3Config sets it (to num_attention_heads) when not given
+            raise ValueError("DFlash config needs num_key_value_heads")
+        self.heads, self.kv_heads = config.num_attention_heads, kv_heads
         self.q_proj = nn.Linear(h, self.heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
@@ -86,7 +95,14 @@ class DFlashAttention(nn.Module):
         """``[b, S, heads*d]`` -> ``[b, heads, S, d]``."""
         return x.view(*x.shape[:2], heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x, ctx, rope, mask, cache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+    ) -> torch.Tensor:
         """Block ``x [b, B, H]`` (normed) over keys of ``[ctx ; x]`` (and the cache)."""
         cos, sin = rope
         q_len = x.shape[1]
@@ -129,7 +145,14 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, h, ctx, rope, mask, cache) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        ctx: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+    ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), ctx, rope, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -168,17 +191,21 @@ class DFlashDraftModel(PreTrainedModel):
     config_class = DFlashConfig
     base_model_prefix = "model"
     main_input_name = "noise_embeds"
-    _no_split_modules = ("DFlashDecoderLayer",)
+    # transformers reads it as any iterable of class names (it annotates a list or a set).
+    _no_split_modules = ("DFlashDecoderLayer",)  # type: ignore[assignment]
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__(config)
         _check_config(config)
         h, eps = config.hidden_size, config.rms_norm_eps
+        layer_ids = config.target_layer_ids
+        if layer_ids is None:  # refused by _check_config already
+            raise ValueError("DFlash config needs dflash_config.target_layer_ids")
         self.layers = nn.ModuleList(
             DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = DFlashRMSNorm(h, eps)
-        self.fc = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+        self.fc = nn.Linear(len(layer_ids) * h, h, bias=False)
         self.hidden_norm = DFlashRMSNorm(h, eps)
         self.rope_theta = _rope_theta(config)
         self.post_init()
@@ -201,8 +228,8 @@ class DFlashDraftModel(PreTrainedModel):
         context_hidden_states: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        cache=None,
-        past_key_values=None,
+        cache: Cache | None = None,
+        past_key_values: Cache | None = None,
         use_cache: bool | None = None,
         return_dict: bool | None = None,
     ) -> BaseModelOutputWithPast:
@@ -228,7 +255,9 @@ class DFlashDraftModel(PreTrainedModel):
         for layer in self.layers:
             h = layer(h, ctx, rope, mask, cache)
         h = self.norm(h).to(noise_embeds.dtype)
-        return BaseModelOutputWithPast(last_hidden_state=h, **{_CACHE_FIELD: cache})
+        # The cache's field name depends on the transformers version: mypy checks the value
+        # against every field.
+        return BaseModelOutputWithPast(last_hidden_state=h, **{_CACHE_FIELD: cache})  # type: ignore[arg-type]
 
 
 __all__ = ["DFlashDraftModel"]

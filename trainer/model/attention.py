@@ -28,12 +28,17 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:  # flex_attention is imported when used: older torch builds lack it
+    from torch.nn.attention.flex_attention import BlockMask
+
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 BACKENDS = ("auto", "sdpa", "flex")
 
@@ -53,7 +58,7 @@ class BlockChunk:
     blk_anchor: torch.Tensor
     block_size: int
 
-    def _once(self, key: str, build: Callable[[], object]) -> Any:
+    def _once(self, key: str, build: Callable[[], _T]) -> _T:
         """``build()``, computed once per chunk (every layer of the drafter reuses it)."""
         if key not in self.__dict__:
             object.__setattr__(self, key, build())
@@ -89,7 +94,7 @@ class BlockChunk:
         """The chunk regrouped by document for SDPA (built once per chunk)."""
         return self._once("_per_document", lambda: _per_document(self))
 
-    def block_mask(self) -> object:
+    def block_mask(self) -> BlockMask:
         """The flex-attention ``BlockMask`` of the rule, built once per chunk (every layer of
         the drafter reuses it); compiled on CUDA, where building it eagerly costs more than
         the attention itself."""
@@ -108,7 +113,9 @@ class BlockChunk:
         ctx_doc = torch.cat([self.ctx_doc, self.ctx_doc.new_full((1,), -1)])
         ctx_pos = torch.cat([self.ctx_pos, self.ctx_pos.new_zeros(1)])
 
-        def rule(bi, hi, q_idx, kv_idx):
+        def rule(
+            bi: torch.Tensor, hi: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             is_ctx = kv_idx < span
             c = torch.clamp(kv_idx, max=span)
             ctx_ok = is_ctx & (ctx_doc[c] == q_doc[q_idx]) & (ctx_pos[c] < q_anchor[q_idx])
@@ -220,7 +227,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk) 
 
 
 @cache
-def _mask_builder(device_type: str) -> Callable[..., object]:
+def _mask_builder(device_type: str) -> Callable[..., BlockMask]:
     from torch.nn.attention.flex_attention import create_block_mask
 
     if device_type != "cuda":

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from client.batch import Batch
 from trainer.model.docs import DocView
 from trainer.model.drafter import DraftBlocks, plan_chunks
 
@@ -121,7 +122,7 @@ class BlockPlan:
     ids: torch.Tensor  # the batch's input_ids on the host
 
 
-def plan_blocks(batch: object, cfg: LossConfig, generator: torch.Generator) -> BlockPlan | None:
+def plan_blocks(batch: Batch, cfg: LossConfig, generator: torch.Generator) -> BlockPlan | None:
     """Draw the micro-batch's anchors and their targets (None: nothing to train on)."""
     b = cfg.block_size
     docs = DocView.of(batch)

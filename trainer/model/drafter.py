@@ -26,6 +26,7 @@ keeps its activations instead (no recompute; still bounded by the chunk size).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.model.attention import BlockChunk, block_attention
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,13 +79,13 @@ class DrafterConfig:
 
     @staticmethod
     def from_target(
-        config: object, *, num_target_layers: int, **overrides: object
+        config: PretrainedConfig, *, num_target_layers: int, **overrides: object
     ) -> DrafterConfig:
         """Width, heads and MLP size of a Hugging Face (Qwen3-like) target config."""
         heads = int(config.num_attention_heads)
         hidden = int(config.hidden_size)
         rope = getattr(config, "rope_parameters", None) or {}
-        values: dict[str, object] = dict(
+        values: dict[str, Any] = dict(
             hidden_size=hidden,
             intermediate_size=int(config.intermediate_size),
             num_heads=heads,
@@ -92,13 +96,15 @@ class DrafterConfig:
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
         )
         values.update(overrides)
-        return DrafterConfig(**values)  # type: ignore[arg-type]
+        return DrafterConfig(**values)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
+def rotary(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` of shape ``[..., head_dim]`` for integer ``positions [...]``."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
     ang = positions.float()[..., None] * inv
@@ -188,7 +194,14 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(cfg)
 
-    def forward(self, h, ctx_kv, rope, chunk: BlockChunk, backend: str) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        ctx_kv: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        chunk: BlockChunk,
+        backend: str,
+    ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), ctx_kv, rope, chunk, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -281,7 +294,10 @@ class DFlashDrafter(nn.Module):
         b, dtype = self.config.block_size, self.fc.weight.dtype
         n = anchor_ids.numel()
         if self.mask_embedding is None:
-            ids = anchor_ids.new_full((n, b), self.config.mask_token_id)
+            mask_id = self.config.mask_token_id
+            if mask_id is None:  # __init__ made a learned MASK vector for that
+                raise RuntimeError("a drafter without a MASK vector needs a mask_token_id")
+            ids = anchor_ids.new_full((n, b), mask_id)
             ids[:, 0] = anchor_ids
             return embed(ids.view(-1)).to(dtype)
         x = embed(anchor_ids).to(dtype)
@@ -302,7 +318,9 @@ class DFlashDrafter(nn.Module):
         ctx = ctx[blocks.ctx_row, blocks.ctx_col]
         cfg = self.config
         rope = rotary(blocks.ctx_pos, cfg.head_dim, cfg.rope_theta)
-        ctx_kv = [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
+        ctx_kv = [
+            cast(DrafterLayer, layer).self_attn.keys_values(ctx, rope) for layer in self.layers
+        ]
         # Up to KEEP_CHUNKS chunks keep their activations (memory still bounded by the chunk
         # size); more are recomputed in backward.
         checkpointed = len(blocks.chunks) > KEEP_CHUNKS and torch.is_grad_enabled()

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import BackwardCFunction
 
 from client.batch import Batch
 from trainer.model.blocks import LossConfig, draft_blocks, plan_blocks
@@ -58,7 +60,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, labels, weights, chunk: int):  # type: ignore[override]
+    def forward(
+        ctx: BackwardCFunction,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        weights: torch.Tensor,
+        chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         hits = torch.empty(n, dtype=torch.bool, device=h.device)
@@ -71,13 +80,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             )
             total += ce
             if grad is not None:
+                assert grad_h is not None  # a gradient comes back only when asked for
                 grad_h[lo:hi] = grad
         ctx.save_for_backward(grad_h if grad_h is not None else h.new_empty(0))
         ctx.mark_non_differentiable(hits)
         return total, hits
 
     @staticmethod
-    def backward(ctx, grad_total, grad_hits):  # type: ignore[override]
+    def backward(
+        ctx: BackwardCFunction, grad_total: torch.Tensor, grad_hits: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None, None, None]:
         (grad_h,) = ctx.saved_tensors
         return grad_h * grad_total.to(grad_h.dtype), None, None, None, None
 
@@ -137,7 +149,7 @@ def linear_cross_entropy(
 def draft_loss(
     target: Target,
     drafter: torch.nn.Module,
-    batch: object,
+    batch: Batch,
     cfg: LossConfig,
     generator: torch.Generator,
     *,
@@ -155,7 +167,7 @@ def draft_loss(
     ``on_chunks``: called with the number of drafter chunks before the drafter runs (the
     trainer fits its host allocator to it: ``trainer.train.hostmem``).
     """
-    core: DFlashDrafter = getattr(drafter, "module", drafter)
+    core = cast(DFlashDrafter, getattr(drafter, "module", drafter))
     b = cfg.block_size
     if core.config.block_size != b:
         raise ValueError(f"drafter block size {core.config.block_size} != loss block size {b}")
@@ -199,7 +211,7 @@ def zero_loss(target: Target, drafter: torch.nn.Module) -> torch.Tensor:
     """A loss of exactly 0 that still runs ``drafter`` (possibly DDP-wrapped) over one dummy
     block without context, so every parameter gets a (zero) gradient and DDP's all-reduce
     stays in step with the other ranks when a micro-batch has no block to train on."""
-    core: DFlashDrafter = getattr(drafter, "module", drafter)
+    core = cast(DFlashDrafter, getattr(drafter, "module", drafter))
     device = core.fc.weight.device
     feats = torch.zeros(1, 1, core.fc.in_features, device=device)  # anchor 0 sees none of it
     blocks = DraftBlocks.one_document(feats, [0], torch.zeros(1, dtype=torch.long))

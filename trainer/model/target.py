@@ -25,14 +25,24 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from trainer.options import TargetOptions
+
+if TYPE_CHECKING:  # transformers is imported where a model is built or loaded
+    from transformers import (
+        DynamicCache,
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        Qwen3ForCausalLM,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +79,7 @@ class TinyTargetSpec:
 
 def build_tiny_model(
     spec: TinyTargetSpec, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
-) -> nn.Module:
+) -> Qwen3ForCausalLM:
     """A seeded random-weight ``Qwen3ForCausalLM`` (identical in every process on the same
     kind of device), built directly on ``device`` in ``dtype``: a Qwen3-8B shape is
     initialised on the GPU in seconds, never as a 32 GB fp32 copy in host memory."""
@@ -85,7 +95,9 @@ def build_tiny_model(
         head_dim=spec.hidden_size // spec.num_heads,
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=False,
-        mask_token_id=spec.mask_token_id,
+        # An extra key the config keeps (its typed fields do not list it: transformers 5
+        # declares them as a dataclass's, and mypy reads that as the whole signature).
+        mask_token_id=spec.mask_token_id,  # type: ignore[call-arg]
     )
     device = torch.device(device)
     cuda = [device] if device.type == "cuda" else []
@@ -117,6 +129,11 @@ def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
     return sorted({round(i * top / (n - 1)) for i in range(n)})
 
 
+#: What a decoder layer returns: its hidden states (transformers 5), or a tuple that starts
+#: with them (4.x).
+LayerOutput = torch.Tensor | tuple[torch.Tensor, ...]
+
+
 class _StopForward(Exception):
     """Raised by the deepest feature layer's hook: nothing after it is needed."""
 
@@ -124,12 +141,13 @@ class _StopForward(Exception):
 class Target:
     """A frozen causal LM with access to its embedding, LM head and chosen-layer features."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None) -> None:
-        self.model = model.eval().requires_grad_(False)
-        self.base = model.base_model
-        self.embed_tokens: nn.Module = model.get_input_embeddings()
-        self.lm_head: nn.Module = model.get_output_embeddings()
-        config = model.config
+    def __init__(self, model: PreTrainedModel, layer_ids: list[int] | None = None) -> None:
+        self.model: PreTrainedModel = model.eval().requires_grad_(False)
+        self.base: nn.Module = model.base_model
+        # A causal LM's input embedding and LM head (the code reads their ``weight``).
+        self.embed_tokens = cast(nn.Embedding, model.get_input_embeddings())
+        self.lm_head = cast(nn.Linear, model.get_output_embeddings())
+        config: PretrainedConfig = model.config
         self.hidden_size = int(config.hidden_size)
         self.num_layers = int(config.num_hidden_layers)
         self.vocab_size = int(config.vocab_size)
@@ -137,7 +155,7 @@ class Target:
         # transformers 5 renamed ``past_key_values`` to ``cache``; accept either.
         params = inspect.signature(self.base.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.layers = self.base.layers
+        self.layers = cast(nn.ModuleList, self.base.layers)  # the decoder layers
         self.layer_ids = list(layer_ids) if layer_ids else default_layer_ids(self.num_layers)
         bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
         if bad:
@@ -152,7 +170,8 @@ class Target:
         return self.hidden_size * len(self.layer_ids)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Target:
-        self.model.to(device=device, dtype=dtype)
+        # transformers wraps Module.to with functools.wraps, which types it as unbound.
+        self.model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
         return self
 
     @torch.no_grad()
@@ -160,7 +179,7 @@ class Target:
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cache: object | None = None,
+        cache: DynamicCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(features [R, T, n*H], last_hidden [R, T, H])`` for ``input_ids [R, T]``: the
         whole decoder stack (verification). With a ``cache`` (``new_cache()``) the ids
@@ -180,7 +199,7 @@ class Target:
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
-        cache: object | None,
+        cache: DynamicCache | None,
         *,
         stop_early: bool,
     ) -> tuple[torch.Tensor, Any]:
@@ -192,8 +211,8 @@ class Target:
         deepest = max(self.layer_ids)
         stop = stop_early and deepest < self.num_layers - 1
 
-        def hook(i: int):
-            def grab(module: nn.Module, args: object, output: object) -> None:
+        def hook(i: int) -> Callable[[nn.Module, tuple[Any, ...], LayerOutput], None]:
+            def grab(module: nn.Module, args: tuple[Any, ...], output: LayerOutput) -> None:
                 captured[i] = output[0] if isinstance(output, tuple) else output
                 if stop and i == deepest:
                     raise _StopForward
@@ -201,7 +220,7 @@ class Target:
             return grab
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in set(self.layer_ids)]
-        kwargs = {} if cache is None else {self._cache_kwarg: cache}
+        kwargs: dict[str, DynamicCache] = {} if cache is None else {self._cache_kwarg: cache}
         out = None
         try:
             out = self.base(
@@ -217,17 +236,17 @@ class Target:
                 h.remove()
         last = self.num_layers - 1
         if last in captured:
-            captured[last] = self.base.norm(captured[last])
+            captured[last] = cast(nn.Module, self.base.norm)(captured[last])
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1), out
 
     @staticmethod
-    def new_cache() -> object:
+    def new_cache() -> DynamicCache:
         from transformers import DynamicCache
 
         return DynamicCache()
 
     @staticmethod
-    def crop_cache(cache: object, keep: int) -> None:
+    def crop_cache(cache: DynamicCache, keep: int) -> None:
         """Keep the first ``keep`` positions (a negative ``crop`` means the same in transformers
         4.x and 5.x, where a positive one changed meaning)."""
         remove = cache.get_seq_length() - keep
@@ -248,6 +267,7 @@ def load_target(
     tiny: TinyTargetSpec | None = None,
 ) -> Target:
     """``"tiny"`` (a seeded random Qwen3) or a local Hugging Face model directory (offline)."""
+    model: PreTrainedModel
     if name == TINY:
         model = build_tiny_model(tiny or TinyTargetSpec(), device, dtype)
     else:
@@ -290,7 +310,7 @@ def target_from_options(
     return load_target(opts.target, layer_ids=layer_ids, device=device, dtype=dtype, tiny=tiny)
 
 
-def target_record(config: Any) -> dict[str, Any]:
+def target_record(config: PretrainedConfig) -> dict[str, Any]:
     """What an export needs from the target's Hugging Face config (kept in checkpoint meta)."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     rope = dict(rope or {})
@@ -327,18 +347,18 @@ def mask_token_id(target: Target, source: str | None = None) -> int | None:
     tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
     if tok.mask_token_id is not None:
         return int(tok.mask_token_id)
-    found = tok.convert_tokens_to_ids(MASK_TOKEN)
+    found = cast(int | None, tok.convert_tokens_to_ids(MASK_TOKEN))  # one token: one id
     return int(found) if found is not None and found != tok.unk_token_id else None
 
 
-def adopt_tokenizer(model: nn.Module, tokenizer_dir: Path) -> Any:
+def adopt_tokenizer(model: PreTrainedModel, tokenizer_dir: Path) -> PreTrainedTokenizerBase:
     """Make a (tiny) target and a tokenizer one checkpoint: the tokenizer's EOS, PAD and
     ``<|MASK|>`` ids go into the model's config and generation config. Returns the tokenizer
     (to save next to the weights). Refuses a vocabulary larger than the embedding."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    rows = int(model.get_input_embeddings().weight.shape[0])
+    rows = int(cast(nn.Embedding, model.get_input_embeddings()).weight.shape[0])
     if len(tok) > rows:
         raise ValueError(
             f"tokenizer {tokenizer_dir} has {len(tok)} tokens, the target's embedding {rows} rows"

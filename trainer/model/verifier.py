@@ -43,12 +43,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from trainer.model.drafter import DFlashDrafter, DraftBlocks
 from trainer.model.target import Target
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PretrainedConfig
 
 
 class Proposer(Protocol):
@@ -81,7 +84,7 @@ class DrafterProposer:
         return self.logits(committed, ctx).argmax(-1)
 
 
-def eos_ids(config: Any) -> tuple[int, ...]:
+def eos_ids(config: PretrainedConfig | GenerationConfig | None) -> tuple[int, ...]:
     """The end-of-sequence ids of a Hugging Face config's ``eos_token_id`` (an int, a list of
     ints or None/absent; a ``GenerationConfig`` works too), in order, without duplicates."""
     eos = getattr(config, "eos_token_id", None)

@@ -125,10 +125,10 @@ def load_samples(run_dir: Path) -> Samples:
             f"{MIN_SAMPLES} (train more steps, or raise --cost-samples)"
         )
     rule = next(iter(rules))
-    x = np.concatenate([_features(r, rule) for r in records])  # type: ignore[arg-type]
+    x = np.concatenate([_features(r, rule) for r in records])
     y = np.array([r["time_s"] for r in records], np.float64)
     layouts = tuple(sorted({r["layout"] for r in records}))
-    return Samples(x, y, rule, layouts, dropped)  # type: ignore[arg-type]
+    return Samples(x, y, rule, layouts, dropped)
 
 
 def _features(rec: dict[str, Any], rule: tuple[int, int, int]) -> np.ndarray:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.train.metrics import iter_series, metrics_path, read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
@@ -22,7 +26,7 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
 
-    def save(fig: object, name: str) -> None:
+    def save(fig: Figure, name: str) -> None:
         path = out_dir / name
         fig.tight_layout()
         fig.savefig(path, dpi=110)

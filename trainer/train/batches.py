@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, Unpack, runtime_checkable
 
 import torch
 
@@ -52,7 +52,19 @@ class BatchSource(Protocol):
     def close(self) -> None: ...
 
 
-def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: int) -> Batch:
+class Position(TypedDict, total=False):
+    """``Batch``'s int fields a hand-built batch may set (``pad_batch(..., step=3)``)."""
+
+    epoch: int
+    step: int
+    micro: int
+    bucket: int
+    steps_per_epoch: int
+
+
+def pad_batch(
+    samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: Unpack[Position]
+) -> Batch:
     """A padded batch from ``(input_ids, loss_mask)`` pairs (right padding with ``PAD_ID``);
     ``position``: ``Batch``'s int fields (``epoch=``, ``step=``, ...)."""
     lengths = [len(ids) for ids, _ in samples]
@@ -73,7 +85,9 @@ def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position
     )
 
 
-def pack_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: int) -> Batch:
+def pack_batch(
+    samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: Unpack[Position]
+) -> Batch:
     """A packed batch: one row of concatenated documents with per-document positions."""
     lengths = [len(ids) for ids, _ in samples]
     ids = torch.cat([torch.as_tensor(s, dtype=torch.int32) for s, _ in samples])[None]

@@ -72,7 +72,8 @@ class CheckpointRecord:
         missing = sorted({"step", "drafter", "drafter_config", "loss_config"} - set(shared))
         if missing:
             raise ValueError(f"{where}: not a drafter checkpoint (no {', '.join(missing)})")
-        loss = {RENAMED.get(k, k): v for k, v in dict(shared["loss_config"]).items()}
+        saved_loss: dict[str, Any] = dict(shared["loss_config"])
+        loss = {RENAMED.get(k, k): v for k, v in saved_loss.items()}
         return cls(
             step=int(shared["step"]),
             epoch=int(shared.get("epoch", 0)),

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch
 
+from client.batch import Batch
 from trainer.model.docs import DocView
 from trainer.train.cost_records import make_record, rank_file
 
@@ -33,7 +34,12 @@ class CostLog:
     """One rank's micro-batch timings (``start`` / ``stop`` around forward+backward)."""
 
     def __init__(
-        self, run_dir: Path, rank: int, limit: int, rule: tuple[int, int, int], device: Any
+        self,
+        run_dir: Path,
+        rank: int,
+        limit: int,
+        rule: tuple[int, int, int],
+        device: torch.device | str,
     ) -> None:
         self.limit, self.rule, self.device = limit, list(rule), torch.device(device)
         self.path = rank_file(run_dir, rank)
@@ -52,7 +58,7 @@ class CostLog:
             self._sync()
             self._t0 = time.perf_counter()
 
-    def stop(self, batch: Any, *, anchors: int, synced: bool) -> None:
+    def stop(self, batch: Batch, *, anchors: int, synced: bool) -> None:
         """Record the micro-batch timed since ``start`` (no-op when not recording)."""
         if not self.active:
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable
 from functools import cache
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -25,7 +26,7 @@ _state: dict[str, int] = {}
 
 
 @cache
-def _mallopt():  # the libc function, or None where there is none
+def _mallopt() -> Callable[[int, int], int] | None:  # the libc function, or None
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):

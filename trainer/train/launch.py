@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         # The agent registers this module global for SIGTERM, SIGINT, SIGHUP and SIGQUIT
         # when it starts the workers; replacing it routes SIGTERM here.
-        api._terminate_process_handler = handler
+        # (mypy refuses assigning to a def, though a module global is what the agent reads.)
+        api._terminate_process_handler = handler  # type: ignore[assignment]
         signal.signal(signal.SIGTERM, handler)  # the same during rendezvous, before that
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torchrun_main(sys.argv[1:] if argv is None else argv)

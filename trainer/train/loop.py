@@ -22,10 +22,10 @@ import logging
 import math
 import resource
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -42,6 +42,10 @@ from trainer.train.batches import Batch, BatchSource
 from trainer.train.costlog import CostLog
 from trainer.train.distributed import DistEnv, all_reduce
 from trainer.train.metrics import MetricsWriter, metrics_path, read_metrics, summarize
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+    from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +101,15 @@ class TrainConfig:
             return self.steps
         if not steps_per_epoch:
             raise ValueError("--epochs needs the loader's steps per epoch, which it did not report")
+        if self.epochs is None:  # __post_init__: exactly one of steps and epochs
+            raise ValueError("give exactly one of steps and epochs")
         return self.epochs * steps_per_epoch
 
     def warmup_steps(self, total: int) -> int:
         return round(self.warmup * total) if self.warmup < 1 else int(self.warmup)
 
 
-def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0):
+def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0) -> Callable[[int], float]:
     """LR multiplier: linear ramp over ``warmup`` steps, then cosine down to ``min_ratio``."""
 
     def factor(step: int) -> float:
@@ -394,7 +400,7 @@ class Trainer:
             sync = (
                 contextlib.nullcontext()
                 if last or not self.env.distributed
-                else self.model.no_sync()
+                else cast("DistributedDataParallel", self.model).no_sync()  # see _wrap
             )
             with sync:
                 with self._autocast():
@@ -414,7 +420,9 @@ class Trainer:
             self.costs.stop(batch, anchors=out.num_blocks, synced=last and self.env.distributed)
             sums.add(out)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
+        if self.scheduler is None:
+            raise RuntimeError("train_step() before the LR schedule exists (see run())")
+        lr = cast(float, self.scheduler.get_last_lr()[0])  # the float cfg.lr, scheduled
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -484,6 +492,8 @@ class Trainer:
         it = iter(self.source)
         if not self._start(it):
             return {"steps": self.step, "resumed": resumed, "note": "loader has no more batches"}
+        if self.total_steps is None:  # _start fixed it
+            raise RuntimeError("the step count is unknown after the first batch")
         bar = self._progress()
         t_loop, first_step = time.perf_counter(), self.step
         saved_at, stopped = first_step if resumed else None, False
@@ -617,7 +627,7 @@ class Trainer:
                 f"{json.dumps(spec, sort_keys=True)}); give every node's daemon the same [spec]"
             )
 
-    def _progress(self) -> Any:
+    def _progress(self) -> tqdm[Any] | None:
         if not (self.cfg.progress and self.env.is_main):
             return None
         return progress_bar(self.total_steps, "train", initial=self.step)

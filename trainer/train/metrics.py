@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 def metrics_path(run_dir: Path) -> Path:
@@ -47,7 +47,7 @@ class MetricsWriter:
     def __init__(self, path: Path, enabled: bool = True) -> None:
         self.path = Path(path)
         self.enabled = enabled
-        self._file = None
+        self._file: IO[str] | None = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 

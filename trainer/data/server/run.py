@@ -233,6 +233,8 @@ def regen_from_server(
     client = connect(spec)
     index = index_rows(sources, spec.holdout)
     _check_out(Path(out))
+    if client.model is None:  # connect() names the served model
+        raise RuntimeError(f"--server {client.url}: no model chosen")
     journal = Journal(journal_path(out), _header(sources, spec, client.model))
     resumed = sum(journal.finished(k) for k in index.keys)
     todo = [k for k in index.keys if k not in index.holdout and not journal.finished(k)]

@@ -1,0 +1,124 @@
+"""One source for every option: the commands' flags are made from the options dataclasses,
+renamed options keep their old spelling, and outputs are written atomically."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.cli import main
+from trainer.cli.data import tokenize
+from trainer.files import atomic_output
+from trainer.model.blocks import LossConfig
+from trainer.options import RunOptions, TokenizeOptions
+from trainer.train.checkpoint import CheckpointRecord
+
+
+def _params(command) -> dict[str, object]:
+    return {p.name: p for p in command.params}
+
+
+def test_every_run_option_is_a_train_flag_with_the_dataclass_default(tmp_path):
+    params = _params(main.commands["train"])
+    names = {f.name for f in dataclasses.fields(RunOptions)}
+    assert names <= set(params)
+    defaults = {f.name: f.default for f in dataclasses.fields(RunOptions)}
+    for name in names - {"endpoint", "run_dir"}:
+        assert params[name].default == defaults[name], name
+    assert params["endpoint"].required and params["run_dir"].required
+
+
+def test_the_anchor_knob_has_the_spec_s_name_and_keeps_its_old_one(tmp_path):
+    for flag in ("--anchors-per-doc", "--num-anchors"):
+        ctx = main.commands["train"].make_context(
+            "train", ["--endpoint", "ipc:///x", "--run-dir", str(tmp_path), flag, "7"]
+        )
+        assert RunOptions(**ctx.params).anchors_per_doc == 7
+    # a config.json written before the rename
+    record = RunOptions(endpoint="ipc:///x", run_dir=tmp_path).to_record()
+    record["num_anchors"] = record.pop("anchors_per_doc") + 1
+    record.update(requested_loader_spec={}, world_size=1)
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    assert RunOptions.read(tmp_path).anchors_per_doc == 513
+
+
+def test_a_checkpoint_record_written_before_the_rename_reads_under_the_new_name(tmp_path):
+    old = {"step": 3, "epoch": 0, "drafter": {"w": torch.zeros(1)}, "drafter_config": {},
+           "loss_config": {"block_size": 16, "num_anchors": 512, "max_anchors": 2048,
+                           "gamma": 7.0}}  # fmt: skip
+    record = CheckpointRecord.from_shared(old, tmp_path / "model.pt")
+    assert record.loss_config == dataclasses.asdict(LossConfig())
+    no_step = {k: v for k, v in old.items() if k != "step"}
+    with pytest.raises(ValueError, match=r"model\.pt: not a drafter checkpoint \(no step\)"):
+        CheckpointRecord.from_shared(no_step, tmp_path / "model.pt")
+
+
+def test_tokenize_flags_are_the_tokenize_options():
+    params = _params(tokenize)
+    for f in dataclasses.fields(TokenizeOptions):
+        assert f.name in params, f.name
+    assert params["workers"].default is None  # tokenize: the CPUs available
+    with pytest.raises(ValueError, match="overflow must be 'truncate' or 'drop'"):
+        TokenizeOptions(overflow="wrap")
+    with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
+        TokenizeOptions(workers=0)
+
+
+def test_regen_help_reads_by_mode(tmp_path):
+    from click.testing import CliRunner
+
+    text = CliRunner().invoke(main, ["regen", "--help"]).output
+    sections = [line for line in text.splitlines() if line and not line.startswith(" ")]
+    server = next(i for i, s in enumerate(sections) if s.startswith("Through a server"))
+    process = next(i for i, s in enumerate(sections) if s.startswith("In process"))
+    target = next(i for i, s in enumerate(sections) if s.startswith("Target"))
+    assert server < process < target  # the --tiny-* flags come last, under the target
+    assert text.index("--server") < text.index("--batch-size") < text.index("--tiny-vocab")
+
+
+def test_regen_refuses_the_other_mode_s_flags(tmp_path):
+    from click.testing import CliRunner
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("{}\n")
+    server = ["--server", "http://127.0.0.1:9", "--tokenizer", str(tmp_path)]
+    res = CliRunner().invoke(
+        main, ["regen", str(src), str(tmp_path / "o"), "--tiny-vocab", "9", *server]
+    )
+    assert res.exit_code == 1 and "--tiny-vocab: in-process regen only" in res.output
+    res = CliRunner().invoke(main, ["regen", str(src), str(tmp_path / "o"), "--workers", "2"])
+    assert res.exit_code == 1 and "--workers: need --server URL" in res.output
+
+
+@pytest.mark.parametrize("folder", [True, False])
+def test_atomic_output_leaves_the_old_output_or_the_new_one(tmp_path, folder):
+    out = tmp_path / "out"
+    with atomic_output(out, folder=folder, force=False) as tmp:
+        (tmp / "a" if folder else tmp).write_text("first")
+    read = (lambda: (out / "a").read_text()) if folder else out.read_text
+    assert read() == "first"
+    with (
+        pytest.raises(ValueError, match="already exists and is not empty"),
+        atomic_output(out, folder=folder, force=False),
+    ):
+        pass
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        atomic_output(out, folder=folder, force=True) as tmp,
+    ):
+        (tmp / "a" if folder else tmp).write_text("second")
+        raise RuntimeError("boom")
+    assert read() == "first" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with atomic_output(out, folder=folder, force=True) as tmp:
+        (tmp / "a" if folder else tmp).write_text("second")
+    assert read() == "second" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_paths_in_options_round_trip(tmp_path):
+    opts = RunOptions(endpoint="e", run_dir=tmp_path, cost_profile=tmp_path / "p.json")
+    assert RunOptions.from_record(opts.to_record(), "x") == opts
+    assert isinstance(RunOptions.from_record(opts.to_record(), "x").cost_profile, Path)
