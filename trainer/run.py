@@ -160,7 +160,7 @@ DEFAULT_DRAFTER_LAYERS, DEFAULT_BLOCK_SIZE = 1, 16
 
 def resolve_init_drafter(opts: RunOptions) -> tuple[RunOptions, DrafterFolder | None]:
     """``(opts, folder)``: with ``--init-drafter DIR`` the folder's layer ids, drafter depth,
-    block size and MASK token fill the options the user left out (``trainer.hf.export``);
+    block size and MASK token fill the options the user left out (``trainer.hf.folder``);
     without it the plain defaults. ``folder`` is None without ``--init-drafter``."""
     if opts.init_drafter is None:
         defaults = {"drafter_layers": DEFAULT_DRAFTER_LAYERS, "block_size": DEFAULT_BLOCK_SIZE}

@@ -19,7 +19,7 @@ from trainer.cli import main
 from trainer.model.loss import LossOutput
 from trainer.options import RUN_FACTS, RunOptions, TargetOptions
 from trainer.train.batches import Batch, BatchSource, ListSource, pack_batch, pad_batch
-from trainer.train.loop import StepPeaks, StepSums
+from trainer.train.step import StepPeaks, StepSums
 
 SAMPLES = [([1, 2, 3, 4], [0, 1, 1, 1]), ([5, 6], [1, 1]), ([7, 8, 9], [0, 0, 1])]
 

@@ -1,8 +1,9 @@
 """The loader corpus as the trainer writes it, in one place: the schema (the reader's,
 ``loader_server.data.dataset.CORPUS_SCHEMA``: ``input_ids`` ``list<int32>``, ``loss_mask``
-``list<uint8>``), rows as an Arrow record batch (``record_batch``, zero-copy from flat numpy
-arrays), the sharded folder ``tokenize`` writes (``ShardWriter``), and the held-out prompts
-file the verifier reads (``write_heldout`` / ``read_heldout``). No torch.
+``list<uint8>``), rows as Arrow record batches (``loader_server.data.dataset.record_batch``,
+zero-copy from flat numpy arrays; ``dflash-loader synth`` writes with it too), the sharded
+folder ``tokenize`` writes (``ShardWriter``), and the held-out prompts file the verifier
+reads (``write_heldout`` / ``read_heldout``). No torch.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from loader_server.data.dataset import CORPUS_SCHEMA as SCHEMA
+from loader_server.data.dataset import record_batch
 from trainer.files import atomic_output
 
 REPORT_NAME, HELDOUT_NAME = "tokenize_report.json", "heldout.jsonl"
@@ -100,24 +102,6 @@ class ShardWriter:
             self._sink.close()
         self._writer = self._sink = None
         self._in_shard = 0
-
-
-def arrow_view(values: np.ndarray, type_: pa.DataType) -> pa.Array:
-    """Zero-copy Arrow view of a numpy array (``pa.array`` would import pandas: 0.6 s)."""
-    values = np.ascontiguousarray(values, dtype=type_.to_pandas_dtype())
-    return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(values)])
-
-
-def record_batch(ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> pa.RecordBatch:
-    """Rows of ``lengths`` tokens, given as flat ``ids`` and ``mask``, as one record batch of
-    the corpus schema."""
-    offsets = np.zeros(lengths.size + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    arrays = [
-        pa.ListArray.from_arrays(arrow_view(offsets, pa.int32()), arrow_view(ids, pa.int32())),
-        pa.ListArray.from_arrays(arrow_view(offsets, pa.int32()), arrow_view(mask, pa.uint8())),
-    ]
-    return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
 
 @dataclass(frozen=True)

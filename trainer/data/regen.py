@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from loader_server.data.dataset import ArrowDataset, open_dataset
-from trainer.data.corpus import SCHEMA, HeldoutPrompt, read_heldout, record_batch, write_heldout
+from loader_server.data.dataset import ArrowDataset, open_dataset, record_batch
+from trainer.data.corpus import SCHEMA, HeldoutPrompt, read_heldout, write_heldout
 from trainer.files import atomic_output
 from trainer.model.target import Target
 from trainer.options import RegenOptions

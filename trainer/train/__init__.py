@@ -1,4 +1,5 @@
-"""One rank's training: ``loop`` (``Trainer``), ``batches`` (what it reads), ``checkpoint``
-(atomic, per rank, the record's keys in one place), ``costlog``/``cost_records`` (micro-batch
-timings for calibration), ``metrics``, ``distributed``, ``stop`` (clean SIGTERM),
-``launch`` (``dflash-torchrun``), ``hostmem`` (the CPU allocator policy)."""
+"""One rank's training: ``loop`` (``Trainer``), ``step`` (a step's sums and peaks),
+``batches`` (what it reads), ``checkpoint`` (atomic, per rank, the record's keys in one
+place), ``costlog``/``cost_records`` (micro-batch timings for calibration), ``metrics``,
+``distributed``, ``stop`` (clean SIGTERM), ``launch`` (``dflash-torchrun``), ``hostmem``
+(the CPU allocator policy)."""
