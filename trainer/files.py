@@ -1,16 +1,33 @@
-"""Writing outputs so that a crash never leaves a torn one: ``atomic_output`` builds a file or
-folder beside its destination (``OUT.tmp``) and moves it into place only when it is complete;
-``fsync_dir`` makes a rename durable. The one mechanism every command that writes an output
-uses (tokenize, regen, export, held-out prompts); checkpoints add their own per-rank protocol
-on top of the same primitives (``trainer.train.checkpoint``)."""
+"""The one owner of output paths: every ``dflash-train`` command that writes goes through here.
+
+``atomic_output`` builds a file or folder in a private folder beside its destination (a
+hidden ``.OUT.XXXXXXXX.dflash-tmp`` that ``mkdtemp`` creates, so no user picks its name) and
+moves it into place only when it is complete. It refuses an OUT that is, contains or lies
+inside one of the command's inputs; it refuses an existing non-empty OUT unless ``force``,
+and with ``force`` the old OUT is moved aside into the private folder and removed only once
+the new one is in place, so a crash leaves the old or the new one, never neither. It
+removes only what it created in this run: its private folder (and, with ``force``, the OUT
+it replaced). A private folder a killed run leaves behind is hidden and never read as input.
+
+``check_output`` is the same refusal for outputs that are not built whole (a training run's
+folder); ``fsync_dir`` makes a rename durable. Checkpoints add their own per-rank protocol on
+top of these (``trainer.train.checkpoint``).
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+PRIVATE_SUFFIX = ".dflash-tmp"
+
+
+class OutputError(ValueError):
+    """An output path that must not be written (one line for the user)."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -23,7 +40,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def remove(path: Path) -> None:
-    """Remove a file or a folder tree, if there is one."""
+    """Remove a file, a link (not what it points to) or a folder tree, if there is one."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
@@ -35,32 +52,62 @@ def is_nonempty(path: Path) -> bool:
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
-@contextmanager
-def atomic_output(out: Path, *, folder: bool, force: bool, hint: str = "--force") -> Iterator[Path]:
-    """Yield ``OUT.tmp`` (an empty folder with ``folder``, else a path to write a file to);
-    when the block ends without an error it becomes ``out``, otherwise it is removed.
+def overlap(out: Path, inputs: Iterable[Path | str]) -> str | None:
+    """How ``out`` overlaps one of ``inputs`` ("is", "contains", "lies inside"), naming
+    it, or None. Paths are compared resolved (links followed)."""
+    target = Path(out).resolve()
+    for raw in inputs:
+        inp = Path(raw).resolve()
+        if target == inp:
+            return f"is the input {raw}"
+        if target in inp.parents:
+            return f"contains the input {raw}"
+        if inp in target.parents and inp.is_dir():
+            return f"lies inside the input folder {raw}"
+    return None
 
-    An existing non-empty ``out`` is refused unless ``force`` (``hint`` names the flag that
-    allows it); when replaced, it is moved aside to ``OUT.old`` and removed only once the new
-    output is in place, so a crash leaves the old or the new one, never neither."""
+
+def check_output(
+    out: Path, *, inputs: Iterable[Path | str] = (), force: bool = True, hint: str = "--force"
+) -> None:
+    """Refuse an ``out`` that overlaps an input, or (without ``force``) that exists and is
+    not empty; ``hint`` names the flag that allows replacing it."""
+    how = overlap(out, inputs)
+    if how is not None:
+        raise OutputError(f"{out}: the output {how}: choose an output outside the inputs")
+    if not force and is_nonempty(Path(out)):
+        raise OutputError(f"{out}: already exists and is not empty ({hint} replaces it)")
+
+
+@contextmanager
+def atomic_output(
+    out: Path,
+    *,
+    folder: bool,
+    force: bool,
+    inputs: Iterable[Path | str] = (),
+    hint: str = "--force",
+) -> Iterator[Path]:
+    """Yield the path to build ``out`` at (an empty folder with ``folder``, else a file
+    path); when the block ends without an error it becomes ``out`` (see the module
+    docstring), otherwise nothing outside the private folder has changed."""
     out = Path(out)
-    if is_nonempty(out) and not force:
-        raise ValueError(f"{out}: already exists and is not empty ({hint} replaces it)")
+    check_output(out, inputs=inputs, force=force, hint=hint)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
-    remove(tmp)
+    private = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=PRIVATE_SUFFIX, dir=out.parent))
+    new, aside = private / "new", private / "replaced"
     if folder:
-        tmp.mkdir()
+        new.mkdir()
     try:
-        yield tmp
-        if folder or out.is_dir():
-            if out.exists():
-                remove(old)
-                os.replace(out, old)
-            os.replace(tmp, out)
-            remove(old)
-        else:
-            os.replace(tmp, out)  # replaces a file atomically
-    except BaseException:
-        remove(tmp)
-        raise
+        yield new
+        if out.is_dir() and not out.is_symlink():
+            os.replace(out, aside)  # a folder cannot be replaced by a rename: move it aside
+        try:
+            os.replace(new, out)
+        except BaseException:
+            if aside.exists() and not out.exists():
+                os.replace(aside, out)  # put the old output back
+            raise
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

@@ -11,16 +11,18 @@ import json
 import logging
 import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from loader_server.planning.cost import profile_fields
 from trainer.data.regen import load_prompts
+from trainer.files import check_output
 from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, read_drafter_folder
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
-from trainer.model.target import Target, mask_token_id, target_from_options, target_record
+from trainer.model.target import TINY, Target, mask_token_id, target_from_options, target_record
 from trainer.options import RunOptions, TargetOptions, parse_int_list
 from trainer.train import stop
 from trainer.train.checkpoint import latest_checkpoint
@@ -190,10 +192,20 @@ def run_meta(opts: TargetOptions, target: Target) -> dict[str, Any]:
     }
 
 
+def check_run_dir(opts: RunOptions) -> None:
+    """The run folder is the run's own: it must not be, contain or lie inside what the
+    run reads (the target, ``--init-drafter``, ``--eval-prompts``, ``--cost-profile``)."""
+    inputs = [opts.init_drafter, opts.eval_prompts, opts.cost_profile]
+    if opts.target != TINY:
+        inputs.append(Path(opts.target))
+    check_output(opts.run_dir, inputs=[p for p in inputs if p is not None])
+
+
 def run_training(opts: RunOptions) -> dict[str, Any] | None:
     """Run one rank; returns the summary on rank 0 (None elsewhere). SIGTERM stops it
     cleanly after the current step (``trainer.train.stop``)."""
     stop.install()
+    check_run_dir(opts)
     opts, folder = resolve_init_drafter(opts)
     cfg = train_config(opts)  # validates before anything is started
     spec = loader_spec(opts)

@@ -139,15 +139,21 @@ def check_coefficients(values: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: every cost coefficient is 0 (at least one must be positive)")
 
 
+def profile_text(
+    coefficients: dict[str, float], rule: dict[str, int], *, where: str, **info: Any
+) -> str:
+    """A cost profile's JSON (``info``: fit report, source run, units...); ``where`` names
+    it in errors. Writing it is the caller's (the trainer writes through ``trainer.files``)."""
+    check_coefficients(coefficients, where)
+    doc = {"version": PROFILE_VERSION, "coefficients": coefficients, "anchor_rule": rule, **info}
+    return json.dumps(doc, indent=2) + "\n"
+
+
 def write_profile(
     path: Path, coefficients: dict[str, float], rule: dict[str, int], **info: Any
 ) -> None:
-    """Write a cost profile (``info``: fit report, source run, units...) atomically."""
-    check_coefficients(coefficients, str(path))
-    doc = {"version": PROFILE_VERSION, "coefficients": coefficients, "anchor_rule": rule, **info}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(path)
+    """Write a cost profile to ``path`` (tests and tools; the trainer uses ``profile_text``)."""
+    Path(path).write_text(profile_text(coefficients, rule, where=str(path), **info))
 
 
 def profile_fields(path: str | Path) -> dict[str, Any]:

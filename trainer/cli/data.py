@@ -71,6 +71,13 @@ _SERVER_TOKENIZE = ("max_length", "overflow", "workers", "strict")
 @click.argument("src", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @options_from(RegenOptions, only=("holdout",), defaults={"holdout": 32})
+@click.option(
+    "--force",
+    is_flag=True,
+    help="In process: replace an existing OUT (and held-out file). --server replaces only "
+    "an OUT it wrote (its journal is beside it).",
+    cls=SectionedOption,
+)
 @_NO_PROGRESS
 @options_from(ServerRegenSpec, defaults={"url": None, "tokenizer": None})
 @options_from(TokenizeOptions, only=_SERVER_TOKENIZE, section=SERVER)
@@ -127,8 +134,9 @@ def regen(ctx: click.Context, src: tuple[Path, ...], out: Path, **opts: Any) -> 
     target = target_from_options(TargetOptions.pick(opts), device)
     spec = RegenOptions.pick(opts)
     result = regen_corpus(
-        target, src[0], out, spec, holdout_out=holdout_out, progress=not opts["no_progress"]
-    )
+        target, src[0], out, spec, holdout_out=holdout_out, progress=not opts["no_progress"],
+        force=opts["force"],
+    )  # fmt: skip
     if spec.holdout:
         result["holdout_prompts"] = str(holdout_out)
     click.echo(json.dumps(result))

@@ -71,14 +71,18 @@ def export(run_dir: Path, out: Path, step: int | None, dtype: str, force: bool) 
     help="Tokenizer folder saved next to the weights; its EOS, PAD and <|MASK|> ids go into "
     "the model's config (its vocabulary must fit --tiny-vocab).",
 )
-def save_target(out: Path, tokenizer: Path | None, **opts: Any) -> None:
+@click.option("--force", is_flag=True, help="Replace an existing non-empty OUT.")
+def save_target(out: Path, tokenizer: Path | None, force: bool, **opts: Any) -> None:
     """Save the (tiny) target as a Hugging Face model directory, for --target PATH."""
+    from trainer.files import atomic_output
     from trainer.model.target import adopt_tokenizer, target_from_options
 
-    target = target_from_options(TargetOptions.pick(opts), "cpu")
-    if tokenizer is not None:
-        adopt_tokenizer(target.model, tokenizer).save_pretrained(out)
-    target.model.save_pretrained(out)
+    inputs = [tokenizer] if tokenizer is not None else []
+    with atomic_output(out, folder=True, force=force, inputs=inputs) as tmp:
+        target = target_from_options(TargetOptions.pick(opts), "cpu")
+        if tokenizer is not None:
+            adopt_tokenizer(target.model, tokenizer).save_pretrained(tmp)
+        target.model.save_pretrained(tmp)
     click.echo(str(out))
 
 

@@ -115,9 +115,12 @@ class HeldoutPrompt:
     row: int
 
 
-def write_heldout(path: Path, prompts: Iterable[HeldoutPrompt]) -> Path:
-    """``{"sample", "prompt", "file", "row"}`` per line, written atomically."""
-    with atomic_output(path, folder=False, force=True) as tmp, open(tmp, "w") as f:
+def write_heldout(
+    path: Path, prompts: Iterable[HeldoutPrompt], *, force: bool = True, inputs: Iterable[Path] = ()
+) -> Path:
+    """``{"sample", "prompt", "file", "row"}`` per line, written atomically
+    (``trainer.files.atomic_output``: ``force`` replaces an existing file)."""
+    with atomic_output(path, folder=False, force=force, inputs=inputs) as tmp, open(tmp, "w") as f:
         for p in prompts:
             line = {"sample": p.sample, "prompt": p.prompt, "file": p.file, "row": p.row}
             f.write(json.dumps(line) + "\n")

@@ -29,7 +29,7 @@ import torch
 
 from loader_server.data.dataset import ArrowDataset, open_dataset, record_batch
 from trainer.data.corpus import SCHEMA, HeldoutPrompt, read_heldout, write_heldout
-from trainer.files import atomic_output
+from trainer.files import atomic_output, check_output
 from trainer.model.target import Target
 from trainer.options import RegenOptions
 from trainer.progress import progress_bar
@@ -108,19 +108,26 @@ def regen_corpus(
     *,
     holdout_out: Path | None = None,
     progress: bool = True,
+    force: bool = False,
 ) -> dict[str, object]:
-    """Write the regenerated corpus to ``out`` (one Arrow IPC file, temp + rename)."""
+    """Write the regenerated corpus to ``out`` (one Arrow IPC file, built beside it and
+    moved into place: ``trainer.files.atomic_output``; an existing ``out`` or held-out file
+    needs ``force``)."""
+    check_output(Path(out), inputs=[src], force=force)
+    if holdout_out is not None and spec.holdout:
+        check_output(Path(holdout_out), inputs=[src], force=force)
     ds = open_dataset(src)
     n_keep = len(ds) - spec.holdout
     if n_keep < 1:
         raise ValueError(f"{src}: {len(ds)} samples leave none after a holdout of {spec.holdout}")
     n = n_keep if spec.limit is None else min(spec.limit, n_keep)
     if holdout_out is not None and spec.holdout:
-        write_heldout(holdout_out, _heldout(ds, src, range(n_keep, len(ds))))
+        held = _heldout(ds, src, range(n_keep, len(ds)))
+        write_heldout(holdout_out, held, force=force, inputs=[src])
     bar = progress_bar(n, "regen", "sample", progress)
     tokens = 0
     with (
-        atomic_output(Path(out), folder=False, force=True) as tmp,
+        atomic_output(Path(out), folder=False, force=force, inputs=[src]) as tmp,
         pa.OSFile(str(tmp), "wb") as sink,
         pa.ipc.new_file(sink, SCHEMA) as writer,
     ):

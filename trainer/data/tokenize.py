@@ -220,7 +220,7 @@ def tokenize_corpus(
     files = expand_sources(sources)
     out = Path(out_dir)
     encoder = ChatEncoder(tokenizer, enable_thinking=enable_thinking)
-    with atomic_output(out, folder=True, force=force) as tmp:
+    with atomic_output(out, folder=True, force=force, inputs=sources) as tmp:
         return _run(files, tmp, out, encoder, str(tokenizer), options, progress)
 
 

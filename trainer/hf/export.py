@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from trainer.files import atomic_output, is_nonempty
+from trainer.files import atomic_output, check_output
 from trainer.hf import remote_code_paths
 from trainer.hf.folder import ARCHITECTURE, WEIGHTS, weight_names
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
@@ -290,17 +290,18 @@ def _write_folder(folder: Path, src: TrainedDrafter, dtype: torch.dtype) -> None
 def export_drafter(
     run_dir: Path, out: Path, *, step: int | None = None, dtype: str = "bf16", force: bool = False
 ) -> Path:
-    """Write ``run_dir``'s drafter (newest checkpoint, or ``step``) to ``out``, atomically:
-    built in ``OUT.tmp`` and renamed. An existing non-empty ``out`` needs ``force``."""
+    """Write ``run_dir``'s drafter (newest checkpoint, or ``step``) to ``out``, atomically
+    (``trainer.files.atomic_output``). An existing non-empty ``out`` needs ``force``; an
+    ``out`` that is, contains or lies inside the checkpoint read is refused."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out)
-    if is_nonempty(out) and not force:  # before reading the checkpoint
-        raise ValueError(f"{out}: already exists and is not empty (--force replaces it)")
+    check_output(out, inputs=[Path(run_dir) / CONFIG_FILE], force=force)  # before reading
     src = read_trained_drafter(Path(run_dir), step)
     check_servable(src)
+    inputs = [src.checkpoint, Path(run_dir) / CONFIG_FILE]
     # --force: the old export goes only once the new one is in place
-    with atomic_output(out, folder=True, force=force) as tmp:
+    with atomic_output(out, folder=True, force=force, inputs=inputs) as tmp:
         _write_folder(tmp, src, DTYPES[dtype])
     log.info("exported %s (step %d) to %s", src.checkpoint, src.step, out)
     return out

@@ -15,7 +15,7 @@ reported: median and 90th-percentile relative error of the predicted time. Micro
 whose backward all-reduced gradients (``synced``: they include waiting for other ranks)
 are left out when at least ``MIN_SAMPLES`` others exist.
 
-Output: a cost profile (``loader_server.planning.cost.write_profile``; seconds), a predicted-vs-
+Output: a cost profile (``loader_server.planning.cost.profile_text``; seconds), a predicted-vs-
 measured plot, and a report.
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from loader_server.planning import cost
+from trainer.files import atomic_output
 from trainer.train.cost_records import cost_dir, parse_record
 
 #: Fewest micro-batches a fit (training part) needs: 4 coefficients, with room to spare.
@@ -198,12 +199,16 @@ def calibrate_run(
         profile=out,
         plot=run_dir / "cost_fit.png" if plot else None,
     )
-    cost.write_profile(
-        out, coefficients, rule, units="seconds", layouts=list(samples.layouts),
+    text = cost.profile_text(
+        coefficients, rule, where=str(out), units="seconds", layouts=list(samples.layouts),
         source=str(run_dir), fit=report.as_dict(),
     )  # fmt: skip
+    inputs = [cost_dir(run_dir)]
+    with atomic_output(out, folder=False, force=True, inputs=inputs) as tmp:
+        tmp.write_text(text)
     if report.plot is not None:
-        _plot(report.plot, samples, coef, held)
+        with atomic_output(report.plot, folder=False, force=True, inputs=inputs) as tmp:
+            _plot(tmp, samples, coef, held)
     return report
 
 
@@ -226,5 +231,5 @@ def _plot(path: Path, samples: Samples, coef: np.ndarray, held: np.ndarray) -> N
     ax.set_ylim(0, top)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)

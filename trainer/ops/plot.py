@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainer.files import atomic_output, check_output
 from trainer.train.metrics import iter_series, metrics_path, read_metrics
 
 if TYPE_CHECKING:
@@ -23,13 +24,14 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     if not records:
         raise ValueError(f"no metrics in {metrics_path(run_dir)}")
     out_dir = Path(out_dir) if out_dir else run_dir / "plots"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_output(out_dir, inputs=[metrics_path(run_dir)])
     written = []
 
     def save(fig: Figure, name: str) -> None:
         path = out_dir / name
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        with atomic_output(path, folder=False, force=True) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         written.append(path)
 

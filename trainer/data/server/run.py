@@ -20,6 +20,7 @@ from trainer.data.server.journal import Journal, journal_path
 from trainer.data.server.spec import ServerRegenSpec
 from trainer.data.sources import read_rows
 from trainer.data.tokenize import tokenize_corpus
+from trainer.files import check_output
 from trainer.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ def regen_from_server(
     start = time.perf_counter()
     client = connect(spec)
     index = index_rows(sources, spec.holdout)
-    _check_out(Path(out))
+    _check_out(Path(out), sources)
     if client.model is None:  # connect() names the served model
         raise RuntimeError(f"--server {client.url}: no model chosen")
     journal = Journal(journal_path(out), _header(sources, spec, client.model))
@@ -251,8 +252,10 @@ def regen_from_server(
     return _summary(index, journal, counts, client, corpus, resumed, regen_s, start)
 
 
-def _check_out(out: Path) -> None:
-    """OUT is replaced at the end: refuse one this command did not write (no journal)."""
+def _check_out(out: Path, sources: list[Path]) -> None:
+    """OUT is replaced at the end: refuse one this command did not write (no journal), and
+    one that is, contains or lies inside a source."""
+    check_output(out, inputs=sources)
     if out.exists() and (out.is_file() or any(out.iterdir())) and not journal_path(out).exists():
         raise ValueError(
             f"{out} already exists and there is no {journal_path(out).name} next to it: "
