@@ -344,13 +344,19 @@ def load_config(path: str | Path | None) -> DaemonConfig:
     unknown_tables = sorted(set(data) - {"daemon", "spec"})
     if unknown_tables:
         raise ValueError(f"{path}: unknown table [{unknown_tables[0]}] (expected [daemon], [spec])")
-    daemon = data.get("daemon", {})
+    daemon, spec = data.get("daemon", {}), data.get("spec", {})
+    for name, table in (("daemon", daemon), ("spec", spec)):
+        if not isinstance(table, dict):
+            raise ValueError(
+                f"{path}: [{name}] must be a table of keys, got a {type(table).__name__} "
+                f"({name} = {table!r})"
+            )
     unknown = sorted(set(daemon) - SETTINGS.keys())
     if unknown:
         raise ValueError(
             f"{path}: unknown key {unknown[0]!r} in [daemon] (known: {sorted(SETTINGS)})"
         )
     try:
-        return base.with_overrides(daemon, data.get("spec", {}))
+        return base.with_overrides(daemon, spec)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from None

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from loader_server.data.synth import SynthSpec, write_corpus
+from trainer.train.metrics import read_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -99,11 +100,9 @@ def run(cmd: list[str], log: Path) -> subprocess.CompletedProcess:
 
 
 def records(run_dir: Path) -> dict[int, dict]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        out[r["step"]] = r
-    return out
+    """Step -> record of the run's metrics so far (none while the file is not there yet;
+    a line the trainer is writing right now is skipped, as ``read_metrics`` does)."""
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
 
 
 def test_two_ranks_train_against_the_daemon(daemon, tmp_path):
