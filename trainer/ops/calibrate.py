@@ -22,6 +22,7 @@ measured plot, and a report.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ import numpy as np
 from loader_server.planning import cost
 from trainer.files import atomic_output
 from trainer.train.cost_records import cost_dir, parse_record
+
+log = logging.getLogger(__name__)
 
 #: Fewest micro-batches a fit (training part) needs: 4 coefficients, with room to spare.
 MIN_SAMPLES = 8
@@ -101,11 +104,20 @@ def load_samples(run_dir: Path) -> Samples:
     latest: dict[tuple[int, int, int, int], dict[str, Any]] = {}
     rules: dict[tuple[int, int, int], str] = {}
     for path in files:
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        text = path.read_text()
+        lines = text.splitlines()
+        for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
-            rec = parse_record(line, where)
+            try:
+                rec = parse_record(line, where)
+            except ValueError:
+                if lineno == len(lines) and not text.endswith("\n"):
+                    # the line a killed trainer was writing: the records before it stand
+                    log.warning("%s: skipped a torn last line (the run was killed?)", where)
+                    continue
+                raise
             rules.setdefault(rec["rule"], where)
             latest[rec["key"]] = rec
     if len(rules) > 1:

@@ -1,0 +1,31 @@
+"""The micro-batch timing records: what calibration accepts of a run a crash interrupted."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.ops.calibrate import load_samples
+from trainer.train.cost_records import make_record, rank_file
+
+
+def write_records(run_dir, n: int, tail: str = "") -> None:
+    path = rank_file(run_dir, 0)
+    path.parent.mkdir(parents=True)
+    lines = [
+        make_record(rank=0, position=(0, s, 0), layout="padded", doc_lengths=[40 + 7 * s, 30],
+                    rule=[8, 4, 64], anchors=8, synced=False, time_s=0.01 + 0.001 * s)
+        for s in range(n)
+    ]  # fmt: skip
+    path.write_text("".join(lines) + tail)
+
+
+def test_a_torn_last_line_is_skipped(tmp_path):
+    write_records(tmp_path, 12, tail='{"rank": 0, "epoch": 0, "st')
+    samples = load_samples(tmp_path)
+    assert samples.x.shape == (12, 4) and samples.rule == (8, 4, 64)
+
+
+def test_a_malformed_line_before_the_end_is_an_error_naming_it(tmp_path):
+    write_records(tmp_path, 12, tail='{"rank": 0}\n')
+    with pytest.raises(ValueError, match=r"rank0\.jsonl:13: not a micro-batch timing record"):
+        load_samples(tmp_path)
