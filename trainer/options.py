@@ -15,6 +15,7 @@ This module is the trainer's foundation: it imports nothing of the trainer and n
 from __future__ import annotations
 
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -29,7 +30,8 @@ CONFIG_FILE = "config.json"
 #: What ``config.json`` records about the run besides its options.
 RUN_FACTS = ("requested_loader_spec", "world_size")
 #: Options that runs written before they existed lack, with the value those runs had.
-ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_intermediate": None}
+ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_intermediate": None,
+                               "max_nonfinite_steps": 0, "max_empty_steps": 0}  # fmt: skip
 #: Options renamed since: old key -> new key (both spellings are read).
 RENAMED = {"num_anchors": "anchors_per_doc"}
 
@@ -125,6 +127,20 @@ OPTIM = "Optimizer and length"
 EVAL = "Evaluation, checkpoints, output"
 
 
+#: ``RunOptions`` field -> (lowest allowed value, whether the bound itself is allowed)
+RUN_LIMITS: dict[str, tuple[float, bool]] = {
+    "drafter_layers": (1, True), "block_size": (2, True), "anchors_per_doc": (1, True),
+    "max_anchors": (0, True), "loss_chunk": (0, True), "mask_token_id": (0, True),
+    "gamma": (0, False), "lr": (0, False), "warmup": (0, True), "weight_decay": (0, True),
+    "grad_clip": (0, False), "steps": (1, True), "epochs": (1, True),
+    "max_nonfinite_steps": (0, True), "max_empty_steps": (0, True),
+    "grad_accum": (1, True), "token_budget": (1, True), "max_batch_size": (1, True),
+    "max_seq_len": (1, True), "cost_samples": (0, True), "eval_every": (0, True),
+    "num_eval_prompts": (0, True), "eval_new_tokens": (1, True), "ckpt_every": (0, True),
+    "keep_checkpoints": (1, True), "timeout_s": (0, False),
+}  # fmt: skip
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunOptions(TargetOptions):
     """Every ``dflash-train train`` option; the command line's flags are made from these
@@ -189,6 +205,18 @@ class RunOptions(TargetOptions):
     grad_clip: float = opt(1.0, "Gradient norm clip.", section=OPTIM)
     steps: int | None = opt(None, "Optimizer steps (or --epochs).", section=OPTIM)
     epochs: int | None = opt(None, "Epochs of the loader's plan (or --steps).", section=OPTIM)
+    max_nonfinite_steps: int = opt(
+        3,
+        "Stop after this many optimizer steps in a row whose loss or gradients are NaN/inf "
+        "(each is skipped: no update); 0: never stop.",
+        section=OPTIM,
+    )
+    max_empty_steps: int = opt(
+        10,
+        "Stop after this many steps in a row in which no rank trained a block (the spec "
+        "leaves no document a block); 0: never stop.",
+        section=OPTIM,
+    )
     seed: int = opt(
         0, "Trainer seed (init, anchors); the loader's plan seed is the daemon's or --spec seed=N.",
         section=OPTIM,
@@ -238,6 +266,20 @@ class RunOptions(TargetOptions):
         None, "Default: cuda:LOCAL_RANK when a GPU is present, else cpu.", section=EVAL
     )
     no_progress: bool = opt(False, "No progress bar.", section=EVAL)
+
+    def __post_init__(self) -> None:
+        """Types (``Options``), then every count and rate in range; errors name the flag."""
+        super().__post_init__()
+        by_name = {f.name: f for f in fields(self)}
+        for name, (low, inclusive) in RUN_LIMITS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            ok = math.isfinite(value) and (value >= low if inclusive else value > low)
+            if not ok:
+                flag = by_name[name].metadata.get("flag") or "--" + name.replace("_", "-")
+                need = f">= {low}" if inclusive else f"> {low}"
+                raise ValueError(f"{flag} must be {need}, got {value}")
 
     @classmethod
     def read(cls, run_dir: Path) -> RunOptions:

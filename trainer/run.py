@@ -7,10 +7,12 @@ trainer) read in order and each can be swapped in tests. The options arrive as o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-from dataclasses import replace
+import tempfile
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +27,9 @@ from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.target import TINY, Target, mask_token_id, target_from_options, target_record
 from trainer.options import RunOptions, TargetOptions, parse_int_list
 from trainer.train import stop
-from trainer.train.checkpoint import latest_checkpoint
+from trainer.train.checkpoint import RunWriteError, latest_checkpoint, write_error_message
 from trainer.train.distributed import init_distributed, shutdown
-from trainer.train.loop import TrainConfig, Trainer
+from trainer.train.loop import WRITE_ERRNOS, TrainConfig, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +115,42 @@ def build_drafter(target: Target, opts: RunOptions, device: torch.device | str) 
     return drafter.to(device)
 
 
+def check_prompt_file(path: Path, vocab_size: int) -> None:
+    """Every prompt of a held-out file is a non-empty list of token ids of the target's
+    vocabulary; errors name the file and the line (``load_prompts`` reads it after)."""
+    try:
+        with open(path) as f:
+            lines = list(f)  # lines as ``read_heldout`` counts them
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--eval-prompts {path}: cannot read it ({e})") from e
+    for k, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{k}: not JSON ({e.msg})") from None
+        ids = row.get("prompt") if isinstance(row, dict) else None
+        if not isinstance(ids, list) or not ids:
+            raise ValueError(
+                f"{path}:{k}: expected a JSON object with a non-empty 'prompt' list of token "
+                "ids (tokenize/regen --holdout writes them)"
+            )
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise ValueError(f"{path}:{k}: prompt holds {i!r}, not a token id")
+            if not 0 <= i < vocab_size:
+                raise ValueError(
+                    f"{path}:{k}: token id {i} is outside the target's vocabulary "
+                    f"(0..{vocab_size - 1}): were these prompts tokenized for another model?"
+                )
+
+
 def eval_prompts(opts: RunOptions, vocab_size: int) -> list[torch.Tensor]:
     if opts.eval_prompts is not None:
+        if opts.eval_prompts.is_dir():
+            raise ValueError(f"--eval-prompts {opts.eval_prompts} is a folder, not a JSONL file")
+        check_prompt_file(opts.eval_prompts, vocab_size)
         return load_prompts(opts.eval_prompts)[: opts.num_eval_prompts]
     if opts.num_eval_prompts == 0:
         return []  # tau is not measured
@@ -154,6 +190,8 @@ def train_config(opts: RunOptions) -> TrainConfig:
         resume=opts.resume,
         progress=not opts.no_progress,
         cost_samples=opts.cost_samples,
+        max_nonfinite_steps=opts.max_nonfinite_steps,
+        max_empty_steps=opts.max_empty_steps,
     )
 
 
@@ -183,13 +221,37 @@ def init_from_folder(
     init_drafter(drafter, folder, target)
 
 
+def weights_fingerprint(model: torch.nn.Module, samples: int = 64) -> str:
+    """A short digest of a model's weights that identifies it wherever it lies: every
+    tensor's name and shape and ``samples`` values spread over it, rounded to bf16 (so a
+    target loaded in fp32 on CPU and in bf16 on a GPU agree). Cheap: no full pass."""
+    h = hashlib.blake2b(digest_size=8)
+    picked = []
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}{tuple(t.shape)};".encode())
+        if t.is_floating_point() and t.numel():
+            flat = t.detach().reshape(-1)
+            k = min(samples, flat.numel())
+            idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
+            picked.append(flat[idx].to(torch.bfloat16).float())
+    if picked:
+        h.update(torch.cat(picked).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def run_meta(opts: TargetOptions, target: Target) -> dict[str, Any]:
-    """What checkpoints record about the target (``dflash-train export`` reads it)."""
-    return {
+    """What checkpoints record about the target (``dflash-train export`` reads it;
+    ``--resume`` compares it: ``target_weights`` tells another target from a moved one)."""
+    meta: dict[str, Any] = {
         "target": opts.target,
         "layer_ids": target.layer_ids,
         "target_config": target_record(target.config),
+        "target_weights": weights_fingerprint(target.model),
     }
+    if opts.target == TINY:
+        tiny = [f.name for f in fields(TargetOptions) if f.name != "target"]
+        meta["target_options"] = {k: getattr(opts, k) for k in tiny}
+    return meta
 
 
 def check_run_dir(opts: RunOptions) -> None:
@@ -199,6 +261,36 @@ def check_run_dir(opts: RunOptions) -> None:
     if opts.target != TINY:
         inputs.append(Path(opts.target))
     check_output(opts.run_dir, inputs=[p for p in inputs if p is not None])
+    check_writable(opts.run_dir)
+
+
+def check_writable(run_dir: Path) -> None:
+    """The run folder can be made and written (checked before minutes of loading, and
+    leaving nothing behind): one line if not (read-only, no permission, no space)."""
+    base = Path(run_dir)
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise RunWriteError(f"--run-dir {run_dir}: {base} is not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=base))
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        err = OSError(e.errno, e.strerror)  # without the probe's name
+        msg = write_error_message(err, f"the run folder {run_dir}", None, path=base)
+        raise RunWriteError(msg) from None
+
+
+def _writing(write: Any, run_dir: Path) -> None:
+    """``write()``, a failed write into the run folder said in one line."""
+    try:
+        write()
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        msg = write_error_message(e, f"into the run folder {run_dir}", None, path=run_dir)
+        raise RunWriteError(msg) from None
 
 
 def run_training(opts: RunOptions) -> dict[str, Any] | None:
@@ -228,7 +320,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
             timeout_s=opts.timeout_s,
         )
         if env.is_main:
-            opts.write(spec, env.world_size)
+            _writing(lambda: opts.write(spec, env.world_size), opts.run_dir)
         meta = run_meta(opts, target)
         trainer = Trainer(
             cfg,
@@ -243,7 +335,8 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
         if env.is_main:
             summary["world_size"] = env.world_size
             summary["pid"] = os.getpid()
-            (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            text = json.dumps(summary, indent=2) + "\n"
+            _writing(lambda: (cfg.run_dir / "summary.json").write_text(text), cfg.run_dir)
             return summary
         return None
     finally:

@@ -101,16 +101,40 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
 
 
 def read_trained_drafter(run_dir: Path, step: int | None = None) -> TrainedDrafter:
-    """The drafter of ``run_dir``'s newest checkpoint (or of ``step``)."""
-    path = find_checkpoint(run_dir, step)
+    """The drafter of ``run_dir``'s newest complete checkpoint (or of ``step``). Each is
+    verified first (``trainer.train.checkpoint.verify_checkpoint``); without ``step`` a
+    torn one is skipped with a warning for the next older one. Non-finite weights are
+    refused, naming the checkpoint."""
+    if step is not None:
+        return _read_drafter(run_dir, find_checkpoint(run_dir, step))
+    found = ckpt.list_checkpoints(run_dir)
+    if not found:
+        raise FileNotFoundError(f"no checkpoint in {ckpt.checkpoint_dir(run_dir)}")
+    skipped: list[str] = []
+    for path in reversed(found):
+        try:
+            src = _read_drafter(run_dir, path)
+        except ckpt.TornCheckpointError as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
+            skipped.append(f"{path.name}: {e}")
+            continue
+        if skipped:
+            log.warning("exporting %s, the newest complete checkpoint", path)
+        return src
+    raise ckpt.TornCheckpointError(
+        f"no complete checkpoint in {ckpt.checkpoint_dir(run_dir)} ({'; '.join(skipped)})"
+    )
+
+
+def _read_drafter(run_dir: Path, path: Path) -> TrainedDrafter:
+    ckpt.verify_checkpoint(path, only=["model.pt"])
     file = path / "model.pt"
-    if not file.is_file():
-        raise FileNotFoundError(f"checkpoint file missing: {file}")
     # mmap: the optimizer state next to the weights is never read.
-    shared = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    if shared.get("version") != ckpt.CHECKPOINT_VERSION:
-        raise ValueError(f"{file}: checkpoint version {shared.get('version')} is not supported")
+    shared = ckpt.load_file(file, mmap=True)
     record = ckpt.CheckpointRecord.from_shared(shared, file)
+    others = [p.name for p in ckpt.list_checkpoints(run_dir) if p != path]
+    hint = f"; export an earlier one with --step N (have: {', '.join(others)})" if others else ""
+    ckpt.check_finite(record.drafter, str(path), f": it cannot be exported{hint}")
     meta = record.meta
     if "layer_ids" not in meta:
         raise ValueError(f"{file}: the checkpoint records no target layer ids (meta.layer_ids)")

@@ -11,11 +11,21 @@ is what a checkpoint stores; anchors are drawn from a generator keyed on
 Timing: ``data_wait`` is the time blocked in ``next(loader)``; step time runs from the first
 ``next`` to the end of the optimizer step and excludes evaluation and checkpointing, which
 are reported separately.
+
+What stops a run (each a ``TrainingError``, one line for the user): ``max_nonfinite_steps``
+steps in a row whose loss or gradients were NaN/inf on some rank (each such step is
+skipped: no optimizer update; the decision is all-reduced, so every rank skips it);
+``max_empty_steps`` steps in a row in which no rank trained a block (the spec leaves no
+document a block); a loader that stays away past its timeout or refuses the session (a
+final checkpoint of the last completed step is written first); and a write into the run
+folder that fails (no space, read-only). ``--resume`` verifies checkpoints and falls back
+to the newest complete one (``trainer.train.checkpoint``) and refuses another target.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -29,6 +39,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from loader_server.wire.protocol import (
+    LoaderError,
+    LoaderRequestError,
+    LoaderUnavailableError,
+    ProtocolError,
+)
 from trainer.model.attention import BACKENDS, resolve_backend
 from trainer.model.blocks import LossConfig, anchor_generator
 from trainer.model.drafter import DFlashDrafter
@@ -49,6 +65,35 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
 log = logging.getLogger(__name__)
+
+#: errnos of a failed write into the run folder (reported as one line, not a traceback)
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM)
+
+
+class TrainingError(ValueError):
+    """A run that cannot go on, said in one line (the CLI prints it without a traceback)."""
+
+
+class DivergedError(TrainingError):
+    """Loss or gradients were not finite for ``max_nonfinite_steps`` steps in a row."""
+
+
+class NoBlocksError(TrainingError):
+    """No rank trained a block for ``max_empty_steps`` steps in a row."""
+
+
+class LoaderFailedError(TrainingError):
+    """The loader daemon stayed away past the timeout, refused, or spoke nonsense."""
+
+
+class TargetMismatchError(TrainingError):
+    """``--resume`` of a checkpoint trained against another target."""
+
+
+class ServedSpecError(TrainingError, RuntimeError):
+    """The loader serves batches this run cannot take (another grad_accum, another spec
+    than the checkpoint's, different specs on different ranks). A ``RuntimeError`` too, as
+    it was before it became one line."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,14 +121,16 @@ class TrainConfig:
     resume: bool = False
     progress: bool = True
     cost_samples: int = 2000  # micro-batches per rank timed for calibration (trainer.train.costlog)
+    max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row (0: never)
+    max_empty_steps: int = 10  # stop after this many steps in a row without a block (0: never)
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.epochs is None):
-            raise ValueError("give exactly one of steps and epochs")
+            raise ValueError("give exactly one of --steps and --epochs")
         for name in ("steps", "epochs"):
             v = getattr(self, name)
             if v is not None and v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
+                raise ValueError(f"--{name} must be >= 1, got {v}")
         if self.grad_accum is not None and self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         if self.loss_chunk < 0:
@@ -96,6 +143,8 @@ class TrainConfig:
             raise ValueError(f"cost_samples must be >= 0 (0: off), got {self.cost_samples}")
         if self.eval_every < 0 or self.ckpt_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("eval_every and ckpt_every must be >= 0, keep_checkpoints >= 1")
+        if self.max_nonfinite_steps < 0 or self.max_empty_steps < 0:
+            raise ValueError("max_nonfinite_steps and max_empty_steps must be >= 0 (0: never stop)")
 
     def total_steps(self, steps_per_epoch: int | None) -> int:
         if self.steps is not None:
@@ -160,6 +209,11 @@ class Trainer:
         self._checkpoint_spec: dict[str, Any] | None = None  # the spec a resumed run had
         # Known once the loader has answered (its spec decides when the user did not).
         self.grad_accum = cfg.grad_accum or 1
+        self._nonfinite_run = 0  # non-finite steps in a row (skipped)
+        self._empty_run = 0  # steps in a row in which no rank trained a block
+        # Where the step that failed began (loader state, RNG): a final checkpoint after a
+        # loader failure in the middle of a step must hold the position before that step.
+        self._step_start: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     def _fit_host_memory(self, num_chunks: int) -> None:
         """On CPU the allocator follows the drafter's chunk count (``trainer.train.hostmem``)."""
@@ -180,7 +234,9 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------
 
-    def save(self) -> Path:
+    def save(self, position: tuple[dict[str, Any], dict[str, Any]] | None = None) -> Path:
+        """Checkpoint the last completed step; ``position`` (loader state, RNG states)
+        replaces the live ones when the loader has moved into a step that did not finish."""
         if self.scheduler is None:
             raise RuntimeError("save() before the LR schedule exists (see run())")
         record = ckpt.CheckpointRecord(
@@ -193,7 +249,8 @@ class Trainer:
             optimizer=self.optimizer.state_dict(),
             scheduler=self.scheduler.state_dict(),
         )
-        per_rank = {"loader": self.source.state_dict(), "rng": ckpt.rng_state()}
+        loader, rng = position or (self.source.state_dict(), ckpt.rng_state())
+        per_rank = {"loader": loader, "rng": rng}
         return ckpt.save_checkpoint(
             self.cfg.run_dir,
             self.step,
@@ -204,13 +261,14 @@ class Trainer:
         )
 
     def maybe_resume(self) -> bool:
-        """Load the newest checkpoint of the run if ``resume`` is set and one exists."""
-        path = ckpt.latest_checkpoint(self.cfg.run_dir) if self.cfg.resume else None
-        if path is None:
+        """Load the newest complete checkpoint of the run if ``resume`` is set and one
+        exists (torn ones are skipped, and said so)."""
+        found = ckpt.list_checkpoints(self.cfg.run_dir) if self.cfg.resume else []
+        if not found:
             if self.cfg.resume:
                 log.info("no checkpoint in %s: starting fresh", self.cfg.run_dir)
             return False
-        saved, mine = ckpt.load_checkpoint(path, self.env)
+        path, saved, mine = self._newest_complete(found)
         if saved.drafter_config != self.drafter.config.to_dict():
             raise ValueError(f"{path}: drafter config differs from this run's")
         if saved.loss_config != asdict(self.cfg.loss):
@@ -229,13 +287,70 @@ class Trainer:
         log.info("rank %d resumed from %s at step %d", self.env.rank, path, self.step)
         return True
 
+    def _newest_complete(
+        self, found: Sequence[Path]
+    ) -> tuple[Path, ckpt.CheckpointRecord, dict[str, Any]]:
+        """The newest checkpoint every rank verified and loaded; torn ones are skipped with
+        a warning. Rank 0 checks the digests, the others the sizes; the ranks agree on
+        each candidate (one all-reduce), so all resume from the same one."""
+        skipped: list[str] = []
+        for path in reversed(found):
+            why, loaded, fatal = None, None, None
+            try:
+                ckpt.verify_checkpoint(path, digests=self.env.is_main)
+                loaded = ckpt.load_checkpoint(path, self.env)
+            except ckpt.TornCheckpointError as e:
+                why = str(e)
+            except ValueError as e:  # not torn but refused (world size, version): stop
+                fatal = e
+            code = 2.0 if fatal is not None else 0.0 if why is None else 1.0
+            agreed = all_reduce(torch.tensor([code], device=self.env.device), self.env, op="max")
+            if agreed.item() == 2:
+                raise fatal or TrainingError(f"{path}: another rank refused this checkpoint")
+            if agreed.item() == 0 and loaded is not None:
+                if skipped:
+                    log.warning(
+                        "rank %d: resuming from %s, the newest complete checkpoint (skipped: %s)",
+                        self.env.rank, path.name, "; ".join(skipped),
+                    )  # fmt: skip
+                return path, *loaded
+            why = why or "another rank could not read its part"
+            log.warning("rank %d: skipping checkpoint %s: %s", self.env.rank, path, why)
+            skipped.append(f"{path.name}: {why}")
+        raise ckpt.TornCheckpointError(
+            f"--resume: no complete checkpoint in {ckpt.checkpoint_dir(self.cfg.run_dir)} "
+            f"({'; '.join(skipped)}); start a new --run-dir"
+        )
+
     def _check_target(self, path: Path, meta: dict[str, Any]) -> None:
         """The checkpoint's drafter reads the same target layers of the same target shape
-        (same-sized drafter configs can hide different ``--layers``)."""
+        (same-sized drafter configs can hide different ``--layers``) of the same target:
+        its weights' fingerprint (``trainer.run.run_meta``) must match; a target that only
+        moved (another path, the same weights) resumes with a warning."""
         for key in ("layer_ids", "target_config"):
             saved, mine = meta.get(key), self.meta.get(key)
             if saved is not None and mine is not None and saved != mine:
                 raise ValueError(f"{path}: {key} {saved} differs from this run's {mine}")
+        saved_name, mine_name = _target_name(meta, self.meta), _target_name(self.meta, meta)
+        saved_fp, mine_fp = meta.get("target_weights"), self.meta.get("target_weights")
+        if saved_fp is not None and mine_fp is not None:
+            if saved_fp != mine_fp:
+                raise TargetMismatchError(
+                    f"{path} was trained against target {saved_name}, this run's target is "
+                    f"{mine_name} (other weights: fingerprint {saved_fp} vs {mine_fp}): resume "
+                    "with the target it was trained against, or start a new --run-dir"
+                )
+            if meta.get("target") != self.meta.get("target"):
+                log.warning(
+                    "the checkpoint's target %s is now %s: the same weights, resuming",
+                    saved_name, mine_name,
+                )  # fmt: skip
+        elif "target" in meta and "target" in self.meta and meta["target"] != self.meta["target"]:
+            log.warning(
+                "%s was trained against target %s, this run's is %s; the checkpoint predates "
+                "target fingerprints, so only their shapes were compared (equal): resuming",
+                path, saved_name, mine_name,
+            )  # fmt: skip
 
     # ---- evaluation --------------------------------------------------------------------
 
@@ -278,14 +393,14 @@ class Trainer:
                 batch = next(it)
                 waited = time.perf_counter() - t0
             if batch.micro != m:
-                raise RuntimeError(
+                raise ServedSpecError(
                     f"loader served micro {batch.micro} of step {batch.step}, trainer expected "
                     f"micro {m}: --grad-accum must match the loader spec's grad_accum"
                 )
             if first is None:
                 first = (batch.epoch, batch.step)
             elif (batch.epoch, batch.step) != first:
-                raise RuntimeError(
+                raise ServedSpecError(
                     f"micro-batches of one step span {first} and {batch.epoch, batch.step}"
                 )
             yield batch, waited
@@ -297,41 +412,27 @@ class Trainer:
         t_start = time.perf_counter() - (self._pending[1] if self._pending else 0.0)
         wait = 0.0
         sums = StepSums.zeros(b - 1, dev)
-        for batch, waited in self._micro_batches(it):
-            wait += waited
-            self.epoch = int(batch.epoch)
-            self.costs.start()
-            # Used up before the next next(): the client reuses the slot after that.
-            on_dev = batch.to(dev, non_blocking=True)
-            gen = anchor_generator(cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro)
-            last = batch.micro == self.grad_accum - 1
-            sync = (
-                contextlib.nullcontext()
-                if last or not self.env.distributed
-                else cast("DistributedDataParallel", self.model).no_sync()  # see _wrap
-            )
-            with sync:
-                with self._autocast():
-                    out = draft_loss(
-                        self.target,
-                        self.model,
-                        on_dev,
-                        cfg.loss,
-                        gen,
-                        chunk_size=cfg.loss_chunk,
-                        attention=self.attention,
-                        host_batch=batch,  # valid until the next next(): anchors planned there
-                        on_chunks=self._fit_host_memory,
-                    )
-                    loss = out.loss if out.loss is not None else zero_loss(self.target, self.model)
-                (loss / self.grad_accum).backward()
-            self.costs.stop(batch, anchors=out.num_blocks, synced=last and self.env.distributed)
-            sums.add(out)
+        epoch_before = self.epoch
+        # With several micro-batches the loader can fail after the first: keep where the
+        # step began (the first step of a run saves nothing: its batch was peeked).
+        start = None
+        if self.grad_accum > 1 and self._pending is None:
+            start = (self.source.state_dict(), ckpt.rng_state())
+        self._step_start = None
+        try:
+            for batch, waited in self._micro_batches(it):
+                self._micro_step(batch, sums)
+                wait += waited
+        except LoaderError:
+            self.epoch, self._step_start = epoch_before, start
+            raise
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         if self.scheduler is None:
             raise RuntimeError("train_step() before the LR schedule exists (see run())")
         lr = cast(float, self.scheduler.get_last_lr()[0])  # the float cfg.lr, scheduled
-        self.optimizer.step()
+        finite = self._all_finite(grad_norm, sums.ce)
+        if finite:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -340,7 +441,46 @@ class Trainer:
         sums.step_time += step_time
         sums.wait += wait
         sums.wait_frac += wait / max(step_time, 1e-9)
-        return StepResult(sums=sums, grad_norm=grad_norm, lr=lr)
+        return StepResult(sums=sums, grad_norm=grad_norm, lr=lr, skipped=not finite)
+
+    def _micro_step(self, batch: Batch, sums: StepSums) -> None:
+        """Forward and backward of one micro-batch, its sums added to ``sums``."""
+        cfg, dev = self.cfg, self.env.device
+        self.epoch = int(batch.epoch)
+        self.costs.start()
+        # Used up before the next next(): the client reuses the slot after that.
+        on_dev = batch.to(dev, non_blocking=True)
+        gen = anchor_generator(cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro)
+        last = batch.micro == self.grad_accum - 1
+        sync = (
+            contextlib.nullcontext()
+            if last or not self.env.distributed
+            else cast("DistributedDataParallel", self.model).no_sync()  # see _wrap
+        )
+        with sync:
+            with self._autocast():
+                out = draft_loss(
+                    self.target,
+                    self.model,
+                    on_dev,
+                    cfg.loss,
+                    gen,
+                    chunk_size=cfg.loss_chunk,
+                    attention=self.attention,
+                    host_batch=batch,  # valid until the next next(): anchors planned there
+                    on_chunks=self._fit_host_memory,
+                )
+                loss = out.loss if out.loss is not None else zero_loss(self.target, self.model)
+            (loss / self.grad_accum).backward()
+        self.costs.stop(batch, anchors=out.num_blocks, synced=last and self.env.distributed)
+        sums.add(out)
+
+    def _all_finite(self, grad_norm: torch.Tensor, ce: torch.Tensor) -> bool:
+        """Whether every rank's loss and the (all-reduced, so common) gradient norm are
+        finite: one decision for all ranks (a max all-reduce under DDP)."""
+        bad = (~torch.isfinite(grad_norm)) | (~torch.isfinite(ce))
+        flag = bad.to(torch.float64).reshape(1)
+        return bool(all_reduce(flag, self.env, op="max").item() == 0)
 
     def _record(self, raw: StepResult) -> dict[str, Any]:
         """Combine the ranks' sums (one sum and one max all-reduce) into a metrics record."""
@@ -353,14 +493,15 @@ class Trainer:
         ce, weight = float(total.ce), float(total.weight)
         tokens, blocks = float(total.tokens), float(total.blocks)
         correct, count = total.correct, total.count
-        return {
+        loss, grad_norm = ce / weight if weight > 0 else None, float(raw.grad_norm)
+        rec = {
             "step": self.step,
             "epoch": self.epoch,
-            "loss": ce / weight if weight > 0 else None,
+            "loss": _finite_or_none(loss) if raw.skipped else loss,
             "acc": float(correct.sum() / count.sum()) if count.sum() > 0 else None,
             "acc_k": [round(float(c / max(k, 1)), 5) for c, k in zip(correct, count, strict=True)],
             "lr": raw.lr,
-            "grad_norm": float(raw.grad_norm),
+            "grad_norm": _finite_or_none(grad_norm) if raw.skipped else grad_norm,
             "tokens": int(tokens),
             "blocks": int(blocks),
             "anchors_per_micro": blocks / max(float(total.micro), 1),
@@ -375,6 +516,39 @@ class Trainer:
             "gpu_mem_peak_gb": round(mx.gpu_mem_gb, 3),  # max over ranks (0 on CPU)
             "time": time.time(),
         }
+        if raw.skipped:  # only then: the records of a healthy run are unchanged
+            rec["skipped_nonfinite"] = 1
+        return rec
+
+    def _check_progress(self, rec: dict[str, Any]) -> None:
+        """Stop a run that diverged or trains nothing (every rank decides alike: the record
+        is made of all-reduced numbers)."""
+        cfg = self.cfg
+        self._nonfinite_run = self._nonfinite_run + 1 if rec.get("skipped_nonfinite") else 0
+        self._empty_run = self._empty_run + 1 if rec["blocks"] == 0 else 0
+        if cfg.max_nonfinite_steps and self._nonfinite_run >= cfg.max_nonfinite_steps:
+            first = self.step - self._nonfinite_run + 1
+            raise DivergedError(
+                f"training diverged: the loss or the gradients were not finite (NaN or inf) "
+                f"for {self._nonfinite_run} steps in a row (steps {first}-{self.step}, peak "
+                f"--lr {cfg.lr:g}); those steps were skipped and no checkpoint holds non-finite "
+                f"weights: lower --lr (or raise --warmup) and start a new --run-dir "
+                f"(--max-nonfinite-steps {cfg.max_nonfinite_steps})"
+            )
+        if cfg.max_empty_steps and self._empty_run >= cfg.max_empty_steps:
+            b = cfg.loss.block_size
+            spec = self.meta.get("loader_spec") or {}
+            fields = ", ".join(
+                f"{k} {spec[k]}" for k in ("max_seq_len", "token_budget") if k in spec
+            )
+            raise NoBlocksError(
+                f"no rank trained a single block for {self._empty_run} steps in a row (up to "
+                f"step {self.step}): a document needs {2 * b} supervised tokens (2 x "
+                f"--block-size {b}, loss mask 1) for a block, and none served has them"
+                f"{f' ({fields})' if fields else ''}: lower --block-size, raise --max-seq-len "
+                f"(and --token-budget), or check the corpus's loss mask "
+                f"(--max-empty-steps {cfg.max_empty_steps})"
+            )
 
     def _eval_record(self, rec: dict[str, Any]) -> None:
         t0 = time.perf_counter()
@@ -398,7 +572,13 @@ class Trainer:
             self._eval_record(rec)
             self.metrics.write(rec)
         it = iter(self.source)
-        if not self._start(it):
+        try:
+            started = self._start(it)
+        except LoaderError as e:
+            self.metrics.close()
+            self.costs.close()
+            raise self._loader_failed(e, None) from e
+        if not started:
             return {"steps": self.step, "resumed": resumed, "note": "loader has no more batches"}
         if self.total_steps is None:  # _start fixed it
             raise RuntimeError("the step count is unknown after the first batch")
@@ -417,6 +597,7 @@ class Trainer:
                 # The record goes out before the checkpoint: a kill in between replays the
                 # step, and the resume cuts the file back to the checkpoint's step.
                 self.metrics.write(rec)
+                self._check_progress(rec)
                 if final or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
                     t0 = time.perf_counter()
                     path = self.save()
@@ -431,6 +612,15 @@ class Trainer:
                 self.save()
             if stopped:
                 log.info("rank %d: stopped at step %d on request", self.env.rank, self.step)
+        except LoaderError as e:
+            unsaved = self.step != first_step and saved_at != self.step
+            raise self._loader_failed(e, unsaved) from e
+        except OSError as e:
+            if e.errno not in WRITE_ERRNOS:
+                raise
+            where = f"into the run folder {cfg.run_dir}"
+            msg = ckpt.write_error_message(e, where, None, path=cfg.run_dir)
+            raise ckpt.RunWriteError(msg) from e
         finally:
             if bar is not None:
                 bar.close()
@@ -444,6 +634,42 @@ class Trainer:
             stopped=stopped,
         )
         return summary
+
+    def _loader_failed(self, e: LoaderError, unsaved: bool | None) -> LoaderFailedError:
+        """The one-line error of a loader failure; first the final checkpoint of the last
+        completed step when it is not saved yet (``unsaved``; None: before the first step)."""
+        endpoint = getattr(self.source, "endpoint", None)
+        if isinstance(e, LoaderUnavailableError):
+            what = str(e)
+        elif isinstance(e, LoaderRequestError):
+            what = f"the loader refused: {e}"
+        elif isinstance(e, ProtocolError):
+            what = f"the loader's answer is not understood: {e}"
+        else:
+            what = f"loader error: {e}"
+        if endpoint is not None and str(endpoint) not in what:
+            what = f"{endpoint}: {what}"
+        if unsaved is None:
+            return LoaderFailedError(f"training could not start: {what}")
+        latest = ckpt.latest_checkpoint(self.cfg.run_dir)
+        if unsaved:
+            try:
+                latest = self.save(self._step_start)
+            except ckpt.CheckpointError as err:
+                return LoaderFailedError(
+                    f"training stopped after step {self.step}: {what}; and the final "
+                    f"checkpoint failed: {err}"
+                )
+            note = f"saved checkpoint {latest.name} (the last completed step)"
+        elif latest is not None:
+            note = f"checkpoint {latest.name} holds the last completed step"
+        else:
+            note = "no step was completed"
+        fix = "start the daemon again" if isinstance(e, LoaderUnavailableError) else "fix that"
+        resume = f"{fix}, then rerun the same command with --resume"
+        return LoaderFailedError(
+            f"training stopped after step {self.step}: {what}; {note}: {resume}"
+        )
 
     def _start(self, it: Iterator[Batch]) -> bool:
         """Peek the first batch (the loader reports its steps per epoch with it), fix the
@@ -481,7 +707,7 @@ class Trainer:
         spec = dict(self.source.effective_spec or {})
         served = int(spec.get("grad_accum", self.cfg.grad_accum or 1))
         if self.cfg.grad_accum is not None and served != self.cfg.grad_accum:
-            raise RuntimeError(
+            raise ServedSpecError(
                 f"the loader serves grad_accum {served}, the trainer was told {self.cfg.grad_accum}"
             )
         self.grad_accum = served
@@ -494,7 +720,7 @@ class Trainer:
                 for k in sorted(set(spec) | set(self._checkpoint_spec))
                 if self._checkpoint_spec.get(k) != spec.get(k)
             }
-            raise RuntimeError(
+            raise ServedSpecError(
                 f"the loader now serves another batch spec than the checkpoint was trained on "
                 f"(field: (checkpoint, served)): {diff}; resuming would replay the saved position "
                 "in a different plan. Set those fields on the trainer (--spec KEY=VALUE) or "
@@ -530,7 +756,7 @@ class Trainer:
         t = torch.tensor([key, -key], dtype=torch.float64, device=self.env.device)
         hi, neg_lo = all_reduce(t, self.env, op="max").tolist()
         if hi != -neg_lo:
-            raise RuntimeError(
+            raise ServedSpecError(
                 f"ranks were served different batch specs (rank {self.env.rank}: "
                 f"{json.dumps(spec, sort_keys=True)}); give every node's daemon the same [spec]"
             )
@@ -546,6 +772,20 @@ def _memory_peaks_gb(device: torch.device) -> tuple[float, float]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     gpu = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     return rss, gpu
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    """``x``, or None for NaN and inf (JSON has no such numbers)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _target_name(meta: dict[str, Any], other: dict[str, Any]) -> str:
+    """How a run's target is named in messages: ``--target`` and, for tiny targets, the
+    ``--tiny-*`` options that differ from ``other``'s."""
+    name = str(meta.get("target", "?"))
+    mine, theirs = meta.get("target_options") or {}, other.get("target_options") or {}
+    diff = [f"--{k.replace('_', '-')} {v}" for k, v in sorted(mine.items()) if theirs.get(k) != v]
+    return f"{name} ({', '.join(diff)})" if diff else name
 
 
 def _postfix(rec: dict[str, Any]) -> dict[str, str]:

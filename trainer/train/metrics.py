@@ -9,7 +9,10 @@ step time, mean over ranks) and ``data_wait_frac_max`` (worst rank), ``anchors_p
 ``anchors_capped``, ``anchors_per_s``, ``rss_peak_gb`` / ``gpu_mem_peak_gb`` (largest over
 ranks); ``tau`` (mean over prompts of each prompt's tokens per step, as published),
 ``tau_pooled`` (all prompts' tokens over all their steps) and ``eval_s`` on steps where the
-verifier ran (step 0 is the untrained drafter). Only rank 0 writes.
+verifier ran (step 0 is the untrained drafter). A step whose loss or gradients were not
+finite on some rank was not applied: its record has ``skipped_nonfinite: 1`` (and ``loss`` /
+``grad_norm`` null where they were NaN or inf); records of normal steps lack the key. Only
+rank 0 writes.
 
 On resume the file is cut back to the checkpoint's step (atomically), so a run that was
 killed after its last checkpoint does not list the replayed steps twice.
@@ -90,6 +93,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             mean_data_wait_frac=sum(waits) / len(waits),
             max_data_wait_frac=max(r["data_wait_frac_max"] for r in steps),
         )
+    skipped = sum(int(r.get("skipped_nonfinite", 0)) for r in steps)
+    if skipped:  # only then: the summary of a healthy run is unchanged
+        out.update(skipped_nonfinite=skipped)
     if taus:
         out.update(first_tau=taus[0]["tau"], last_tau=taus[-1]["tau"])
         if "tau_pooled" in taus[-1]:

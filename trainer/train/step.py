@@ -86,6 +86,7 @@ class StepResult(NamedTuple):
     sums: StepSums
     grad_norm: torch.Tensor
     lr: float
+    skipped: bool = False  # non-finite loss or gradients on some rank: no optimizer update
 
 
 class StepPeaks(NamedTuple):
