@@ -29,7 +29,8 @@ from trainer.options import RunOptions, TargetOptions, parse_int_list
 from trainer.train import stop
 from trainer.train.checkpoint import RunWriteError, latest_checkpoint, write_error_message
 from trainer.train.distributed import init_distributed, shutdown
-from trainer.train.loop import WRITE_ERRNOS, TrainConfig, Trainer
+from trainer.train.guards import WRITE_ERRNOS
+from trainer.train.loop import TrainConfig, Trainer
 
 log = logging.getLogger(__name__)
 

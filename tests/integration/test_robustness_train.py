@@ -45,7 +45,8 @@ from trainer.run import eval_prompts, run_meta
 from trainer.train import checkpoint as ckpt
 from trainer.train.batches import ListSource
 from trainer.train.distributed import local_env
-from trainer.train.loop import LoaderFailedError, TrainConfig, Trainer
+from trainer.train.guards import LoaderFailedError
+from trainer.train.loop import TrainConfig, Trainer
 from trainer.train.metrics import metrics_path, read_metrics
 
 pytestmark = pytest.mark.integration

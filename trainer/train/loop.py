@@ -25,7 +25,6 @@ to the newest complete one (``trainer.train.checkpoint``) and refuses another ta
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -57,6 +56,14 @@ from trainer.train import hostmem, stop
 from trainer.train.batches import Batch, BatchSource
 from trainer.train.costlog import CostLog
 from trainer.train.distributed import DistEnv, all_reduce
+from trainer.train.guards import (
+    WRITE_ERRNOS,
+    LoaderFailedError,
+    ServedSpecError,
+    Stopper,
+    TrainingError,
+    check_target,
+)
 from trainer.train.metrics import MetricsWriter, metrics_path, read_metrics, summarize
 from trainer.train.step import StepPeaks, StepResult, StepSums
 
@@ -65,35 +72,6 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
 log = logging.getLogger(__name__)
-
-#: errnos of a failed write into the run folder (reported as one line, not a traceback)
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM)
-
-
-class TrainingError(ValueError):
-    """A run that cannot go on, said in one line (the CLI prints it without a traceback)."""
-
-
-class DivergedError(TrainingError):
-    """Loss or gradients were not finite for ``max_nonfinite_steps`` steps in a row."""
-
-
-class NoBlocksError(TrainingError):
-    """No rank trained a block for ``max_empty_steps`` steps in a row."""
-
-
-class LoaderFailedError(TrainingError):
-    """The loader daemon stayed away past the timeout, refused, or spoke nonsense."""
-
-
-class TargetMismatchError(TrainingError):
-    """``--resume`` of a checkpoint trained against another target."""
-
-
-class ServedSpecError(TrainingError, RuntimeError):
-    """The loader serves batches this run cannot take (another grad_accum, another spec
-    than the checkpoint's, different specs on different ranks). A ``RuntimeError`` too, as
-    it was before it became one line."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,8 +187,10 @@ class Trainer:
         self._checkpoint_spec: dict[str, Any] | None = None  # the spec a resumed run had
         # Known once the loader has answered (its spec decides when the user did not).
         self.grad_accum = cfg.grad_accum or 1
-        self._nonfinite_run = 0  # non-finite steps in a row (skipped)
-        self._empty_run = 0  # steps in a row in which no rank trained a block
+        self.stopper = Stopper(
+            max_nonfinite_steps=cfg.max_nonfinite_steps, max_empty_steps=cfg.max_empty_steps,
+            lr=cfg.lr, block_size=cfg.loss.block_size,
+        )  # fmt: skip
         # Where the step that failed began (loader state, RNG): a final checkpoint after a
         # loader failure in the middle of a step must hold the position before that step.
         self._step_start: tuple[dict[str, Any], dict[str, Any]] | None = None
@@ -273,7 +253,7 @@ class Trainer:
             raise ValueError(f"{path}: drafter config differs from this run's")
         if saved.loss_config != asdict(self.cfg.loss):
             raise ValueError(f"{path}: loss config {saved.loss_config} differs from this run's")
-        self._check_target(path, saved.meta)
+        check_target(path, saved.meta, self.meta)
         self.drafter.load_state_dict(saved.drafter)
         if saved.optimizer is None or saved.scheduler is None:
             raise ValueError(f"{path}: the checkpoint holds no optimizer or scheduler state")
@@ -321,36 +301,6 @@ class Trainer:
             f"--resume: no complete checkpoint in {ckpt.checkpoint_dir(self.cfg.run_dir)} "
             f"({'; '.join(skipped)}); start a new --run-dir"
         )
-
-    def _check_target(self, path: Path, meta: dict[str, Any]) -> None:
-        """The checkpoint's drafter reads the same target layers of the same target shape
-        (same-sized drafter configs can hide different ``--layers``) of the same target:
-        its weights' fingerprint (``trainer.run.run_meta``) must match; a target that only
-        moved (another path, the same weights) resumes with a warning."""
-        for key in ("layer_ids", "target_config"):
-            saved, mine = meta.get(key), self.meta.get(key)
-            if saved is not None and mine is not None and saved != mine:
-                raise ValueError(f"{path}: {key} {saved} differs from this run's {mine}")
-        saved_name, mine_name = _target_name(meta, self.meta), _target_name(self.meta, meta)
-        saved_fp, mine_fp = meta.get("target_weights"), self.meta.get("target_weights")
-        if saved_fp is not None and mine_fp is not None:
-            if saved_fp != mine_fp:
-                raise TargetMismatchError(
-                    f"{path} was trained against target {saved_name}, this run's target is "
-                    f"{mine_name} (other weights: fingerprint {saved_fp} vs {mine_fp}): resume "
-                    "with the target it was trained against, or start a new --run-dir"
-                )
-            if meta.get("target") != self.meta.get("target"):
-                log.warning(
-                    "the checkpoint's target %s is now %s: the same weights, resuming",
-                    saved_name, mine_name,
-                )  # fmt: skip
-        elif "target" in meta and "target" in self.meta and meta["target"] != self.meta["target"]:
-            log.warning(
-                "%s was trained against target %s, this run's is %s; the checkpoint predates "
-                "target fingerprints, so only their shapes were compared (equal): resuming",
-                path, saved_name, mine_name,
-            )  # fmt: skip
 
     # ---- evaluation --------------------------------------------------------------------
 
@@ -520,36 +470,6 @@ class Trainer:
             rec["skipped_nonfinite"] = 1
         return rec
 
-    def _check_progress(self, rec: dict[str, Any]) -> None:
-        """Stop a run that diverged or trains nothing (every rank decides alike: the record
-        is made of all-reduced numbers)."""
-        cfg = self.cfg
-        self._nonfinite_run = self._nonfinite_run + 1 if rec.get("skipped_nonfinite") else 0
-        self._empty_run = self._empty_run + 1 if rec["blocks"] == 0 else 0
-        if cfg.max_nonfinite_steps and self._nonfinite_run >= cfg.max_nonfinite_steps:
-            first = self.step - self._nonfinite_run + 1
-            raise DivergedError(
-                f"training diverged: the loss or the gradients were not finite (NaN or inf) "
-                f"for {self._nonfinite_run} steps in a row (steps {first}-{self.step}, peak "
-                f"--lr {cfg.lr:g}); those steps were skipped and no checkpoint holds non-finite "
-                f"weights: lower --lr (or raise --warmup) and start a new --run-dir "
-                f"(--max-nonfinite-steps {cfg.max_nonfinite_steps})"
-            )
-        if cfg.max_empty_steps and self._empty_run >= cfg.max_empty_steps:
-            b = cfg.loss.block_size
-            spec = self.meta.get("loader_spec") or {}
-            fields = ", ".join(
-                f"{k} {spec[k]}" for k in ("max_seq_len", "token_budget") if k in spec
-            )
-            raise NoBlocksError(
-                f"no rank trained a single block for {self._empty_run} steps in a row (up to "
-                f"step {self.step}): a document needs {2 * b} supervised tokens (2 x "
-                f"--block-size {b}, loss mask 1) for a block, and none served has them"
-                f"{f' ({fields})' if fields else ''}: lower --block-size, raise --max-seq-len "
-                f"(and --token-budget), or check the corpus's loss mask "
-                f"(--max-empty-steps {cfg.max_empty_steps})"
-            )
-
     def _eval_record(self, rec: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         taus = self.evaluate()
@@ -597,7 +517,7 @@ class Trainer:
                 # The record goes out before the checkpoint: a kill in between replays the
                 # step, and the resume cuts the file back to the checkpoint's step.
                 self.metrics.write(rec)
-                self._check_progress(rec)
+                self.stopper.check(rec, self.step, self.meta.get("loader_spec") or {})
                 if final or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
                     t0 = time.perf_counter()
                     path = self.save()
@@ -777,15 +697,6 @@ def _memory_peaks_gb(device: torch.device) -> tuple[float, float]:
 def _finite_or_none(x: float | None) -> float | None:
     """``x``, or None for NaN and inf (JSON has no such numbers)."""
     return x if x is not None and math.isfinite(x) else None
-
-
-def _target_name(meta: dict[str, Any], other: dict[str, Any]) -> str:
-    """How a run's target is named in messages: ``--target`` and, for tiny targets, the
-    ``--tiny-*`` options that differ from ``other``'s."""
-    name = str(meta.get("target", "?"))
-    mine, theirs = meta.get("target_options") or {}, other.get("target_options") or {}
-    diff = [f"--{k.replace('_', '-')} {v}" for k, v in sorted(mine.items()) if theirs.get(k) != v]
-    return f"{name} ({', '.join(diff)})" if diff else name
 
 
 def _postfix(rec: dict[str, Any]) -> dict[str, str]:
