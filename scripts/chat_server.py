@@ -27,6 +27,10 @@ default), ``--reject-containing TEXT`` (a request with TEXT in a message gets a 
 400), ``--log-requests FILE`` (one JSON line per chat request: its ``X-Request-Id``, the
 number of messages and the status).
 
+``--parent-pid PID``: the server exits when process PID (the one that started it: the demo,
+a test) does, even when that one is killed -9 (Linux: ``PR_SET_PDEATHSIG``; elsewhere, and
+as a second check, a thread that watches the parent pid).
+
 ``python scripts/chat_server.py --fixed-delay 0.05 --max-concurrent 32 --port 0`` prints one
 line ``READY http://127.0.0.1:PORT`` once it listens (port 0 picks a free port).
 """
@@ -36,7 +40,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -430,6 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reject-containing", help="Requests with this text get a 400.")
     p.add_argument("--log-requests", type=Path, help="JSONL: id, messages, status.")
     p.add_argument("-v", "--verbose", action="store_true", help="Log every request.")
+    p.add_argument("--parent-pid", type=int, help="Exit when this process exits.")
     args = p.parse_args(argv)
     if args.served_model_name is None:
         args.served_model_name = args.model.name if args.model else "fixed"
@@ -440,8 +447,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def die_with_parent(parent: int) -> None:
+    """End this process (SIGTERM) when ``parent`` ends, however it ends."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # it is gone already (before the prctl)
+        os._exit(1)
+
+    def watch() -> None:  # where PR_SET_PDEATHSIG is not, or fires on a thread's exit only
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
     if args.model is not None:
         if args.max_concurrent != 1:
             print("--model: --batch sets the requests served at once", file=sys.stderr)

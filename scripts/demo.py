@@ -133,6 +133,7 @@ def chat_server(model_dir: Path) -> Iterator[str]:
     """The target behind a local OpenAI-compatible server (as SGLang or vLLM would serve it)."""
     cmd = [PY, "scripts/chat_server.py", "--model", str(model_dir), "--batch", "16", "--port", "0"]
     print("$", " ".join(c.replace(PY, "python") for c in cmd), " (an SGLang/vLLM stand-in)")
+    cmd += ["--parent-pid", str(os.getpid())]  # it dies with the demo, even on kill -9
     log = open(DEMO_DIR / "chat-server.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
@@ -144,7 +145,11 @@ def chat_server(model_dir: Path) -> Iterator[str]:
         yield line.split()[1]
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         log.close()
 
 
@@ -206,7 +211,21 @@ def reload_and_draft(target_dir: Path, drafter_dir: Path, heldout: Path) -> None
         raise SystemExit("the reloaded drafter changed the target's output")
 
 
+_STOPPING: list[int] = []
+
+
+def _stop(signum: int, frame: Any) -> None:
+    if not _STOPPING:  # once: a second signal does not cut the cleanup short
+        _STOPPING.append(signum)
+        raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    # SIGTERM/SIGHUP end the demo as Ctrl-C does, through its finally blocks (the chat
+    # server and the daemon are stopped); on kill -9 the chat server still follows.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:  # nohup's ignored SIGHUP stays ignored
+            signal.signal(sig, _stop)
     DEMO_DIR.mkdir(exist_ok=True)
     chat, target, corpus = DEMO_DIR / "chat", DEMO_DIR / "target", DEMO_DIR / "corpus"
     prepare_data(chat, target, corpus)

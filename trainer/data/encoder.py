@@ -17,6 +17,13 @@ scaffolding such as Qwen3's empty think block, the newline after ``<|im_end|>``)
   exact fallback renders the conversation again once per assistant message with that
   message's content replaced by a sentinel: the part of the text that differs is the
   rendered content. Fallbacks are counted in the report.
+* With a token ``limit`` (``--max-length``), a conversation whose rendered text is far
+  longer than ``limit`` tokens can be is not tokenized whole: a prefix of its text is, long
+  enough to hold ``limit`` + 1 + ``PREFIX_MARGIN`` tokens, and its first ``limit`` + 1
+  tokens and mask are the whole encode's (tokenization is local: cutting the text changes
+  only the tokens near the cut; each such prefix encode is checked against a second,
+  longer cut, and if they disagree the conversation is tokenized whole). A 50 MB row under
+  ``--max-length 4096`` then costs a render and a few small encodes (``Longer``).
 * Character spans become token spans without character offsets (computing them costs about
   a third of the encode): added tokens split the text into segments tokenized independently,
   so the k-th added token in the text is the k-th added-token id, which places every span
@@ -44,6 +51,22 @@ from trainer.data.messages import MalformedRow, clip, normalize
 log = logging.getLogger(__name__)
 
 _SENTINEL = "\x00"
+#: Tokens a prefix encode must reach past ``limit`` + 1: those near the cut may differ from
+#: the whole text's; the first ``limit`` + 1 are far enough from it.
+PREFIX_MARGIN = 128
+#: Characters per token a first prefix allows for (then x4 per try); False: always whole.
+PREFIX_CHARS_PER_TOKEN: int | bool = 16
+
+
+@dataclass(frozen=True)
+class Longer:
+    """A conversation longer than the ``limit`` it was encoded under, encoded only as far
+    as its first ``limit`` + 1 tokens (``ids``, ``mask``: equal to the whole encode's
+    first ones); ``chars``: its rendered length in characters."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    chars: int
 
 
 @dataclass(frozen=True)
@@ -113,7 +136,8 @@ class ChatEncoder:
                 normalized.append(normalize(list(conv), "messages", require_assistant=True))
             except MalformedRow as e:
                 normalized.append(e)
-        return self.encode_normalized(normalized)
+        out = self.encode_normalized(normalized)  # no limit: never a Longer
+        return [r for r in out if not isinstance(r, Longer)]
 
     def prompt_ids(self, messages: Sequence[Mapping]) -> np.ndarray:
         """The messages rendered with the generation prompt, tokenized (int32): what the model
@@ -285,8 +309,15 @@ class ChatEncoder:
             raise ValueError(f"{self.name}: cannot reproduce apply_chat_template's token ids")
 
     def encode_normalized(
-        self, conversations: Sequence[list[dict[str, str]] | MalformedRow]
-    ) -> list[tuple[np.ndarray, np.ndarray] | MalformedRow]:
+        self,
+        conversations: Sequence[list[dict[str, str]] | MalformedRow],
+        limit: int | None = None,
+    ) -> list[tuple[np.ndarray, np.ndarray] | Longer | MalformedRow]:
+        """Normalized conversations encoded in one batch. With ``limit``, one whose text is
+        too long to fit in ``limit`` tokens may come back as ``Longer`` (its first
+        ``limit`` + 1 tokens, without tokenizing the rest); shorter ones are encoded whole,
+        as without ``limit``. A conversation that cannot be encoded gives its
+        ``MalformedRow``, never an error for the batch."""
         out: list[Any] = list(conversations)
         todo, texts, spans = [], [], []
         for i, messages in enumerate(conversations):
@@ -294,14 +325,22 @@ class ChatEncoder:
                 continue
             try:
                 text = self._render(messages)
-                spans.append(self._spans(text, messages))
+                sp = self._spans(text, messages)
+                if limit is not None and (cut := self._prefix_encode(text, sp, limit)):
+                    out[i] = cut
+                    continue
             except MalformedRow as e:
                 out[i] = e
                 continue
             todo.append(i)
             texts.append(text)
+            spans.append(sp)
+        encoded = self._encode_each(self._encode_texts, texts)
         redo = []
-        for i, enc, text, sp in zip(todo, self._encode_texts(texts), texts, spans, strict=True):
+        for i, enc, text, sp in zip(todo, encoded, texts, spans, strict=True):
+            if isinstance(enc, MalformedRow):
+                out[i] = enc
+                continue
             ids = np.asarray(enc.ids, dtype=np.int32)
             token_spans = self._token_spans(text, ids, sp)
             if token_spans is None:
@@ -310,10 +349,61 @@ class ChatEncoder:
                 out[i] = _checked(ids, _span_mask(token_spans, len(ids)))
         if redo:  # character offsets for the few the anchors cannot place
             self.offset_fallbacks += len(redo)
-            encs = self._encode_offsets([r[2] for r in redo])
+            encs = self._encode_each(self._encode_offsets, [r[2] for r in redo])
             for (i, ids, _, sp), enc in zip(redo, encs, strict=True):
-                out[i] = _checked(ids, token_mask(enc, sp, len(ids)))
+                out[i] = (
+                    enc
+                    if isinstance(enc, MalformedRow)
+                    else _checked(ids, token_mask(enc, sp, len(ids)))
+                )
         return out
+
+    def _encode_each(self, encode: Callable[[list[str]], list[Any]], texts: list[str]) -> list[Any]:
+        """``encode(texts)``; if the batch fails, each text alone, a failing one giving its
+        MalformedRow (``encode_error``) in its place."""
+        if not texts:
+            return []
+        try:
+            return encode(texts)
+        except Exception:
+            if len(texts) == 1:
+                return [self._encode_one(encode, texts[0])]
+            return [self._encode_one(encode, t) for t in texts]
+
+    @staticmethod
+    def _encode_one(encode: Callable[[list[str]], list[Any]], text: str) -> Any:
+        try:
+            return encode([text])[0]
+        except Exception as e:  # the tokenizer's own refusal, whatever its type
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return MalformedRow("encode_error", clip(first, 120))
+
+    def _prefix_encode(self, text: str, spans: list[tuple[int, int]], limit: int) -> Any:
+        """``Longer`` for a text too long to fit in ``limit`` tokens, from prefix encodes
+        (module docstring); None when the text is short enough to encode whole, or the
+        prefix encodes do not agree (then it is). Raises MalformedRow when nothing in it
+        is supervised."""
+        if not PREFIX_CHARS_PER_TOKEN:
+            return None
+        need = limit + 1 + PREFIX_MARGIN
+        cut = need * int(PREFIX_CHARS_PER_TOKEN)
+        while cut < len(text):
+            if not any(b > a for a, b in spans):  # what the whole encode would say
+                raise MalformedRow("no_supervised_tokens", "no assistant token survives rendering")
+            longer = min(len(text), cut + max(cut // 4, 1024))
+            a, b = self._encode_each(self._encode_offsets, [text[:cut], text[:longer]])
+            if isinstance(a, MalformedRow) or isinstance(b, MalformedRow):
+                return None
+            if len(a.ids) >= need:
+                ids = np.asarray(a.ids[: limit + 1], dtype=np.int32)
+                if len(b.ids) < limit + 1 or not np.array_equal(ids, b.ids[: limit + 1]):
+                    log.debug("prefix encodes disagree: tokenizing %d characters", len(text))
+                    return None
+                inside = [(lo, min(hi, cut)) for lo, hi in spans if lo < cut]
+                mask = token_mask(a, inside, len(a.ids))[: limit + 1]
+                return Longer(ids, mask, len(text))
+            cut *= 4
+        return None
 
     def _token_spans(
         self, text: str, ids: np.ndarray, spans: list[tuple[int, int]]

@@ -4,6 +4,7 @@ and the error a row that cannot become a training sample raises."""
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -38,9 +39,13 @@ def to_messages(row: Mapping, *, require_assistant: bool = True) -> list[dict[st
     """A ShareGPT or OpenAI row as ``[{"role", "content"}]`` with roles system/user/assistant.
     ``require_assistant=False`` accepts a prompt-only row (no assistant turn).
 
+    Any value of any type and nesting comes back as messages or raises MalformedRow,
+    never another error.
+
     Raises:
         MalformedRow: missing_messages, bad_shape, empty, unknown_role, non_string_content,
-            empty_assistant or no_assistant_turn.
+            bad_text (a lone surrogate: not UTF-8 text), empty_assistant or
+            no_assistant_turn.
     """
     if not isinstance(row, Mapping):
         raise MalformedRow("bad_shape", f"row is a {type(row).__name__}, not an object")
@@ -86,12 +91,25 @@ def _message(turn: Any, k: int) -> dict[str, str]:
 def _text(value: Any, k: int) -> str:
     """Message content: a string, or OpenAI content parts that are all text."""
     if isinstance(value, str):
-        return value
+        return checked_text(value, f"message {k} content")
     if isinstance(value, (list, tuple)) and value:
         parts = [p.get("text") if isinstance(p, Mapping) else None for p in value]
         if all(isinstance(p, str) for p in parts):
-            return "".join(cast(list[str], parts))
+            return checked_text("".join(cast(list[str], parts)), f"message {k} content")
     raise MalformedRow("non_string_content", f"message {k} content is {short(value)}")
+
+
+def checked_text(text: str, what: str) -> str:
+    """``text`` if it can be UTF-8 encoded (what a tokenizer and a JSON line need); a lone
+    surrogate (JSON's ``"\\ud800"``) raises MalformedRow ``bad_text``."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise MalformedRow(
+                "bad_text", f"{what} holds {e.object[e.start : e.end]!r} at {e.start}: not text"
+            ) from None
+    return text
 
 
 def _first(d: Mapping, *keys: str) -> Any:
@@ -104,8 +122,16 @@ def key_list(d: Mapping) -> str:
 
 
 def short(value: Any, width: int = 60) -> str:
-    """A value for an error message: its repr, clipped."""
-    return clip(repr(value), width)
+    """A value for an error message: its repr, clipped (bounded in depth and size, so a
+    huge or deeply nested value costs no more than a small one)."""
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxstring, shown.maxother = 3, width, width
+    shown.maxlist = shown.maxtuple = shown.maxdict = shown.maxset = 6
+    try:
+        text = shown.repr(value)
+    except (RecursionError, ValueError):  # a hostile __repr__, or a huge int
+        text = f"<{type(value).__name__}>"
+    return clip(text, width)
 
 
 def clip(text: str, width: int) -> str:
@@ -119,6 +145,8 @@ def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
 
 
 def as_row(raw: Any) -> dict:
+    """A raw row (a JSON line, or an already decoded value) as a dict; MalformedRow
+    (``bad_json``, ``bad_shape``) otherwise, never another error."""
     if isinstance(raw, MalformedRow):
         raise raw
     if isinstance(raw, (bytes, str)):
@@ -126,6 +154,8 @@ def as_row(raw: Any) -> dict:
             raw = json.loads(raw)
         except ValueError as e:
             raise MalformedRow("bad_json", clip(str(e), 100)) from None
+        except RecursionError:
+            raise MalformedRow("bad_json", "nested too deeply to decode") from None
     if not isinstance(raw, dict):
         raise not_object(raw)
     return raw

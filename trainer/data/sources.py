@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -13,7 +17,9 @@ from typing import Any, TypeAlias
 import pyarrow as pa
 
 from trainer.data.corpus import REPORT_NAME
-from trainer.data.messages import CONV_KEYS, MalformedRow, as_row, not_object
+from trainer.data.messages import CONV_KEYS, MalformedRow, as_row, not_object, short
+
+log = logging.getLogger(__name__)
 
 _JSONL, _JSON, _PARQUET, _ARROW = (
     (".jsonl", ".ndjson"),
@@ -37,11 +43,17 @@ def read_rows(sources: Sequence[str | Path]) -> Iterator[tuple[str, int, dict | 
     Sources are JSONL, JSON (a list of rows, or an object holding one under ``data``/
     ``rows``/``examples``/``train``/``items``), Parquet, Arrow files, Hugging Face
     ``save_to_disk`` folders, or folders of those (name order, recursively; hidden entries
-    and folders holding a ``tokenize_report.json`` are skipped). A row that is not
-    valid JSON, or not an object, comes back as a ``MalformedRow`` instead of raising. For
-    JSONL the row index is the 0-based line number; blank lines are not rows.
+    and folders holding a ``tokenize_report.json`` are skipped; each file is read once, see
+    ``expand_sources``). A row that is not valid JSON, or not an object, comes back as a
+    ``MalformedRow`` instead of raising. For JSONL the row index is the 0-based line number;
+    blank lines are not rows.
     """
-    for where, payload in read_chunks(expand_sources(sources), CHUNK_ROWS):
+    return source_rows(expand_sources(sources))
+
+
+def source_rows(files: list[Source]) -> Iterator[tuple[str, int, dict | MalformedRow]]:
+    """``read_rows`` of what ``expand_sources`` found."""
+    for where, payload in read_chunks(files, CHUNK_ROWS):
         for (name, i), raw in zip(where, payload_rows(payload), strict=True):
             try:
                 yield name, i, as_row(raw)
@@ -50,20 +62,67 @@ def read_rows(sources: Sequence[str | Path]) -> Iterator[tuple[str, int, dict | 
 
 
 def expand_sources(sources: Sequence[str | Path]) -> list[Source]:
-    """Every input file (or datasets folder) of the sources, in order."""
+    """Every input file (or datasets folder) of the sources, in order, each once.
+
+    Folder walks follow links to files and folders but never read the same file or folder
+    twice: a link to a folder already walked (a loop such as ``sub/up -> ..``), a second
+    link to a file already read, a broken link, and a source named twice are skipped, and
+    one warning names them."""
+    seen: dict[tuple[int, int], Path] = {}
+    skipped: list[str] = []
     out: list[Source] = []
     for s in sources:
         path = Path(s)
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such file or directory")
-        found = _expand_dir(path) if path.is_dir() else [_file_source(path, explicit=True)]
-        if not found:
-            raise ValueError(f"{path}: no .jsonl, .json, .parquet or .arrow files in folder")
-        out.extend(x for x in found if x is not None)
+        if path.is_dir():
+            before = len(skipped)
+            found = _expand_dir(path, seen, skipped)
+            if not found and len(skipped) == before:
+                raise ValueError(f"{path}: no .jsonl, .json, .parquet or .arrow files in folder")
+            out.extend(found)
+        else:
+            src = _file_source(path, explicit=True)
+            if src is not None and _first_visit(path, seen, skipped):
+                out.append(src)
+    if skipped:
+        shown = "; ".join(skipped[:10]) + (
+            f"; and {len(skipped) - 10} more" if skipped[10:] else ""
+        )
+        log.warning("read once: skipped %d link(s) or repeated input(s): %s", len(skipped), shown)
+    if not out:
+        raise ValueError(f"{', '.join(map(str, sources))}: no input left to read (see the warning)")
     return out
 
 
-def _expand_dir(path: Path) -> list[Source | None]:
+def _first_visit(path: Path, seen: dict[tuple[int, int], Path], skipped: list[str]) -> bool:
+    """Whether ``path`` (a file or folder, links followed) is read for the first time; a
+    repeat is added to ``skipped``."""
+    try:
+        st = path.stat()
+    except OSError:  # a broken link, or a loop of links
+        skipped.append(f"{path} (-> {_link_target(path)}, a link to nothing)")
+        return False
+    key = (st.st_dev, st.st_ino)
+    first = seen.get(key)
+    if first is None:
+        seen[key] = path
+        return True
+    how = f"-> {_link_target(path)}, " if path.is_symlink() else ""
+    skipped.append(f"{path} ({how}already read as {first})")
+    return False
+
+
+def _link_target(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
+
+
+def _expand_dir(path: Path, seen: dict[tuple[int, int], Path], skipped: list[str]) -> list[Source]:
+    if not _first_visit(path, seen, skipped):
+        return []
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
         raise ValueError(
@@ -72,13 +131,19 @@ def _expand_dir(path: Path) -> list[Source | None]:
         )
     if (path / "state.json").is_file() or (path / "dataset_info.json").is_file():
         return [Source(path, "hf")]
-    out: list[Source | None] = []
-    for p in sorted(path.iterdir()):
+    out: list[Source] = []
+    try:
+        entries = sorted(path.iterdir())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot list the folder ({e.strerror or e})") from e
+    for p in entries:
         if p.name.startswith(".") or (p / REPORT_NAME).is_file():  # hidden, or our own output
             continue
         if p.is_dir():
-            out.extend(_expand_dir(p))
-        elif (src := _file_source(p, explicit=False)) is not None:
+            out.extend(_expand_dir(p, seen, skipped))
+        elif (src := _file_source(p, explicit=False)) is not None and _first_visit(
+            p, seen, skipped
+        ):
             out.append(src)
     return out
 
@@ -107,13 +172,25 @@ def read_chunks(
     """Chunks of at most ``size`` raw rows, ``(where, payload)``; a chunk never spans files."""
     left = limit
     for src in sources:
-        for idx, payload in _READERS[src.kind](src.path, size):
+        for idx, payload in _reading(src, _READERS[src.kind](src.path, size)):
             if left is not None:
                 if left <= 0:
                     return
                 idx, payload = idx[:left], payload[:left]
                 left -= len(idx)
             yield [(str(src.path), i) for i in idx], payload
+
+
+def _reading(
+    src: Source, chunks: Iterator[tuple[list[int], Payload]]
+) -> Iterator[tuple[list[int], Payload]]:
+    """A reader's chunks; an error reading the source (permissions, a file that went away,
+    a corrupt Parquet page) becomes one line naming it."""
+    try:
+        yield from chunks
+    except (OSError, pa.ArrowException) as e:  # ArrowInvalid: a corrupt page, mid-file
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"{src.path}: cannot read it ({why})") from e
 
 
 def _jsonl_chunks(path: Path, size: int) -> Iterator[tuple[list[int], list]]:
@@ -141,6 +218,11 @@ def _json_chunks(path: Path, size: int) -> Iterator[tuple[list[int], list]]:
             yield from _jsonl_chunks(path, size)
             return
         raise ValueError(f"{path}: not valid JSON ({e})") from e
+    except RecursionError:
+        raise ValueError(
+            f"{path}: JSON nested too deeply to read (more than ~{sys.getrecursionlimit()} "
+            "levels): not a list of conversation rows"
+        ) from None
     rows = _json_rows(path, data)
     for lo in range(0, len(rows), size):
         yield list(range(lo, min(lo + size, len(rows)))), rows[lo : lo + size]
@@ -227,7 +309,10 @@ def _hf_shards(path: Path) -> pa.Table:
             f"{path}: reading this datasets folder needs the `datasets` package "
             f"(pip install datasets): it has no state.json listing its shards"
         )
-    files = [path / d["filename"] for d in json.loads(state.read_text())["_data_files"]]
+    try:
+        files = [path / d["filename"] for d in json.loads(state.read_text())["_data_files"]]
+    except (ValueError, RecursionError, KeyError, TypeError) as e:
+        raise ValueError(f"{state}: not a datasets state.json listing _data_files ({e!r})") from e
     return pa.concat_tables([_read_arrow(f) for f in files])
 
 
@@ -258,3 +343,53 @@ def count_rows(sources: list[Source]) -> int | None:
         else:
             return None
     return total
+
+
+def fingerprints(sources: list[Source]) -> dict[str, dict[str, Any]]:
+    """What each input file is now, by resolved path: ``{"size", "mtime_ns", "blake2b"}``
+    (the content's BLAKE2b-128, streamed). A datasets folder counts as all its files."""
+    out: dict[str, dict[str, Any]] = {}
+    for src in sources:
+        files = (
+            [src.path]
+            if src.kind != "hf"
+            else sorted(p for p in src.path.rglob("*") if p.is_file())
+        )
+        for path in files:
+            out[str(path.resolve())] = fingerprint(path)
+    return out
+
+
+def fingerprint(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from e
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "blake2b": digest}
+
+
+def fingerprint_change(old: Any, new: dict[str, Any]) -> str:
+    """How an input with fingerprint ``new`` differs from ``old``, "" when it does not: its
+    size or its content changed. The same content with a new mtime (copied, touched) is
+    the same input."""
+    if not isinstance(old, dict):
+        return f"has an unreadable fingerprint ({short(old)})"
+    if old.get("size") != new["size"]:
+        return f"changed size ({old.get('size')} -> {new['size']} bytes)"
+    if old.get("blake2b") != new["blake2b"]:
+        return "changed content (same size, another BLAKE2b digest)"
+    return ""
+
+
+def changed_since(old: dict[str, Any], path: Path) -> str:
+    """``fingerprint_change`` of ``path`` as it is now, for a check during a run: an
+    unchanged size and mtime is taken as unchanged without reading the file again."""
+    try:
+        st = path.stat()
+    except OSError:
+        return "is gone"
+    if st.st_size == old.get("size") and st.st_mtime_ns == old.get("mtime_ns"):
+        return ""
+    return fingerprint_change(old, fingerprint(path))

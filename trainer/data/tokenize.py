@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainer.data.corpus import HELDOUT_NAME, REPORT_NAME, HeldoutPrompt, ShardWriter, write_heldout
-from trainer.data.encoder import WARNED, ChatEncoder
+from trainer.data.encoder import WARNED, ChatEncoder, Longer
 from trainer.data.messages import MalformedRow, as_row, prompt_messages, to_messages
 from trainer.data.sources import (
     CHUNK_ROWS,
@@ -58,18 +60,44 @@ class _Result:
 
 
 _WORKER: dict[str, Any] = {}
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _init_worker(tokenizer: str, enable_thinking: bool | None, child: bool) -> None:
+def _init_worker(
+    tokenizer: str, enable_thinking: bool | None, child: bool, parent: int | None = None
+) -> None:
     if child:  # one process per core: no Rust thread pool inside each
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if parent is not None:
+        die_with_parent(parent)
+        _WORKER["parent"] = parent
     enc = _WORKER.get("encoder")
     if enc is None or (enc.name, enc.enable_thinking) != (str(tokenizer), enable_thinking):
         WARNED.add(f"{tokenizer}: the chat template ignores enable_thinking={enable_thinking}")
         _WORKER["encoder"] = ChatEncoder(tokenizer, enable_thinking=enable_thinking)
 
 
+def die_with_parent(parent: int) -> None:
+    """Make this process (a worker forked by ``parent``) end when ``parent`` does: on Linux
+    the kernel sends SIGTERM when it dies (``prctl(PR_SET_PDEATHSIG)``); a parent already
+    gone (died before that call) ends us now. SIGTERM ends a worker at once (the parent
+    owns every output) and Ctrl-C is the parent's to handle: the terminal sends it to the
+    workers too, which then keep quiet instead of printing a traceback each."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _encode_chunk(payload: Payload, max_length: int | None, overflow: str) -> _Result:
+    parent = _WORKER.get("parent")
+    if parent is not None and os.getppid() != parent:  # where PR_SET_PDEATHSIG is not
+        os._exit(1)
     enc: ChatEncoder = _WORKER["encoder"]
     rows = payload_rows(payload)
     outcomes: list[Any] = [None] * len(rows)
@@ -81,7 +109,7 @@ def _encode_chunk(payload: Payload, max_length: int | None, overflow: str) -> _R
             convs.append(e)
     before = enc.fallbacks
     ids, masks = [], []
-    for i, r in enumerate(enc.encode_normalized(convs)):
+    for i, r in enumerate(enc.encode_normalized(convs, max_length)):
         if isinstance(r, MalformedRow):
             outcomes[i] = (r.reason, r.detail)
             continue
@@ -100,15 +128,23 @@ def _encode_chunk(payload: Payload, max_length: int | None, overflow: str) -> _R
 
 
 def _fit(
-    sample: tuple[np.ndarray, np.ndarray], max_length: int | None, overflow: str
+    sample: tuple[np.ndarray, np.ndarray] | Longer, max_length: int | None, overflow: str
 ) -> tuple[Any, tuple[np.ndarray, np.ndarray] | None]:
-    ids, mask = sample
-    if max_length is None or len(ids) <= max_length:
-        return None, sample
+    """A sample under ``--max-length``: (outcome, what enters the corpus). A ``Longer`` one
+    (not tokenized whole) is longer than ``max_length`` by construction."""
+    if isinstance(sample, Longer):
+        ids, mask = sample.ids, sample.mask
+        n = f"more than {max_length}"
+        whole = f"; {sample.chars:,} characters, not tokenized whole"
+    else:
+        ids, mask = sample
+        n, whole = f"{len(ids)}", ""
+        if max_length is None or len(ids) <= max_length:
+            return None, sample
     if overflow == "drop":
-        return ("too_long", f"{len(ids)} tokens > --max-length {max_length}"), None
+        return ("too_long", f"{n} tokens > --max-length {max_length}{whole}"), None
     if not mask[:max_length].any():
-        return ("too_long", f"no supervised token in the first {max_length} of {len(ids)}"), None
+        return ("too_long", f"no supervised token in the first {max_length} of {n}{whole}"), None
     return "truncated", (ids[:max_length], mask[:max_length])
 
 
@@ -134,7 +170,7 @@ class _Runner:
                 workers,
                 mp_context=mp.get_context(method),
                 initializer=_init_worker,
-                initargs=(tokenizer, encoder.enable_thinking, True),
+                initargs=(tokenizer, encoder.enable_thinking, True, os.getpid()),
             )
 
     def map(
@@ -156,9 +192,15 @@ class _Runner:
             where0, payload0, fut = pending.popleft()
             yield where0, payload0, fut.result()
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the pool: after the last chunk, or (``abort``: an error, Ctrl-C, SIGTERM)
+        at once, its workers terminated rather than left to finish their chunks."""
         if self.pool is None:
             return
+        if abort:
+            procs = getattr(self.pool, "_processes", None) or {}  # pid -> Process
+            for proc in list(procs.values()):
+                proc.terminate()
         self.pool.shutdown(wait=True, cancel_futures=True)
         if self._env is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -240,8 +282,8 @@ def _run(
     total = count_rows(files) if progress else None
     if total is not None and opts.limit is not None:
         total = min(total, opts.limit)
-    runner = _Runner(encoder, tokenizer, opts.workers)
     bar = progress_bar(total, "tokenize", "conv", progress)
+    runner = _Runner(encoder, tokenizer, opts.workers)
     try:
         chunks = read_chunks(files, CHUNK_ROWS, opts.limit)
         for where, payload, result in runner.map(chunks, opts.max_length, opts.overflow):
@@ -250,8 +292,12 @@ def _run(
             if opts.holdout:
                 _remember(kept, where, payload, result.outcomes)
             _tick(bar, len(where), int(result.ids.size), t0)
-    finally:
+    except BaseException:
+        runner.close(abort=True)
+        raise
+    else:
         runner.close()
+    finally:
         bar.close()
     held = writer.finish()
     if writer.rows == 0:

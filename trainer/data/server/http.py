@@ -3,10 +3,12 @@ backoff that honours ``Retry-After``, replies parsed with their reasons."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
 import random
+import socket
 import threading
 import time
 import urllib.parse
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from trainer.data.messages import MalformedRow, checked_text
 from trainer.data.server.spec import ServerRegenSpec
 
 log = logging.getLogger(__name__)
@@ -23,6 +26,10 @@ RETRY_STATUSES = frozenset({408, 429})  # and every 5xx
 
 class ServerUnavailable(ValueError):
     """The server does not answer (at start, or after all retries): the run stops."""
+
+
+class Cancelled(Exception):
+    """The client was closed (the run is stopping): this request is abandoned."""
 
 
 class RowFailed(Exception):
@@ -70,7 +77,7 @@ def _error_text(data: bytes) -> str:
         err = err.get("error", err) if isinstance(err, dict) else err
         msg = err.get("message", err) if isinstance(err, dict) else err
         text = msg if isinstance(msg, str) else json.dumps(msg)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON (or not UTF-8), or nested too deeply
         text = data.decode("utf-8", "replace")
     return " ".join(text.split())[:300]
 
@@ -85,13 +92,19 @@ def parse_reply(data: bytes, thinking: bool) -> Reply:
         content = message.get("content") or ""
         reasoning = message.get("reasoning_content") or ""
         tokens = int((body.get("usage") or {}).get("completion_tokens") or 0)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, IndexError, TypeError) as e:
+        finish = str(choice.get("finish_reason") or "unknown")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError) as e:
         raise RowFailed("bad_response", f"{type(e).__name__}: {_error_text(data)}") from e
-    if not isinstance(content, str):
-        raise RowFailed("bad_response", f"content is {type(content).__name__}, not a string")
+    if not isinstance(content, str) or not isinstance(reasoning, str):
+        kind = type(content if not isinstance(content, str) else reasoning).__name__
+        raise RowFailed("bad_response", f"content is {kind}, not a string")
+    try:
+        checked_text(content + reasoning, "the reply")
+    except MalformedRow as e:  # a lone surrogate: cannot be journaled or tokenized
+        raise RowFailed("bad_response", e.detail) from None
     if thinking and reasoning:
         content = f"<think>\n{reasoning}\n</think>\n\n{content}"
-    return Reply(content, str(choice.get("finish_reason") or "unknown"), tokens)
+    return Reply(content, finish, tokens)
 
 
 @dataclass
@@ -118,6 +131,21 @@ class ChatClient:
         self.model, self.spec = model, spec
         self.stats = ClientStats()
         self._local = threading.local()
+        self._closed = threading.Event()
+        self._open: set[Any] = set()  # every thread's connection, for close()
+        self._open_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Abandon every request in flight (their sockets shut down, backoff sleeps woken):
+        the worker threads end at once with Cancelled. For a run that is stopping."""
+        self._closed.set()
+        with self._open_lock:
+            conns = list(self._open)
+        for conn in conns:
+            sock = getattr(conn, "sock", None)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
     def list_models(self, timeout_s: float = 10.0) -> list[str]:
         """Model ids from ``GET /v1/models``; ServerUnavailable (one line) if it fails."""
@@ -131,8 +159,8 @@ class ChatClient:
                 f"--server {self.url}: {where} answered HTTP {status}: {_error_text(data)}"
             )
         try:
-            return [m["id"] for m in json.loads(data)["data"]]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            return [str(m["id"]) for m in json.loads(data)["data"]]
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise ServerUnavailable(
                 f"--server {self.url}: {where} is not an OpenAI model list: {_error_text(data)}"
             ) from e
@@ -164,11 +192,15 @@ class ChatClient:
         for attempt in range(spec.retries + 1):
             if attempt:
                 self.stats.add(retries=1)
-                time.sleep(self.backoff(attempt, wait_s))
+                self._closed.wait(self.backoff(attempt, wait_s))
+            if self._closed.is_set():
+                raise Cancelled("the run is stopping")
             self.stats.add(requests=1)
             try:
                 status, resp_headers, data = self._send("POST", path, body, headers, None)
             except (OSError, http.client.HTTPException) as e:
+                if self._closed.is_set():
+                    raise Cancelled("the run is stopping") from e
                 failure, wait_s = None, None
                 error = f"{type(e).__name__}: {e}"
                 continue
@@ -201,6 +233,9 @@ class ChatClient:
         """One request; a kept-alive connection the server closed meanwhile is reopened once."""
         for fresh in (False, True):
             conn, reused = self._connection(timeout_s, fresh)
+            if self._closed.is_set():  # after _connection registered it: close() sees it or we do
+                self._drop()
+                raise Cancelled("the run is stopping")
             try:
                 conn.request(method, self._prefix + path, body=body, headers=headers)
                 resp = conn.getresponse()
@@ -226,10 +261,14 @@ class ChatClient:
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = cls(self._netloc, timeout=timeout_s or self.spec.timeout_s)
         self._local.conn = conn
+        with self._open_lock:
+            self._open.add(conn)
         return conn, False
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
+            with self._open_lock:
+                self._open.discard(conn)
         self._local.conn = None

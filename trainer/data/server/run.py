@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
+import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -18,7 +20,7 @@ from trainer.data.messages import MalformedRow, to_messages
 from trainer.data.server.http import ChatClient, RowFailed, ServerUnavailable
 from trainer.data.server.journal import Journal, journal_path
 from trainer.data.server.spec import ServerRegenSpec
-from trainer.data.sources import read_rows
+from trainer.data.sources import Source, changed_since, expand_sources, fingerprints, source_rows
 from trainer.data.tokenize import tokenize_corpus
 from trainer.files import check_output
 from trainer.progress import progress_bar
@@ -80,9 +82,9 @@ def conversation(row: Any) -> list[dict[str, str]]:
     return messages
 
 
-def _rows(sources: list[Path]) -> Iterator[tuple[tuple[str, int], Any]]:
-    """``((file, row), messages | RowFailed)`` for every row of the sources, in order."""
-    for file, i, row in read_rows(sources):
+def _rows(files: list[Source]) -> Iterator[tuple[tuple[str, int], Any]]:
+    """``((file, row), messages | RowFailed)`` for every row of the inputs, in order."""
+    for file, i, row in source_rows(files):
         key = (str(Path(file).resolve()), int(i))
         if isinstance(row, MalformedRow):
             yield key, RowFailed(row.reason, row.detail)
@@ -95,11 +97,11 @@ def _rows(sources: list[Path]) -> Iterator[tuple[tuple[str, int], Any]]:
             yield key, e
 
 
-def index_rows(sources: list[Path], holdout: int) -> RowIndex:
+def index_rows(files: list[Source], holdout: int) -> RowIndex:
     """All row keys and the held-out rows."""
     index = RowIndex()
     tail: deque = deque(maxlen=max(holdout, 1))
-    for key, item in _rows(sources):
+    for key, item in _rows(files):
         index.keys.append(key)
         if isinstance(item, RowFailed):
             continue
@@ -142,6 +144,13 @@ def describe_failure(rec: dict[str, Any]) -> str:
     return f"{rec['file']} row {rec['row']}: {rec['reason']}: {rec['detail']}"
 
 
+def failure_line(counts: RunCounts, rows: int) -> str:
+    """One line on the rows that failed: how many, by reason, the first."""
+    n = sum(counts.failed.values())
+    reasons = ", ".join(f"{k}: {v}" for k, v in counts.failed.most_common())
+    return f"{n} of {rows} rows failed ({reasons}); first: {counts.first_failed}"
+
+
 def _work(client: ChatClient, key: tuple[str, int], item: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {"file": key[0], "row": key[1]}
     if isinstance(item, RowFailed):
@@ -174,7 +183,8 @@ class Pool:
                     pending = self._collect(pending, done)
             while pending:
                 pending = self._collect(pending, done)
-        except BaseException:  # Ctrl-C: what finished is journaled; do not wait for the rest
+        except BaseException:  # Ctrl-C, SIGTERM: what finished is journaled; drop the rest
+            self.client.close()  # requests in flight end now, their threads with them
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown()
@@ -229,14 +239,23 @@ def connect(spec: ServerRegenSpec) -> ChatClient:
 def regen_from_server(
     sources: list[Path], out: Path, spec: ServerRegenSpec, *, progress: bool = True
 ) -> dict[str, Any]:
-    """Regenerate (resuming from the journal), then tokenize into ``out``; the summary."""
+    """Regenerate (resuming from the journal), then tokenize into ``out``; the summary.
+
+    The inputs are fingerprinted first (``trainer.data.sources.fingerprints``, recorded in
+    the journal): a resumed run refuses inputs that changed since (``spec.restart``
+    discards the journal instead), and a run whose inputs change while it runs stops before
+    tokenizing. A run where no row could be regenerated is an error naming the reasons; one
+    where some failed tokenizes the others and says so (``summary["failed"]``)."""
     start = time.perf_counter()
     client = connect(spec)
-    index = index_rows(sources, spec.holdout)
+    files = expand_sources(sources)
+    inputs = fingerprints(files)
+    index = index_rows(files, spec.holdout)
     _check_out(Path(out), sources)
     if client.model is None:  # connect() names the served model
         raise RuntimeError(f"--server {client.url}: no model chosen")
-    journal = Journal(journal_path(out), _header(sources, spec, client.model))
+    header = _header(sources, spec, client.model)
+    journal = Journal(journal_path(out), header, inputs=inputs, restart=spec.restart)
     resumed = sum(journal.finished(k) for k in index.keys)
     todo = [k for k in index.keys if k not in index.holdout and not journal.finished(k)]
     counts = RunCounts()
@@ -245,11 +264,38 @@ def regen_from_server(
         *(client.url, client.model, len(index.keys), resumed, len(todo), spec.holdout),
     )
     try:
-        regen_s = _regenerate_rows(client, sources, set(todo), journal, counts, spec, progress)
+        regen_s = _regenerate_rows(client, files, set(todo), journal, counts, spec, progress)
     finally:
         journal.close()
-    corpus = _tokenize(sources, Path(out), index, journal, spec, progress)
-    return _summary(index, journal, counts, client, corpus, resumed, regen_s, start)
+    _check_unchanged(inputs, journal)
+    final = final_counts(index, journal)
+    if final.regenerated == 0 and final.failed:
+        raise ValueError(
+            f"no row was regenerated: {failure_line(final, len(index.keys) - len(index.holdout))}"
+            f" (journal {journal.path}: a rerun retries the failed rows)"
+        )
+    corpus = _tokenize(sources, Path(out), index, journal, spec, progress, final)
+    return _summary(index, journal, final, counts, client, corpus, resumed, regen_s, start)
+
+
+def _check_unchanged(inputs: dict[str, dict[str, Any]], journal: Journal) -> None:
+    """The inputs are still what they were when this run fingerprinted them."""
+    for name, fp in inputs.items():
+        how = changed_since(fp, Path(name))
+        if how:
+            raise ValueError(
+                f"{name} {how} while this run read it: the journal {journal.path} may hold "
+                "rows of both versions; rerun with --restart to discard it and regenerate"
+            )
+
+
+def final_counts(index: RowIndex, journal: Journal) -> RunCounts:
+    """The journal's newest record of every row of this input (held-out rows aside)."""
+    final = RunCounts()
+    for key in index.keys:
+        if key in journal.records and key not in index.holdout:
+            final.count(journal.records[key])
+    return final
 
 
 def _check_out(out: Path, sources: list[Path]) -> None:
@@ -265,7 +311,7 @@ def _check_out(out: Path, sources: list[Path]) -> None:
 
 def _regenerate_rows(
     client: ChatClient,
-    sources: list[Path],
+    files: list[Source],
     todo: set[tuple[str, int]],
     journal: Journal,
     counts: RunCounts,
@@ -283,7 +329,7 @@ def _regenerate_rows(
         bar.set_postfix(in_flight=client.stats.in_flight, tok_s=f"{rate:.0f}", refresh=False)
         bar.update(1)
 
-    rows = ((k, item) for k, item in _rows(sources) if k in todo)
+    rows = ((k, item) for k, item in _rows(files) if k in todo)
     try:
         Pool(client, spec.concurrency, spec.tokenize.strict).run(rows, done)
     finally:
@@ -298,12 +344,17 @@ def _tokenize(
     journal: Journal,
     spec: ServerRegenSpec,
     progress: bool,
+    final: RunCounts,
 ) -> dict[str, Any]:
     """The finished conversations in source order, then the held-out ones, through
-    ``tokenize_corpus`` into OUT; its report and held-out prompts name the source rows."""
-    ordered = out.with_name(out.name + ".regen.ordered.jsonl")
-    order = _write_ordered(ordered, index, journal)
+    ``tokenize_corpus`` into OUT; its report and held-out prompts name the source rows,
+    and the report counts the rows that failed to regenerate (``regen_failed``...)."""
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.regen-ordered.", suffix=".jsonl",
+                                dir=out.parent)  # fmt: skip
+    os.close(fd)
+    ordered = Path(name)
     try:
+        order = _write_ordered(ordered, index, journal)
         report = tokenize_corpus(
             [ordered],
             out,
@@ -317,6 +368,9 @@ def _tokenize(
         ordered.unlink(missing_ok=True)
     report["sources"] = [str(s) for s in sources]
     report["regen_journal"] = str(journal.path)
+    report["regen_failed"] = sum(final.failed.values())
+    report["regen_failed_by_reason"] = dict(sorted(final.failed.items()))
+    report["regen_first_failed"] = final.first_failed
     if report.get("heldout_prompts"):
         _relabel_heldout(Path(report["heldout_prompts"]), order, index)
     (out / "tokenize_report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -352,6 +406,7 @@ def _relabel_heldout(path: Path, order: list[tuple[str, int]], index: RowIndex) 
 def _summary(
     index: RowIndex,
     journal: Journal,
+    final: RunCounts,
     counts: RunCounts,
     client: ChatClient,
     corpus: dict[str, Any],
@@ -359,10 +414,6 @@ def _summary(
     regen_s: float,
     start: float,
 ) -> dict[str, Any]:
-    final = RunCounts()
-    for key in index.keys:
-        if key in journal.records and key not in index.holdout:
-            final.count(journal.records[key])
     stats = client.stats
     skipped = {k: v["count"] for k, v in (corpus.get("skipped") or {}).items()}
     return {

@@ -30,6 +30,10 @@ class ServerRegenSpec(Options):
         False, "chat_template_kwargs enable_thinking, at generation and tokenization.",
         flag="--thinking/--no-thinking", section=SERVER,
     )  # fmt: skip
+    restart: bool = opt(
+        False, "Discard OUT's journal (OUT.regen.jsonl) and regenerate every row, e.g. after "
+        "the inputs changed (a rerun refuses changed inputs without it).", section=SERVER,
+    )  # fmt: skip
     retries: int = opt(5, "Per request, on connection errors, 408, 429, 5xx.", section=SERVER)
     timeout_s: float = opt(600.0, "Per request.", section=SERVER)
     backoff_s: float = 1.0
