@@ -163,7 +163,7 @@ def _corpus(path: Path) -> list[tuple[list[int], list[int]]]:
 
 
 @pytest.mark.parametrize("overflow", ["truncate", "drop"])
-def test_a_huge_row_under_max_length_is_cut_fast_and_exactly(tok, tmp_path, monkeypatch, overflow):
+def test_a_huge_row_under_max_length_is_cut_exactly(tok, tmp_path, monkeypatch, overflow):
     opts = TokenizeOptions(max_length=512, overflow=overflow)
     big = write_jsonl(tmp_path / "big.jsonl", _huge_rows(20_000_000))
     small = write_jsonl(tmp_path / "small.jsonl", _huge_rows(60_000))
@@ -172,22 +172,18 @@ def test_a_huge_row_under_max_length_is_cut_fast_and_exactly(tok, tmp_path, monk
         return tokenize_corpus([src], tmp_path / name, tokenizer=tok, options=opts,
                                progress=False)  # fmt: skip
 
-    t0 = time.perf_counter()
     fast = run(big, "fast")
-    fast_s = time.perf_counter() - t0
     monkeypatch.setattr(encoder_module, "PREFIX_CHARS_PER_TOKEN", False)  # tokenize whole
     slow = run(small, "slow")
     assert _corpus(tmp_path / "fast") == _corpus(tmp_path / "slow")
     want = (5, 1, 2) if overflow == "truncate" else (3, 3, 0)  # kept, too long, truncated
     for report in (fast, slow):
         assert (report["conversations"], report["dropped_too_long"], report["truncated"]) == want
-    assert fast_s < 15, f"{fast_s:.1f} s for a 20M-character row under --max-length 512"
 
 
 def test_a_huge_row_costs_little_memory(tok, tmp_path):
     """The whole command on a 20 MB row: tokenizing it whole took ~2 GB and ~12 s here."""
     src = write_jsonl(tmp_path / "big.jsonl", _huge_rows(20_000_000)[:2])
-    t0 = time.monotonic()
     proc = subprocess.Popen(
         [*CLI, "tokenize", str(src), str(tmp_path / "out"), "--tokenizer", str(tok),
          "--max-length", "4096", "--workers", "1", "--no-progress"],
@@ -196,8 +192,8 @@ def test_a_huge_row_costs_little_memory(tok, tmp_path):
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     assert proc.returncode == 0
+    # memory, not time, tells the paths apart (time depends on how busy the machine is)
     assert usage.ru_maxrss < 900 * 1024, f"peak RSS {usage.ru_maxrss / 1024:.0f} MB"
-    assert time.monotonic() - t0 < 20
 
 
 # --------------------------------------------------- workers die with their parent (5)
@@ -387,7 +383,7 @@ def test_a_stopped_regen_leaves_its_journal_resumable(tok, tmp_path):
     src = write_jsonl(tmp_path / "conv.jsonl", rows)
     out = tmp_path / "corpus"
     flags = ["--tokenizer", str(tok), "--holdout", "1", "--concurrency", "4"]
-    with chat_server(tmp_path, "--fixed-delay", "3", "--max-concurrent", "4") as url:
+    with chat_server(tmp_path, "--fixed-delay", "6", "--max-concurrent", "4") as url:
         proc = subprocess.Popen([*CLI, "regen", str(src), str(out), "--server", url, *flags,
                                  "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -396,10 +392,11 @@ def test_a_stopped_regen_leaves_its_journal_resumable(tok, tmp_path):
         while not journal.exists() or len(journal.read_text().splitlines()) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, "regen did not start"
             time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGTERM)  # 4 more requests have just been sent (3 s each)
+        os.kill(proc.pid, signal.SIGTERM)  # 4 more requests have just been sent (6 s each)
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=30)
-        assert time.monotonic() - t0 < 1.5, "requests in flight held the exit up"
+        # well under the 6 s a request in flight takes: the exit did not wait for them
+        assert time.monotonic() - t0 < 4, "requests in flight held the exit up"
     assert proc.returncode == 143 and err.strip().endswith("Error: stopped by SIGTERM"), err
     assert not out.exists()
     text = journal.read_text()
