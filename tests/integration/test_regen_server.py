@@ -14,13 +14,13 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT
+from conftest import ROOT, chat_server
 
 from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 from trainer.cli import main
@@ -28,25 +28,7 @@ from trainer.data.server.http import RowFailed, base_url, retry_after_s
 from trainer.data.server.journal import Journal, journal_path
 from trainer.data.server.run import reply_slots
 
-SERVER = ROOT / "scripts" / "chat_server.py"
 MAX_TOKENS = 12
-
-
-@contextmanager
-def chat_server(tmp: Path, *args: str):
-    """A chat_server.py subprocess; yields its URL (read from the READY line)."""
-    err = open(tmp / f"server-{time.monotonic_ns()}.err", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, str(SERVER), *args], stdout=subprocess.PIPE, stderr=err, text=True
-    )
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("READY "), f"server did not start: {line!r}"
-        yield line.split()[1]
-    finally:
-        proc.kill()
-        proc.wait()
-        err.close()
 
 
 def regen(*args: str) -> tuple[int, str, dict | None]:

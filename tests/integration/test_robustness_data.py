@@ -12,12 +12,11 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT
+from conftest import ROOT, chat_server
 
 from loader_server.data.dataset import open_dataset
 from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
@@ -27,7 +26,6 @@ from trainer.data.server.journal import journal_path
 from trainer.data.tokenize import tokenize_corpus
 from trainer.options import TokenizeOptions
 
-SERVER = ROOT / "scripts" / "chat_server.py"
 CLI = [sys.executable, "-m", "trainer.cli"]
 
 
@@ -37,23 +35,9 @@ def tok(tmp_path_factory) -> Path:
     return build_tokenizer(tmp_path_factory.mktemp("tok") / "qwen3", template="qwen3")
 
 
-@contextmanager
-def chat_server(tmp: Path, *args: str):
-    """A fixed-delay chat_server.py subprocess; yields its URL."""
-    err = open(tmp / f"server-{time.monotonic_ns()}.err", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, str(SERVER), "--fixed-delay", "0.005", "--max-concurrent", "8", *args,
-         "--parent-pid", str(os.getpid())],
-        stdout=subprocess.PIPE, stderr=err, text=True,
-    )  # fmt: skip
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("READY "), f"server did not start: {line!r}"
-        yield line.split()[1]
-    finally:
-        proc.kill()
-        proc.wait()
-        err.close()
+def fast_server(tmp: Path, *args: str):
+    """A chat server answering after 5 ms, 8 requests at once (``args`` may override)."""
+    return chat_server(tmp, "--fixed-delay", "0.005", "--max-concurrent", "8", *args)
 
 
 def regen(*args: str) -> tuple[int, list[str], dict | None]:
@@ -280,7 +264,7 @@ def test_regen_resume_refuses_a_changed_input_naming_it_and_restart_starts_over(
     out = tmp_path / "corpus"
     flags = ["--tokenizer", str(tok), "--holdout", "1", "--concurrency", "4"]
     log = tmp_path / "requests.log"
-    with chat_server(tmp_path, "--log-requests", str(log)) as url:
+    with fast_server(tmp_path, "--log-requests", str(log)) as url:
         code, lines, summary = regen(str(src), str(out), "--server", url, *flags)
         assert code == 0, lines
         assert summary["regenerated"] == 5
@@ -336,7 +320,7 @@ def test_a_journal_line_of_the_wrong_type_is_one_line_naming_it(tok, tmp_path, b
     src = write_jsonl(tmp_path / "conv.jsonl", generate_conversations(3, seed=8, words=10))
     out = tmp_path / "corpus"
     flags = ["--tokenizer", str(tok), "--holdout", "1"]
-    with chat_server(tmp_path) as url:
+    with fast_server(tmp_path) as url:
         code, lines, _ = regen(str(src), str(out), "--server", url, *flags)
         assert code == 0, lines
         good = journal_path(out).read_text().splitlines()
@@ -351,7 +335,7 @@ def test_a_journal_line_of_the_wrong_type_is_one_line_naming_it(tok, tmp_path, b
 
 def test_regen_where_every_request_failed_names_the_http_status(tok, tmp_path):
     src = write_jsonl(tmp_path / "conv.jsonl", generate_conversations(4, seed=9, words=10))
-    with chat_server(tmp_path, "--fail-first", "1000", "--fail-status", "503") as url:
+    with fast_server(tmp_path, "--fail-first", "1000", "--fail-status", "503") as url:
         code, lines, _ = regen(str(src), str(tmp_path / "out"), "--server", url, "--tokenizer",
                                str(tok), "--holdout", "1", "--retries", "0")  # fmt: skip
     assert code == 1 and len(lines) == 1, lines
@@ -364,7 +348,7 @@ def test_regen_where_some_rows_failed_exits_3_and_says_so_last(tok, tmp_path):
     rows[2]["messages"][-2]["content"] += " MAGIC"  # the server refuses it: a permanent 400
     src = write_jsonl(tmp_path / "conv.jsonl", rows)
     out = tmp_path / "out"
-    with chat_server(tmp_path, "--reject-containing", "MAGIC") as url:
+    with fast_server(tmp_path, "--reject-containing", "MAGIC") as url:
         code, lines, summary = regen(str(src), str(out), "--server", url, "--tokenizer",
                                      str(tok), "--holdout", "1")  # fmt: skip
     assert code == 3, lines
@@ -383,7 +367,7 @@ def test_a_stopped_regen_leaves_its_journal_resumable(tok, tmp_path):
     src = write_jsonl(tmp_path / "conv.jsonl", rows)
     out = tmp_path / "corpus"
     flags = ["--tokenizer", str(tok), "--holdout", "1", "--concurrency", "4"]
-    with chat_server(tmp_path, "--fixed-delay", "6", "--max-concurrent", "4") as url:
+    with fast_server(tmp_path, "--fixed-delay", "6", "--max-concurrent", "4") as url:
         proc = subprocess.Popen([*CLI, "regen", str(src), str(out), "--server", url, *flags,
                                  "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -403,7 +387,7 @@ def test_a_stopped_regen_leaves_its_journal_resumable(tok, tmp_path):
     assert text.endswith("\n")
     done = [json.loads(x) for x in text.splitlines()[1:]]
     assert all(r["status"] == "ok" for r in done) and 1 <= len(done) < 19
-    with chat_server(tmp_path) as url:  # the URL may change between runs
+    with fast_server(tmp_path) as url:  # the URL may change between runs
         code, lines, summary = regen(str(src), str(out), "--server", url, *flags)
     assert code == 0, lines
     assert summary["resumed"] == len(done) and summary["regenerated"] == 19
