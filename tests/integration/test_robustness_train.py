@@ -45,7 +45,7 @@ from trainer.run import eval_prompts, run_meta
 from trainer.train import checkpoint as ckpt
 from trainer.train.batches import ListSource
 from trainer.train.distributed import local_env
-from trainer.train.guards import LoaderFailedError
+from trainer.train.guards import LoaderFailedError, TrainingError
 from trainer.train.loop import TrainConfig, Trainer
 from trainer.train.metrics import metrics_path, read_metrics
 
@@ -476,3 +476,11 @@ def test_a_daemon_outage_ends_with_a_final_checkpoint_and_one_line(corpus, shm, 
     assert f"saved checkpoint step-{last:08d}" in line, line
     saved = assert_complete(ckpt.latest_checkpoint(run_dir))
     assert saved.step == last
+
+
+def test_a_corpus_of_another_vocabulary_is_one_error_naming_the_samples(target, tmp_path):
+    wide = [([*range(40), 600], [1] * 41)] * 8  # 600: beyond the tiny 512-id vocabulary
+    trainer = make_trainer(target, ListSource(wide, rows=4), tmp_path, steps=2)
+    with pytest.raises(TrainingError, match=r"token id 600 is outside the target's vocabulary "
+                       r"\(512 ids; samples \[0, 1, 2, 3\]\)"):  # fmt: skip
+        trainer.run()

@@ -397,6 +397,7 @@ class Trainer:
         """Forward and backward of one micro-batch, its sums added to ``sums``."""
         cfg, dev = self.cfg, self.env.device
         self.epoch = int(batch.epoch)
+        self._check_vocabulary(batch)
         self.costs.start()
         # Used up before the next next(): the client reuses the slot after that.
         on_dev = batch.to(dev, non_blocking=True)
@@ -424,6 +425,24 @@ class Trainer:
             (loss / self.grad_accum).backward()
         self.costs.stop(batch, anchors=out.num_blocks, synced=last and self.env.distributed)
         sums.add(out)
+
+    def _check_vocabulary(self, batch: Batch) -> None:
+        """A corpus tokenized for another model has ids the target cannot embed: one line
+        naming the batch, the id and the samples, not an IndexError deep in the forward."""
+        ids = batch.input_ids
+        top = int(ids.max()) if ids.numel() else 0
+        vocab = self.target.vocab_size
+        if top >= vocab or (ids.numel() and int(ids.min()) < 0):
+            bad = (ids >= vocab) | (ids < 0)
+            rows = batch.sample_ids[bad.any(dim=1)] if batch.layout == "padded" else None
+            which = f"samples {rows[:5].tolist()}" if rows is not None else "this packed batch"
+            raise TrainingError(
+                f"epoch {batch.epoch} step {batch.step} micro {batch.micro}: token id "
+                f"{top if top >= vocab else int(ids.min())} is outside the target's vocabulary "
+                f"({vocab} ids; {which}): the corpus was tokenized for another model; "
+                "tokenize it with the target's tokenizer, or train against the model it was "
+                "tokenized for"
+            )
 
     def _all_finite(self, grad_norm: torch.Tensor, ce: torch.Tensor) -> bool:
         """Whether every rank's loss and the (all-reduced, so common) gradient norm are
