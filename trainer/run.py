@@ -116,43 +116,12 @@ def build_drafter(target: Target, opts: RunOptions, device: torch.device | str) 
     return drafter.to(device)
 
 
-def check_prompt_file(path: Path, vocab_size: int) -> None:
-    """Every prompt of a held-out file is a non-empty list of token ids of the target's
-    vocabulary; errors name the file and the line (``load_prompts`` reads it after)."""
-    try:
-        with open(path) as f:
-            lines = list(f)  # lines as ``read_heldout`` counts them
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--eval-prompts {path}: cannot read it ({e})") from e
-    for k, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{k}: not JSON ({e.msg})") from None
-        ids = row.get("prompt") if isinstance(row, dict) else None
-        if not isinstance(ids, list) or not ids:
-            raise ValueError(
-                f"{path}:{k}: expected a JSON object with a non-empty 'prompt' list of token "
-                "ids (tokenize/regen --holdout writes them)"
-            )
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int):
-                raise ValueError(f"{path}:{k}: prompt holds {i!r}, not a token id")
-            if not 0 <= i < vocab_size:
-                raise ValueError(
-                    f"{path}:{k}: token id {i} is outside the target's vocabulary "
-                    f"(0..{vocab_size - 1}): were these prompts tokenized for another model?"
-                )
-
-
 def eval_prompts(opts: RunOptions, vocab_size: int) -> list[torch.Tensor]:
     if opts.eval_prompts is not None:
         if opts.eval_prompts.is_dir():
             raise ValueError(f"--eval-prompts {opts.eval_prompts} is a folder, not a JSONL file")
-        check_prompt_file(opts.eval_prompts, vocab_size)
-        return load_prompts(opts.eval_prompts)[: opts.num_eval_prompts]
+        prompts = load_prompts(opts.eval_prompts, vocab_size=vocab_size)
+        return prompts[: opts.num_eval_prompts]
     if opts.num_eval_prompts == 0:
         return []  # tau is not measured
     log.warning(

@@ -127,19 +127,39 @@ def write_heldout(
     return Path(path)
 
 
-def read_heldout(path: Path, max_prompt_len: int | None = None) -> list[list[int]]:
-    """The prompts of a held-out file (lines with a ``prompt`` list of token ids; the last
-    ``max_prompt_len`` ids of each when given). Errors name the file and line."""
+def read_heldout(
+    path: Path, max_prompt_len: int | None = None, vocab_size: int | None = None
+) -> list[list[int]]:
+    """The prompts of a held-out file: lines of ``{"prompt": [token ids]}`` (the last
+    ``max_prompt_len`` ids of each when given), every id an int in ``[0, vocab_size)`` when
+    that is given. Every problem is one line naming the file and line."""
+    try:
+        with open(path) as f:
+            lines = list(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it ({e})") from e
     prompts = []
-    with open(path) as f:
-        for k, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["prompt"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{k}: expected a JSON object with a 'prompt' list") from e
-            if not ids:
-                raise ValueError(f"{path}:{k}: empty prompt")
-            prompts.append(list(ids[-max_prompt_len:] if max_prompt_len else ids))
+    for k, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{k}: not JSON ({e.msg})") from None
+        ids = row.get("prompt") if isinstance(row, dict) else None
+        if not isinstance(ids, list) or not ids:
+            raise ValueError(
+                f"{path}:{k}: expected a JSON object with a non-empty 'prompt' list of token "
+                "ids (tokenize/regen --holdout writes them)"
+            )
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise ValueError(f"{path}:{k}: prompt holds {i!r}, not a token id")
+            if i < 0 or (vocab_size is not None and i >= vocab_size):
+                top = "" if vocab_size is None else f" (0..{vocab_size - 1})"
+                raise ValueError(
+                    f"{path}:{k}: token id {i} is outside the target's vocabulary{top}: "
+                    "were these prompts tokenized for another model?"
+                )
+        prompts.append(list(ids[-max_prompt_len:] if max_prompt_len else ids))
     return prompts

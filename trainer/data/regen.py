@@ -162,6 +162,9 @@ def _heldout(ds: ArrowDataset, src: Path, rows: range) -> Iterator[HeldoutPrompt
         yield HeldoutPrompt(i, ids[:s].tolist(), str(src), i)
 
 
-def load_prompts(path: Path, max_prompt_len: int | None = None) -> list[torch.Tensor]:
+def load_prompts(
+    path: Path, max_prompt_len: int | None = None, vocab_size: int | None = None
+) -> list[torch.Tensor]:
     """The held-out prompts of ``path`` (``trainer.data.corpus.read_heldout``) as tensors."""
-    return [torch.tensor(p, dtype=torch.long) for p in read_heldout(path, max_prompt_len)]
+    prompts = read_heldout(path, max_prompt_len, vocab_size)
+    return [torch.tensor(p, dtype=torch.long) for p in prompts]
