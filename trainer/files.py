@@ -39,14 +39,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def remove(path: Path) -> None:
-    """Remove a file, a link (not what it points to) or a folder tree, if there is one."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def is_nonempty(path: Path) -> bool:
     """A file, or a folder with anything in it."""
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
