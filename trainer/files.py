@@ -8,6 +8,9 @@ and with ``force`` the old OUT is moved aside into the private folder and remove
 the new one is in place, so a crash leaves the old or the new one, never neither. It
 removes only what it created in this run: its private folder (and, with ``force``, the OUT
 it replaced). A private folder a killed run leaves behind is hidden and never read as input.
+What it moves into place has the permissions the umask gives (``readable``): writers that
+create private files (safetensors' 0600, ``mkstemp``) must not make an export unreadable to
+the user who serves it.
 
 ``check_output`` is the same refusal for outputs that are not built whole (a training run's
 folder); ``fsync_dir`` makes a rename durable. Checkpoints add their own per-rank protocol on
@@ -28,6 +31,37 @@ PRIVATE_SUFFIX = ".dflash-tmp"
 
 class OutputError(ValueError):
     """An output path that must not be written (one line for the user)."""
+
+
+def umask() -> int:
+    """This process's umask (read from /proc where it can be, without changing it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def readable(path: Path) -> None:
+    """Give ``path`` (a file, or a folder and everything in it) the modes a plain ``open``
+    or ``mkdir`` would under the umask: 0666 & ~umask for files (0777 for executables),
+    0777 & ~umask for folders. Links are left alone."""
+    if not os.path.lexists(path):
+        return
+    mask = umask()
+    entries = [Path(path)]
+    if Path(path).is_dir() and not Path(path).is_symlink():
+        entries += sorted(Path(path).rglob("*"))
+    for p in entries:
+        if p.is_symlink():
+            continue
+        full = 0o777 if p.is_dir() or os.stat(p).st_mode & 0o111 else 0o666
+        os.chmod(p, full & ~mask)
 
 
 def fsync_dir(path: Path) -> None:
@@ -92,6 +126,7 @@ def atomic_output(
         new.mkdir()
     try:
         yield new
+        readable(new)
         if out.is_dir() and not out.is_symlink():
             os.replace(out, aside)  # a folder cannot be replaced by a rename: move it aside
         try:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,6 +108,17 @@ def trained(run_dir) -> DFlashDrafter:
 def folders(run_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("export")
     return {d: export_drafter(run_dir, root / d, dtype=d) for d in ("bf16", "fp32")}
+
+
+def test_exported_files_are_readable_per_the_umask(folders):
+    """safetensors writes 0600; the export is served by another user (vLLM's): every file
+    and the folder get what the umask gives (the tests run under umask 022)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for folder in folders.values():
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~mask
+        for p in folder.iterdir():
+            assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask, p.name
 
 
 def load(folder: Path, **kw):

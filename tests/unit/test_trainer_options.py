@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,24 @@ def test_paths_in_options_round_trip(tmp_path):
     opts = RunOptions(endpoint="e", run_dir=tmp_path, cost_profile=tmp_path / "p.json")
     assert RunOptions.from_record(opts.to_record(), "x") == opts
     assert isinstance(RunOptions.from_record(opts.to_record(), "x").cost_profile, Path)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077])
+def test_atomic_output_gives_what_the_umask_gives(tmp_path, mask):
+    """Writers that create private files (safetensors: 0600, mkstemp) do not decide who can
+    read an output: the folder and its files get the modes plain open/mkdir would."""
+    old = os.umask(mask)
+    try:
+        with atomic_output(tmp_path / "out", folder=True, force=False) as tmp:
+            fd, _ = tempfile.mkstemp(dir=tmp, prefix="private")  # 0600 whatever the umask
+            os.close(fd)
+            (tmp / "sub").mkdir(mode=0o700)
+            (tmp / "sub" / "tool.sh").write_text("#!/bin/sh\n")
+            os.chmod(tmp / "sub" / "tool.sh", 0o700)
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*")}
+    private = next(k for k in modes if k.startswith("private"))
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
+    assert modes == {private: 0o666 & ~mask, "sub": 0o777 & ~mask, "sub/tool.sh": 0o777 & ~mask}

@@ -14,7 +14,10 @@ which activations a feature is.
 
 The MASK token of a DFlash block is a real token id whose (frozen) embedding row the drafter
 reads, as serving engines do: ``mask_token_id`` finds it in the target's config or
-tokenizer (Qwen3: ``<|MASK|>`` = 151669). The tiny target reserves its last id.
+tokenizer by one rule (``tokenizer_mask_id``: the tokenizer's mask token or ``<|MASK|>``,
+else the id ``add_special_tokens`` would give it when the embedding has that spare row:
+151669 for a Qwen3 download). A tiny target saved with a tokenizer follows the same rule;
+one without a tokenizer has no ids to avoid and reserves its last row.
 
 Packed rows are split per document by the ``position_ids`` (they restart at 0 for every
 document); the mask code of ``transformers`` only does this without a 2D attention mask and
@@ -329,10 +332,37 @@ def target_record(config: PretrainedConfig) -> dict[str, Any]:
 MASK_TOKEN = "<|MASK|>"
 
 
+def tokenizer_mask_id(tok: PreTrainedTokenizerBase, rows: int, where: str) -> int:
+    """The MASK id a tokenizer gives a target with ``rows`` embedding rows, by one rule:
+    the tokenizer's mask token, else ``<|MASK|>`` where its vocabulary has it, else the id
+    ``tok.add_special_tokens({"mask_token": "<|MASK|>"})`` would give (``len(tok)``: what
+    z-lab's README does for Qwen3, 151669) when the embedding has that spare row, said in
+    the log; else a ValueError naming both sizes. ``where`` names the tokenizer."""
+    if tok.mask_token_id is not None:
+        return int(tok.mask_token_id)
+    found = cast(int | None, tok.convert_tokens_to_ids(MASK_TOKEN))  # one token: one id
+    if found is not None and found != tok.unk_token_id:
+        return int(found)
+    spare = len(tok)
+    if spare < rows:
+        log.info(
+            "%s has no mask token or %s: MASK is id %d, the one add_special_tokens would "
+            "give it (a spare row of the %d-row embedding; the exported drafter records it)",
+            where, MASK_TOKEN, spare, rows,
+        )  # fmt: skip
+        return spare
+    raise ValueError(
+        f"{where} has no mask token or {MASK_TOKEN}, and its {len(tok)} tokens fill the "
+        f"target's {rows}-row embedding (no spare row for one): pass --mask-token-id ID, a "
+        "token id the data never uses"
+    )
+
+
 def mask_token_id(target: Target, source: str | None = None) -> int | None:
     """The target's MASK token id: ``mask_token_id`` or ``dflash_config.mask_token_id`` in
-    its config, else the tokenizer in ``source`` (a model directory): its mask token, or
-    ``<|MASK|>`` where the vocabulary has it. None when neither names one."""
+    its config, else the rule of ``tokenizer_mask_id`` applied to the tokenizer in
+    ``source`` (a model directory). None when the config names none and there is no
+    tokenizer."""
     cfg = target.config
     dflash = getattr(cfg, "dflash_config", None) or {}
     for value in (getattr(cfg, "mask_token_id", None), dflash.get("mask_token_id")):
@@ -345,16 +375,15 @@ def mask_token_id(target: Target, source: str | None = None) -> int | None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    if tok.mask_token_id is not None:
-        return int(tok.mask_token_id)
-    found = cast(int | None, tok.convert_tokens_to_ids(MASK_TOKEN))  # one token: one id
-    return int(found) if found is not None and found != tok.unk_token_id else None
+    rows = int(target.embed_tokens.weight.shape[0])
+    return tokenizer_mask_id(tok, rows, f"the tokenizer in {source}")
 
 
 def adopt_tokenizer(model: PreTrainedModel, tokenizer_dir: Path) -> PreTrainedTokenizerBase:
     """Make a (tiny) target and a tokenizer one checkpoint: the tokenizer's EOS, PAD and
-    ``<|MASK|>`` ids go into the model's config and generation config. Returns the tokenizer
-    (to save next to the weights). Refuses a vocabulary larger than the embedding."""
+    MASK ids (``tokenizer_mask_id``: the same rule as for any target) go into the model's
+    config and generation config. Returns the tokenizer (to save next to the weights).
+    Refuses a vocabulary larger than the embedding."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
@@ -363,12 +392,11 @@ def adopt_tokenizer(model: PreTrainedModel, tokenizer_dir: Path) -> PreTrainedTo
         raise ValueError(
             f"tokenizer {tokenizer_dir} has {len(tok)} tokens, the target's embedding {rows} rows"
         )
-    mask = tok.convert_tokens_to_ids(MASK_TOKEN)
     ids = {
         "eos_token_id": tok.eos_token_id,
         "pad_token_id": tok.pad_token_id,
         "bos_token_id": tok.bos_token_id,
-        "mask_token_id": None if mask == tok.unk_token_id else mask,
+        "mask_token_id": tokenizer_mask_id(tok, rows, f"tokenizer {tokenizer_dir}"),
     }
     for key, value in ids.items():
         setattr(model.config, key, value)
