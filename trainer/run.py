@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from loader_server.planning.cost import profile_fields
+from loader_server.planning.cost import ANCHOR_RULE, profile_fields
 from trainer.data.regen import load_prompts
 from trainer.files import check_output
 from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, read_drafter_folder
@@ -54,16 +54,35 @@ SPEC_OPTIONS = ("token_budget", "max_batch_size", "max_seq_len", "layout", "grad
 
 
 def loader_spec(opts: RunOptions) -> dict[str, Any]:
-    """The BatchSpec fields the user set (flags, then ``--spec``); the daemon's configured
-    spec supplies every other field."""
+    """The BatchSpec fields the trainer asks for: its anchor rule (``ANCHOR_RULE``, always:
+    the loader's cost model counts the block slots this trainer trains, and the spec the run
+    records is what it does, not the daemon's defaults), the ones the user set
+    (flags, then ``--spec``); the daemon's configured spec supplies every other field.
+    ``--spec`` may not contradict a trainer flag (grad_accum, the anchor rule)."""
     set_by_flag = {k: getattr(opts, k) for k in SPEC_OPTIONS}
     spec = {k: v for k, v in set_by_flag.items() if v is not None}
+    if opts.block_size is None:
+        raise ValueError("block_size is unresolved: see resolve_init_drafter")
+    rule = {k: getattr(opts, k) for k in ANCHOR_RULE}
     extra = parse_spec_pairs(opts.spec_pairs)
-    if "grad_accum" in extra and "grad_accum" in spec and extra["grad_accum"] != spec["grad_accum"]:
-        raise ValueError("--spec grad_accum must equal --grad-accum")
-    spec.update(extra)
+    for key, mine in (*rule.items(), ("grad_accum", spec.get("grad_accum"))):
+        if key in extra and mine is not None and extra[key] != mine:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"--spec {key}={extra[key]} contradicts {flag} {mine}: the loader must plan "
+                f"with what this trainer does (set {flag} instead)"
+            )
+    spec = {**rule, **spec, **extra}
     if opts.cost_profile:
-        spec = {**profile_fields(opts.cost_profile), **spec}
+        profile = profile_fields(opts.cost_profile)
+        theirs = {k: profile[k] for k in ANCHOR_RULE if k in profile}
+        if theirs != rule:
+            log.warning(
+                "cost profile %s was calibrated with anchor rule %s, this trainer draws %s: "
+                "its per-slot coefficient is applied to this trainer's block slots",
+                opts.cost_profile, theirs, rule,
+            )  # fmt: skip
+        spec = {**profile, **spec}
     return spec
 
 

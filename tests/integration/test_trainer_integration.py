@@ -181,9 +181,10 @@ def test_kill_and_resume_matches_uninterrupted(daemon, tmp_path):
 
 
 def test_trainer_follows_the_daemons_spec(tmp_path, monkeypatch):
-    """A trainer given no spec flags asks for nothing: the daemon's configured spec applies
-    (here a small budget, short samples and 2 micro-batches per step), and the trainer logs
-    and records the spec it was actually served."""
+    """A trainer given no spec flags asks only for its anchor rule: the daemon's configured
+    spec applies (here a small budget, short samples and 2 micro-batches per step), and the
+    trainer logs and records the spec it was actually served, whose anchor-rule fields are
+    what it trains (not the daemon's 16/512)."""
     corpus = tmp_path / "corpus.arrow"
     write_corpus(corpus, SynthSpec(num_samples=300, seed=5, median_len=150, max_len=400,
                                    vocab_size=512, content="learnable"))  # fmt: skip
@@ -204,7 +205,9 @@ def test_trainer_follows_the_daemons_spec(tmp_path, monkeypatch):
         shutil.rmtree(shm, ignore_errors=True)
     served = json.loads((run_dir / "loader_spec.json").read_text())
     assert (served["token_budget"], served["max_seq_len"], served["grad_accum"]) == (512, 128, 2)
-    assert json.loads((run_dir / "config.json").read_text())["requested_loader_spec"] == {}
+    rule = {"block_size": 8, "anchors_per_doc": 4, "max_anchors": 2048}
+    assert {k: served[k] for k in rule} == rule
+    assert json.loads((run_dir / "config.json").read_text())["requested_loader_spec"] == rule
     assert '"token_budget": 512' in (tmp_path / "t.log").read_text()  # logged as served
     recs = records(run_dir)
     assert sorted(recs) == [0, 1, 2, 3]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -277,18 +278,28 @@ def test_warmup_cosine():
 
 
 def _opts(**kw):
+    kw = {"block_size": 8, "anchors_per_doc": 16, **kw}
     return RunOptions(endpoint="unused", run_dir=Path("unused"), **kw)
 
 
-def test_loader_spec_holds_only_what_the_user_set():
-    assert loader_spec(_opts()) == {}
+RULE = {"block_size": 8, "anchors_per_doc": 16, "max_anchors": RunOptions.max_anchors}
+
+
+def test_loader_spec_holds_the_anchor_rule_and_what_the_user_set():
+    """The anchor rule is always the trainer's (the spec it records and the loader's cost
+    model follow what it trains); other fields only when the user set them."""
+    assert loader_spec(_opts()) == RULE
     assert loader_spec(_opts(token_budget=2048, spec_pairs=("seed=3", "buckets=[100]"))) == {
+        **RULE,
         "token_budget": 2048,
         "seed": 3,
         "buckets": [100],
     }
-    with pytest.raises(ValueError, match="must equal --grad-accum"):
+    assert loader_spec(_opts(spec_pairs=("block_size=8",))) == RULE  # agreeing is fine
+    with pytest.raises(ValueError, match="grad_accum=4 contradicts --grad-accum 2"):
         loader_spec(_opts(grad_accum=2, spec_pairs=("grad_accum=4",)))
+    with pytest.raises(ValueError, match="anchors_per_doc=512 contradicts --anchors-per-doc 16"):
+        loader_spec(_opts(spec_pairs=("anchors_per_doc=512",)))
 
 
 def test_cost_profile_goes_into_the_requested_spec(tmp_path):
@@ -298,9 +309,12 @@ def test_cost_profile_goes_into_the_requested_spec(tmp_path):
         "coefficients": {"cost_c0": 0.1, "cost_tok": 1e-5, "cost_attn": 0.0, "cost_slot": 1e-6},
         "anchor_rule": {"block_size": 8, "anchors_per_doc": 6, "max_anchors": 64},
     }))  # fmt: skip
-    spec = loader_spec(_opts(spec_pairs=("cost_c0=0.2",), cost_profile=profile, token_budget=4096))
+    opts = _opts(spec_pairs=("cost_c0=0.2",), cost_profile=profile, token_budget=4096)
+    spec = loader_spec(replace(opts, block_size=8, anchors_per_doc=6, max_anchors=64))
     assert spec["cost_c0"] == 0.2 and spec["cost_slot"] == 1e-6 and spec["token_budget"] == 4096
     assert spec["max_anchors"] == 64
+    # A trainer with another rule: the spec follows the trainer, not the profile.
+    assert {k: loader_spec(opts)[k] for k in RULE} == RULE
 
 
 def test_split_prompt():
@@ -314,3 +328,22 @@ def test_load_prompts_errors(tmp_path):
     bad.write_text('{"prompt": [1, 2]}\n{"nope": 1}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         load_prompts(bad)
+
+
+def test_a_checkpoint_from_before_the_anchor_rule_was_sent_resumes_in_its_plan():
+    """Its spec holds the daemon's 16/512/2048; with no slot cost those fields are not in
+    the plan, so the trainer asks for them again (the saved position's plan); with a slot
+    cost they are, and the request stays (the daemon then refuses the mismatch)."""
+    from types import SimpleNamespace
+
+    from trainer.train.loop import Trainer
+
+    legacy = {"token_budget": 512, "block_size": 16, "anchors_per_doc": 512, "max_anchors": 2048}
+    asked = {"block_size": 8, "anchors_per_doc": 4, "max_anchors": 2048}
+    t = SimpleNamespace(_checkpoint_spec=legacy, source=SimpleNamespace(spec=dict(asked)))
+    Trainer._ask_saved_anchor_rule(t)  # type: ignore[arg-type]
+    assert t.source.spec == {"block_size": 16, "anchors_per_doc": 512, "max_anchors": 2048}
+    t = SimpleNamespace(_checkpoint_spec={**legacy, "cost_slot": 1e-6},
+                        source=SimpleNamespace(spec=dict(asked)))  # fmt: skip
+    Trainer._ask_saved_anchor_rule(t)  # type: ignore[arg-type]
+    assert t.source.spec == asked

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from loader_server.planning.cost import ANCHOR_RULE
 from loader_server.wire.protocol import (
     LoaderError,
     LoaderRequestError,
@@ -261,11 +262,29 @@ class Trainer:
         self._scheduler_state = saved.scheduler
         self.step, self.epoch = saved.step, saved.epoch
         self._checkpoint_spec = saved.meta.get("loader_spec")
+        self._ask_saved_anchor_rule()
         self.source.load_state_dict(mine["loader"])
         ckpt.set_rng_state(mine["rng"])
         self.metrics.truncate_after(self.step)
         log.info("rank %d resumed from %s at step %d", self.env.rank, path, self.step)
         return True
+
+    def _ask_saved_anchor_rule(self) -> None:
+        """Checkpoints from before the trainer sent its anchor rule recorded the daemon's
+        (16, 512, 2048). Without a slot cost (``cost_slot`` 0) those fields do not enter
+        the plan: ask for the saved ones, so the saved position resumes in the same plan."""
+        saved = self._checkpoint_spec or {}
+        asked = getattr(self.source, "spec", None)
+        if not isinstance(asked, dict) or saved.get("cost_slot"):
+            return
+        old = {k: saved[k] for k in ANCHOR_RULE if k in saved and asked.get(k) != saved[k]}
+        if old:
+            log.warning(
+                "the checkpoint's loader spec records anchor rule %s (saved before the trainer "
+                "sent its own); with no slot cost it does not change the plan, so it is kept "
+                "for this run", old,
+            )  # fmt: skip
+            self.source.spec = {**asked, **old}  # type: ignore[attr-defined]
 
     def _newest_complete(
         self, found: Sequence[Path]
