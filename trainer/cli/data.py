@@ -87,7 +87,8 @@ def tokenize(src: tuple[Path, ...], out: Path, **opts: Any) -> None:
     signal N (OUT untouched)."""
     from trainer.data.tokenize import summary_lines, tokenize_corpus
 
-    opts["workers"] = opts["workers"] or len(os.sched_getaffinity(0))
+    if opts["workers"] is None:  # 0 is an error (TokenizeOptions), never "all CPUs"
+        opts["workers"] = len(os.sched_getaffinity(0))
     with stop_signals_raise():
         report = tokenize_corpus(
             list(src),
