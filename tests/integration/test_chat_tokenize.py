@@ -296,7 +296,7 @@ def test_official_qwen3_template(toks):
     # Earlier reply: rendered without its reasoning. Last: the reasoning is the model's output.
     assert _supervised_text(enc, ids, mask) == [
         "first<|im_end|>",
-        "reason\n</think>\n\nsecond<|im_end|>",
+        "<think>\nreason\n</think>\n\nsecond<|im_end|>",
     ]
     ids, mask = enc.encode([conv[0], {"role": "assistant", "content": "\n\nstripped"}])
     assert _supervised_text(enc, ids, mask) == ["stripped<|im_end|>"]

@@ -3,6 +3,9 @@ to token masks (no tokenizer, no template)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -79,3 +82,31 @@ def test_mask_from_offsets_equals_a_per_token_rule_on_random_spans():
 def test_common_prefix_and_suffix(x, y, prefix, suffix):
     assert _common_prefix(x, y) == prefix
     assert _common_suffix(x, y, min(len(x), len(y))) == suffix
+
+
+def test_tokenizer_arguments_that_look_like_paths_never_go_to_the_hub(tmp_path, monkeypatch):
+    """A folder is a folder; a file, or a path that does not exist, is one error naming it
+    (was: ~50 s of Hub retries, or "Repo id must be in the form ..."); only a bare
+    ``name`` / ``namespace/name`` matching nothing here is a Hub id."""
+    from trainer.data.encoder import tokenizer_source
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "qwen3").mkdir()
+    (tmp_path / "tok" / "qwen3" / "tokenizer.json").write_text("{}")
+    assert tokenizer_source("tok/qwen3") == Path("tok/qwen3")
+    assert tokenizer_source(tmp_path / "tok" / "qwen3") == tmp_path / "tok" / "qwen3"
+    for bad, says in [
+        ("tok/qwen", "tok/qwen: no such tokenizer folder (tok exists, but has no 'qwen')"),
+        ("tok/qwen3/tokenizer.json", "a file, not a tokenizer folder; pass the folder"),
+        ("./qwen3", "./qwen3: no such tokenizer folder"),
+        ("~/no-such-dflash-tokenizer", "no such tokenizer folder"),
+        (str(tmp_path / "missing"), "no such tokenizer folder"),
+        ("a/b/c", "a/b/c: no such tokenizer folder"),
+        ("qwen3/tokenizer.json", "no such tokenizer folder"),
+        ("name with spaces", "no such tokenizer folder"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            tokenizer_source(bad)
+    assert tokenizer_source("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"  # a Hub id: nothing here
+    assert tokenizer_source("gpt2") == "gpt2"

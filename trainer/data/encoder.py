@@ -1,11 +1,24 @@
 """One conversation -> ``(input_ids, loss_mask)``: rendered with the tokenizer's chat template,
 tokenized, and masked to what the assistant writes (``ChatEncoder``).
 
-The loss mask is 1 exactly on what the assistant writes: every token of each assistant
-message's rendered content plus the end-of-turn string that closes it (``<|im_end|>`` for
-ChatML), and 0 on everything else (system and user turns, role headers, template-inserted
-scaffolding such as Qwen3's empty think block, the newline after ``<|im_end|>``). It needs no
-``{% generation %}`` markers:
+The loss mask is 1 exactly on what the assistant writes, and 0 on everything else (system and
+user turns, role headers, template-inserted scaffolding, the newline after ``<|im_end|>``).
+An assistant message's supervised span is the rendered text derived from its content, from
+its first content-derived character to its last, plus the end-of-turn string that closes it
+(``<|im_end|>`` for ChatML). Markup the content itself holds at its edges (added-token strings
+such as ``<think>``, ``</think>``, ``<tool_call>``) counts as content where the rendered text
+has it right there (whitespace between allowed: a template may rewrite the newlines around
+it); text the template inserts is scaffolding: Qwen3's empty think block before a reply
+without reasoning, the ``<think>\n`` it writes before a reply that had only a ``</think>``,
+the blank line it puts after a closing ``</think>`` with nothing after it. A reply therefore
+gets the same mask in every turn position where the template renders it the same (Qwen3's
+``<think>\nR\n</think>\n\nA`` is supervised whole, ``<think>`` included, as the final reply
+and as a reply after the last user query that a tool response follows); where the template
+drops part of it (Qwen3 drops the reasoning of replies before the last user query) only what
+is rendered is supervised (``A<|im_end|>``). A reply whose paired markup does not balance
+(a literal ``</think>`` in an ordinary reply, which Qwen3 reads as the end of reasoning) is
+masked as the template renders it, counted in ``notes["unbalanced_markup"]`` and warned
+about once. It needs no ``{% generation %}`` markers:
 
 * Per role sequence (``("system", "user", "assistant")``...), the template is rendered once
   with sentinel contents; splitting that text at the sentinels gives the scaffolding around
@@ -15,8 +28,16 @@ scaffolding such as Qwen3's empty think block, the newline after ``<|im_end|>``)
   put in, every content's character span is known by arithmetic (the fast path). Otherwise
   the template changed the content (stripped it, split a think block out of it...) and the
   exact fallback renders the conversation again once per assistant message with that
-  message's content replaced by a sentinel: the part of the text that differs is the
-  rendered content. Fallbacks are counted in the report.
+  message's content replaced by a *structure-preserving* sentinel: its markup kept, each run
+  of text between markup that is not only whitespace replaced by a distinct mark (without
+  the run's surrounding whitespace: where the template keeps the content's whitespace, the
+  renders differ there too), whitespace-only runs between markup kept. The template then
+  takes the same branches as for the real content (it finds the same ``</think>``), and
+  the part of the text that differs runs from the first surviving run to the last. It is
+  widened over the markup the content has before its first surviving run (after the last
+  dropped one) and after its last, where the real text has it right there, then over the
+  end-of-turn string (right after, or after only whitespace). A content of markup alone is
+  replaced whole by one mark. Fallbacks are counted in the report.
 * With a token ``limit`` (``--max-length``), a conversation whose rendered text is far
   longer than ``limit`` tokens can be is not tokenized whole: a prefix of its text is, long
   enough to hold ``limit`` + 1 + ``PREFIX_MARGIN`` tokens, and its first ``limit`` + 1
@@ -39,10 +60,11 @@ from __future__ import annotations
 import bisect
 import logging
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -67,6 +89,16 @@ class Longer:
     ids: np.ndarray
     mask: np.ndarray
     chars: int
+
+
+class _Run(NamedTuple):
+    """A run of a content's text between its markup, as the exact fallback marks it:
+    ``before``/``after``: the added-token strings between it and the previous/next run
+    (or the content's start/end)."""
+
+    mark: str
+    before: tuple[str, ...]
+    after: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -107,8 +139,10 @@ class ChatEncoder:
         self._skeletons: dict[tuple[str, ...], _Skeleton | None] = {}
         self.end_of_turn = ""
         self.end_of_turn = self._learn_end_of_turn()
+        self._pairs = _markup_pairs(self._added_ids)
         self.fallbacks = 0  # conversations masked by the exact (re-rendering) method
         self.offset_fallbacks = 0  # conversations placed with character offsets
+        self.notes: Counter[str] = Counter()  # replies worth a look, by kind
         self._encode_texts = self._encode_offsets = self._offsets_encode
         self._check_ids()
 
@@ -239,6 +273,8 @@ class ChatEncoder:
         return tail[: m.end()] if m else ""
 
     def _spans(self, text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]]:
+        if self._pairs:
+            self._note_markup(messages)
         spans = self._spans_fast(text, messages)
         if spans is None:
             self.fallbacks += 1
@@ -262,21 +298,103 @@ class ChatEncoder:
         return spans if "".join(parts) == text else None
 
     def _spans_exact(self, text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]]:
-        """Per assistant message, render once more with its content replaced by a sentinel:
-        the characters that differ are its rendered content."""
-        spans = []
+        """Per assistant message, render once more with its content replaced by its
+        structure-preserving sentinel (module docstring): the characters that differ are
+        its rendered text, widened over the content's own markup the text keeps at its
+        edges, then the end-of-turn string."""
+        spans: list[tuple[int, int]] = []
         for k, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            other = self._render([*messages[:k], {**m, "content": _SENTINEL}, *messages[k + 1 :]])
-            a = _common_prefix(text, other)
-            b = len(text) - _common_suffix(text, other, min(len(text), len(other)) - a)
-            if b <= a:
-                continue
-            if self.end_of_turn and text.startswith(self.end_of_turn, b):
-                b += len(self.end_of_turn)
-            spans.append((a, b))
+            done = spans[-1][1] if spans else 0  # widening never reaches into the last reply
+            spans += [(max(a, done), b) for a, b in self._message_spans(text, messages, k)]
         return spans
+
+    def _message_spans(
+        self, text: str, messages: list[dict[str, str]], k: int
+    ) -> list[tuple[int, int]]:
+        m = messages[k]
+        sentinel, runs = self._structure(m["content"])
+        other = self._render([*messages[:k], {**m, "content": sentinel}, *messages[k + 1 :]])
+        a = _common_prefix(text, other)
+        b = len(text) - _common_suffix(text, other, min(len(text), len(other)) - a)
+        if b <= a:
+            return []
+        first = next((r for r in runs if r.mark in other), None)
+        if first is not None and other.startswith(first.mark, a):
+            a = _markup_before(text, a, first.before)
+        last = next((r for r in reversed(runs) if r.mark in other), None)
+        end = b + len(other) - len(text)  # b's place in the sentinel render
+        if (
+            last is not None
+            and end >= len(last.mark)
+            and other.startswith(last.mark, end - len(last.mark))
+        ):
+            b = _markup_after(text, b, last.after)
+        eot = self.end_of_turn
+        if eot and text.startswith(eot, b):
+            return [(a, b + len(eot))]
+        j = text.find(eot, b) if eot else -1
+        if j > b and text[b:j].isspace():  # the template's whitespace after closing markup
+            return [(a, b), (j, j + len(eot))]
+        return [(a, b)]
+
+    def _structure(self, content: str) -> tuple[str, list[_Run]]:
+        """The content with each run of text between its added-token strings that is not
+        only whitespace replaced by a distinct mark (the run's own leading and trailing
+        whitespace dropped), whitespace-only runs kept between markup and dropped at the
+        content's ends; and the runs, each with the markup between it and its neighbours.
+        A content with no such run (markup only) is one mark as a whole."""
+        pieces: list[str] = []  # alternately text run, added token, text run...
+        pos = 0
+        for t in self._added.finditer(content):
+            pieces += (content[pos : t.start()], t.group())
+            pos = t.end()
+        pieces.append(content[pos:])
+        out: list[str] = []
+        runs: list[_Run] = []
+        markup: list[str] = []  # added tokens since the last run
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                out.append(piece)
+                markup.append(piece)
+            elif piece.strip():
+                if runs:
+                    runs[-1] = runs[-1]._replace(after=tuple(markup))
+                mark = f"{_SENTINEL}{len(runs)}{_SENTINEL}"
+                runs.append(_Run(mark, tuple(markup), ()))
+                out.append(mark)
+                markup = []
+            elif 0 < i < len(pieces) - 1:
+                out.append(piece)
+        if not runs:
+            return _SENTINEL, []
+        runs[-1] = runs[-1]._replace(after=tuple(markup))
+        return "".join(out), runs
+
+    def _note_markup(self, messages: list[dict[str, str]]) -> None:
+        """Count (and warn once about) replies whose paired markup does not balance: the
+        template may read it as structure (Qwen3 takes any ``</think>`` as the end of the
+        reasoning); the mask follows what it renders."""
+        for m in messages:
+            if m["role"] != "assistant":
+                continue
+            c = m["content"]
+            for opener, closer, pattern in self._pairs:
+                if (closer in c or opener in c) and not _balanced(pattern, opener, c):
+                    self.notes["unbalanced_markup"] += 1
+                    key = f"{self.name}: unbalanced_markup"
+                    if key not in WARNED:  # once per tokenizer, whatever the markup
+                        WARNED.add(key)
+                        log.warning(
+                            "%s: an assistant reply has unbalanced %s/%s markup: it is masked "
+                            "as the chat template renders it; such replies are counted as "
+                            "unbalanced_markup",
+                            self.name,
+                            opener,
+                            closer,
+                        )
+                    break
 
     # tokenizing
 
@@ -499,6 +617,55 @@ def mask_from_offsets(offsets: np.ndarray, spans: list[tuple[int, int]], n: int)
     return hit.astype(np.uint8)
 
 
+def _markup_before(text: str, a: int, markup: tuple[str, ...]) -> int:
+    """``a`` moved back over ``markup`` (added-token strings, last first) where ``text`` has
+    it right before ``a``, whitespace between the strings allowed: the content's own
+    leading markup the template kept."""
+    for token in reversed(markup):
+        j = a
+        while j > 0 and text[j - 1].isspace():
+            j -= 1
+        if not text.startswith(token, j - len(token)):
+            break
+        a = j - len(token)
+    return a
+
+
+def _markup_after(text: str, b: int, markup: tuple[str, ...]) -> int:
+    """``b`` moved forward over ``markup`` where ``text`` has it right after ``b``."""
+    for token in markup:
+        j = b
+        while j < len(text) and text[j].isspace():
+            j += 1
+        if not text.startswith(token, j):
+            break
+        b = j + len(token)
+    return b
+
+
+def _markup_pairs(added: Mapping[str, int]) -> list[tuple[str, str, re.Pattern[str]]]:
+    """Paired added tokens (``<x>``/``</x>``, ``..._start..``/``..._end..``) and a pattern
+    finding either."""
+    pairs = []
+    for opener in added:
+        if opener.startswith("<") and not opener.startswith("</"):
+            for closer in ("</" + opener[1:], opener.replace("_start", "_end")):
+                if closer != opener and closer in added:
+                    pattern = re.compile(f"{re.escape(opener)}|{re.escape(closer)}")
+                    pairs.append((opener, closer, pattern))
+                    break
+    return pairs
+
+
+def _balanced(pattern: re.Pattern[str], opener: str, text: str) -> bool:
+    depth = 0
+    for m in pattern.finditer(text):
+        depth += 1 if m.group() == opener else -1
+        if depth < 0:
+            return False
+    return depth == 0
+
+
 def _common_prefix(x: str, y: str) -> int:
     lo, hi = 0, min(len(x), len(y))
     while lo < hi:  # binary search; each comparison runs in C
@@ -530,27 +697,85 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
+#: A Hugging Face Hub repository id: ``name`` or ``namespace/name``.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def tokenizer_source(value: str | Path) -> Path | str:
+    """A ``--tokenizer`` argument as a local folder (a Path) or a Hub id (a str), by one
+    rule: an existing folder is that folder; an existing file is an error naming its folder;
+    a path that does not exist is an error, never a Hub lookup. It is a path when it is
+    absolute, starts with ``.`` or ``~``, ends in a file suffix (``.json``), has more than
+    one ``/``, or its first component exists here (``tok/qwen`` with a folder ``tok``);
+    only a bare ``name`` or ``namespace/name`` that matches nothing here is a Hub id."""
+    text = str(value)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(
+            f"{text}: a file, not a tokenizer folder; pass the folder that holds it ({path.parent})"
+        )
+    first = Path(text).parts[0] if Path(text).parts else text
+    looks_like_path = (
+        path.is_absolute()
+        or text.startswith((".", "~"))
+        or Path(text).suffix in (".json", ".model", ".txt", ".jinja")
+        or text.count("/") > 1
+        or (text.count("/") == 1 and Path(first).exists())
+        or not _HUB_ID.fullmatch(text)
+    )
+    if looks_like_path:
+        near = (
+            path.parent
+            if path.parent.is_dir() and path.parent not in (Path("."), Path("/"))
+            else None
+        )
+        hint = f" ({near} exists, but has no {path.name!r})" if near is not None else ""
+        raise ValueError(f"{text}: no such tokenizer folder{hint}")
+    return text
+
+
 def load_tokenizer(tokenizer: Any) -> Any:
-    """A fast tokenizer from a folder (no torch when it has ``tokenizer.json``) or Hub id;
-    an object with ``apply_chat_template`` is returned as it is."""
+    """A fast tokenizer from a folder (no torch when it has ``tokenizer.json``) or a Hub id
+    (``tokenizer_source`` decides which; a Hub id is looked for in the local Hugging Face
+    cache first); an object with ``apply_chat_template`` is returned as it is."""
     if hasattr(tokenizer, "apply_chat_template"):
         tok = tokenizer
     else:
-        path = Path(tokenizer)
-        if not path.exists() and (path.is_absolute() or str(tokenizer).startswith((".", "~"))):
-            raise FileNotFoundError(f"{path}: no such tokenizer folder")
+        source = tokenizer_source(tokenizer)
         try:
-            if (path / "tokenizer.json").is_file():
+            if isinstance(source, Path) and (source / "tokenizer.json").is_file():
                 from transformers import PreTrainedTokenizerFast
 
-                tok = PreTrainedTokenizerFast.from_pretrained(str(path))
-            else:
+                tok = PreTrainedTokenizerFast.from_pretrained(str(source))
+            elif isinstance(source, Path):
                 from transformers import AutoTokenizer
 
-                tok = AutoTokenizer.from_pretrained(str(path))
+                tok = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+            else:
+                tok = _hub_tokenizer(source)
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{tokenizer}: cannot load a tokenizer ({first})") from e
+            where = "the folder" if isinstance(source, Path) else "the Hub id"
+            raise ValueError(f"{tokenizer}: cannot load a tokenizer from {where} ({first})") from e
     if getattr(tok, "backend_tokenizer", None) is None:
         raise ValueError(f"{tokenizer}: need a fast (Rust) tokenizer with a tokenizer.json")
     return tok
+
+
+def _hub_tokenizer(repo: str) -> Any:
+    """The Hub id's tokenizer from the local cache, else downloaded (unless offline)."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(repo, local_files_only=True)
+    except (OSError, ValueError):
+        if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+            raise ValueError(
+                f"not a local folder, not in the Hugging Face cache, and HF_HUB_OFFLINE is "
+                f"set (download it first: `huggingface-cli download {repo} --local-dir DIR`)"
+            ) from None
+    return AutoTokenizer.from_pretrained(repo)
