@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast soak lint typecheck bench clean setup
+.PHONY: demo test test-fast soak lint typecheck bench clean setup serve-check
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ test-fast: $(STAMP)
 # Long fault-injection, fuzzing and load runs (minutes each).
 soak: $(STAMP)
 	$(BIN)/python -m pytest -m slow tests/soak $(PYTEST_ARGS)
+
+# vLLM in the loop before serving (docs/SERVING.md): its CPU build in a virtualenv of its
+# own, made once and cached outside the clone ($${DFLASH_CACHE:-~/.cache/dflash-loader}).
+serve-check: $(STAMP)
+	PY=$(PY) PROJECT_PYTHON=$(BIN)/python bash scripts/serve_check.sh
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_dataset.py

@@ -8,8 +8,10 @@ Two backends:
   (``chat_template_kwargs`` such as ``{"enable_thinking": false}`` go to the template),
   generated greedily (temperature 0; sampling otherwise) by one generation thread that
   batches up to ``--batch`` waiting greedy requests (left-padded; default 1: one request at
-  a time, exactly an unbatched call), cut at the first EOS and decoded with
-  ``skip_special_tokens``.
+  a time, exactly an unbatched call), cut at the first EOS and decoded as vLLM decodes
+  (``skip_special_tokens``, no clean-up of spaces, and a reply whose text would end in an
+  incomplete UTF-8 sequence, e.g. at the ``max_tokens`` cut, loses those trailing tokens
+  instead of ending in U+FFFD: ``detokenize_like_vllm``).
 * ``--fixed-delay S``: answers ``--fixed-text`` plus a digest of the request's messages
   (so a reply depends on its history only, never on arrival order) after ``S`` seconds.
   At most ``--max-concurrent`` requests are served at once and the rest wait: a server of
@@ -46,6 +48,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -165,6 +168,23 @@ class FixedBackend:
         return Completion(content, finish, prompt, min(len(words), req.max_tokens))
 
 
+def detokenize_like_vllm(decode: Callable[[list[int]], str], ids: list[int]) -> str:
+    """The text vLLM returns for the generated ``ids`` (the EOS already cut off). vLLM
+    detokenizes incrementally (its ``FastIncrementalDetokenizer`` steps ``tokenizers``'
+    ``DecodeStream``; the slow path, ``detokenize_incrementally``, does the same): a token
+    whose text so far ends in U+FFFD (an incomplete UTF-8 sequence, e.g. the first bytes of
+    a multi-byte character cut at ``max_tokens``) adds nothing yet, and what is held back
+    when the response ends is never sent. So: drop trailing tokens while the decoded text
+    ends in U+FFFD. A U+FFFD inside the text (an invalid byte followed by more text) stays,
+    as in vLLM."""
+    keep = len(ids)
+    text = decode(ids)
+    while keep and text.endswith("\ufffd"):
+        keep -= 1
+        text = decode(ids[:keep])
+    return text
+
+
 @dataclass
 class _Job:
     ids: list[int]
@@ -200,6 +220,16 @@ class ModelBackend:
         self.jobs: queue.Queue[_Job] = queue.Queue()
         threading.Thread(target=self._generation_loop, daemon=True).start()
 
+    def _decode(self, ids: list[int]) -> str:
+        """The reply's text as vLLM's detokenizer sees it: the ``tokenizers`` backend's
+        decode (no ``clean_up_tokenization_spaces``), special tokens skipped."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None:
+            return str(backend.decode(ids, skip_special_tokens=True))
+        return str(
+            self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        )
+
     def _eos_ids(self) -> list[int]:
         ids = set()
         for value in (self.tok.eos_token_id, self.model.generation_config.eos_token_id):
@@ -232,7 +262,7 @@ class ModelBackend:
         new = job.new
         stop = next((i for i, t in enumerate(new) if t in self.eos), None)
         kept = new if stop is None else new[:stop]
-        content = self.tok.decode(kept, skip_special_tokens=True)
+        content = detokenize_like_vllm(self._decode, kept)
         finish = "length" if stop is None else "stop"
         used = len(new) if stop is None else stop + 1
         return Completion(content, finish, len(ids), used)

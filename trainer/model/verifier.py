@@ -13,30 +13,46 @@ State after the prompt's prefill: the committed tokens end with the target's own
    all are right); ``g_{j+1}`` is the next anchor and the cache is cut back to the
    positions before it.
 
-Generation stops after ``max_new_tokens`` tokens or at the first end-of-sequence token
-(``eos_token_ids``, see ``eos_ids``): a step whose committed tokens contain an EOS commits
-up to and including the first one and is the last step; it counts, with only the tokens it
-committed up to the EOS. If the prefill's own first token is EOS there are no steps at all.
-The last step may commit tokens past ``max_new_tokens``: they count (as in z-lab's
-benchmark) but are cut from the output.
+Which steps run, and what each counts, follow z-lab's ``dflash_generate`` (``dflash/model.py``
+of z-lab's dflash repository, whose per-step ``acceptance_lengths`` its benchmark averages):
 
-Output equals the target's plain greedy decoding (``greedy_generate`` with the same EOS ids)
-token for token (greedy speculative decoding is lossless; a test checks it), so tau measures
-speed only. Temperature 0 only.
+* every step's **acceptance length** is ``j + 1``, the whole step, even when the output ends
+  inside it: at an end-of-sequence token (``eos_token_ids``, see ``eos_ids``) among the
+  accepted drafts, or past ``max_new_tokens``;
+* the first step always runs, even when the prefill's own first token is an EOS;
+* another step runs while at most ``max_new_tokens`` tokens are out, so a step that lands
+  exactly on ``max_new_tokens`` is followed by one more (z-lab's ``while start <
+  max_length``), and none runs after a step that put an EOS in the output.
 
-Two statistics of the acceptance length (``TauReport``):
+The output is cut after the first EOS and at ``max_new_tokens``, and equals the target's plain
+greedy decoding (``greedy_generate`` with the same EOS ids) token for token (greedy
+speculative decoding is lossless; a test checks it), so tau measures speed only. Temperature
+0 only.
+
+A serving engine stops a request as soon as it is finished: vLLM runs no step after an EOS
+or once ``max_new_tokens`` tokens are out, so not z-lab's extra step (when the prefill's
+token is an EOS, none at all), and counts each step it runs as z-lab does (its
+``spec_decode_num_accepted_tokens`` adds ``j`` a step, before the output is cut). Those
+leading steps are ``SpecResult.served_steps``.
+
+The statistics (``TauReport``; ``SpecResult`` has the per-prompt ones):
 
 * ``tau`` -- the reference statistic, the one z-lab's DFlash benchmark reports ("Average
   Acceptance length") and so the one to compare with published numbers: the mean over
-  prompts of each prompt's own tau (its committed tokens / its steps). Every prompt weighs
-  the same, however many steps it took. A prompt with no steps (EOS as the very first
-  token) has no tau and contributes nothing to it (neither to the sum nor to the count).
-* ``tau_pooled`` -- committed tokens / steps, both summed over all prompts: the mean over
-  steps, so long generations weigh more. The two differ unless every prompt has the same
-  tau.
+  prompts of each prompt's own tau (the mean of its acceptance lengths). Every prompt weighs
+  the same, however many steps it took.
+* ``tau_pooled`` -- acceptance lengths / steps, both summed over all prompts: the mean over
+  steps (the mean of z-lab's histogram), so long generations weigh more. The two differ
+  unless every prompt has the same tau.
+* ``tau_served`` -- the pooled mean over the served steps only: vLLM's mean acceptance length
+  ``1 + num_accepted_tokens / num_drafts`` on the same prompts (``make serve-check``
+  compares the two).
+* ``tau_committed`` -- output tokens (up to and including the first EOS; a last step's
+  tokens past ``max_new_tokens`` count) per served step: what ``tau_pooled`` was before
+  the statistics followed z-lab.
 
-``TauReport`` keeps sums only (``committed``, ``steps``, ``prompt_tau_sum``, ``prompts``), so
-ranks can all-reduce them and compute either statistic from the totals.
+``TauReport`` keeps sums only (``TauReport.FIELDS``), so ranks can all-reduce them
+(``sums``, ``from_sums``) and compute any statistic from the totals.
 """
 
 from __future__ import annotations
@@ -107,14 +123,41 @@ def _first_eos(tokens: torch.Tensor, eos_token_ids: Sequence[int]) -> int | None
 @dataclass
 class SpecResult:
     tokens: torch.Tensor  # the generated tokens: max_new_tokens, or fewer when ending at EOS
-    steps: int  # draft-verify steps (the prefill's first token is not a step)
-    committed: int  # tokens committed by those steps (== sum(acceptance_lengths))
-    # Tokens committed by each step (j + 1, or fewer for a step cut at EOS); len == steps.
+    # z-lab's acceptance length of every draft-verify step (j + 1, see the module docstring);
+    # the prefill's first token is not a step.
     acceptance_lengths: list[int] = field(default_factory=list)
+    served_steps: int = 0  # the leading steps a serving engine (vLLM) also runs
+    committed: int = 0  # tokens the served steps put in the output, up to the first EOS
+
+    @property
+    def steps(self) -> int:
+        """Draft-verify steps, z-lab's count (== len(acceptance_lengths))."""
+        return len(self.acceptance_lengths)
+
+    @property
+    def accepted(self) -> int:
+        """Sum of the acceptance lengths (z-lab's)."""
+        return sum(self.acceptance_lengths)
+
+    @property
+    def served_accepted(self) -> int:
+        """Sum of the served steps' acceptance lengths (vLLM's counters, plus one a step)."""
+        return sum(self.acceptance_lengths[: self.served_steps])
 
     @property
     def tau(self) -> float:
-        return self.committed / self.steps if self.steps else 0.0
+        """This prompt's tau as z-lab counts it: the mean of its acceptance lengths."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def tau_served(self) -> float:
+        """Acceptance length over the served steps (what vLLM's counters give)."""
+        return self.served_accepted / self.served_steps if self.served_steps else 0.0
+
+    @property
+    def tau_committed(self) -> float:
+        """Output tokens per served step (tokens past the first EOS not counted)."""
+        return self.committed / self.served_steps if self.served_steps else 0.0
 
 
 @torch.no_grad()
@@ -128,7 +171,8 @@ def speculative_generate(
     eos_token_ids: Sequence[int] = (),
 ) -> SpecResult:
     """Greedy speculative decoding of up to ``max_new_tokens`` tokens after ``prompt [P]``
-    (P >= 1), ending after the first token in ``eos_token_ids`` (which is kept)."""
+    (P >= 1), ending after the first token in ``eos_token_ids`` (which is kept). The steps
+    are z-lab's ``dflash_generate``'s (see the module docstring)."""
     if prompt.numel() < 1 or max_new_tokens < 1:
         raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
     device = target.device
@@ -138,8 +182,18 @@ def speculative_generate(
     ctx = feats[0]
     committed = torch.cat([prompt, target.logits(last[0, -1:]).argmax(-1)])
     lengths: list[int] = []
-    done = _first_eos(committed[-1:], eos_token_ids) is not None
-    while not done and committed.numel() - prompt.numel() < max_new_tokens:
+    served: int | None = None  # steps run when a serving engine stopped
+    useful: list[int] = []  # each step's output tokens, up to the first EOS
+    eos_at = 0 if _first_eos(committed[-1:], eos_token_ids) is not None else None
+    while True:
+        generated = committed.numel() - prompt.numel()
+        if served is None and (eos_at is not None or generated >= max_new_tokens):
+            served = len(lengths)  # vLLM: a finished request gets no more steps
+        # z-lab: `while start < max_length`, i.e. another step while at most max_new_tokens
+        # tokens are out (one lands on it exactly: one more step), and a break after any
+        # step that leaves a stop token in the output: so the first step always runs.
+        if generated > max_new_tokens or (eos_at is not None and lengths):
+            break
         drafts = proposer.propose(committed, ctx, block_size - 1).to(device, torch.long)
         start = committed.numel() - 1
         block = torch.cat([committed[-1:], drafts])
@@ -148,17 +202,19 @@ def speculative_generate(
         greedy = target.logits(last[0]).argmax(-1)
         j = int((drafts == greedy[:-1]).long().cumprod(0).sum())
         new = torch.cat([drafts[:j], greedy[j : j + 1]])
-        stop = _first_eos(new, eos_token_ids)
+        lengths.append(j + 1)  # the whole step, even past an EOS in it (z-lab, vLLM)
+        stop = _first_eos(new, eos_token_ids) if eos_at is None else None
+        useful.append(0 if eos_at is not None else new.numel() if stop is None else stop + 1)
         if stop is not None:
-            new, done = new[: stop + 1], True
+            eos_at = generated + stop
         committed = torch.cat([committed, new])
-        lengths.append(new.numel())
-        if not done:
-            ctx = torch.cat([ctx, feats[0, : j + 1]])
-            target.crop_cache(cache, committed.numel() - 1)
-    out = committed[prompt.numel() : prompt.numel() + max_new_tokens]
+        ctx = torch.cat([ctx, feats[0, : j + 1]])
+        target.crop_cache(cache, committed.numel() - 1)
+    assert served is not None  # set on the iteration that breaks, if not before
+    end = max_new_tokens if eos_at is None else min(max_new_tokens, eos_at + 1)
+    out = committed[prompt.numel() : prompt.numel() + end]
     return SpecResult(
-        tokens=out, steps=len(lengths), committed=sum(lengths), acceptance_lengths=lengths
+        tokens=out, acceptance_lengths=lengths, served_steps=served, committed=sum(useful[:served])
     )
 
 
@@ -190,12 +246,49 @@ def greedy_generate(
 
 @dataclass
 class TauReport:
-    """Sums over prompts (all-reducible across ranks); see the module docstring."""
+    """Sums over prompts (all-reducible across ranks: ``sums``/``from_sums``); see the
+    module docstring for the statistics."""
 
-    committed: int  # committed tokens, summed over prompts
-    steps: int  # draft-verify steps, summed over prompts
-    prompt_tau_sum: float = 0.0  # sum of each prompt's committed / steps (prompts with steps)
+    accepted: int = 0  # acceptance lengths (z-lab's), summed over steps and prompts
+    steps: int = 0  # draft-verify steps (z-lab's), summed over prompts
+    prompt_tau_sum: float = 0.0  # sum of each prompt's tau (prompts with steps)
     prompts: int = 0  # prompts with at least one step (those in prompt_tau_sum)
+    served_accepted: int = 0  # acceptance lengths of the steps vLLM also runs
+    served_steps: int = 0  # those steps
+    committed: int = 0  # output tokens of those steps, up to the first EOS
+
+    FIELDS = (
+        "accepted",
+        "steps",
+        "prompt_tau_sum",
+        "prompts",
+        "served_accepted",
+        "served_steps",
+        "committed",
+    )
+
+    def add(self, r: SpecResult) -> None:
+        """Count one prompt's result."""
+        self.accepted += r.accepted
+        self.steps += r.steps
+        if r.steps:
+            self.prompt_tau_sum += r.tau
+            self.prompts += 1
+        self.served_accepted += r.served_accepted
+        self.served_steps += r.served_steps
+        self.committed += r.committed
+
+    def sums(self) -> list[float]:
+        """The fields in ``FIELDS`` order (one tensor to all-reduce)."""
+        return [float(getattr(self, f)) for f in self.FIELDS]
+
+    @classmethod
+    def from_sums(cls, sums: Sequence[float]) -> TauReport:
+        """The report of ``sums`` (e.g. all-reduced ``sums()``)."""
+        values = dict(zip(cls.FIELDS, sums, strict=True))
+        rep = cls(**{f: round(v) for f, v in values.items() if f != "prompt_tau_sum"})
+        rep.prompt_tau_sum = float(values["prompt_tau_sum"])
+        return rep
 
     @property
     def tau(self) -> float:
@@ -204,8 +297,25 @@ class TauReport:
 
     @property
     def tau_pooled(self) -> float:
-        """Committed tokens / steps over all prompts together (the mean over steps)."""
-        return self.committed / self.steps if self.steps else 0.0
+        """Acceptance lengths over all prompts' steps together (the mean over steps)."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def tau_served(self) -> float:
+        """vLLM's mean acceptance length, ``1 + num_accepted_tokens / num_drafts``, over the
+        same prompts: the pooled mean over the steps a serving engine runs."""
+        return self.served_accepted / self.served_steps if self.served_steps else 0.0
+
+    @property
+    def tau_committed(self) -> float:
+        """Output tokens per served step (the statistic ``tau`` was before z-lab's)."""
+        return self.committed / self.served_steps if self.served_steps else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """The four statistics by name (``tau``, ``tau_pooled``, ``tau_served``,
+        ``tau_committed``)."""
+        names = ("tau", "tau_pooled", "tau_served", "tau_committed")
+        return {n: getattr(self, n) for n in names}
 
 
 def evaluate_tau(
@@ -217,20 +327,17 @@ def evaluate_tau(
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
 ) -> TauReport:
-    """Speculative decoding of every prompt; both tau statistics' sums over ``prompts``."""
-    rep = TauReport(committed=0, steps=0)
+    """Speculative decoding of every prompt; the statistics' sums over ``prompts``."""
+    rep = TauReport()
     for p in prompts:
-        r = speculative_generate(
-            target,
-            proposer,
-            p,
-            block_size=block_size,
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=eos_token_ids,
+        rep.add(
+            speculative_generate(
+                target,
+                proposer,
+                p,
+                block_size=block_size,
+                max_new_tokens=max_new_tokens,
+                eos_token_ids=eos_token_ids,
+            )
         )
-        rep.committed += r.committed
-        rep.steps += r.steps
-        if r.steps:
-            rep.prompt_tau_sum += r.tau
-            rep.prompts += 1
     return rep

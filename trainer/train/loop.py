@@ -50,7 +50,7 @@ from trainer.model.blocks import LossConfig, anchor_generator
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import DEFAULT_CHUNK_SIZE, draft_loss, zero_loss
 from trainer.model.target import Target
-from trainer.model.verifier import DrafterProposer, eos_ids, evaluate_tau
+from trainer.model.verifier import DrafterProposer, TauReport, eos_ids, evaluate_tau
 from trainer.progress import progress_bar
 from trainer.train import checkpoint as ckpt
 from trainer.train import hostmem, stop
@@ -339,15 +339,11 @@ class Trainer:
                 max_new_tokens=self.cfg.eval_new_tokens,
                 eos_token_ids=self._eos,
             )
-        t = torch.tensor(
-            [rep.committed, rep.steps, rep.prompt_tau_sum, rep.prompts],
-            dtype=torch.float64,
-            device=self.env.device,
-        )
-        committed, steps, tau_sum, prompts = all_reduce(t, self.env).tolist()
-        if steps <= 0 or prompts <= 0:
+        t = torch.tensor(rep.sums(), dtype=torch.float64, device=self.env.device)
+        total = TauReport.from_sums(all_reduce(t, self.env).tolist())
+        if total.steps <= 0 or total.prompts <= 0:
             return None
-        return {"tau": tau_sum / prompts, "tau_pooled": committed / steps}
+        return total.metrics()
 
     # ---- training ----------------------------------------------------------------------
 

@@ -1,0 +1,724 @@
+"""`make serve-check`: vLLM in the loop, before serving a drafter (docs/SERVING.md).
+
+Run by ``scripts/serve_check.sh`` (which makes the vLLM virtualenv once) with the
+project's ``.venv``; vLLM runs in its own virtualenv (``--vllm-python``), as subprocesses:
+
+1. data: tiny chat conversations and a byte-level BPE tokenizer with Qwen3's template, and
+   a tiny random-weight Qwen3 target saved with it (``dflash-train save-target``), as in the
+   demo;
+2. vLLM's OpenAI server serves the target: ``dflash-train regen --server`` regenerates every
+   reply through it (the training corpus and the held-out prompts); the first rows again
+   through ``scripts/chat_server.py``, the stand-in the tests use, must give the same
+   replies; vLLM's plain greedy output on the held-out prompts is kept (token ids);
+3. a drafter trains on that corpus (the loader daemon and ``dflash-train train``, one
+   process) and is exported (``dflash-train export``, bf16);
+4. vLLM serves the target with the exported drafter as its DFlash speculator, and:
+
+   * weights: every tensor of the export was read by vLLM and its values are in one of the
+     drafter's parameters, and every parameter of vLLM's drafter holds checkpoint values
+     (or is the target's own embedding / LM head, or one vLLM does not use). vLLM's DFlash
+     loader does not report a missing tensor (it serves the drafter with ~0 acceptance),
+     so a probe in vLLM's processes (``sitecustomize`` on ``PYTHONPATH``) records what it
+     loaded and compares the values;
+   * output: speculative greedy == plain greedy == the trainer's verifier, token ids, on
+     every held-out prompt;
+   * acceptance: vLLM's spec-decode counters (``/metrics``: drafts, accepted tokens, per
+     position) over those requests == the trainer's verifier on the same prompts
+     (``trainer.model.verifier``: ``tau_served``; its ``tau`` is z-lab's statistic), and
+     above 1, so that the comparison means something;
+
+5. a table of the checks and of the time each phase took; exit status 1 naming what failed.
+
+``python -m scripts.serve_check --vllm-python VENV/bin/python [--work DIR]``: without
+``--work`` everything goes to a temporary folder, removed when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scripts.daemon_process import DaemonProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+TRAIN = [PY, "-m", "trainer.cli"]
+SERVED = "target"  # --served-model-name
+BLOCK = 8  # drafter block size: B - 1 = 7 speculative tokens
+
+# The probe: vLLM imports sitecustomize at start-up in every process (API server, engine
+# core, worker). It wraps AutoWeightsLoader.load_weights (the vLLM parameter names each
+# model's loader filled), DFlashQwen3ForCausalLM.load_weights (the checkpoint tensors
+# vLLM read and, right after, where their values lie among the drafter's parameters:
+# before process_weights_after_loading, which on CPU packs every linear weight for oneDNN
+# and leaves an empty tensor behind) and the speculator's load_model (which parameters are
+# the target's by then: the shared embedding and LM head); it writes the report to
+# $DFLASH_SERVE_CHECK_REPORT.
+PROBE = r'''
+"""serve-check's probe in vLLM's processes: what vLLM's DFlash drafter loaded."""
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+
+_REPORT = os.environ.get("DFLASH_SERVE_CHECK_REPORT")
+_SEEN = {"checkpoint": [], "loaded": {}}
+
+
+def _patch_utils(mod):
+    orig = mod.AutoWeightsLoader.load_weights
+
+    def load_weights(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        names = _SEEN["loaded"].setdefault(type(self.module).__name__, set())
+        names.update(out or ())
+        return out
+
+    mod.AutoWeightsLoader.load_weights = load_weights
+
+
+def _patch_dflash(mod):
+    orig = mod.DFlashQwen3ForCausalLM.load_weights
+
+    def load_weights(self, weights):
+        tensors = {}
+
+        def named():
+            for name, tensor in weights:
+                tensors[name] = tensor.detach().clone()
+                yield name, tensor
+
+        out = orig(self, named())
+        # Before process_weights_after_loading: on CPU it packs every linear weight for
+        # oneDNN and leaves an empty tensor in its place.
+        _SEEN["checkpoint"] = list(tensors)
+        _SEEN["values"] = _compare(self, tensors)
+        return out
+
+    mod.DFlashQwen3ForCausalLM.load_weights = load_weights
+
+
+def _matches(param, tensor):
+    """Row offsets where ``tensor`` lies in ``param`` (stacked along dim 0), exactly."""
+    import torch
+
+    p, t = param.detach().float(), tensor.float()
+    if p.dim() != t.dim() or p.dim() == 0 or p.shape[1:] != t.shape[1:] or len(p) < len(t):
+        return []
+    n = len(t)
+    first = (p == t[0]) if p.dim() == 1 else (p == t[0]).all(dim=1)
+    offsets = [int(o) for o in first.nonzero().flatten() if o + n <= len(p)]
+    return [o for o in offsets if torch.equal(p[o : o + n], t)]
+
+
+def _compare(drafter, tensors):
+    """Where each checkpoint tensor's values lie among the drafter's parameters."""
+    params = dict(drafter.named_parameters())
+    covered = {n: set() for n in params}
+    found = {}
+    for tname, tensor in tensors.items():
+        hits = []
+        for pname, param in params.items():
+            for o in _matches(param, tensor):
+                hits.append([pname, o])
+                covered[pname].update(range(o, o + len(tensor)))
+        found[tname] = hits
+    rows = {n: int(p.shape[0]) if p.dim() else 1 for n, p in params.items()}
+    return {
+        "tensors_found": found,
+        "rows": rows,
+        "rows_covered": {n: len(c) for n, c in covered.items()},
+        "shapes": {n: list(p.shape) for n, p in params.items()},
+    }
+
+
+def _report(proposer, target_model):
+    drafter = proposer.model
+    target = {id(p): n for n, p in target_model.named_parameters()}
+    loaded = _SEEN["loaded"].get(type(drafter).__name__, set())
+    values = _SEEN.get("values")
+    if values is None:
+        return {"error": "DFlashQwen3ForCausalLM.load_weights was not called"}
+    separate_mask = getattr(getattr(drafter, "model", None), "has_separate_mask_embedding", True)
+    out = {}
+    for n, p in drafter.named_parameters():
+        out[n] = {
+            "shape": values["shapes"].get(n, list(p.shape)),
+            "loaded": n in loaded,
+            "shared_with_target": target.get(id(p)),
+            "rows": values["rows"].get(n, 0),
+            "rows_covered": values["rows_covered"].get(n, 0),
+            "unused": n.endswith("mask_embedding") and not separate_mask,
+        }
+    return {
+        "drafter_class": type(drafter).__name__,
+        "proposer_class": type(proposer).__name__,
+        "checkpoint_names": _SEEN["checkpoint"],
+        "tensors_found": values["tensors_found"],
+        "params": out,
+    }
+
+
+def _patch_proposer(mod):
+    orig = mod.SpecDecodeBaseProposer.load_model
+
+    def load_model(self, target_model):
+        orig(self, target_model)
+        try:
+            report = _report(self, target_model)
+        except Exception as e:  # the check reports it; serving goes on
+            report = {"error": repr(e)}
+        if _REPORT:
+            with open(_REPORT + ".tmp", "w") as f:
+                json.dump(report, f)
+            os.replace(_REPORT + ".tmp", _REPORT)
+
+    mod.SpecDecodeBaseProposer.load_model = load_model
+
+
+_PATCHES = {
+    "vllm.model_executor.models.utils": _patch_utils,
+    "vllm.model_executor.models.qwen3_dflash": _patch_dflash,
+    "vllm.v1.spec_decode.llm_base_proposer": _patch_proposer,
+}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        patch = _PATCHES.get(name)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _REPORT:
+    sys.meta_path.insert(0, _Finder())
+'''
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+class Phases:
+    """Wall time of each phase, printed as it ends and in the closing table."""
+
+    def __init__(self) -> None:
+        self.times: list[tuple[str, float]] = []
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        print(f"== {name}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.times.append((name, dt))
+            print(f"   {name}: {dt:.1f} s", flush=True)
+
+
+def sh(*args: str, log: Path | None = None, env: dict[str, str] | None = None) -> str:
+    """Run a command; its output goes to ``log`` (or is returned). Raises on failure with
+    the output's end."""
+    shown = " ".join(a.replace(PY, "python") for a in args)
+    print(f"   $ {shown}", flush=True)
+    out = subprocess.run(
+        args, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+    if log is not None:
+        log.write_text(out.stdout)
+    if out.returncode != 0:
+        raise RuntimeError(f"`{shown}` exited with {out.returncode}:\n{out.stdout[-3000:]}")
+    return out.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}:\n{tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not up after {timeout:.0f} s:\n{tail(log)}")
+        time.sleep(0.5)
+
+
+def tail(log: Path, n: int = 40) -> str:
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return "\n".join(lines[-n:])
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group this script started (vLLM's engine core and worker are
+    children of its API server), SIGKILL what is left after 30 s."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
+
+
+def vllm_command(vllm_python: str, target: Path, port: int, drafter: Path | None) -> list[str]:
+    """The vLLM OpenAI server for the target (docs/SERVING.md): fp32 on CPU, no
+    torch.compile (--enforce-eager), a KV cache of a fixed size (the CPU backend otherwise
+    reserves --gpu-memory-utilization of the machine's memory and refuses to start when
+    that much is not free); with ``drafter``, its DFlash speculator."""
+    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
+           "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
+           "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0"]  # fmt: skip
+    if drafter is not None:
+        spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": BLOCK - 1}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return cmd
+
+
+@contextlib.contextmanager
+def vllm_server(
+    vllm_python: str, target: Path, log: Path, drafter: Path | None = None, **env: str
+) -> Iterator[str]:
+    port = free_port()
+    cmd = vllm_command(vllm_python, target, port, drafter)
+    print("   $ " + " ".join(c if " " not in c else f"'{c}'" for c in cmd), flush=True)
+    full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **env}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.perf_counter()
+        wait_http(url + "/health", proc, log, timeout=600)
+        print(f"   vLLM up in {time.perf_counter() - t0:.1f} s ({log})", flush=True)
+        yield url
+    finally:
+        stop_group(proc)
+
+
+@contextlib.contextmanager
+def stand_in_server(target: Path, log: Path) -> Iterator[str]:
+    cmd = [PY, "scripts/chat_server.py", "--model", str(target), "--batch", "16",
+           "--parent-pid", str(os.getpid())]  # fmt: skip
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith("READY "):
+            raise RuntimeError(f"chat_server.py did not start:\n{tail(log)}")
+        yield line.split()[1]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def spec_counters(url: str) -> dict[str, Any]:
+    """vLLM's spec-decode counters from ``/metrics`` (Prometheus text)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
+    names = {
+        "vllm:spec_decode_num_drafts_total": "drafts",
+        "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+    }
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, value = line.rsplit(" ", 1)
+        base = name.split("{", 1)[0]
+        if base in names:
+            out[names[base]] += float(value)
+        elif base == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            pos = int(name.split('position="', 1)[1].split('"', 1)[0])
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + float(value)
+    return out
+
+
+def complete(
+    url: str, prompts: list[list[int]], max_tokens: int, stops: list[list[int]] | None = None
+) -> list[list[int]]:
+    """Greedy completions of token-id prompts, one request at a time (a batch of one:
+    nothing depends on what else is in flight), each also ending at its ``stops`` (vLLM's
+    ``stop_token_ids``: finished like an EOS, the token kept); the generated token ids."""
+    out = []
+    for k, p in enumerate(prompts):
+        body = {"model": SERVED, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True, "stop_token_ids": stops[k] if stops else []}  # fmt: skip
+        out.append(
+            [int(t) for t in http_json(url + "/v1/completions", body)["choices"][0]["token_ids"]]
+        )
+    return out
+
+
+def journal_replies(out: Path) -> dict[int, list[dict[str, str]]]:
+    from trainer.data.server.journal import journal_path
+
+    recs: dict[int, list[dict[str, str]]] = {}
+    for line in journal_path(out).read_text().splitlines()[1:]:
+        rec = json.loads(line)
+        recs[int(rec["row"])] = rec["messages"]
+    return recs
+
+
+def regen(src: Path, out: Path, url: str, target: Path, holdout: int, log: Path) -> dict[str, Any]:
+    text = sh(*TRAIN, "regen", str(src), str(out), "--server", url, "--tokenizer", str(target),
+              "--max-tokens", "40", "--concurrency", "16", "--holdout", str(holdout),
+              "--no-progress", log=log)  # fmt: skip
+    return dict(json.loads(text.strip().splitlines()[-1]))
+
+
+# ---- the checks ------------------------------------------------------------------------
+
+
+def check_weights(report_path: Path, export: Path) -> Check:
+    from safetensors import safe_open
+
+    name = "vLLM loaded every drafter weight"
+    if not report_path.exists():
+        return Check(name, False, f"the probe wrote no report ({report_path}): vLLM's loading "
+                     "path changed (serve-check's PROBE needs updating)")  # fmt: skip
+    rep = json.loads(report_path.read_text())
+    if "error" in rep:
+        return Check(name, False, f"the probe failed: {rep['error']}")
+    exported: set[str] = set()
+    for file in sorted(export.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            exported.update(f.keys())
+    problems = []
+    unread = exported - set(rep["checkpoint_names"])
+    if unread:
+        problems.append(f"not read by vLLM: {sorted(unread)}")
+    lost = sorted(t for t, hits in rep["tensors_found"].items() if not hits)
+    if lost:
+        problems.append(f"values in no vLLM parameter: {lost}")
+    params = rep["params"]
+    shared = sorted(n for n, p in params.items() if p["shared_with_target"])
+    unused = sorted(n for n, p in params.items() if p["unused"])
+    missing = sorted(
+        n for n, p in params.items()
+        if not p["shared_with_target"] and not p["unused"]
+        and not (p["loaded"] and p["rows_covered"] == p["rows"])
+    )  # fmt: skip
+    if missing:
+        problems.append(f"vLLM parameters not from the checkpoint: {missing}")
+    if problems:
+        return Check(name, False, "; ".join(problems))
+    filled = len(params) - len(shared) - len(unused)
+    return Check(
+        name, True,
+        f"{len(exported)} exported tensors -> {filled} {rep['drafter_class']} parameters "
+        f"(values equal); shared with the target: {', '.join(shared) or 'none'}; "
+        f"unused by vLLM: {', '.join(unused) or 'none'}",
+    )  # fmt: skip
+
+
+class Verifier:
+    """The trainer's verifier (``trainer.model.verifier``) with the exported drafter, its
+    weights as the folder holds them, and the target's EOS ids as the trainer takes them."""
+
+    def __init__(self, target_dir: Path, export: Path) -> None:
+        import torch
+        from transformers import GenerationConfig
+
+        from trainer.hf.folder import init_drafter, read_drafter_folder
+        from trainer.model.drafter import DFlashDrafter, DrafterConfig
+        from trainer.model.target import load_target
+        from trainer.model.verifier import DrafterProposer, eos_ids
+
+        torch.set_num_threads(2)
+        folder = read_drafter_folder(export)
+        target = load_target(str(target_dir), layer_ids=folder.target_layer_ids)
+        cfg = DrafterConfig.from_target(
+            target.config,
+            num_target_layers=len(target.layer_ids),
+            num_layers=int(folder.config["num_hidden_layers"]),
+            block_size=int(folder.value("block_size")),
+            mask_token_id=folder.mask_token_id,
+        )
+        drafter = DFlashDrafter(cfg)
+        init_drafter(drafter, folder, target)
+        drafter.eval()
+        generation = GenerationConfig.from_pretrained(target_dir)
+        self.eos = tuple(dict.fromkeys(eos_ids(target.config) + eos_ids(generation)))
+        self.target, self.block = target, cfg.block_size
+        self.proposer = DrafterProposer(target, drafter)
+
+    def run(
+        self, prompts: list[list[int]], max_new: int, stops: list[list[int]]
+    ) -> tuple[Any, list[list[int]], dict[int, int]]:
+        """The TauReport over ``prompts`` (each also ending at its ``stops``), the output
+        tokens, and the accepted drafts by position over the served steps (as vLLM's
+        ``spec_decode_num_accepted_tokens_per_pos`` counts them)."""
+        import torch
+
+        from trainer.model.verifier import TauReport, speculative_generate
+
+        rep, tokens, per_pos = TauReport(), [], {}
+        for p, stop in zip(prompts, stops, strict=True):
+            r = speculative_generate(
+                self.target, self.proposer, torch.tensor(p), block_size=self.block,
+                max_new_tokens=max_new, eos_token_ids=self.eos + tuple(stop),
+            )  # fmt: skip
+            rep.add(r)
+            tokens.append(r.tokens.tolist())
+            for length in r.acceptance_lengths[: r.served_steps]:
+                for k in range(length - 1):
+                    per_pos[k] = per_pos.get(k, 0) + 1
+        return rep, tokens, per_pos
+
+
+def stop_token(output: list[int], start: int = 8) -> list[int]:
+    """A stop token for a second pass: the first token of ``output`` at index >= ``start``
+    that does not occur before it (so the response ends there), or none."""
+    for i in range(start, len(output) - 1):
+        if output[i] not in output[:i]:
+            return [output[i]]
+    return []
+
+
+def cut_at(output: list[int], stop: list[int]) -> list[int]:
+    return output[: output.index(stop[0]) + 1] if stop else output
+
+
+# ---- the run ---------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
+    from trainer.data.regen import load_prompts
+
+    checks: list[Check] = []
+    chat, target, corpus = work / "chat", work / "target", work / "corpus"
+    with phases("data: conversations, tokenizer, tiny Qwen3 target"):
+        sh(PY, "-m", "scripts.tiny_chat", str(chat), "--conversations", str(args.conversations),
+           "--words", "40", "--template", "qwen3")  # fmt: skip
+        sh(*TRAIN, "save-target", str(target), "--tiny-vocab", "1024",
+           "--tokenizer", str(chat / "tokenizer"))  # fmt: skip
+    conversations = chat / "conversations.jsonl"
+    head = work / "head.jsonl"
+    head.write_text("".join(conversations.read_text().splitlines(True)[: args.compare_rows]))
+
+    with (
+        phases("vLLM serves the target: regen, plain greedy"),
+        vllm_server(args.vllm_python, target, work / "vllm-target.log") as url,
+    ):
+        summary = regen(conversations, corpus, url, target, args.prompts, work / "regen.log")
+        ok = summary["failed"] == 0 and summary["regenerated"] > 0
+        checks.append(Check(
+                "regen --server through vLLM", ok,
+                f"{summary['regenerated']} conversations regenerated, {summary['failed']} "
+                f"failed, {summary['corpus']['conversations']} in the corpus, "
+                f"{summary['holdout']} held out",
+            ))  # fmt: skip
+        heldout = corpus / "heldout.jsonl"
+        prompts = [p.tolist() for p in load_prompts(heldout)][: args.prompts]
+        plain = complete(url, prompts, args.max_tokens)
+        # a second pass ends each response at a stop token of its own, inside a step
+        stops = [stop_token(o) for o in plain]
+        no_stops: list[list[int]] = [[] for _ in prompts]
+        plain_stop = [cut_at(o, s) for o, s in zip(plain, stops, strict=True)]
+
+    with phases("stand-in (scripts/chat_server.py) regen of the first rows"):
+        with stand_in_server(target, work / "chat-server.log") as url:
+            regen(head, work / "corpus-stand-in", url, target, 0, work / "regen-stand-in.log")
+        ours, theirs = journal_replies(corpus), journal_replies(work / "corpus-stand-in")
+        rows = sorted(theirs)
+        differ = [r for r in rows if ours.get(r) != theirs[r]]
+        checks.append(Check(
+            "stand-in replies == vLLM replies", not differ and bool(rows),
+            f"{len(rows) - len(differ)} of {len(rows)} conversations identical"
+            + (f"; differ: rows {differ[:10]}" if differ else ""),
+        ))  # fmt: skip
+
+    run_dir, export = work / "run", work / "drafter"
+    with phases(f"train the drafter ({args.steps} steps) and export it"):
+        endpoint = f"ipc://{work}/loader.sock"
+        daemon = DaemonProcess(corpus, endpoint, "--token-budget", "2048", "--max-seq-len", "512",
+                               log_path=work / "daemon.log")  # fmt: skip
+        try:
+            sh(*TRAIN, "train", "--endpoint", endpoint, "--target", str(target), "--job", "sc",
+               "--run-dir", str(run_dir), "--steps", str(args.steps), "--block-size", str(BLOCK),
+               "--anchors-per-doc", "16", "--token-budget", "2048", "--max-seq-len", "512",
+               "--lr", "3e-3", "--num-eval-prompts", "0", "--cost-samples", "0",
+               "--no-progress", log=work / "train.log")  # fmt: skip
+        finally:
+            daemon.stop()
+        sh(*TRAIN, "export", str(run_dir), str(export))
+        summary = json.loads((run_dir / "summary.json").read_text())
+        print(
+            f"   training: loss {summary['first_loss']:.2f} -> {summary['last_loss']:.2f}, "
+            f"tau {summary.get('first_tau', 0):.2f} -> {summary.get('last_tau', 0):.2f}"
+        )
+
+    report = work / "vllm-weights.json"
+    with phases("vLLM serves the target with the DFlash drafter"):
+        probe = work / "probe"
+        probe.mkdir(exist_ok=True)
+        (probe / "sitecustomize.py").write_text(PROBE)
+        pythonpath = os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))
+        with vllm_server(args.vllm_python, target, work / "vllm-dflash.log", export,
+                         PYTHONPATH=pythonpath,
+                         DFLASH_SERVE_CHECK_REPORT=str(report)) as url:  # fmt: skip
+            counters = [spec_counters(url)]
+            spec = complete(url, prompts, args.max_tokens)
+            counters.append(spec_counters(url))
+            spec_stop = complete(url, prompts, args.max_tokens, stops)
+            counters.append(spec_counters(url))
+        checks.append(check_weights(report, export))
+
+    with phases("the trainer's verifier on the same prompts"):
+        verifier = Verifier(target, export)
+        passes = [
+            ("max_tokens", spec, plain, *verifier.run(prompts, args.max_tokens, no_stops)),
+            ("stop tokens", spec_stop, plain_stop, *verifier.run(prompts, args.max_tokens, stops)),
+        ]
+
+    outputs, acceptance, taus = [], [], []
+    equal_out = equal_acc = True
+    for k, (label, served, greedy, rep, verified, per_pos) in enumerate(passes):
+        same = [i for i, t in enumerate(served) if t == greedy[i] == verified[i]]
+        equal_out &= len(same) == len(prompts)
+        differ = [i for i in range(len(prompts)) if i not in same]
+        outputs.append(
+            f"{label}: {len(same)}/{len(prompts)} prompts ({sum(map(len, served))} tokens)"
+            + (f", differ: {differ[:10]}" if differ else "")
+        )
+        before, after = counters[k], counters[k + 1]
+        drafts = round(after["drafts"] - before["drafts"])
+        accepted = round(after["accepted"] - before["accepted"])
+        v_pos = {p: round(v - before["per_pos"].get(p, 0.0)) for p, v in after["per_pos"].items()}
+        v_pos = {p: v for p, v in v_pos.items() if v}
+        ours_acc = rep.served_accepted - rep.served_steps
+        same_acc = (drafts, accepted) == (rep.served_steps, ours_acc) and v_pos == per_pos
+        equal_acc &= same_acc
+        tau_vllm = 1 + accepted / drafts if drafts else 0.0
+        acceptance.append(
+            f"{label}: drafts {drafts}/{rep.served_steps}, accepted {accepted}/{ours_acc}, "
+            f"per position {'equal' if v_pos == per_pos else f'{v_pos} vs {per_pos}'}, "
+            f"tau {tau_vllm:.3f}/{rep.tau_served:.3f} (z-lab's tau {rep.tau:.3f}, "
+            f"tokens per step {rep.tau_committed:.3f})"
+        )
+        taus.append((label, tau_vllm, rep))
+    stopped = sum(1 for s in stops if s)
+    checks.append(Check(
+        "speculative == plain greedy == verifier", equal_out and stopped > 0,
+        "; ".join(outputs) + f"; {stopped} prompts end at their stop token",
+    ))  # fmt: skip
+    checks.append(Check(
+        "vLLM acceptance == trainer's verifier", equal_acc,
+        "vLLM/verifier (tau: 1 + accepted/drafts / tau_served) " + "; ".join(acceptance),
+    ))  # fmt: skip
+    label, tau_vllm, rep = taus[0]
+    checks.append(Check(
+        "acceptance above 1 (a meaningful comparison)", tau_vllm >= args.min_tau,
+        f"{tau_vllm:.3f} >= {args.min_tau} ({label}; the verifier's z-lab tau {rep.tau:.3f}, "
+        f"pooled {rep.tau_pooled:.3f}, served {rep.tau_served:.3f}, "
+        f"committed {rep.tau_committed:.3f})",
+    ))  # fmt: skip
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vllm-python", required=True, help="Python of the vLLM virtualenv.")
+    p.add_argument("--work", type=Path, help="Working folder (kept) [a temporary one].")
+    p.add_argument("--conversations", type=int, default=240)
+    p.add_argument("--compare-rows", type=int, default=32, help="Rows the stand-in regenerates.")
+    p.add_argument("--prompts", type=int, default=16, help="Held-out prompts.")
+    p.add_argument("--max-tokens", type=int, default=48, help="Tokens per held-out prompt.")
+    p.add_argument("--steps", type=int, default=120, help="Training steps.")
+    p.add_argument("--min-tau", type=float, default=1.1)
+    args = p.parse_args(argv)
+    # SIGTERM/SIGHUP end the check as Ctrl-C does: through the finally blocks that stop the
+    # servers (vLLM's run in sessions of their own, so no signal reaches them otherwise).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    keep = args.work is not None
+    work = (args.work or Path(tempfile.mkdtemp(prefix="serve-check-"))).resolve()
+    if keep and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    phases = Phases()
+    t0 = time.perf_counter()
+    try:
+        checks = run(args, work, phases)
+    except RuntimeError as e:
+        checks = [Check("serve-check ran to the end", False, str(e))]
+    total = time.perf_counter() - t0
+    print("\nserve-check (vLLM in the loop):")
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"  {'PASS' if c.ok else 'FAIL'}  {c.name:<{width}}  {c.detail}")
+    print("phases:")
+    for name, dt in phases.times:
+        print(f"  {dt:7.1f} s  {name}")
+    print(f"  {total:7.1f} s  total")
+    failed = [c.name for c in checks if not c.ok]
+    if failed:
+        print(f"serve-check FAILED: {'; '.join(failed)} (logs: {work})")
+        return 1
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"serve-check passed: {len(checks)} checks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
