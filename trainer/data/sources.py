@@ -28,7 +28,7 @@ _JSONL, _JSON, _PARQUET, _ARROW = (
     (".arrow",),
 )
 _DATA_KEYS = ("data", "rows", "examples", "train", "items")
-CHUNK_ROWS = 256  # rows per worker task: ~0.5 s of work at 1K tokens per row
+CHUNK_ROWS = 256  # rows per chunk at most (read_chunks)
 
 
 @dataclass(frozen=True)
@@ -167,12 +167,17 @@ Payload: TypeAlias = list | pa.Table  # a chunk of raw rows: JSONL lines, dicts,
 
 
 def read_chunks(
-    sources: list[Source], size: int, limit: int | None = None
+    sources: list[Source], size: int, limit: int | None = None, max_bytes: int | None = None
 ) -> Iterator[tuple[list[tuple[str, int]], Payload]]:
-    """Chunks of at most ``size`` raw rows, ``(where, payload)``; a chunk never spans files."""
+    """Chunks of at most ``size`` raw rows, ``(where, payload)``; a chunk never spans files.
+
+    With ``max_bytes``, a chunk also ends at about that many bytes of row payload: a JSONL
+    chunk with the line that reaches it; JSON, Parquet and Arrow rows count at the mean
+    size of their file or read batch (of ``size`` rows). The cuts depend only on the input.
+    """
     left = limit
     for src in sources:
-        for idx, payload in _reading(src, _READERS[src.kind](src.path, size)):
+        for idx, payload in _reading(src, _READERS[src.kind](src.path, size, max_bytes)):
             if left is not None:
                 if left <= 0:
                     return
@@ -193,29 +198,53 @@ def _reading(
         raise ValueError(f"{src.path}: cannot read it ({why})") from e
 
 
-def _jsonl_chunks(path: Path, size: int) -> Iterator[tuple[list[int], list]]:
+def _step(rows: int, nbytes: int, max_bytes: int | None) -> int:
+    """Rows per chunk for ``rows`` rows of ``nbytes`` bytes in all (at least 1)."""
+    if max_bytes is None or nbytes <= max_bytes:
+        return max(rows, 1)
+    return max(1, rows * max_bytes // nbytes)
+
+
+def _by_bytes(
+    chunks: Iterator[tuple[list[int], pa.Table]], max_bytes: int | None
+) -> Iterator[tuple[list[int], pa.Table]]:
+    """Each table cut into pieces of about ``max_bytes``, its rows at their mean size."""
+    for idx, table in chunks:
+        step = _step(len(idx), table.nbytes, max_bytes)
+        for lo in range(0, len(idx), step):
+            yield idx[lo : lo + step], table.slice(lo, step)
+
+
+def _jsonl_chunks(
+    path: Path, size: int, max_bytes: int | None = None
+) -> Iterator[tuple[list[int], list]]:
+    budget = max_bytes or sys.maxsize
     idx: list[int] = []
     lines: list[bytes] = []
+    held = 0
     with open(path, "rb") as f:
         for i, line in enumerate(f):
-            if not line.strip():
+            if line.isspace():
                 continue
             idx.append(i)
             lines.append(line)
-            if len(lines) == size:
+            held += len(line)
+            if len(lines) == size or held >= budget:
                 yield idx, lines
-                idx, lines = [], []
+                idx, lines, held = [], [], 0
     if lines:
         yield idx, lines
 
 
-def _json_chunks(path: Path, size: int) -> Iterator[tuple[list[int], list]]:
+def _json_chunks(
+    path: Path, size: int, max_bytes: int | None = None
+) -> Iterator[tuple[list[int], list]]:
     try:
         with open(path, "rb") as f:
             data = json.load(f)
     except ValueError as e:
         if "Extra data" in str(e):  # JSON Lines under a .json name
-            yield from _jsonl_chunks(path, size)
+            yield from _jsonl_chunks(path, size, max_bytes)
             return
         raise ValueError(f"{path}: not valid JSON ({e})") from e
     except RecursionError:
@@ -224,8 +253,9 @@ def _json_chunks(path: Path, size: int) -> Iterator[tuple[list[int], list]]:
             "levels): not a list of conversation rows"
         ) from None
     rows = _json_rows(path, data)
-    for lo in range(0, len(rows), size):
-        yield list(range(lo, min(lo + size, len(rows)))), rows[lo : lo + size]
+    step = min(size, _step(len(rows), path.stat().st_size, max_bytes))
+    for lo in range(0, len(rows), step):
+        yield list(range(lo, min(lo + step, len(rows)))), rows[lo : lo + step]
 
 
 def _json_rows(path: Path, data: Any) -> list:
@@ -248,7 +278,13 @@ def _conv_columns(path: Path, names: Sequence[str]) -> list[str]:
     return cols
 
 
-def _parquet_chunks(path: Path, size: int) -> Iterator[tuple[list[int], pa.Table]]:
+def _parquet_chunks(
+    path: Path, size: int, max_bytes: int | None = None
+) -> Iterator[tuple[list[int], pa.Table]]:
+    yield from _by_bytes(_parquet_batches(path, size), max_bytes)
+
+
+def _parquet_batches(path: Path, size: int) -> Iterator[tuple[list[int], pa.Table]]:
     import pyarrow.parquet as pq
 
     try:
@@ -262,8 +298,10 @@ def _parquet_chunks(path: Path, size: int) -> Iterator[tuple[list[int], pa.Table
         lo += batch.num_rows
 
 
-def _arrow_chunks(path: Path, size: int) -> Iterator[tuple[list[int], pa.Table]]:
-    yield from _table_chunks(path, _read_arrow(path), size)
+def _arrow_chunks(
+    path: Path, size: int, max_bytes: int | None = None
+) -> Iterator[tuple[list[int], pa.Table]]:
+    yield from _by_bytes(_table_chunks(path, _read_arrow(path), size), max_bytes)
 
 
 def _read_arrow(path: Path) -> pa.Table:
@@ -284,7 +322,13 @@ def _table_chunks(path: Path, table: pa.Table, size: int) -> Iterator[tuple[list
         yield list(range(lo, min(lo + size, table.num_rows))), table.slice(lo, size)
 
 
-def _hf_chunks(path: Path, size: int) -> Iterator[tuple[list[int], pa.Table]]:
+def _hf_chunks(
+    path: Path, size: int, max_bytes: int | None = None
+) -> Iterator[tuple[list[int], pa.Table]]:
+    yield from _by_bytes(_hf_tables(path, size), max_bytes)
+
+
+def _hf_tables(path: Path, size: int) -> Iterator[tuple[list[int], pa.Table]]:
     """A ``save_to_disk`` folder: ``datasets.load_from_disk`` (honours an indices mapping)
     when ``datasets`` is installed, else the Arrow shards listed in ``state.json``."""
     try:
@@ -316,7 +360,7 @@ def _hf_shards(path: Path) -> pa.Table:
     return pa.concat_tables([_read_arrow(f) for f in files])
 
 
-_READERS: dict[str, Callable[[Path, int], Iterator[tuple[list[int], Payload]]]] = {
+_READERS: dict[str, Callable[[Path, int, int | None], Iterator[tuple[list[int], Payload]]]] = {
     "jsonl": _jsonl_chunks,
     "json": _json_chunks,
     "parquet": _parquet_chunks,
@@ -343,6 +387,16 @@ def count_rows(sources: list[Source]) -> int | None:
         else:
             return None
     return total
+
+
+def input_bytes(sources: list[Source]) -> int:
+    """The sources' size on disk in bytes (a datasets folder: all its files)."""
+    return sum(
+        sum(p.stat().st_size for p in src.path.rglob("*") if p.is_file())
+        if src.kind == "hf"
+        else src.path.stat().st_size
+        for src in sources
+    )
 
 
 def fingerprints(sources: list[Source]) -> dict[str, dict[str, Any]]:

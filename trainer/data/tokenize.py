@@ -6,9 +6,12 @@ rendered and masked by ``trainer.data.encoder.ChatEncoder``; the output is a fol
 shards with ``input_ids`` (``list<int32>``) and ``loss_mask`` (``list<uint8>``)
 (``trainer.data.corpus``), which ``loader_server.data.dataset`` serves.
 
-Tokenization itself is the fast tokenizer's batch encode (Rust). ``tokenize_corpus`` feeds
-chunks of rows to a process pool (the tokenizer loaded once per worker) in input order, so
-the shards are byte-identical for any worker count. Nothing here imports torch.
+Tokenization itself is the fast tokenizer's batch encode (Rust). ``tokenize_corpus`` cuts the
+input into chunks of bounded size (bytes of row payload, not a row count: long rows make
+chunks of a few rows) and encodes them in input order, on an encode thread of this process
+(``--workers 1``) or in a pool of worker processes (the tokenizer loaded once, forked into
+each). The output depends only on the rows, never on the chunks or the worker count: the
+shards are byte-identical for any ``--workers``. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import os
 import signal
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,7 @@ from trainer.data.sources import (
     Source,
     count_rows,
     expand_sources,
+    input_bytes,
     payload_rows,
     read_chunks,
 )
@@ -46,6 +51,22 @@ from trainer.progress import progress_bar
 
 log = logging.getLogger(__name__)
 DEFAULT_OPTIONS = TokenizeOptions()
+#: Row payload per chunk (and at most ``CHUNK_ROWS`` rows; ``chunk_bytes``). For worker
+#: processes: the input's size over 16 per worker, within 64 KiB (~17K Qwen tokens, ~25 ms of
+#: encode) and 1 MiB, so a few hundred long rows still make dozens of chunks for the workers
+#: to share while a big input pays the ~1 ms a chunk costs (IPC, per-batch work) rarely. In
+#: process 4 MiB: big batches for tokenizers' Rust thread pool to spread over the CPUs (64 KiB
+#: ones, a few long rows each, took 1.2x as long).
+POOL_CHUNK_BYTES, THREAD_CHUNK_BYTES = (64 << 10, 1 << 20), 4 << 20
+POOL_CHUNKS_PER_WORKER = 16
+
+
+def chunk_bytes(workers: int, input_bytes: int) -> int:
+    """Row payload per chunk for ``workers`` and an input of ``input_bytes``."""
+    if workers <= 1:
+        return THREAD_CHUNK_BYTES
+    lo, hi = POOL_CHUNK_BYTES
+    return min(max(input_bytes // (workers * POOL_CHUNKS_PER_WORKER), lo), hi)
 
 
 @dataclass
@@ -57,24 +78,32 @@ class _Result:
     lengths: np.ndarray
     outcomes: list  # per row: None (kept), "truncated" (kept) or (reason, detail)
     fallbacks: int
+    notes: dict[str, int]  # the encoder's notes (unbalanced_markup...) from this chunk
 
 
 _WORKER: dict[str, Any] = {}
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _init_worker(
-    tokenizer: str, enable_thinking: bool | None, child: bool, parent: int | None = None
-) -> None:
-    if child:  # one process per core: no Rust thread pool inside each
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    if parent is not None:
-        die_with_parent(parent)
-        _WORKER["parent"] = parent
+def _init_worker(tokenizer: str, enable_thinking: bool | None, parent: int) -> None:
+    """A pool worker's start: one process per core, so no Rust thread pool inside it; the
+    encoder inherited (fork) or loaded (spawn); one encode thread (``_encode_task``)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    die_with_parent(parent)
+    _WORKER["parent"] = parent
     enc = _WORKER.get("encoder")
     if enc is None or (enc.name, enc.enable_thinking) != (str(tokenizer), enable_thinking):
         WARNED.add(f"{tokenizer}: the chat template ignores enable_thinking={enable_thinking}")
         _WORKER["encoder"] = ChatEncoder(tokenizer, enable_thinking=enable_thinking)
+    _WORKER["thread"] = ThreadPoolExecutor(1, thread_name_prefix="encode")
+
+
+def _encode_task(payload: Payload, max_length: int | None, overflow: str) -> _Result:
+    """A pool worker's task: ``_encode_chunk`` on the worker's encode thread. The Rust encode
+    costs 10-30% less CPU on any thread but a process's main one (whose malloc arena also
+    holds the interpreter's heap and the loaded tokenizer; with ``MALLOC_ARENA_MAX=1`` the
+    difference goes away): ``docs/DATASET.md``, "Speed"."""
+    return _WORKER["thread"].submit(_encode_chunk, payload, max_length, overflow).result()
 
 
 def die_with_parent(parent: int) -> None:
@@ -107,7 +136,7 @@ def _encode_chunk(payload: Payload, max_length: int | None, overflow: str) -> _R
             convs.append(to_messages(as_row(raw)))
         except MalformedRow as e:
             convs.append(e)
-    before = enc.fallbacks
+    before, notes_before = enc.fallbacks, Counter(enc.notes)
     ids, masks = [], []
     for i, r in enumerate(enc.encode_normalized(convs, max_length)):
         if isinstance(r, MalformedRow):
@@ -124,6 +153,7 @@ def _encode_chunk(payload: Payload, max_length: int | None, overflow: str) -> _R
         lengths,
         outcomes,
         enc.fallbacks - before,
+        dict(enc.notes - notes_before),
     )
 
 
@@ -149,41 +179,42 @@ def _fit(
 
 
 class _Runner:
-    """Chunks through ``_encode_chunk`` in input order: in process, or a bounded window of
-    tasks in a process pool (forked, so workers inherit the loaded encoder)."""
+    """Chunks through ``_encode_chunk`` in input order, a bounded window of them in flight:
+    on an encode thread of this process (one worker: tokenizers' own Rust thread pool then
+    spreads each chunk's encode over the CPUs, unless ``TOKENIZERS_PARALLELISM`` says no),
+    or in a pool of ``workers`` processes (forked, so they inherit the loaded encoder), at
+    most 4 chunks per worker in flight."""
 
     def __init__(self, encoder: ChatEncoder, tokenizer: str, workers: int) -> None:
         _WORKER["encoder"] = encoder
-        self.pool = None
-        self.window = workers * 4
         self._env = os.environ.get("TOKENIZERS_PARALLELISM")
-        if workers > 1:
-            # Forked workers must not touch the parent's Rust thread pool; saying so before
-            # the fork also silences tokenizers' fork warning. The parent encodes nothing
-            # while the pool runs.
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor
+        self.processes = workers > 1
+        self.pool: Executor
+        if not self.processes:  # the thread: see _encode_task; it also reads ahead one chunk
+            self.pool, self.task, self.window = ThreadPoolExecutor(1, "encode"), _encode_chunk, 2
+            return
+        # Forked workers must not touch the parent's Rust thread pool; saying so before the
+        # fork also silences tokenizers' fork warning. The parent encodes nothing while the
+        # pool runs.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        import multiprocessing as mp
 
-            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            self.pool = ProcessPoolExecutor(
-                workers,
-                mp_context=mp.get_context(method),
-                initializer=_init_worker,
-                initargs=(tokenizer, encoder.enable_thinking, True, os.getpid()),
-            )
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        self.pool = ProcessPoolExecutor(
+            workers,
+            mp_context=mp.get_context(method),
+            initializer=_init_worker,
+            initargs=(tokenizer, encoder.enable_thinking, os.getpid()),
+        )
+        self.task, self.window = _encode_task, workers * 4
 
     def map(
         self, chunks: Iterator[tuple[list, Payload]], max_length: int | None, overflow: str
     ) -> Iterator[tuple[list, Payload, _Result]]:
-        if self.pool is None:
-            for where, payload in chunks:
-                yield where, payload, _encode_chunk(payload, max_length, overflow)
-            return
         pending: deque = deque()
         for where, payload in chunks:
             pending.append(
-                (where, payload, self.pool.submit(_encode_chunk, payload, max_length, overflow))
+                (where, payload, self.pool.submit(self.task, payload, max_length, overflow))
             )
             if len(pending) >= self.window:
                 where0, payload0, fut = pending.popleft()
@@ -194,8 +225,10 @@ class _Runner:
 
     def close(self, abort: bool = False) -> None:
         """Stop the pool: after the last chunk, or (``abort``: an error, Ctrl-C, SIGTERM)
-        at once, its workers terminated rather than left to finish their chunks."""
-        if self.pool is None:
+        at once, worker processes terminated rather than left to finish their chunks (the
+        encode thread finishes the chunk it is in, unwaited for)."""
+        if not self.processes:
+            self.pool.shutdown(wait=not abort, cancel_futures=True)
             return
         if abort:
             procs = getattr(self.pool, "_processes", None) or {}  # pid -> Process
@@ -214,12 +247,14 @@ class _Stats:
     rows_read: int = 0
     truncated: int = 0
     fallbacks: int = 0
+    notes: Counter[str] = field(default_factory=Counter)
     skipped: dict[str, dict[str, Any]] = field(default_factory=dict)
     lengths: list[np.ndarray] = field(default_factory=list)
 
     def add(self, where: list[tuple[str, int]], result: _Result) -> None:
         self.rows_read += len(where)
         self.fallbacks += result.fallbacks
+        self.notes.update(result.notes)
         self.lengths.append(result.lengths)
         for (name, i), outcome in zip(where, result.outcomes, strict=True):
             if outcome == "truncated":
@@ -285,7 +320,8 @@ def _run(
     bar = progress_bar(total, "tokenize", "conv", progress)
     runner = _Runner(encoder, tokenizer, opts.workers)
     try:
-        chunks = read_chunks(files, CHUNK_ROWS, opts.limit)
+        size = chunk_bytes(opts.workers, input_bytes(files))
+        chunks = read_chunks(files, CHUNK_ROWS, opts.limit, size)
         for where, payload, result in runner.map(chunks, opts.max_length, opts.overflow):
             stats.add(where, result)
             writer.add(result.ids, result.mask, result.lengths)
@@ -378,6 +414,9 @@ def _report(
         "truncated": stats.truncated,
         "skipped": stats.skipped,
         "fallback_conversations": stats.fallbacks,
+        # Replies kept, but worth a look: unbalanced_markup (a literal </think>...) is masked
+        # as the chat template renders it (docs/DATASET.md, "The mask").
+        "template_notes": dict(sorted(stats.notes.items())),
         "tokens": writer.tokens,
         "supervised_tokens": writer.supervised,
         "length": _length_stats(lengths),
@@ -402,6 +441,8 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
         f"{len(report['shards'])} shards, {report['elapsed_s']:.1f} s "
         f"({report['conversations_per_s']:.0f} conv/s, {report['tokens_per_s']:,.0f} tok/s)",
     ]
+    for note, n in report.get("template_notes", {}).items():
+        lines.append(f"kept {n} x {note}: masked as the chat template renders them")
     for reason, v in sorted(report["skipped"].items(), key=lambda kv: -kv[1]["count"]):
         lines.append(
             f"skipped {v['count']} x {reason}: first {v['first_file']} row {v['first_row']} "
