@@ -40,15 +40,17 @@ line ``READY http://127.0.0.1:PORT`` once it listens (port 0 picks a free port).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import queue
 import signal
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -493,6 +495,32 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def running(args: Sequence[str], log: Path, *, python: str = sys.executable) -> Iterator[str]:
+    """This server as a subprocess started with ``args``, its stderr in ``log``: yields its
+    URL (from its READY line). It dies with the caller, even on ``kill -9``
+    (``--parent-pid``), and is stopped with SIGTERM (SIGKILL after 30 s) when the block
+    ends. The demo, ``serve_check`` and the tests start it through here."""
+    cmd = [python, str(Path(__file__).resolve()), *args, "--parent-pid", str(os.getpid())]
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith("READY "):
+            proc.wait(30)
+            raise RuntimeError(
+                f"chat_server.py did not start: {log.read_text(errors='replace')[-2000:]}"
+            )
+        yield line.split()[1]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from scripts.chat_server import running
 from scripts.daemon_process import DaemonProcess
 
 DEMO_DIR = Path("demo-run")
@@ -131,26 +132,13 @@ def summarize(run_dir: Path) -> None:
 @contextlib.contextmanager
 def chat_server(model_dir: Path) -> Iterator[str]:
     """The target behind a local OpenAI-compatible server (as SGLang or vLLM would serve it)."""
-    cmd = [PY, "scripts/chat_server.py", "--model", str(model_dir), "--batch", "16", "--port", "0"]
-    print("$", " ".join(c.replace(PY, "python") for c in cmd), " (an SGLang/vLLM stand-in)")
-    cmd += ["--parent-pid", str(os.getpid())]  # it dies with the demo, even on kill -9
-    log = open(DEMO_DIR / "chat-server.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    args = ["--model", str(model_dir), "--batch", "16", "--port", "0"]
+    print("$ python scripts/chat_server.py", " ".join(args), " (an SGLang/vLLM stand-in)")
     try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line.startswith("READY "):
-            raise SystemExit(
-                f"chat server did not start: {(DEMO_DIR / 'chat-server.log').read_text()}"
-            )
-        yield line.split()[1]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        with running(args, DEMO_DIR / "chat-server.log", python=PY) as url:
+            yield url
+    except RuntimeError as e:  # it did not start: its log says why
+        raise SystemExit(str(e)) from None
 
 
 def prepare_data(chat: Path, target: Path, corpus: Path) -> None:

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scripts.chat_server import running
 from scripts.daemon_process import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -348,24 +349,8 @@ def vllm_server(
         stop_group(proc)
 
 
-@contextlib.contextmanager
-def stand_in_server(target: Path, log: Path) -> Iterator[str]:
-    cmd = [PY, "scripts/chat_server.py", "--model", str(target), "--batch", "16",
-           "--parent-pid", str(os.getpid())]  # fmt: skip
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line.startswith("READY "):
-            raise RuntimeError(f"chat_server.py did not start:\n{tail(log)}")
-        yield line.split()[1]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def stand_in_server(target: Path, log: Path) -> contextlib.AbstractContextManager[str]:
+    return running(["--model", str(target), "--batch", "16"], log, python=PY)
 
 
 def spec_counters(url: str) -> dict[str, Any]:

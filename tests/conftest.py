@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -208,19 +206,10 @@ def seq_of(batches) -> list[tuple[tuple[int, int, int], list]]:
 def chat_server(tmp: Path, *args: str) -> Iterator[str]:
     """A ``scripts/chat_server.py`` subprocess (it dies with this process); yields its URL,
     read from the READY line."""
-    err = open(tmp / f"server-{time.monotonic_ns()}.err", "w")  # noqa: SIM115
-    cmd = [sys.executable, str(ROOT / "scripts" / "chat_server.py"), *args,
-           "--parent-pid", str(os.getpid())]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("READY "), f"server did not start: {line!r}"
-        yield line.split()[1]
-    finally:
-        proc.kill()
-        proc.wait()
-        err.close()
+    from scripts.chat_server import running
+
+    with running(args, tmp / f"server-{time.monotonic_ns()}.err") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
