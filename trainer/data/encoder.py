@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -766,8 +767,6 @@ def load_tokenizer(tokenizer: Any) -> Any:
 
 def _hub_tokenizer(repo: str) -> Any:
     """The Hub id's tokenizer from the local cache, else downloaded (unless offline)."""
-    import os
-
     from transformers import AutoTokenizer
 
     try:
