@@ -6,8 +6,11 @@ initialized in the process, so ``batch.to("cuda", non_blocking=True)`` is a DMA)
 the slot straight back to the daemon. A ``Batch`` is therefore the trainer's own: it never
 changes while held, in-place writes work, and it pickles compactly (``client.batch``).
 
-The client holds the position (``[epoch, step, micro]`` of the next batch); the daemon holds
-nothing a restart could lose. If the daemon goes away (no message for ``dead_after_s``, a
+The client holds the position (``[epoch, step, micro]`` of the next batch, and the shape
+changes its epoch went through: ``legs``); the daemon holds nothing a restart could lose. A
+state saved under one shape (world size, grad_accum) loads into a client of another at a
+step boundary: the rest of that epoch is planned afresh for the new shape
+(``loader_server.planning.elastic``), so every sample is still served once. If the daemon goes away (no message for ``dead_after_s``, a
 ``bye``, or "unknown session" after a daemon restart) the client reconnects with backoff
 and reopens its session at its own position, so nothing is lost or repeated; after
 ``timeout_s`` without a daemon it raises ``LoaderUnavailableError``.
@@ -40,7 +43,9 @@ from loader_server.wire import ring as R
 __all__ = ["Batch", "LoaderClient"]
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 2  # 2: the effective spec is recorded (1, without it, still loads)
+# 2: the effective spec is recorded; 3: the legs (shape changes) of the position's epoch.
+# Versions 1 and 2 still load.
+STATE_VERSION = 3
 # After the bell rang for a message rather than a batch: how long to wait for it to arrive.
 _MESSAGE_IN_FLIGHT_S = 0.1
 # Error codes saying the daemon no longer has this session (it restarted, or another open
@@ -107,6 +112,8 @@ class LoaderClient:
         self.shm_dir = os.fspath(shm_dir) if shm_dir is not None else R.default_shm_dir()
         self.pin_memory = pin_memory
         self.position: tuple[int, int, int] = (0, 0, 0)
+        self.legs: tuple[P.Leg, ...] = ()  # shapes the position's epoch had before this one
+        self.resized: str | None = None  # what load_state_dict changed, in words
         self.wait_s = 0.0  # total time blocked waiting for data
         self.steps_per_epoch: int | None = None
         self.fingerprint: str | None = None
@@ -160,14 +167,22 @@ class LoaderClient:
             "rank": self.rank,
             "world_size": self.world_size,
             "position": list(self.position),
+            "legs": [list(leg) for leg in self.legs],
             "fingerprint": self.fingerprint,
             "spec": self.effective_spec if self.effective_spec is not None else self._saved_spec,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``'s position (reopening the session if one is open)."""
+        """Resume at ``state``'s position (reopening the session if one is open).
+
+        A state of another world size or ``grad_accum`` (this client's ``spec`` override;
+        none: the saved one) is resumed under this client's shape when its position is at
+        a step boundary: the steps it has served stay served, the rest of its epoch is
+        planned afresh, and ``resized`` says so in words. Any rank's state will do then (at
+        a step boundary all ranks of a job share one position). Under the same shape the
+        state must be this rank's."""
         self._check_usable()
-        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
+        if not isinstance(state, dict) or state.get("version") not in (1, 2, STATE_VERSION):
             version = state.get("version") if isinstance(state, dict) else state
             raise ValueError(
                 f"loader state version {version!r} is not {STATE_VERSION}; "
@@ -178,13 +193,32 @@ class LoaderClient:
             raise ValueError(f"loader state fingerprint must be a string, got {fingerprint!r}")
         if spec is not None and not isinstance(spec, dict):
             raise ValueError(f"loader state spec must be a map, got {spec!r}")
-        for key in ("job", "rank", "world_size"):
-            if state.get(key) != getattr(self, key):
+        if state.get("job") != self.job:
+            raise ValueError(
+                f"loader state is for job={state.get('job')!r}, this client has job="
+                f"{self.job!r}: a position resumes only in its own job"
+            )
+        position = P.position(state.get("position"), "state position")
+        legs = P.legs(state.get("legs"), "state legs")
+        old = _shape(state.get("world_size"), spec, self.spec.get("grad_accum"))
+        new = (self.world_size, self.spec.get("grad_accum", old[1]))
+        if old == new:
+            for key in ("rank", "world_size"):
+                if state.get(key) != getattr(self, key):
+                    raise ValueError(
+                        f"loader state is for {key}={state.get(key)!r}, this client has "
+                        f"{key}={getattr(self, key)!r}"
+                    )
+            self.resized = None
+        else:
+            if spec is None:
                 raise ValueError(
-                    f"loader state is for {key}={state.get(key)!r}, this client has "
-                    f"{key}={getattr(self, key)!r}"
+                    f"loader state of world_size {old[0]} was saved without its spec (version "
+                    f"{state.get('version')}): it resumes only under the same world size"
                 )
-        self.position = P.position(state.get("position"), "state position")
+            position, legs, self.resized = _reshape(position, legs, old, new)
+            spec = {**spec, "world_size": new[0], "grad_accum": new[1]}
+        self.position, self.legs = position, legs
         if fingerprint:
             self.fingerprint = fingerprint
         if spec is not None:
@@ -304,6 +338,7 @@ class LoaderClient:
                 world_size=self.world_size,
                 spec=self.spec,
                 pos=list(self.position),
+                legs=[list(leg) for leg in self.legs],
                 epochs=self.epochs,
                 expect_spec=expect,
                 expect_fingerprint=self.fingerprint,
@@ -501,6 +536,8 @@ class LoaderClient:
             num_tokens=meta.tokens,
         )
         self.steps_per_epoch = meta.steps
+        if meta.next_position[0] != meta.epoch:
+            self.legs = ()  # the next epoch is planned whole for this shape
         self.position = meta.next_position
         self._n = n + 1
         return batch
@@ -554,6 +591,44 @@ class LoaderClient:
             "loader connection lost (%s); reconnecting to %s in %.2f s", why, self.endpoint, wait_s
         )
         time.sleep(wait_s)
+
+
+def _shape(world_size: Any, spec: dict[str, Any] | None, asked: Any) -> tuple[int, int]:
+    """The (world_size, grad_accum) a state was saved under (a state without its spec,
+    version 1, is taken to have the ``grad_accum`` asked for now)."""
+    grad_accum = spec.get("grad_accum", 1) if spec is not None else asked or 1
+    for name, value in (("world_size", world_size), ("spec grad_accum", grad_accum)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"loader state {name} must be a positive int, got {value!r}")
+    return world_size, grad_accum
+
+
+def _reshape(
+    position: tuple[int, int, int],
+    legs: tuple[P.Leg, ...],
+    old: tuple[int, int],
+    new: tuple[int, int],
+) -> tuple[tuple[int, int, int], tuple[P.Leg, ...], str]:
+    """``(position, legs, what changed)`` of a position saved under shape ``old`` resumed
+    under ``new``: the steps served under ``old`` become a leg of the epoch (none if it
+    served none), and the new shape starts the rest of the epoch at its step 0."""
+    epoch, step, micro = position
+    if micro:
+        raise ValueError(
+            f"loader position {list(position)} is inside step {step} (micro-batch {micro} of "
+            f"{old[1]}); a resume under another world size or grad_accum starts at a step "
+            f"boundary (a checkpoint taken after an optimizer step)"
+        )
+    if step:
+        legs = (*legs, P.Leg(old[0], old[1], step))
+    if len(legs) > P.MAX_LEGS:
+        raise ValueError(f"epoch {epoch} changed shape {len(legs)} times; at most {P.MAX_LEGS}")
+    what = (
+        f"world_size {old[0]} x grad_accum {old[1]} -> {new[0]} x {new[1]} at epoch {epoch} "
+        f"step {step}: the rest of the epoch is planned afresh for the new shape"
+        + (f" ({len(legs)} shape change(s) in this epoch)" if legs else "")
+    )
+    return (epoch, 0, 0), legs, what
 
 
 def _field_shapes(layout: str, rows: int, width: int) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -43,6 +43,9 @@ from loader_server.planning.spec import BatchSpec
 
 # Third element of every RNG seed: what the randomness is for.
 _RNG_BUCKET, _RNG_FULL, _RNG_ORDER, _RNG_PACKED = 1, 2, 3, 4
+# The rest of an epoch after a shape change (``leg`` k > 0) draws from
+# ``[seed, epoch, _RNG_LEG, k, purpose, ...]``: never a seed of a whole epoch's plan.
+_RNG_LEG = 5
 # Resolution of modelled costs in the scheduler's integer arithmetic (the costliest
 # micro-batch's cost): fine enough that rounding never decides a balance.
 _COST_UNITS = 2**20
@@ -71,6 +74,8 @@ class EpochPlan:
     micro_buckets: np.ndarray
     bucket_bounds: np.ndarray
     stats: dict[str, Any]
+    leg: int = 0
+    keep: np.ndarray | None = None
 
     @property
     def num_micro(self) -> int:
@@ -141,24 +146,64 @@ def effective_lengths(lengths: np.ndarray, spec: BatchSpec) -> tuple[np.ndarray,
     return eff, ok
 
 
-def plan_epoch(lengths: np.ndarray, spec: BatchSpec, *, epoch: int) -> EpochPlan:
-    """The deterministic plan of one epoch (see the module docstring)."""
+def plan_epoch(
+    lengths: np.ndarray,
+    spec: BatchSpec,
+    *,
+    epoch: int,
+    keep: np.ndarray | None = None,
+    leg: int = 0,
+) -> EpochPlan:
+    """The deterministic plan of one epoch (see the module docstring).
+
+    ``keep`` (bool, one per sample) and ``leg`` > 0 plan only the samples it marks, with
+    randomness of their own: the rest of an epoch after its ``leg``-th shape change
+    (``loader_server.planning.elastic.plan_rest``, which is what callers use)."""
     if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
         raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+    if (keep is None) != (leg == 0):
+        raise ValueError(f"keep is the rest of an epoch: it goes with a leg > 0 (leg {leg})")
     epoch = int(epoch)
     eff, ok = effective_lengths(lengths, spec)
+    if keep is not None:
+        if keep.shape != ok.shape or keep.dtype != np.bool_:
+            raise ValueError(f"keep must be bool of shape {ok.shape}, got {keep.dtype} {keep.shape}")
+        before = int((ok & ~keep).sum())
+        ok = ok & keep
     ids = np.flatnonzero(ok).astype(np.int64)
+    key = _Seeds(spec.seed, epoch, leg)
     if spec.layout == "packed":
-        batches = _packed_batches(ids, eff, spec, epoch)
+        batches = _packed_batches(ids, eff, spec, key)
     elif spec.composition == "bucketed":
-        batches = _bucketed_batches(ids, eff, spec, epoch)
+        batches = _bucketed_batches(ids, eff, spec, key)
     else:
-        batches = _global_batches(ids, eff, spec, epoch)
-    steps = _schedule(batches, spec, epoch)
-    return _assemble(batches, steps, np.asarray(lengths), ok, spec, epoch)
+        batches = _global_batches(ids, eff, spec, key)
+    steps = _schedule(batches, spec, key)
+    plan = _assemble(batches, steps, np.asarray(lengths), ok, spec, epoch)
+    if keep is None:
+        return plan
+    object.__setattr__(plan, "leg", int(leg))
+    object.__setattr__(plan, "keep", keep)
+    plan.stats["served_before"] = before  # by the legs before this one
+    return plan
 
 
-def _bucketed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: int) -> _Batches:
+@dataclass(frozen=True)
+class _Seeds:
+    """Where an epoch's randomness comes from: ``rng(purpose, ...)`` is
+    ``default_rng([seed, epoch, purpose, ...])`` for a whole epoch (leg 0), and
+    ``[seed, epoch, _RNG_LEG, leg, purpose, ...]`` for the rest of one after a shape change."""
+
+    seed: int
+    epoch: int
+    leg: int
+
+    def rng(self, *purpose: int) -> np.random.Generator:
+        head = [self.seed, self.epoch] if self.leg == 0 else [self.seed, self.epoch, _RNG_LEG, self.leg]
+        return np.random.default_rng([*head, *purpose])
+
+
+def _bucketed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, key: _Seeds) -> _Batches:
     bounds = bk.resolve_bounds(eff[ids], spec)
     b = bk.assign(eff[ids], bounds)
     small = b.astype(np.int16) if bounds.size < 2**15 else b  # int16: a stable radix sort
@@ -167,18 +212,18 @@ def _bucketed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: 
     edges = np.zeros(bounds.size + 1, np.int64)
     np.cumsum(counts, out=edges[1:])
     for k in np.flatnonzero(counts > 1):
-        rng = np.random.default_rng([spec.seed, epoch, _RNG_BUCKET, int(k)])
+        rng = key.rng(_RNG_BUCKET, int(k))
         part = seq[edges[k] : edges[k + 1]]
         part[:] = part[rng.permutation(part.size)]
     seg_buckets = np.flatnonzero(counts)
     return _greedy(seq, eff, spec, edges[seg_buckets], seg_buckets, bounds)
 
 
-def _global_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: int) -> _Batches:
+def _global_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, key: _Seeds) -> _Batches:
     if spec.composition == "sorted":
         seq = ids[np.argsort(eff[ids], kind="stable")]  # no randomness: frozen batches
     else:
-        seq = ids[np.random.default_rng([spec.seed, epoch, _RNG_FULL]).permutation(ids.size)]
+        seq = ids[key.rng(_RNG_FULL).permutation(ids.size)]
     bounds = np.array([spec.max_seq_len], np.int64)
     seg = np.zeros(min(1, seq.size), np.int64)
     return _greedy(seq, eff, spec, seg, seg.astype(np.int32), bounds)
@@ -210,8 +255,8 @@ def _greedy(
     return _Batches(seq, x, starts, lens, costs, tokens, seg_buckets[seg_of], bounds, cut)
 
 
-def _packed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, epoch: int) -> _Batches:
-    items = ids[np.random.default_rng([spec.seed, epoch, _RNG_PACKED]).permutation(ids.size)]
+def _packed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, key: _Seeds) -> _Batches:
+    items = ids[key.rng(_RNG_PACKED).permutation(ids.size)]
     bounds = np.array([spec.max_seq_len], np.int64)
     cut = cost_cut(eff[items], spec)
     if items.size == 0:
@@ -288,9 +333,9 @@ def _empty_batches(
     return _Batches(seq, x, z, z, z.astype(np.float64), z, z.astype(np.int32), bounds, cut)
 
 
-def _schedule(batches: _Batches, spec: BatchSpec, epoch: int) -> np.ndarray:
+def _schedule(batches: _Batches, spec: BatchSpec, key: _Seeds) -> np.ndarray:
     """[num_steps, world_size*grad_accum] micro-batch indices, rank-major within a step."""
-    rng = np.random.default_rng([spec.seed, epoch, _RNG_ORDER])
+    rng = key.rng(_RNG_ORDER)
     stratify = (
         spec.layout == "padded" and spec.composition == "bucketed" and spec.order == "stratified"
     )

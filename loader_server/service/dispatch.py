@@ -112,7 +112,8 @@ class Dispatcher:
         req = parse_open(msg, self._config.spec, self._limits, ds.num_samples, ds.fingerprint)
         self._registry.admit(peer, req)
         sid, need, ring = self._registry.make_ring(req, producer.shortest)
-        op = Opening(sid, peer, req, need, producer.plan_future(req.spec, req.start[0]), ring)
+        plan = producer.plan_future(req.spec, req.start[0], req.legs)
+        op = Opening(sid, peer, req, need, plan, ring)
         self._registry.add_opening(op)
         if not self._advance(op):
             self._socket.send(peer, "pending", s=sid)

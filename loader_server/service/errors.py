@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loader_server.planning.elastic import ChainMismatch
 from loader_server.service.opening import SpecMismatch
 from loader_server.service.rings import ShmSpaceError
 from loader_server.wire import protocol as P
@@ -36,6 +37,7 @@ ERROR_CODES: dict[type[BaseException], str] = {
     UnknownSession: P.E_UNKNOWN_SESSION,
     ShmSpaceError: P.E_NO_SPACE,
     SpecMismatch: P.E_MISMATCH,
+    ChainMismatch: P.E_MISMATCH,
     RankBusy: P.E_BUSY,
     CorpusChanged: P.E_CORPUS,
     P.ProtocolError: P.E_BAD_REQUEST,

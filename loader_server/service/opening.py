@@ -46,6 +46,7 @@ class OpenRequest:
     spec: BatchSpec
     start: Position
     epochs: int | None
+    legs: tuple[P.Leg, ...] = ()  # the shapes the start epoch had before this one
 
 
 def parse_open(
@@ -71,13 +72,21 @@ def parse_open(
     start = P.position(msg.get("pos", [0, 0, 0]))
     if start[2] >= spec.grad_accum:
         raise ValueError(f"pos micro {start[2]} >= grad_accum {spec.grad_accum}")
+    legs = P.legs(msg.get("legs"))
+    for k, leg in enumerate(legs, 1):
+        if leg.world_size > MAX_WORLD_SIZE or leg.grad_accum > limits.max_grad_accum:
+            raise ValueError(
+                f"legs: shape change {k} has world_size {leg.world_size} x grad_accum "
+                f"{leg.grad_accum}, beyond this daemon's limits ({MAX_WORLD_SIZE} ranks, "
+                f"grad_accum {limits.max_grad_accum})"
+            )
     epochs = msg.get("epochs")
     if epochs is not None and (
         not isinstance(epochs, int) or isinstance(epochs, bool) or not 0 <= epochs <= P.MAX_INDEX
     ):
         raise ValueError(f"epochs must be an int in [0, {P.MAX_INDEX}] or nil, got {epochs!r}")
     _check_expected(msg, spec, fingerprint, start)
-    return OpenRequest(job, rank, world, spec, start, epochs)
+    return OpenRequest(job, rank, world, spec, start, epochs, legs)
 
 
 def _check_expected(
@@ -109,8 +118,18 @@ def _check_expected(
 
 
 def check_start(start: Position, plan: EpochPlan, num_samples: int) -> None:
-    """ValueError unless ``start`` lies inside ``plan`` (the plan of its epoch)."""
+    """ValueError unless ``start`` lies inside ``plan`` (the plan of its epoch, or of what is
+    left of it after a shape change)."""
     e, s, m = start
+    spec = plan.spec
+    if plan.num_steps == 0 and plan.leg:
+        left = plan.stats["served"] + plan.stats["dropped_leftover"]
+        raise ValueError(
+            f"the rest of epoch {e} is {left} samples, too few for one step of world_size "
+            f"{spec.world_size} x grad_accum {spec.grad_accum} micro-batches under this spec: "
+            f"resume with fewer ranks (or a smaller grad_accum) to finish the epoch; the "
+            f"checkpoint is unchanged"
+        )
     if plan.num_steps == 0:
         raise ValueError(
             f"epoch {e} has no steps: {num_samples} samples are too few for "
@@ -118,9 +137,10 @@ def check_start(start: Position, plan: EpochPlan, num_samples: int) -> None:
         )
     if s >= plan.num_steps:
         raise ValueError(
-            f"position {[e, s, m]} is past the end of epoch {e}, whose steps are 0.."
-            f"{plan.num_steps - 1} with this spec, world size and corpus (a position saved "
-            f"under another spec, world size or corpus?)"
+            f"position {[e, s, m]} is past the end of epoch {e}"
+            + (f" (after {plan.leg} shape change(s))" if plan.leg else "")
+            + f", whose steps are 0..{plan.num_steps - 1} with this spec, world size and corpus "
+            "(a position saved under another spec, world size or corpus?)"
         )
 
 

@@ -1,6 +1,9 @@
 """Epoch plans computed on demand, cached, and prepared one epoch ahead in the background.
 
-Plans are keyed by ``(dataset fingerprint, spec key, epoch)``; the planner is pure numpy,
+Plans are keyed by ``(spec key, epoch, legs)`` (one cache per corpus; ``legs``: the shape
+changes before the rest of an epoch, ``loader_server.planning.elastic``, usually none); the
+rest of an epoch is planned from its last leg's plan when that is cached, so a job resized
+on a daemon that served it costs one plan. The planner is pure numpy,
 so background threads compute them while the server thread keeps serving (numpy releases
 the GIL in its heavy loops). There are several (``workers``), so one job's slow plan (a
 large corpus, an exotic spec) does not hold back another job's next epoch. Errors in a
@@ -17,8 +20,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from loader_server.planning.planner import EpochPlan, plan_epoch
+from loader_server.planning.elastic import plan_rest, shaped
+from loader_server.planning.planner import EpochPlan
 from loader_server.planning.spec import BatchSpec
+from loader_server.wire.protocol import Leg
 
 log = logging.getLogger(__name__)
 # Plans kept (the least recently used go first): each job holds its current epoch's and the
@@ -43,18 +48,21 @@ class PlanCache:
         self._lengths = lengths
         self._fingerprint = fingerprint
         self._max_plans = max_plans
-        self._futures: OrderedDict[tuple[str, int], Future[EpochPlan]] = OrderedDict()
+        Key = tuple[str, int, tuple[Leg, ...]]
+        self._futures: OrderedDict[Key, Future[EpochPlan]] = OrderedDict()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="planner")
 
-    def future(self, spec: BatchSpec, epoch: int) -> Future[EpochPlan]:
+    def future(
+        self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...] = ()
+    ) -> Future[EpochPlan]:
         """The plan's future (planning starts now if it has not)."""
-        return self._future(spec, epoch)
+        return self._future(spec, epoch, legs)
 
-    def _future(self, spec: BatchSpec, epoch: int) -> Future[EpochPlan]:
-        key = (spec.key(), epoch)
+    def _future(self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...]) -> Future[EpochPlan]:
+        key = (spec.key(), epoch, legs)
         fut = self._futures.get(key)
         if fut is None:
-            fut = self._pool.submit(self._plan, spec, epoch)
+            fut = self._pool.submit(self._plan, spec, epoch, legs)
             self._futures[key] = fut
             while len(self._futures) > self._max_plans:
                 self._futures.popitem(last=False)
@@ -62,12 +70,13 @@ class PlanCache:
             self._futures.move_to_end(key)
         return fut
 
-    def _plan(self, spec: BatchSpec, epoch: int) -> EpochPlan:
+    def _plan(self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...]) -> EpochPlan:
         t = time.perf_counter()
-        plan = plan_epoch(self._lengths, spec, epoch=epoch)
+        plan = plan_rest(self._lengths, spec, epoch=epoch, legs=legs, prior=self._prior(spec, epoch, legs))
         log.info(
-            "planned epoch %d of spec %s on %s: %d steps in %.2f s",
+            "planned epoch %d%s of spec %s on %s: %d steps in %.2f s",
             epoch,
+            f" after {len(legs)} shape change(s)" if legs else "",
             spec.key(),
             self._fingerprint[:12],
             plan.num_steps,
@@ -75,21 +84,35 @@ class PlanCache:
         )
         return plan
 
-    def has(self, spec: BatchSpec, epoch: int) -> bool:
-        """Whether this plan was asked for already (ready or being computed)."""
-        return (spec.key(), epoch) in self._futures
+    def _prior(self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...]) -> EpochPlan | None:
+        """The cached plan of the last leg, if it is ready (never waited for: a planner
+        thread waiting on another could deadlock the pool; it is recomputed instead)."""
+        if not legs:
+            return None
+        last = legs[-1]
+        key = (shaped(spec, last.world_size, last.grad_accum).key(), epoch, legs[:-1])
+        fut = self._futures.get(key)
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
+        return fut.result()
 
-    def try_get(self, spec: BatchSpec, epoch: int) -> EpochPlan | None:
+    def has(self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...] = ()) -> bool:
+        """Whether this plan was asked for already (ready or being computed)."""
+        return (spec.key(), epoch, legs) in self._futures
+
+    def try_get(
+        self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...] = ()
+    ) -> EpochPlan | None:
         """The plan if ready (re-raising a planning error), else None; starts it if needed."""
-        fut = self._future(spec, epoch)
+        fut = self._future(spec, epoch, legs)
         return fut.result() if fut.done() else None
 
-    def get(self, spec: BatchSpec, epoch: int) -> EpochPlan:
+    def get(self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...] = ()) -> EpochPlan:
         """The plan, waiting for it."""
-        return self._future(spec, epoch).result()
+        return self._future(spec, epoch, legs).result()
 
     def prefetch(self, spec: BatchSpec, epoch: int) -> None:
-        self._future(spec, epoch)
+        self._future(spec, epoch, ())
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

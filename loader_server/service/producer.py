@@ -25,6 +25,7 @@ from loader_server.service.readahead import Readahead
 from loader_server.service.registry import Registry
 from loader_server.service.session import Session, shortest_sample
 from loader_server.wire import protocol as P
+from loader_server.wire.protocol import Leg
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,12 @@ class Producer:
 
     # --- filling ---------------------------------------------------------------------------
 
-    def plan_future(self, spec: BatchSpec, epoch: int) -> Future[EpochPlan]:
-        """The plan of ``epoch`` under ``spec`` (planning starts now if it has not)."""
-        return self.plans.future(spec, epoch)
+    def plan_future(
+        self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...] = ()
+    ) -> Future[EpochPlan]:
+        """The plan of ``epoch`` (of what ``legs`` left of it) under ``spec`` (planning
+        starts now if it has not)."""
+        return self.plans.future(spec, epoch, legs)
 
     def start(self, sess: Session, plan: EpochPlan) -> None:
         """A new session: request the pages of its first micro-batches."""
@@ -167,10 +171,10 @@ class Producer:
     def _plan_for(self, sess: Session) -> EpochPlan | None:
         """The plan for the session's position, moving past epoch ends; None if not ready."""
         while True:
-            if not self.plans.has(sess.spec, sess.pos[0]) and not self.check_corpus():
+            if not self.plans.has(sess.spec, sess.pos[0], sess.legs) and not self.check_corpus():
                 return None  # checked before planning an epoch; the session has ended
             try:
-                plan = self.plans.try_get(sess.spec, sess.pos[0])
+                plan = self.plans.try_get(sess.spec, sess.pos[0], sess.legs)
             except Exception as e:
                 self._registry.tell(sess, "error", code=P.E_INTERNAL, msg=f"planning failed: {e}")
                 self._registry.drop(sess.sid, f"planning failed: {e}")
@@ -187,7 +191,7 @@ class Producer:
                 return None
             if sess.pos[1] < plan.num_steps:
                 return plan if self._plan_next_epoch(sess) else None
-            sess.pos = (sess.pos[0] + 1, 0, 0)  # a resume position past this epoch's end
+            sess.pos, sess.legs = (sess.pos[0] + 1, 0, 0), ()  # a position past this epoch's end
             if sess.finished:
                 return None
 

@@ -270,6 +270,7 @@ class Registry:
             start=req.start,
             end_epoch=req.epochs,
             pad_id=self._config.pad_id,
+            legs=req.legs,
         )
         sess.opened_at = op.opened_at
         self.sessions[sess.sid] = sess

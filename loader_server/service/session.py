@@ -20,6 +20,7 @@ from loader_server.planning.planner import EpochPlan
 from loader_server.planning.spec import BatchSpec
 from loader_server.service.rings import ShmRing
 from loader_server.wire import ring as R
+from loader_server.wire.protocol import Leg
 from loader_server.wire.ring import SlotLayout
 
 Position = tuple[int, int, int]
@@ -63,6 +64,7 @@ class Session:
         start: Position,
         end_epoch: int | None,
         pad_id: int = 0,
+        legs: tuple[Leg, ...] = (),
     ) -> None:
         self.sid = sid
         self.peer = peer
@@ -71,6 +73,7 @@ class Session:
         self.spec = spec
         self.ring = ring
         self.pos: Position = start  # next micro-batch to produce
+        self.legs = legs  # the shapes pos's epoch had before this one (elastic resume)
         self.end_epoch = end_epoch
         self.pad_id = pad_id
         self.produced = 0  # batches published into the ring
@@ -169,6 +172,8 @@ class Session:
         )
         self.ring.publish(meta)
         self.produced += 1
+        if nxt[0] != self.pos[0]:
+            self.legs = ()  # a new epoch is planned whole for this shape
         self.pos = nxt
         self.stats.batches += 1
         self.stats.tokens += tokens

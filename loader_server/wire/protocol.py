@@ -7,7 +7,9 @@ travel over ZeroMQ: the daemon writes them into a shared-memory ring.
 Client -> daemon
     open      job, rank, world_size, spec (partial BatchSpec dict), pos [epoch, step, micro],
               epochs (total epochs to serve, or None); optional expect_spec (the full spec
-              the position was saved under) and expect_fingerprint (its corpus)
+              the position was saved under) and expect_fingerprint (its corpus); legs
+              (optional, [[world_size, grad_accum, steps], ...]): the shapes the position's
+              epoch was served under before this one (loader_server.planning.elastic)
     release   s (session): doorbell, "my consumed counter crossed your wake threshold"
     heartbeat s
     stats     (no fields)
@@ -43,7 +45,7 @@ import grp
 import os
 import pwd
 import socket
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -56,6 +58,8 @@ MAX_MESSAGE_BYTES = 64 * 1024
 MAX_STATS_BYTES = 16 << 20
 #: Epochs, steps and micro indices (and epoch counts) travel as ints below 2^31.
 MAX_INDEX = 2**31 - 1
+#: Shape changes recorded within one epoch (each costs a plan when a daemon starts cold).
+MAX_LEGS = 64
 
 # Error codes carried by `error` messages.
 E_MALFORMED = "malformed"
@@ -198,3 +202,38 @@ def position(value: Any, what: str = "pos") -> tuple[int, int, int]:
             f"{what} must be [epoch, step, micro] of non-negative ints below 2^31, got {value!r}"
         )
     return int(value[0]), int(value[1]), int(value[2])
+
+
+class Leg(NamedTuple):
+    """One shape an epoch was served under before the current one: ``steps`` optimizer steps
+    of ``world_size`` ranks x ``grad_accum`` micro-batches, from the plan of what the legs
+    before it had left (``loader_server.planning.elastic``)."""
+
+    world_size: int
+    grad_accum: int
+    steps: int
+
+
+def legs(value: Any, what: str = "legs") -> tuple[Leg, ...]:
+    """Validate a list of ``[world_size, grad_accum, steps]`` (each >= 1, below 2^31; at most
+    ``MAX_LEGS``)."""
+    if value is None:
+        return ()
+    ok = isinstance(value, (list, tuple)) and len(value) <= MAX_LEGS
+    out = []
+    for leg in value if ok else ():
+        if not (
+            isinstance(leg, (list, tuple))
+            and len(leg) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_INDEX
+                    for x in leg)
+        ):  # fmt: skip
+            ok = False
+            break
+        out.append(Leg(*(int(x) for x in leg)))
+    if not ok:
+        raise ProtocolError(
+            f"{what} must be a list of at most {MAX_LEGS} [world_size, grad_accum, steps] of "
+            f"positive ints below 2^31, got {value!r}"
+        )
+    return tuple(out)

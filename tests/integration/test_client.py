@@ -130,10 +130,11 @@ def test_state_dict_checks_job_world_and_version(daemons):
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="version"):
         c.load_state_dict({**state, "version": 99})
-    with pytest.raises(ValueError, match="world_size=4"):
-        LoaderClient(d.endpoint, job="a", rank=0, world_size=4).load_state_dict(
-            {**state, "world_size": 2}
-        )
+    with pytest.raises(ValueError, match="rank=1"):  # same shape: this rank's own state
+        LoaderClient(d.endpoint, job="a", rank=1, world_size=2).load_state_dict(state)
+    # Another world size resumes only with the spec the position was saved under.
+    with pytest.raises(ValueError, match="world_size 2 was saved without its spec"):
+        LoaderClient(d.endpoint, job="a", rank=0, world_size=4).load_state_dict(state)
 
 
 def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
@@ -149,14 +150,14 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
     from loader_server.service.config import DaemonConfig
     from loader_server.service.server import LoaderServer
 
-    real_plan, real_fill, real_wait = plans.plan_epoch, ArrowDataset.fill, Ring.wait
+    real_plan, real_fill, real_wait = plans.plan_rest, ArrowDataset.fill, Ring.wait
     planning, finish, asleep = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_plan(lengths, spec, *, epoch):
+    def slow_plan(lengths, spec, *, epoch, **rest):
         if epoch >= 1:
             planning.set()
             finish.wait(60)
-        return real_plan(lengths, spec, epoch=epoch)
+        return real_plan(lengths, spec, epoch=epoch, **rest)
 
     def waiting(self, bell, timeout_s):
         asleep.set()
@@ -166,7 +167,7 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
         asleep.wait(30)  # the client is asleep on the bell before the batch is published
         return real_fill(self, *args, **kwargs)
 
-    monkeypatch.setattr(plans, "plan_epoch", slow_plan)
+    monkeypatch.setattr(plans, "plan_rest", slow_plan)
     monkeypatch.setattr(ArrowDataset, "fill", slow_fill)
     monkeypatch.setattr(Ring, "wait", waiting)
     endpoint = f"ipc://{tmp_path}/inproc.sock"

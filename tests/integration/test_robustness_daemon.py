@@ -415,7 +415,7 @@ def test_state_dict_records_the_spec_and_another_spec_is_refused(daemons):
         next(c)
     state = c.state_dict()
     c.close()
-    assert state["version"] == 2 and state["spec"]["seed"] == 1
+    assert state["version"] == 3 and state["legs"] == [] and state["spec"]["seed"] == 1
     other = LoaderClient(d.endpoint, job="s", rank=0, world_size=1, spec={"seed": 2})
     other.load_state_dict(state)
     with pytest.raises(LoaderRequestError, match=r"saved under another spec.*'seed': \(1, 2\)"):
@@ -495,19 +495,19 @@ def test_planning_never_blocks_the_serving_thread(corpus, tmp_path, shm_dir, mon
     from loader_server.service.config import DaemonConfig
     from loader_server.service.server import LoaderServer
 
-    real_plan = plans.plan_epoch
+    real_plan = plans.plan_rest
     planning, finish, planned = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_plan(lengths, spec, *, epoch):
+    def slow_plan(lengths, spec, *, epoch, **rest):
         if spec.seed == 7:
             planning.set()
             finish.wait(60)
-            plan = real_plan(lengths, spec, epoch=epoch)
+            plan = real_plan(lengths, spec, epoch=epoch, **rest)
             planned.set()
             return plan
-        return real_plan(lengths, spec, epoch=epoch)
+        return real_plan(lengths, spec, epoch=epoch, **rest)
 
-    monkeypatch.setattr(plans, "plan_epoch", slow_plan)
+    monkeypatch.setattr(plans, "plan_rest", slow_plan)
     endpoint = f"ipc://{tmp_path}/inproc.sock"
     server = LoaderServer(corpus, DaemonConfig(endpoint=endpoint, shm_dir=shm_dir,
                                                spec=BatchSpec(**TEST_SPEC)))  # fmt: skip
