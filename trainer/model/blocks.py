@@ -184,7 +184,11 @@ def draft_blocks(plan: BlockPlan, feats: torch.Tensor, chunk_size: int, b: int) 
     )
 
 
-def anchor_generator(seed: int, rank: int, epoch: int, step: int, micro: int) -> torch.Generator:
-    """A CPU generator keyed on the position, identical in an uninterrupted and a resumed run."""
-    key = hashlib.blake2b(struct.pack("<5q", seed, rank, epoch, step, micro), digest_size=8)
+def anchor_generator(
+    seed: int, rank: int, epoch: int, step: int, micro: int, leg: int = 0
+) -> torch.Generator:
+    """A CPU generator keyed on the position, identical in an uninterrupted and a resumed run.
+    ``leg``: the shape changes before this part of the epoch (its steps count from 0 again)."""
+    fields = (seed, rank, epoch, step, micro) + ((leg,) if leg else ())
+    key = hashlib.blake2b(struct.pack(f"<{len(fields)}q", *fields), digest_size=8)
     return torch.Generator().manual_seed(int.from_bytes(key.digest(), "little") >> 1)

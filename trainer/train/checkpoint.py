@@ -8,7 +8,9 @@ Layout: ``RUN_DIR/checkpoints/step-00000100/`` holds
   would need one file per rank: that is the "saved from one rank only" bug of some
   trainers, which DDP cannot have).
 * ``rank-00000.pt`` ... one per rank: that rank's loader ``state_dict`` (the next batch it
-  must be served) and its RNG states.
+  must be served) and its RNG states. A job resumed on more ranks than saved it gives the
+  new ranks rank 0's loader state (at a step boundary all ranks share one position; the
+  client turns it into the rest of the epoch for the new shape) and no RNG state.
 
 ``RUN_DIR/manifests/step-00000100.json`` records each file's size and blake2b digest
 (``model.pt``'s is hashed as it is written; the manifest lies outside the checkpoint folder
@@ -88,12 +90,15 @@ class CheckpointRecord:
 
     step: int
     epoch: int
+    world_size: int = 1  # ranks that wrote it (from the file header)
     drafter: dict[str, torch.Tensor]
     drafter_config: dict[str, Any]
     loss_config: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)
     optimizer: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
+    #: The LR schedule's clock (``trainer.train.loop.Clock.to_dict``); None before it existed.
+    clock: dict[str, int] | None = None
 
     def to_shared(self) -> dict[str, Any]:
         """The ``shared`` dict ``save_checkpoint`` writes (the step goes in the header)."""
@@ -105,6 +110,7 @@ class CheckpointRecord:
             "loss_config": self.loss_config,
             "meta": self.meta,
             "epoch": self.epoch,
+            "clock": self.clock,
         }
 
     @classmethod
@@ -119,12 +125,14 @@ class CheckpointRecord:
         return cls(
             step=int(shared["step"]),
             epoch=int(shared.get("epoch", 0)),
+            world_size=int(shared.get("world_size", 1)),
             drafter=dict(shared["drafter"]),
             drafter_config=dict(shared["drafter_config"]),
             loss_config=loss,
             meta=dict(shared.get("meta") or {}),
             optimizer=shared.get("optimizer"),
             scheduler=shared.get("scheduler"),
+            clock=shared.get("clock"),
         )
 
 
@@ -197,6 +205,14 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def seed_rng(seed: int, rank: int, step: int) -> None:
+    """Seed this process's RNGs from the run (for a rank a checkpoint holds no state of)."""
+    key = hashlib.blake2b(f"{seed}/{rank}/{step}".encode(), digest_size=8).digest()
+    value = int.from_bytes(key, "little") >> 1
+    torch.manual_seed(value)
+    random.seed(value)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -436,16 +452,18 @@ def verify_checkpoint(
 
 
 def load_checkpoint(path: Path, env: DistEnv) -> tuple[CheckpointRecord, dict[str, Any]]:
-    """``(record, per_rank)`` of this rank, checked for version and world size. A file that
-    is missing or does not load raises ``TornCheckpointError`` (see ``verify_checkpoint``
-    for the manifest check, which callers run first)."""
+    """``(record, per_rank)`` of this rank, checked for version. Written by another number
+    of ranks, a rank it did not have gets rank 0's file with ``rng`` None (see the module
+    docstring). A file that is missing or does not load raises ``TornCheckpointError`` (see
+    ``verify_checkpoint`` for the manifest check, which callers run first)."""
     shared = load_file(path / "model.pt")
-    if shared.get("world_size") != env.world_size:
-        raise ValueError(
-            f"checkpoint {path} was written by {shared.get('world_size')} ranks; this job has "
-            f"{env.world_size}: loader positions are per rank, resume with the same world size"
-        )
-    per_rank = load_file(path / f"rank-{env.rank:05d}.pt")
+    saved = shared.get("world_size")
+    if not isinstance(saved, int) or isinstance(saved, bool) or saved < 1:
+        raise TornCheckpointError(f"checkpoint {path}: model.pt names no world size ({saved!r})")
+    own = env.rank < saved
+    per_rank = load_file(path / f"rank-{env.rank if own else 0:05d}.pt")
+    if not own:
+        per_rank = {**per_rank, "rng": None}
     if per_rank["step"] != shared["step"]:  # a rank file of another save: torn
         raise TornCheckpointError(
             f"checkpoint {path}: rank file step {per_rank['step']} != {shared['step']}"

@@ -73,6 +73,9 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
 log = logging.getLogger(__name__)
+#: The spec fields of a job's shape: a checkpoint resumes under another (the rest of the
+#: epoch is planned for it, ``loader_server.planning.elastic``).
+SHAPE = ("world_size", "grad_accum")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,16 +141,48 @@ class TrainConfig:
         return round(self.warmup * total) if self.warmup < 1 else int(self.warmup)
 
 
-def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0) -> Callable[[int], float]:
-    """LR multiplier: linear ramp over ``warmup`` steps, then cosine down to ``min_ratio``."""
+def warmup_cosine(
+    warmup: int, total: int, min_ratio: float = 0.0
+) -> Callable[[float], float]:
+    """LR multiplier: linear ramp over ``warmup`` steps, then cosine down to ``min_ratio``
+    (``step`` may be fractional: ``Clock.steps``)."""
 
-    def factor(step: int) -> float:
+    def factor(step: float) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
         progress = min((step - warmup) / max(total - warmup, 1), 1.0)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+@dataclass
+class Clock:
+    """How far training is, for the LR schedule and the end of a run: micro-batches consumed
+    over all ranks (``micro``), in steps of the shape the run started with (``unit``
+    micro-batches each: world size x grad_accum). A run that keeps its shape has
+    ``steps == step``, so its schedule is the plain step schedule; one resumed on other
+    ranks continues from the data consumed (each micro-batch is one token budget), so its
+    LR does not jump. ``steps_per_epoch`` is the first shape's, which turns ``--epochs``
+    into steps."""
+
+    micro: int = 0
+    unit: int = 1
+    steps_per_epoch: int = 0
+
+    @property
+    def steps(self) -> float:
+        return self.micro / self.unit
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Clock:
+        clock = cls(**{k: int(d[k]) for k in ("micro", "unit", "steps_per_epoch")})
+        if clock.micro < 0 or clock.unit < 1 or clock.steps_per_epoch < 0:
+            raise ValueError(f"bad LR clock in the checkpoint: {d}")
+        return clock
 
 
 class Trainer:
@@ -176,6 +211,9 @@ class Trainer:
         self.total_steps: int | None = cfg.steps
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._scheduler_state: dict[str, Any] | None = None
+        self.clock = Clock(unit=env.world_size * (cfg.grad_accum or 1))  # set in _start()
+        self.total_micro: int | None = None  # the run's end on the clock (set in _start())
+        self._saved: ckpt.CheckpointRecord | None = None  # the checkpoint resumed from
         self._pending: tuple[Batch, float] | None = None  # the batch peeked by run()
         self.step = 0
         self.epoch = 0
@@ -229,6 +267,7 @@ class Trainer:
             meta=self.meta,
             optimizer=self.optimizer.state_dict(),
             scheduler=self.scheduler.state_dict(),
+            clock=self.clock.to_dict(),
         )
         loader, rng = position or (self.source.state_dict(), ckpt.rng_state())
         per_rank = {"loader": loader, "rng": rng}
@@ -261,10 +300,14 @@ class Trainer:
         self.optimizer.load_state_dict(saved.optimizer)
         self._scheduler_state = saved.scheduler
         self.step, self.epoch = saved.step, saved.epoch
+        self._saved = saved
         self._checkpoint_spec = saved.meta.get("loader_spec")
         self._ask_saved_anchor_rule()
         self.source.load_state_dict(mine["loader"])
-        ckpt.set_rng_state(mine["rng"])
+        if mine["rng"] is not None:
+            ckpt.set_rng_state(mine["rng"])
+        else:  # a rank the checkpoint did not have: seeded from the run, never at random
+            ckpt.seed_rng(self.cfg.seed, self.env.rank, self.step)
         self.metrics.truncate_after(self.step)
         log.info("rank %d resumed from %s at step %d", self.env.rank, path, self.step)
         return True
@@ -398,6 +441,7 @@ class Trainer:
         finite = self._all_finite(grad_norm, sums.ce)
         if finite:
             self.optimizer.step()
+        self.clock.micro += self.env.world_size * self.grad_accum
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -416,7 +460,8 @@ class Trainer:
         self.costs.start()
         # Used up before the next next(): the client reuses the slot after that.
         on_dev = batch.to(dev, non_blocking=True)
-        gen = anchor_generator(cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro)
+        leg = len(getattr(self.source, "legs", ()))  # shape changes in this epoch so far
+        gen = anchor_generator(cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro, leg)
         last = batch.micro == self.grad_accum - 1
         sync = (
             contextlib.nullcontext()
@@ -534,18 +579,19 @@ class Trainer:
             raise self._loader_failed(e, None) from e
         if not started:
             return {"steps": self.step, "resumed": resumed, "note": "loader has no more batches"}
-        if self.total_steps is None:  # _start fixed it
+        total = self.total_micro
+        if total is None:  # _start fixed it
             raise RuntimeError("the step count is unknown after the first batch")
         bar = self._progress()
         t_loop, first_step = time.perf_counter(), self.step
         saved_at, stopped = first_step if resumed else None, False
         try:
-            while self.step < self.total_steps:
+            while self.clock.micro < total:
                 if stop.agreed(self.env):  # SIGTERM on any rank: all stop before this step
                     stopped = True
                     break
                 rec = self._record(self.train_step(it))
-                final = self.step == self.total_steps
+                final = self.clock.micro >= total
                 if final or (cfg.eval_every and self.step % cfg.eval_every == 0):
                     self._eval_record(rec)
                 # The record goes out before the checkpoint: a kill in between replays the
@@ -634,10 +680,14 @@ class Trainer:
         except StopIteration:
             return False
         self._adopt_loader_spec()
-        self.total_steps = self.cfg.total_steps(self.source.steps_per_epoch)
+        self.clock = clock = self._start_clock()
+        self.total_steps = self.cfg.total_steps(clock.steps_per_epoch)
+        self.total_micro = self.total_steps * clock.unit
         warmup = self.cfg.warmup_steps(self.total_steps)
         factor = warmup_cosine(warmup, self.total_steps, self.cfg.min_lr_ratio)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda _: factor(clock.steps)
+        )
         if self._scheduler_state is not None:
             self.scheduler.load_state_dict(self._scheduler_state)
             # Building the scheduler stepped it once (step 0's LR); put back the saved LR.
@@ -652,7 +702,30 @@ class Trainer:
             warmup,
             self.step,
         )
+        resized = getattr(self.source, "resized", None)
+        if resized and self.env.is_main:
+            log.warning(
+                "resumed step %d under another shape: %s; the LR schedule continues at %.1f "
+                "of %d steps of the first shape (%.1f%% of training)", self.step, resized,
+                clock.steps, self.total_steps, 100 * clock.micro / max(self.total_micro, 1),
+            )  # fmt: skip
         return True
+
+    def _start_clock(self) -> Clock:
+        """The clock this run continues: the checkpoint's, one rebuilt for a checkpoint
+        written before clocks (its shape from its loader spec), or a new one."""
+        shape = self.env.world_size * self.grad_accum
+        per_epoch = int(self.source.steps_per_epoch or 0)
+        saved = self._saved
+        if saved is None:
+            return Clock(0, shape, per_epoch)
+        if saved.clock is not None:
+            return Clock.from_dict(saved.clock)
+        spec = saved.meta.get("loader_spec") or {}
+        unit = saved.world_size * int(spec.get("grad_accum", self.grad_accum))
+        if unit != shape:  # the first shape's epoch length, scaled by the micro-batches
+            per_epoch = round(per_epoch * shape / unit)
+        return Clock(saved.step * unit, unit, per_epoch)
 
     def _adopt_loader_spec(self) -> None:
         """Take ``grad_accum`` from the spec the loader actually serves (the daemon's
@@ -668,12 +741,13 @@ class Trainer:
         if not spec:
             return
         self._check_ranks_agree(spec)  # first: a collective every rank reaches
-        if self._checkpoint_spec is not None and self._checkpoint_spec != spec:
-            diff = {
-                k: (self._checkpoint_spec.get(k), spec.get(k))
-                for k in sorted(set(spec) | set(self._checkpoint_spec))
-                if self._checkpoint_spec.get(k) != spec.get(k)
-            }
+        saved = self._checkpoint_spec
+        diff = {
+            k: (saved.get(k), spec.get(k))
+            for k in sorted(set(spec) | set(saved or {}))
+            if k not in SHAPE and saved is not None and saved.get(k) != spec.get(k)
+        }
+        if diff:
             raise ServedSpecError(
                 f"the loader now serves another batch spec than the checkpoint was trained on "
                 f"(field: (checkpoint, served)): {diff}; resuming would replay the saved position "
@@ -716,9 +790,11 @@ class Trainer:
             )
 
     def _progress(self) -> tqdm[Any] | None:
-        if not (self.cfg.progress and self.env.is_main):
+        if not (self.cfg.progress and self.env.is_main) or self.total_micro is None:
             return None
-        return progress_bar(self.total_steps, "train", initial=self.step)
+        per_step = self.env.world_size * self.grad_accum  # steps left, in this shape's steps
+        left = -(-(self.total_micro - self.clock.micro) // per_step)
+        return progress_bar(self.step + max(left, 0), "train", initial=self.step)
 
 
 def _memory_peaks_gb(device: torch.device) -> tuple[float, float]:
