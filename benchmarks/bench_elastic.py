@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(ROOT))  # scripts/ and benchmarks/ are not installed
 from client import LoaderClient  # noqa: E402
 from loader_server.data.synth import SynthSpec, synth_lengths, write_corpus  # noqa: E402
 from loader_server.planning import metrics  # noqa: E402
-from loader_server.planning.elastic import consumed, plan_rest, shaped  # noqa: E402
+from loader_server.planning.elastic import plan_rest, shaped  # noqa: E402
 from loader_server.planning.planner import plan_epoch  # noqa: E402
 from loader_server.planning.spec import BatchSpec  # noqa: E402
 from loader_server.wire.protocol import Leg  # noqa: E402
@@ -130,13 +131,13 @@ def on_reference(samples: int, seed: int, repeats: int) -> list[dict[str, Any]]:
     rows, legs, prior = [], [], None
     for k, (world, ga) in enumerate(SHAPES):
         spec = shaped(base, world, ga)
-        t_rest, plan = best(lambda: plan_rest(lengths, spec, epoch=0, legs=legs, prior=prior),
-                            repeats)  # fmt: skip
-        t_cold, _ = best(lambda: plan_rest(lengths, spec, epoch=0, legs=legs), 1)
+        rest = partial(plan_rest, lengths, spec, epoch=0, legs=legs)
+        t_rest, plan = best(partial(rest, prior=prior), repeats)
+        t_cold, _ = best(rest, 1)
         keep = np.ones(lengths.size, bool) if plan.keep is None else plan.keep
         alone = np.where(keep, lengths, 0)  # a corpus of the same samples only
-        t_fresh, fresh = best(lambda: plan_epoch(alone, spec, epoch=0), repeats)
-        t_epoch, _ = best(lambda: plan_epoch(lengths, spec, epoch=0), repeats)
+        t_fresh, fresh = best(partial(plan_epoch, alone, spec, epoch=0), repeats)
+        t_epoch, _ = best(partial(plan_epoch, lengths, spec, epoch=0), repeats)
         a, b = metrics.summarize(plan), metrics.summarize(fresh)
         rows.append({
             "leg": k, "shape": f"{world}x{ga}", "samples": int((keep & (lengths > 0)).sum()),
@@ -153,10 +154,20 @@ def on_reference(samples: int, seed: int, repeats: int) -> list[dict[str, Any]]:
 
 
 @click.command()
-@click.option("--samples", type=int, default=902_000, show_default=True,
-              help="Reference-shape lengths for the plan quality and time.")
-@click.option("--daemon-samples", type=int, default=20_000, show_default=True,
-              help="Corpus served through the real daemon.")
+@click.option(
+    "--samples",
+    type=int,
+    default=902_000,
+    show_default=True,
+    help="Reference-shape lengths for the plan quality and time.",
+)
+@click.option(
+    "--daemon-samples",
+    type=int,
+    default=20_000,
+    show_default=True,
+    help="Corpus served through the real daemon.",
+)
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 def main(samples: int, daemon_samples: int, repeats: int, seed: int) -> None:  # fmt: skip
@@ -185,12 +196,16 @@ def main(samples: int, daemon_samples: int, repeats: int, seed: int) -> None:  #
         print(f"{row['leg']:>3} {row['shape']:>5} {row['samples']:>8} {row['steps']:>6} "
               + " ".join(f"{c:>24}" for c in cells))  # fmt: skip
     print(f"largest difference of a rest from its fresh plan: {worst:.4f} (goal <= 0.01)")
-    print("\nplan times, best of %d (s): rest (last leg cached) / rest cold / fresh plan of "
-          "the same samples / fresh whole epoch, and rest / fresh epoch" % repeats)
+    print(
+        f"\nplan times, best of {repeats} (s): rest (last leg cached) / rest cold / fresh plan "
+        "of the same samples / fresh whole epoch, and rest / fresh epoch"
+    )
     for row in rows[1:]:
-        print(f"  leg {row['leg']} ({row['shape']}): {row['rest_s']:.3f} / "
-              f"{row['rest_cold_s']:.3f} / {row['fresh_same_s']:.3f} / "
-              f"{row['fresh_epoch_s']:.3f}, {row['rest_s'] / row['fresh_epoch_s']:.2f}x")
+        print(
+            f"  leg {row['leg']} ({row['shape']}): {row['rest_s']:.3f} / "
+            f"{row['rest_cold_s']:.3f} / {row['fresh_same_s']:.3f} / "
+            f"{row['fresh_epoch_s']:.3f}, {row['rest_s'] / row['fresh_epoch_s']:.2f}x"
+        )
     if not ok or worst > 0.01:
         raise SystemExit(1)
 

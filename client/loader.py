@@ -10,10 +10,11 @@ The client holds the position (``[epoch, step, micro]`` of the next batch, and t
 changes its epoch went through: ``legs``); the daemon holds nothing a restart could lose. A
 state saved under one shape (world size, grad_accum) loads into a client of another at a
 step boundary: the rest of that epoch is planned afresh for the new shape
-(``loader_server.planning.elastic``), so every sample is still served once. If the daemon goes away (no message for ``dead_after_s``, a
-``bye``, or "unknown session" after a daemon restart) the client reconnects with backoff
-and reopens its session at its own position, so nothing is lost or repeated; after
-``timeout_s`` without a daemon it raises ``LoaderUnavailableError``.
+(``loader_server.planning.elastic``), so every sample is still served once. If the daemon
+goes away (no message for ``dead_after_s``, a ``bye``, or "unknown session" after a daemon
+restart) the client reconnects with backoff and reopens its session at its own position,
+so nothing is lost or repeated; after ``timeout_s`` without a daemon it raises
+``LoaderUnavailableError``.
 
 Process rules: a client belongs to the process that connected it; used after ``fork()`` in
 the child it raises (the child must make its own). After ``close()`` it raises too; after

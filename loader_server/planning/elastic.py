@@ -28,7 +28,7 @@ from loader_server.planning.planner import EpochPlan, plan_epoch
 from loader_server.planning.spec import BatchSpec
 from loader_server.wire.protocol import MAX_LEGS, Leg
 
-__all__ = ["Leg", "ChainMismatch", "consumed", "plan_rest", "rest_after", "shaped"]
+__all__ = ["ChainMismatch", "Leg", "consumed", "plan_rest", "rest_after", "shaped"]
 
 
 class ChainMismatch(ValueError):

@@ -167,7 +167,9 @@ def plan_epoch(
     eff, ok = effective_lengths(lengths, spec)
     if keep is not None:
         if keep.shape != ok.shape or keep.dtype != np.bool_:
-            raise ValueError(f"keep must be bool of shape {ok.shape}, got {keep.dtype} {keep.shape}")
+            raise ValueError(
+                f"keep must be bool of shape {ok.shape}, got {keep.dtype} {keep.shape}"
+            )
         before = int((ok & ~keep).sum())
         ok = ok & keep
     ids = np.flatnonzero(ok).astype(np.int64)
@@ -199,7 +201,11 @@ class _Seeds:
     leg: int
 
     def rng(self, *purpose: int) -> np.random.Generator:
-        head = [self.seed, self.epoch] if self.leg == 0 else [self.seed, self.epoch, _RNG_LEG, self.leg]
+        head = (
+            [self.seed, self.epoch]
+            if self.leg == 0
+            else [self.seed, self.epoch, _RNG_LEG, self.leg]
+        )
         return np.random.default_rng([*head, *purpose])
 
 

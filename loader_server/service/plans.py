@@ -52,9 +52,7 @@ class PlanCache:
         self._futures: OrderedDict[Key, Future[EpochPlan]] = OrderedDict()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="planner")
 
-    def future(
-        self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...] = ()
-    ) -> Future[EpochPlan]:
+    def future(self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...] = ()) -> Future[EpochPlan]:
         """The plan's future (planning starts now if it has not)."""
         return self._future(spec, epoch, legs)
 
@@ -72,7 +70,9 @@ class PlanCache:
 
     def _plan(self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...]) -> EpochPlan:
         t = time.perf_counter()
-        plan = plan_rest(self._lengths, spec, epoch=epoch, legs=legs, prior=self._prior(spec, epoch, legs))
+        plan = plan_rest(
+            self._lengths, spec, epoch=epoch, legs=legs, prior=self._prior(spec, epoch, legs)
+        )
         log.info(
             "planned epoch %d%s of spec %s on %s: %d steps in %.2f s",
             epoch,
@@ -100,9 +100,7 @@ class PlanCache:
         """Whether this plan was asked for already (ready or being computed)."""
         return (spec.key(), epoch, legs) in self._futures
 
-    def try_get(
-        self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...] = ()
-    ) -> EpochPlan | None:
+    def try_get(self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...] = ()) -> EpochPlan | None:
         """The plan if ready (re-raising a planning error), else None; starts it if needed."""
         fut = self._future(spec, epoch, legs)
         return fut.result() if fut.done() else None

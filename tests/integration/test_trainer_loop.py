@@ -161,7 +161,11 @@ def test_checkpoint_contents_and_retention(target, samples, tmp_path):
     assert set(mine["rng"]) >= {"torch", "python"}
     for k, v in tr.drafter.state_dict().items():
         assert torch.equal(saved.drafter[k], v), k
-    assert saved.world_size == 1 and saved.clock == {"micro": 6, "unit": 1, "steps_per_epoch": src.steps_per_epoch}
+    assert saved.world_size == 1 and saved.clock == {
+        "micro": 6,
+        "unit": 1,
+        "steps_per_epoch": src.steps_per_epoch,
+    }
     # On two ranks, rank 1 (which this checkpoint did not have) gets rank 0's loader state
     # and no RNG state (the trainer seeds it from the run).
     two = DistEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))

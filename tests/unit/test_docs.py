@@ -85,6 +85,11 @@ EXTERNAL_NAMES = {
     "exp",
     "loss",
     "rng",
+    # torchrun's c10d rendezvous options (--rdzv-conf KEY=VALUE, docs/TRAINER.md)
+    "is_host",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "last_call_timeout",
     # an error kind our code builds with an f-string (trainer/data/server/http.py: f"http_{status}")
     "http_503",
 }
@@ -92,6 +97,7 @@ EXTERNAL_NAMES = {
 EXTERNAL_FLAGS = {
     # torchrun
     "--max-restarts",
+    "--rdzv-endpoint",
     # SGLang and vLLM servers
     "--max-running-requests",
     "--max-num-seqs",

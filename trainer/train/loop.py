@@ -141,9 +141,7 @@ class TrainConfig:
         return round(self.warmup * total) if self.warmup < 1 else int(self.warmup)
 
 
-def warmup_cosine(
-    warmup: int, total: int, min_ratio: float = 0.0
-) -> Callable[[float], float]:
+def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0) -> Callable[[float], float]:
     """LR multiplier: linear ramp over ``warmup`` steps, then cosine down to ``min_ratio``
     (``step`` may be fractional: ``Clock.steps``)."""
 
