@@ -92,8 +92,10 @@ class Node:
             "-m", "trainer.cli", "train", "--endpoint", self.daemon.endpoint, "--job", "nodes",
             "--run-dir", str(run_dir), "--steps", str(steps), "--ckpt-every", "1",
             "--block-size", "8", "--anchors-per-doc", "16", "--token-budget", "1024",
-            "--max-seq-len", "256", "--lr", "3e-3", "--warmup", "2", "--num-eval-prompts", "0",
-            "--no-progress", "--resume",
+            "--max-seq-len", "256", "--lr", "3e-3", "--warmup", "2", "--no-progress", "--resume",
+            # an evaluation every step keeps one rank alone from finishing the run before
+            # node B is back
+            "--num-eval-prompts", "2", "--eval-every", "1", "--eval-new-tokens", "8",
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DFLASH_LOADER_SHM_DIR": str(self.shm)}
@@ -132,7 +134,7 @@ def test_a_job_loses_a_node_continues_alone_and_grows_back(tmp_path):
     corpus = tmp_path / "corpus.arrow"
     write_corpus(corpus, SynthSpec(num_samples=600, seed=3, median_len=96, max_len=256,
                                    vocab_size=512, content="learnable"))  # fmt: skip
-    run_dir, steps, port = tmp_path / "run", 16, _free_port()
+    run_dir, steps, port = tmp_path / "run", 24, _free_port()
     a = Node("a", corpus, tmp_path, port, is_host=True)
     b = Node("b", corpus, tmp_path, port, is_host=False)
 
@@ -146,13 +148,22 @@ def test_a_job_loses_a_node_continues_alone_and_grows_back(tmp_path):
         a.start(run_dir, steps)
         b.start(run_dir, steps)
         _wait(lambda: done() >= 3, "3 steps on two nodes", (a, b))
+        lost = time.time()
         b.lose()
         _wait(lambda: "-> 1 x 1 at epoch 0" in logs() and done() >= 6, "node A alone", (a,))
+        back = time.time()
         b.start(run_dir, steps)
         _wait(lambda: a.agent.poll() == 0 and b.agent.poll() == 0, "the end of the run", (a, b))
     finally:
         a.stop()
         b.stop()
+    # How long each change took, lost/back to the first step trained after it (the
+    # resumes' log lines name the step each started from).
+    times = {r["step"]: r.get("time") for r in read_metrics(run_dir / "metrics.jsonl")}
+    starts = [int(x.split(" at step ")[1].split()[0]) for x in logs().split("resumed from ")[1:]]
+    k1, k2 = min(starts), max(starts)
+    print(f"node lost -> first step alone: {times[k1 + 1] - lost:.1f} s; node back -> first "
+          f"step on two nodes: {times[k2 + 1] - back:.1f} s; steps alone: {k2 - k1}")
     text = logs()
     assert "world_size 2 x grad_accum 1 -> 1 x 1 at epoch 0" in text
     assert "world_size 1 x grad_accum 1 -> 2 x 1 at epoch 0" in text
@@ -164,4 +175,5 @@ def test_a_job_loses_a_node_continues_alone_and_grows_back(tmp_path):
     model = torch.load(last / "model.pt", weights_only=True)
     assert model["world_size"] == 2 and 2 * steps <= model["clock"]["micro"] <= 2 * steps + 1
     legs = torch.load(last / "rank-00000.pt", weights_only=True)["loader"]["legs"]
-    assert [leg[:2] for leg in legs[:2]] == [[2, 1], [1, 1]]  # both shape changes, epoch 0
+    assert legs == [[2, 1, k1], [1, 1, k2 - k1]]  # both shape changes, in epoch 0
+    assert k2 - k1 < 2 * (steps - k1) - 2  # node B came back with data left for two
