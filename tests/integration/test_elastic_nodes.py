@@ -97,8 +97,13 @@ class Node:
             # node B is back
             "--num-eval-prompts", "2", "--eval-every", "1", "--eval-new-tokens", "8",
         ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DFLASH_LOADER_SHM_DIR": str(self.shm)}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "DFLASH_LOADER_SHM_DIR": str(self.shm),
+        }
         self.log = self.tmp / f"{self.name}-agent-{self.runs}.log"
         with open(self.log, "wb") as f:
             self.agent = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -142,7 +147,9 @@ def test_a_job_loses_a_node_continues_alone_and_grows_back(tmp_path):
         return max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0)
 
     def logs() -> str:
-        return "".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("*-agent-*.log")))
+        return "".join(
+            p.read_text(errors="replace") for p in sorted(tmp_path.glob("*-agent-*.log"))
+        )
 
     try:
         a.start(run_dir, steps)
@@ -162,8 +169,10 @@ def test_a_job_loses_a_node_continues_alone_and_grows_back(tmp_path):
     times = {r["step"]: r.get("time") for r in read_metrics(run_dir / "metrics.jsonl")}
     starts = [int(x.split(" at step ")[1].split()[0]) for x in logs().split("resumed from ")[1:]]
     k1, k2 = min(starts), max(starts)
-    print(f"node lost -> first step alone: {times[k1 + 1] - lost:.1f} s; node back -> first "
-          f"step on two nodes: {times[k2 + 1] - back:.1f} s; steps alone: {k2 - k1}")
+    print(
+        f"node lost -> first step alone: {times[k1 + 1] - lost:.1f} s; node back -> first "
+        f"step on two nodes: {times[k2 + 1] - back:.1f} s; steps alone: {k2 - k1}"
+    )
     text = logs()
     assert "world_size 2 x grad_accum 1 -> 1 x 1 at epoch 0" in text
     assert "world_size 1 x grad_accum 1 -> 2 x 1 at epoch 0" in text
