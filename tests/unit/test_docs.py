@@ -98,6 +98,7 @@ EXTERNAL_FLAGS = {
     # torchrun
     "--max-restarts",
     "--rdzv-endpoint",
+    "--nnodes",
     # SGLang and vLLM servers
     "--max-running-requests",
     "--max-num-seqs",
