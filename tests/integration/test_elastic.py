@@ -125,6 +125,12 @@ def test_bad_chains_and_resizes_are_refused_and_name_the_value(daemons, corpus):
     with pytest.raises(ValueError, match=r"inside step 2 \(micro-batch 1 of 2\)"):
         _ranks([d.endpoint], 4, inside, only=[0])
     c2.close()
+    # Another shape is fine, another token budget is not: refused naming the field.
+    other = LoaderClient(d.endpoint, job="el", rank=0, world_size=4,
+                         spec={"token_budget": 8192}, timeout_s=30)  # fmt: skip
+    other.load_state_dict(state)
+    with pytest.raises(LoaderRequestError, match=r"'token_budget': \(4096, 8192\)"):
+        next(other)
     # Another job's position.
     with pytest.raises(ValueError, match="job='el'"):
         _ranks([d.endpoint], 4, state, job="other", only=[0])

@@ -1,188 +1,28 @@
-"""Two "nodes" on one machine under torchrun's elastic launcher: each with its own daemon
-(endpoint and shm folder) and its own `torchrun --nnodes 1:2` agent over one c10d
-rendezvous on 127.0.0.1. Node B is lost with kill -9 (daemon, agent and rank); node A's
-agent restarts its rank alone and the trainer continues from the newest checkpoint under
-world size 1; node B comes back, both restart under world size 2, and the run ends where
-the data of its steps is consumed. The launcher recipe is docs/TRAINER.md's."""
+"""Two "nodes" on one machine under torchrun's elastic launcher (``tests/elastic_nodes.py``):
+node B lost with kill -9, node A continues alone under world size 1, node B comes back and
+both finish under world size 2; every step once, the LR clock at the data of all steps."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import uuid
-from pathlib import Path
-
 import pytest
-
-from loader_server.data.synth import SynthSpec, write_corpus
-from trainer.train.metrics import read_metrics
+import torch
+from elastic_nodes import elastic_cycles
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from scripts.daemon_process import DaemonProcess  # noqa: E402
-
-#: docs/TRAINER.md "Elastic jobs": fast detection of a lost node, no split brain.
-RDZV_CONF = (
-    "join_timeout=60,last_call_timeout=2,close_timeout=5,keep_alive_interval=1,"
-    "keep_alive_max_attempt=3"
-)
-WAIT_S = 240.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-                out.append(int(entry))
-                todo.append(int(entry))
-    return out
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """kill -9 an agent and every rank it started (ranks run in sessions of their own)."""
-    for pid in [*_descendants(proc.pid), proc.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait(30)
-
-
-class Node:
-    """One "node": a daemon with its own endpoint and shm folder, and a torchrun agent."""
-
-    def __init__(self, name: str, corpus: Path, tmp: Path, port: int, is_host: bool) -> None:
-        self.name, self.corpus, self.tmp, self.port, self.is_host = name, corpus, tmp, port, is_host
-        base = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp
-        self.shm = base / f"dflash-node-{name}-{uuid.uuid4().hex[:6]}"
-        self.shm.mkdir()
-        self.daemon: DaemonProcess | None = None
-        self.agent: subprocess.Popen | None = None
-        self.runs = 0
-
-    def start(self, run_dir: Path, steps: int) -> None:
-        self.runs += 1
-        self.daemon = DaemonProcess(
-            self.corpus, f"ipc://{self.tmp}/{self.name}.sock", "--shm-dir", str(self.shm),
-            log_path=self.tmp / f"{self.name}-daemon-{self.runs}.log",
-        )  # fmt: skip
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-            "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "elastic-test",
-            "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if self.is_host else 'false'}",
-            "-m", "trainer.cli", "train", "--endpoint", self.daemon.endpoint, "--job", "nodes",
-            "--run-dir", str(run_dir), "--steps", str(steps), "--ckpt-every", "1",
-            "--block-size", "8", "--anchors-per-doc", "16", "--token-budget", "1024",
-            "--max-seq-len", "256", "--lr", "3e-3", "--warmup", "2", "--no-progress", "--resume",
-            # an evaluation every step keeps one rank alone from finishing the run before
-            # node B is back
-            "--num-eval-prompts", "2", "--eval-every", "1", "--eval-new-tokens", "8",
-        ]  # fmt: skip
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            "DFLASH_LOADER_SHM_DIR": str(self.shm),
-        }
-        self.log = self.tmp / f"{self.name}-agent-{self.runs}.log"
-        with open(self.log, "wb") as f:
-            self.agent = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-
-    def lose(self) -> None:
-        """The node dies at once: kill -9 of its agent, its rank and its daemon."""
-        assert self.agent is not None and self.daemon is not None
-        _kill_tree(self.agent)
-        self.daemon.kill()
-
-    def stop(self) -> None:
-        if self.agent is not None and self.agent.poll() is None:
-            _kill_tree(self.agent)
-        if self.daemon is not None and self.daemon.proc.poll() is None:
-            self.daemon.stop()
-        import shutil
-
-        shutil.rmtree(self.shm, ignore_errors=True)
-
-
-def _wait(cond, what: str, nodes) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        for n in nodes:
-            if n.agent is not None and n.agent.poll() not in (None, 0):
-                pytest.fail(f"{n.name}'s agent exited {n.agent.returncode}:\n"
-                            + n.log.read_text(errors="replace")[-3000:])  # fmt: skip
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_a_job_loses_a_node_continues_alone_and_grows_back(tmp_path):
-    corpus = tmp_path / "corpus.arrow"
-    write_corpus(corpus, SynthSpec(num_samples=600, seed=3, median_len=96, max_len=256,
-                                   vocab_size=512, content="learnable"))  # fmt: skip
-    run_dir, steps, port = tmp_path / "run", 24, _free_port()
-    a = Node("a", corpus, tmp_path, port, is_host=True)
-    b = Node("b", corpus, tmp_path, port, is_host=False)
-
-    def done() -> int:
-        return max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0)
-
-    def logs() -> str:
-        return "".join(
-            p.read_text(errors="replace") for p in sorted(tmp_path.glob("*-agent-*.log"))
-        )
-
-    try:
-        a.start(run_dir, steps)
-        b.start(run_dir, steps)
-        _wait(lambda: done() >= 3, "3 steps on two nodes", (a, b))
-        lost = time.time()
-        b.lose()
-        _wait(lambda: "-> 1 x 1 at epoch 0" in logs() and done() >= 6, "node A alone", (a,))
-        back = time.time()
-        b.start(run_dir, steps)
-        _wait(lambda: a.agent.poll() == 0 and b.agent.poll() == 0, "the end of the run", (a, b))
-    finally:
-        a.stop()
-        b.stop()
-    # How long each change took, lost/back to the first step trained after it (the
-    # resumes' log lines name the step each started from).
-    times = {r["step"]: r.get("time") for r in read_metrics(run_dir / "metrics.jsonl")}
-    starts = [int(x.split(" at step ")[1].split()[0]) for x in logs().split("resumed from ")[1:]]
-    k1, k2 = min(starts), max(starts)
-    print(
-        f"node lost -> first step alone: {times[k1 + 1] - lost:.1f} s; node back -> first "
-        f"step on two nodes: {times[k2 + 1] - back:.1f} s; steps alone: {k2 - k1}"
-    )
-    text = logs()
-    assert "world_size 2 x grad_accum 1 -> 1 x 1 at epoch 0" in text
-    assert "world_size 1 x grad_accum 1 -> 2 x 1 at epoch 0" in text
-    recs = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
-    assert sorted(recs) == list(range(max(recs) + 1))  # every step once, none lost
-    import torch
-
-    last = sorted((run_dir / "checkpoints").iterdir())[-1]
-    model = torch.load(last / "model.pt", weights_only=True)
+    steps = 24
+    run = elastic_cycles(tmp_path, cycles=1, steps=steps)
+    assert "world_size 2 x grad_accum 1 -> 1 x 1 at epoch 0" in run.logs
+    assert "world_size 1 x grad_accum 1 -> 2 x 1 at epoch 0" in run.logs
+    assert sorted(run.records) == list(range(max(run.records) + 1))  # every step once
+    k1, k2 = run.resumed_at
+    model = torch.load(run.last / "model.pt", weights_only=True)
     assert model["world_size"] == 2 and 2 * steps <= model["clock"]["micro"] <= 2 * steps + 1
-    legs = torch.load(last / "rank-00000.pt", weights_only=True)["loader"]["legs"]
+    legs = torch.load(run.last / "rank-00000.pt", weights_only=True)["loader"]["legs"]
     assert legs == [[2, 1, k1], [1, 1, k2 - k1]]  # both shape changes, in epoch 0
     assert k2 - k1 < 2 * (steps - k1) - 2  # node B came back with data left for two
+    lost, back = run.timings[0]
+    print(f"node lost -> first step alone: {lost:.1f} s; node back -> first step on two "
+          f"nodes: {back:.1f} s; steps alone: {k2 - k1}")  # fmt: skip

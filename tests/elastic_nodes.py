@@ -1,0 +1,201 @@
+"""Two "nodes" on one machine under torchrun's elastic launcher, for the integration test
+(one cycle) and the soak test (several): each node has its own daemon (endpoint and shm
+folder) and its own `torchrun --nnodes 1:2` agent over one c10d rendezvous on 127.0.0.1.
+A cycle: node B is lost with kill -9 (daemon, agent and rank); node A's agent restarts its
+rank alone and the trainer continues from the newest checkpoint under world size 1; node B
+comes back and both restart under world size 2. The launcher recipe is docs/TRAINER.md's."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from loader_server.data.synth import SynthSpec, write_corpus
+from scripts.daemon_process import DaemonProcess
+from trainer.train.metrics import read_metrics
+
+#: docs/TRAINER.md "Elastic jobs": fast detection of a lost node, no split brain.
+RDZV_CONF = (
+    "join_timeout=60,last_call_timeout=2,close_timeout=5,keep_alive_interval=1,"
+    "keep_alive_max_attempt=3"
+)
+WAIT_S = 240.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                out.append(int(entry))
+                todo.append(int(entry))
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """kill -9 an agent and every rank it started (ranks run in sessions of their own)."""
+    for pid in [*_descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(30)
+
+
+class Node:
+    """One "node": a daemon with its own endpoint and shm folder, and a torchrun agent."""
+
+    def __init__(self, name: str, corpus: Path, tmp: Path, port: int, is_host: bool) -> None:
+        self.name, self.corpus, self.tmp, self.port, self.is_host = name, corpus, tmp, port, is_host
+        base = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp
+        self.shm = base / f"dflash-node-{name}-{uuid.uuid4().hex[:6]}"
+        self.shm.mkdir()
+        self.daemon: DaemonProcess | None = None
+        self.agent: subprocess.Popen | None = None
+        self.runs = 0
+
+    def start(self, run_dir: Path, steps: int) -> None:
+        self.runs += 1
+        self.daemon = DaemonProcess(
+            self.corpus, f"ipc://{self.tmp}/{self.name}.sock", "--shm-dir", str(self.shm),
+            log_path=self.tmp / f"{self.name}-daemon-{self.runs}.log",
+        )  # fmt: skip
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+            "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "elastic-test",
+            "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if self.is_host else 'false'}",
+            "-m", "trainer.cli", "train", "--endpoint", self.daemon.endpoint, "--job", "nodes",
+            "--run-dir", str(run_dir), "--steps", str(steps), "--ckpt-every", "1",
+            "--block-size", "8", "--anchors-per-doc", "16", "--token-budget", "1024",
+            "--max-seq-len", "256", "--lr", "3e-3", "--warmup", "2", "--no-progress", "--resume",
+            # an evaluation every step keeps one rank alone from finishing the run before
+            # node B is back
+            "--num-eval-prompts", "2", "--eval-every", "1", "--eval-new-tokens", "8",
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "DFLASH_LOADER_SHM_DIR": str(self.shm),
+        }
+        self.log = self.tmp / f"{self.name}-agent-{self.runs}.log"
+        with open(self.log, "wb") as f:
+            self.agent = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+    def lose(self) -> None:
+        """The node dies at once: kill -9 of its agent, its rank and its daemon."""
+        assert self.agent is not None and self.daemon is not None
+        _kill_tree(self.agent)
+        self.daemon.kill()
+
+    def stop(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            _kill_tree(self.agent)
+        if self.daemon is not None and self.daemon.proc.poll() is None:
+            self.daemon.stop()
+        import shutil
+
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
+def _wait(cond, what: str, nodes) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        for n in nodes:
+            if n.agent is not None and n.agent.poll() not in (None, 0):
+                pytest.fail(f"{n.name}'s agent exited {n.agent.returncode}:\n"
+                            + n.log.read_text(errors="replace")[-3000:])  # fmt: skip
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@dataclass
+class Cycles:
+    """What a run of ``elastic_cycles`` left: the steps each resume started from (in
+    order), the metrics by step, the agents' logs, the newest checkpoint folder."""
+
+    resumed_at: list[int]
+    records: dict[int, dict]
+    logs: str
+    last: Path
+    timings: list[tuple[float, float]]  # (lost -> first step alone, back -> first on two)
+
+
+def elastic_cycles(tmp_path: Path, *, cycles: int, steps: int, alone_steps: int = 3) -> Cycles:
+    """Train ``steps`` (of two ranks' data) on two nodes, losing and restoring node B
+    ``cycles`` times; every agent must end with 0."""
+    corpus = tmp_path / "corpus.arrow"
+    write_corpus(corpus, SynthSpec(num_samples=600, seed=3, median_len=96, max_len=256,
+                                   vocab_size=512, content="learnable"))  # fmt: skip
+    run_dir, port = tmp_path / "run", _free_port()
+    a = Node("a", corpus, tmp_path, port, is_host=True)
+    b = Node("b", corpus, tmp_path, port, is_host=False)
+
+    def done() -> int:
+        return max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0)
+
+    def logs() -> str:
+        return "".join(
+            p.read_text(errors="replace") for p in sorted(tmp_path.glob("*-agent-*.log"))
+        )
+
+    marks = []
+    try:
+        a.start(run_dir, steps)
+        b.start(run_dir, steps)
+        mark = 0  # the step training on two nodes (re)started from
+        for k in range(cycles):
+            _wait(lambda mark=mark: done() >= mark + 3, "steps on two nodes", (a, b))
+            lost, since = time.time(), done()
+            b.lose()
+            n = k + 1  # losses (and returns) so far, this one included
+
+            def alone(n: int = n, since: int = since) -> bool:
+                return logs().count("-> 1 x 1 at epoch") >= n and done() >= since + alone_steps
+
+            _wait(alone, "node A alone", (a,))
+            back = time.time()
+            b.start(run_dir, steps)
+            marks.append((lost, back))
+            _wait(lambda n=n: logs().count("-> 2 x 1 at epoch") >= n, "node B back", (a, b))
+            mark = done()
+        _wait(lambda: a.agent.poll() == 0 and b.agent.poll() == 0, "the end of the run", (a, b))
+    finally:
+        a.stop()
+        b.stop()
+    text = logs()
+    records = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
+    starts = [
+        int(x.split(" at step ")[1].split()[0]) for x in text.split("rank 0 resumed from ")[1:]
+    ]
+    starts = sorted(set(starts))
+    times = {s: r.get("time") for s, r in records.items()}
+    timings = [
+        (times[starts[2 * i] + 1] - lost, times[starts[2 * i + 1] + 1] - back)
+        for i, (lost, back) in enumerate(marks)
+    ]
+    last = sorted((run_dir / "checkpoints").iterdir())[-1]
+    return Cycles(starts, records, text, last, timings)
