@@ -274,3 +274,27 @@ def test_a_job_resumes_on_fewer_then_more_ranks_with_a_continuous_schedule(daemo
 
     state = torch.load(last / "rank-00001.pt", weights_only=True)["loader"]
     assert state["world_size"] == 2 and state["legs"][:2] == [[2, 1, k1], [1, 1, k2 - k1]]
+
+
+def test_epochs_train_every_step_of_every_epoch(daemon, tmp_path):
+    """Epoch plans are cut afresh, so their step counts differ by one or so: ``--epochs 3``
+    trains exactly the steps of the three plans (not 3 x the first one's), with the final
+    evaluation and checkpoint at the last."""
+    from loader_server.data.dataset import open_dataset
+    from loader_server.planning.planner import plan_epoch
+    from loader_server.planning.spec import BatchSpec
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", daemon.endpoint,
+           "--job", "epochs", "--run-dir", str(run_dir), "--epochs", "3", "--block-size", "8",
+           "--anchors-per-doc", "16", "--token-budget", "4096", "--max-seq-len", "256",
+           "--num-eval-prompts", "2", "--eval-new-tokens", "8", "--no-progress"]  # fmt: skip
+    run(cmd, tmp_path / "t.log")
+    spec = BatchSpec.from_dict(json.loads((run_dir / "loader_spec.json").read_text()))
+    lengths = open_dataset(tmp_path / "corpus.arrow").lengths
+    per_epoch = [plan_epoch(lengths, spec, epoch=e).num_steps for e in range(3)]
+    assert len(set(per_epoch)) > 1, per_epoch  # the case this test is about
+    recs = records(run_dir)
+    assert sorted(recs) == list(range(sum(per_epoch) + 1))
+    assert recs[sum(per_epoch)]["epoch"] == 2 and "tau" in recs[sum(per_epoch)]
+    assert (run_dir / "checkpoints" / f"step-{sum(per_epoch):08d}").is_dir()

@@ -271,3 +271,14 @@ def test_micro_batch_times_are_recorded_and_calibrate(target, samples, tmp_path)
     profile = json.loads((tmp_path / "cost_profile.json").read_text())
     assert profile["anchor_rule"] == {"block_size": B, "anchors_per_doc": 6, "max_anchors": 2048}
     assert profile["fit"]["n_fit"] + profile["fit"]["n_holdout"] == 12
+
+
+def test_a_loader_that_ends_first_ends_the_run_with_a_checkpoint(target, samples, tmp_path):
+    """A source with fewer batches than the steps asked for (one epoch of 6 steps for 20):
+    the run ends after its last batch, checkpointed, and says why; no traceback."""
+    src = ListSource(samples, rows=4, epochs=1)
+    tr = make_trainer(target, src, tmp_path, steps=20)
+    summary = tr.run()
+    assert summary["note"] == "the loader had no more batches" and not summary["stopped"]
+    last = ckpt.latest_checkpoint(tmp_path)
+    assert last is not None and last.name == f"step-{src.steps_per_epoch:08d}"

@@ -154,6 +154,10 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0) -> Callable[[
     return factor
 
 
+class _LoaderDone(Exception):
+    """The loader had no batch for the next step (it serves a fixed number of epochs)."""
+
+
 @dataclass
 class Clock:
     """How far training is, for the LR schedule and the end of a run: micro-batches consumed
@@ -231,6 +235,7 @@ class Trainer:
         # Where the step that failed began (loader state, RNG): a final checkpoint after a
         # loader failure in the middle of a step must hold the position before that step.
         self._step_start: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._last_batch = (0, 0, 0)  # (epoch, step, steps in its epoch) last trained
 
     def _fit_host_memory(self, num_chunks: int) -> None:
         """On CPU the allocator follows the drafter's chunk count (``trainer.train.hostmem``)."""
@@ -396,7 +401,15 @@ class Trainer:
                 (batch, waited), self._pending = self._pending, None
             else:
                 t0 = time.perf_counter()
-                batch = next(it)
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    if m == 0:
+                        raise _LoaderDone from None
+                    raise ServedSpecError(
+                        f"the loader ended inside a step, after {m} of its {self.grad_accum} "
+                        "micro-batches"
+                    ) from None
                 waited = time.perf_counter() - t0
             if batch.micro != m:
                 raise ServedSpecError(
@@ -454,6 +467,7 @@ class Trainer:
         """Forward and backward of one micro-batch, its sums added to ``sums``."""
         cfg, dev = self.cfg, self.env.device
         self.epoch = int(batch.epoch)
+        self._last_batch = (int(batch.epoch), int(batch.step), int(batch.steps_per_epoch))
         self._check_vocabulary(batch)
         self.costs.start()
         # Used up before the next next(): the client reuses the slot after that.
@@ -582,14 +596,23 @@ class Trainer:
             raise RuntimeError("the step count is unknown after the first batch")
         bar = self._progress()
         t_loop, first_step = time.perf_counter(), self.step
-        saved_at, stopped = first_step if resumed else None, False
+        saved_at, stopped, final, exhausted = first_step if resumed else None, False, False, False
         try:
-            while self.clock.micro < total:
+            # --epochs: to the last step of the last epoch (the loader's end), wherever the
+            # estimate put it; --steps: to the data of that many steps.
+            while (cfg.epochs is not None or self.clock.micro < total) and not final:
                 if stop.agreed(self.env):  # SIGTERM on any rank: all stop before this step
                     stopped = True
                     break
-                rec = self._record(self.train_step(it))
-                final = self.clock.micro >= total
+                try:
+                    rec = self._record(self.train_step(it))
+                except _LoaderDone:  # the loader ended first (the step was not begun)
+                    log.info("rank %d: the loader has no more batches", self.env.rank)
+                    exhausted = True
+                    break
+                final = self._last_epoch_done() or (
+                    cfg.epochs is None and self.clock.micro >= total
+                )
                 if final or (cfg.eval_every and self.step % cfg.eval_every == 0):
                     self._eval_record(rec)
                 # The record goes out before the checkpoint: a kill in between replays the
@@ -606,7 +629,7 @@ class Trainer:
                     bar.set_postfix(_postfix(rec), refresh=False)
             # Before the first step of this run the loader has already handed out the
             # peeked batch, so there is nothing newer to save than what was resumed.
-            if stopped and self.step != first_step and saved_at != self.step:
+            if (stopped or exhausted) and self.step != first_step and saved_at != self.step:
                 self.save()
             if stopped:
                 log.info("rank %d: stopped at step %d on request", self.env.rank, self.step)
@@ -631,7 +654,17 @@ class Trainer:
             resumed=resumed,
             stopped=stopped,
         )
+        if exhausted:
+            summary["note"] = "the loader had no more batches"
         return summary
+
+    def _last_epoch_done(self) -> bool:
+        """With ``--epochs E``: whether the step just trained was the last of epoch E-1.
+        Epochs differ by a step or so (their plans are cut afresh), so E x the first
+        epoch's steps only estimates the run; this is where it really ends."""
+        epoch, step, per_epoch = self._last_batch
+        last = self.cfg.epochs
+        return last is not None and epoch == last - 1 and step == per_epoch - 1
 
     def _loader_failed(self, e: LoaderError, unsaved: bool | None) -> LoaderFailedError:
         """The one-line error of a loader failure; first the final checkpoint of the last
