@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from trainer.model.weights import load_model
 from trainer.options import TargetOptions
 
 if TYPE_CHECKING:  # transformers is imported where a model is built or loaded
@@ -281,9 +282,7 @@ def load_target(
                 "nothing is downloaded at run time: fetch the model first, e.g. "
                 "`huggingface-cli download Qwen/Qwen3-8B --local-dir DIR`, and pass DIR"
             )
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        model = load_model(path, device, dtype)  # straight onto its device (weights.py)
     target = Target(model, layer_ids).to(device, dtype)
     log.info(
         "target %s: %d layers, hidden %d, vocab %d, features from layers %s",
