@@ -112,3 +112,19 @@ def test_a_rank_holds_the_weights_and_one_staging_buffer_not_a_second_copy(tmp_p
           f"{plain_extra / 2**20:.0f} MiB")  # fmt: skip
     assert ours_extra < STAGING_BYTES + (96 << 20)
     assert plain_extra > size / 2  # the copy this avoids is really there
+
+
+def test_a_bf16_target_keeps_its_rotary_table_in_fp32(tmp_path):
+    """Casting a whole model to bf16 casts its rotary ``inv_freq`` too: at position 4096
+    that puts 19 of Qwen3-8B's 64 rotary bands off by more than 0.1 rad (up to 4.7), so the
+    trainer's target would not be the model an engine serves (engines keep it in fp32)."""
+    path = _save(tmp_path / "m", dtype=torch.bfloat16)
+    for target in (load_target("tiny", dtype=torch.bfloat16),
+                   load_target(str(path), dtype=torch.bfloat16)):  # fmt: skip
+        buffers = dict(target.model.named_buffers())
+        assert buffers["model.rotary_emb.inv_freq"].dtype == torch.float32
+        assert {p.dtype for p in target.model.parameters()} == {torch.bfloat16}
+    ids = torch.arange(300)[None] % 512  # positions where a bf16 table is already off
+    with torch.no_grad():
+        want = _plain(path, torch.bfloat16)(ids).logits
+        assert torch.equal(target.model(ids).logits, want)

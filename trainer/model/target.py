@@ -173,11 +173,6 @@ class Target:
     def feature_size(self) -> int:
         return self.hidden_size * len(self.layer_ids)
 
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Target:
-        # transformers wraps Module.to with functools.wraps, which types it as unbound.
-        self.model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
-        return self
-
     @torch.no_grad()
     def features(
         self,
@@ -283,7 +278,10 @@ def load_target(
                 "`huggingface-cli download Qwen/Qwen3-8B --local-dir DIR`, and pass DIR"
             )
         model = load_model(path, device, dtype)  # straight onto its device (weights.py)
-    target = Target(model, layer_ids).to(device, dtype)
+    # Both are built on their device in their dtype. Never ``.to(dtype)`` the model: that
+    # casts buffers too, and a bf16 rotary ``inv_freq`` puts every position but the first
+    # few off by whole radians at thousands of tokens (engines keep it in fp32).
+    target = Target(model, layer_ids)
     log.info(
         "target %s: %d layers, hidden %d, vocab %d, features from layers %s",
         name,
