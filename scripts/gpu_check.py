@@ -13,8 +13,10 @@ Stages, each writing its figures to ``OUT/gpu_check.json`` as soon as it has the
 4. ``train``: ``dflash-train train`` with a random-weight target of Qwen3-8B's shape (36
    layers, hidden 4096, 32/8 heads, MLP 12288, vocabulary 151,936) in bf16 and a 1-layer
    drafter, at the daemon's default spec and the trainer's defaults, for 30 steps: step
-   time, tokens/s, anchors/s, peak GPU memory, data wait (``auto``: flex_attention); then
-   half as many steps with ``--attention sdpa`` for comparison.
+   time, tokens/s, anchors/s, peak GPU memory, data wait (``auto``: flex_attention), and
+   step 5 profiled (``--profile-step``: each phase's device time and share, the step's
+   FLOPs and MFU, ``trainer/train/profile.py``); then half as many steps with
+   ``--attention sdpa`` for comparison.
 """
 
 from __future__ import annotations
@@ -229,6 +231,7 @@ def train_stage(
         *[x for kv in QWEN3_8B.items() for x in kv],
         "--steps", str(steps), "--num-eval-prompts", "2", "--eval-new-tokens", "16",
         "--no-progress", "--attention", attention, "--job", f"gpu-check-{attention}",
+        "--profile-step", str(min(steps, 5)),  # a steady-state step, profiled
     ]  # fmt: skip
     t0 = time.perf_counter()
     log_path = work / f"train-{attention}.log"
@@ -259,6 +262,8 @@ def train_stage(
         "loss_last": train[-1]["loss"],
         "tau": [r.get("tau") for r in recs if "tau" in r],
         "spec": {k: spec[k] for k in ("token_budget", "max_batch_size", "max_seq_len")},
+        # where the profiled step's time went, its FLOPs and MFU (trainer/train/profile.py)
+        "profile": json.loads((run_dir / "profile.json").read_text()),
     }
 
 

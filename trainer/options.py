@@ -137,7 +137,8 @@ RUN_LIMITS: dict[str, tuple[float, bool]] = {
     "grad_accum": (1, True), "token_budget": (1, True), "max_batch_size": (1, True),
     "max_seq_len": (1, True), "cost_samples": (0, True), "eval_every": (0, True),
     "num_eval_prompts": (0, True), "eval_new_tokens": (1, True), "ckpt_every": (0, True),
-    "keep_checkpoints": (1, True), "timeout_s": (0, False),
+    "keep_checkpoints": (1, True), "timeout_s": (0, False), "profile_step": (0, True),
+    "peak_tflops": (0, False),
 }  # fmt: skip
 
 
@@ -250,6 +251,18 @@ class RunOptions(TargetOptions):
         "Micro-batches per rank whose compute time is recorded in RUN_DIR/costs for "
         "`dflash-train calibrate` (after 2 warm-up steps; synchronizes CUDA while recording). "
         "0: off.",
+        section=EVAL,
+    )
+    profile_step: int = opt(
+        0,
+        "Profile optimizer step N with torch.profiler: RUN_DIR/profile.json gets each "
+        "phase's time and share of the step, the step's FLOPs and MFU (trainer/train/"
+        "profile.py); 0: off.",
+        section=EVAL,
+    )
+    peak_tflops: float | None = opt(
+        None,
+        "The chip's dense bf16 peak for MFU [default: known GPUs by name; none on CPU].",
         section=EVAL,
     )
     eval_every: int = opt(0, "Measure tau every N steps; 0: at the start and end.", section=EVAL)

@@ -179,6 +179,8 @@ def train_config(opts: RunOptions) -> TrainConfig:
         resume=opts.resume,
         progress=not opts.no_progress,
         cost_samples=opts.cost_samples,
+        profile_step=opts.profile_step,
+        peak_tflops=opts.peak_tflops,
         max_nonfinite_steps=opts.max_nonfinite_steps,
         max_empty_steps=opts.max_empty_steps,
     )

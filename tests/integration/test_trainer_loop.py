@@ -282,3 +282,29 @@ def test_a_loader_that_ends_first_ends_the_run_with_a_checkpoint(target, samples
     assert summary["note"] == "the loader had no more batches" and not summary["stopped"]
     last = ckpt.latest_checkpoint(tmp_path)
     assert last is not None and last.name == f"step-{src.steps_per_epoch:08d}"
+
+
+def test_profile_step_writes_phases_flops_and_mfu(target, samples, tmp_path):
+    """--profile-step 3: RUN_DIR/profile.json holds every phase's host time (CPU) and share,
+    the step's FLOPs by part and, with a peak given, the MFU they make."""
+    import json
+
+    from trainer.model.phases import PHASES
+
+    src = ListSource(samples, rows=4)
+    tr = make_trainer(target, src, tmp_path, steps=4, profile_step=3, peak_tflops=0.5)
+    tr.run()
+    rec = json.loads((tmp_path / "profile.json").read_text())
+    assert rec["step"] == 3 and rec["device"] == "cpu"
+    for name in ("target", "drafter", "head", "backward", "optimizer", "copy", "plan"):
+        assert rec["phase_s"][name] > 0, name
+    assert set(rec["phase_share"]) == {*PHASES, "other"}
+    assert sum(rec["phase_share"].values()) == pytest.approx(1.0, abs=0.02)
+    parts = rec["flops"]
+    assert parts["total"] == pytest.approx(
+        parts["target"] + parts["drafter"] + parts["head"], rel=1e-3
+    )
+    assert min(parts.values()) > 0
+    tflops = parts["total"] / rec["step_s"] / 1e12
+    assert rec["tflops_per_s"] == pytest.approx(tflops, rel=1e-2)
+    assert rec["mfu"] == pytest.approx(tflops / 0.5, rel=1e-2)

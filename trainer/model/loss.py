@@ -33,6 +33,7 @@ from client.batch import Batch
 from trainer.model.blocks import LossConfig, draft_blocks, plan_blocks
 from trainer.model.docs import DocView
 from trainer.model.drafter import DFlashDrafter, DraftBlocks
+from trainer.model.phases import phase
 from trainer.model.target import Target
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -173,20 +174,25 @@ def draft_loss(
         raise ValueError(f"drafter block size {core.config.block_size} != loss block size {b}")
     host = batch if host_batch is None else host_batch
     num_tokens = int(DocView.of(host).length.sum())
-    plan = plan_blocks(host, cfg, generator)
+    with phase("plan"):
+        plan = plan_blocks(host, cfg, generator)
     if plan is None:
         return _empty(b, num_tokens, target.device)
     packed = batch.layout == "packed"
-    feats = target.train_features(batch.input_ids, batch.position_ids if packed else None)
+    with phase("target"):
+        feats = target.train_features(batch.input_ids, batch.position_ids if packed else None)
     device = feats.device
-    blocks = draft_blocks(plan, feats, chunk_size, b)
+    with phase("blocks"):
+        blocks = draft_blocks(plan, feats, chunk_size, b)
     if on_chunks is not None:
         on_chunks(len(blocks.chunks))
-    hidden = drafter(target.embed_tokens, blocks, attention)
-    sel = plan.weights > 0
-    labels = plan.labels[sel].to(device, non_blocking=True)
-    weights = plan.weights[sel].to(device, non_blocking=True)
-    weighted, hits = linear_cross_entropy(hidden, target.lm_head, labels, weights, chunk_size)
+    with phase("drafter"):
+        hidden = drafter(target.embed_tokens, blocks, attention)
+    with phase("head"):
+        sel = plan.weights > 0
+        labels = plan.labels[sel].to(device, non_blocking=True)
+        weights = plan.weights[sel].to(device, non_blocking=True)
+        weighted, hits = linear_cross_entropy(hidden, target.lm_head, labels, weights, chunk_size)
     weight_sum = weights.sum()
     k_idx = torch.arange(b - 1).expand_as(sel)[sel].to(device, non_blocking=True)
     return LossOutput(

@@ -47,13 +47,15 @@ from loader_server.wire.protocol import (
 )
 from trainer.model.attention import BACKENDS, resolve_backend
 from trainer.model.blocks import LossConfig, anchor_generator
+from trainer.model.docs import DocView
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import DEFAULT_CHUNK_SIZE, draft_loss, zero_loss
+from trainer.model.phases import phase
 from trainer.model.target import Target
 from trainer.model.verifier import DrafterProposer, TauReport, eos_ids, evaluate_tau
 from trainer.progress import progress_bar
 from trainer.train import checkpoint as ckpt
-from trainer.train import hostmem, stop
+from trainer.train import hostmem, profile, stop
 from trainer.train.batches import Batch, BatchSource
 from trainer.train.costlog import CostLog
 from trainer.train.distributed import DistEnv, all_reduce
@@ -105,6 +107,8 @@ class TrainConfig:
     cost_samples: int = 2000  # micro-batches per rank timed for calibration (trainer.train.costlog)
     max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row (0: never)
     max_empty_steps: int = 10  # stop after this many steps in a row without a block (0: never)
+    profile_step: int = 0  # profile this step (trainer.train.profile; 0: off)
+    peak_tflops: float | None = None  # the chip's bf16 peak for MFU (None: by device name)
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.epochs is None):
@@ -236,6 +240,8 @@ class Trainer:
         # loader failure in the middle of a step must hold the position before that step.
         self._step_start: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._last_batch = (0, 0, 0)  # (epoch, step, steps in its epoch) last trained
+        self._work = profile.StepWork([], 0, 0)  # this step's documents and anchors
+        self._profiling = False  # the step runs under torch.profiler (--profile-step)
 
     def _fit_host_memory(self, num_chunks: int) -> None:
         """On CPU the allocator follows the drafter's chunk count (``trainer.train.hostmem``)."""
@@ -445,16 +451,17 @@ class Trainer:
         except LoaderError:
             self.epoch, self._step_start = epoch_before, start
             raise
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         if self.scheduler is None:
             raise RuntimeError("train_step() before the LR schedule exists (see run())")
-        lr = cast(float, self.scheduler.get_last_lr()[0])  # the float cfg.lr, scheduled
-        finite = self._all_finite(grad_norm, sums.ce)
-        if finite:
-            self.optimizer.step()
-        self.clock.micro += self.env.world_size * self.grad_accum
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+            lr = cast(float, self.scheduler.get_last_lr()[0])  # the float cfg.lr, scheduled
+            finite = self._all_finite(grad_norm, sums.ce)
+            if finite:
+                self.optimizer.step()
+            self.clock.micro += self.env.world_size * self.grad_accum
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.costs.end_step()
         step_time = time.perf_counter() - t_start
@@ -471,7 +478,8 @@ class Trainer:
         self._check_vocabulary(batch)
         self.costs.start()
         # Used up before the next next(): the client reuses the slot after that.
-        on_dev = batch.to(dev, non_blocking=True)
+        with phase("copy"):
+            on_dev = batch.to(dev, non_blocking=True)
         leg = len(getattr(self.source, "legs", ()))  # shape changes in this epoch so far
         gen = anchor_generator(cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro, leg)
         last = batch.micro == self.grad_accum - 1
@@ -494,9 +502,15 @@ class Trainer:
                     on_chunks=self._fit_host_memory,
                 )
                 loss = out.loss if out.loss is not None else zero_loss(self.target, self.model)
-            (loss / self.grad_accum).backward()
+            with phase("backward"):
+                (loss / self.grad_accum).backward()
         self.costs.stop(batch, anchors=out.num_blocks, synced=last and self.env.distributed)
         sums.add(out)
+        if self._profiling:  # what the step's FLOP count needs (a host sync: only here)
+            work = self._work
+            work.doc_lengths += DocView.of(batch).length.tolist()
+            work.anchors += out.num_blocks
+            work.slots += int(out.count.sum().item())
 
     def _check_vocabulary(self, batch: Batch) -> None:
         """A corpus tokenized for another model has ids the target cannot embed: one line
@@ -605,7 +619,7 @@ class Trainer:
                     stopped = True
                     break
                 try:
-                    rec = self._record(self.train_step(it))
+                    rec = self._record(self._train_or_profile(it))
                 except _LoaderDone:  # the loader ended first (the step was not begun)
                     log.info("rank %d: the loader has no more batches", self.env.rank)
                     exhausted = True
@@ -657,6 +671,53 @@ class Trainer:
         if exhausted:
             summary["note"] = "the loader had no more batches"
         return summary
+
+    def _train_or_profile(self, it: Iterator[Batch]) -> StepResult:
+        """One step; the one ``--profile-step`` names under ``torch.profiler``, its phases,
+        FLOPs and MFU written to ``RUN_DIR/profile.json`` (rank 0)."""
+        self._work = profile.StepWork([], 0, 0)
+        if self.step + 1 != self.cfg.profile_step:
+            return self.train_step(it)
+        cuda = self.env.device.type == "cuda"
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.env.device)
+        self._profiling = True
+        try:
+            with torch.profiler.profile(activities=acts) as prof:
+                raw = self.train_step(it)
+                if cuda:
+                    torch.cuda.synchronize(self.env.device)
+        finally:
+            self._profiling = False
+        if self.env.is_main:
+            self._write_profile(prof, float(raw.sums.step_time))
+        return raw
+
+    def _write_profile(self, prof: Any, step_s: float) -> None:
+        core = self.drafter
+        dcfg = core.config
+        drafter = profile.ModelShape(
+            dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_heads * dcfg.head_dim,
+            dcfg.num_kv_heads * dcfg.head_dim, dcfg.num_layers,
+        )  # fmt: skip
+        target = profile.ModelShape.of(self.target.config, max(self.target.layer_ids) + 1)
+        flops = profile.step_flops(
+            self._work, target, drafter, features=len(self.target.layer_ids),
+            block=self.cfg.loss.block_size, vocab=self.target.vocab_size,
+        )  # fmt: skip
+        dev = self.env.device
+        times = profile.phase_times(prof.key_averages(), dev.type == "cuda")
+        peak = profile.peak_tflops(dev, self.cfg.peak_tflops)
+        rec = profile.report(times, step_s, flops, peak, dev)
+        rec.update(step=self.step, rank=self.env.rank, world_size=self.env.world_size)
+        path = self.cfg.run_dir / "profile.json"
+        profile.write(path, rec)
+        log.info(
+            "profiled step %d: %.3f s, %.1f TFLOP/s%s; %s", self.step, step_s,
+            rec["tflops_per_s"], f", MFU {rec['mfu']:.1%}" if rec["mfu"] else "", path,
+        )  # fmt: skip
 
     def _last_epoch_done(self) -> bool:
         """With ``--epochs E``: whether the step just trained was the last of epoch E-1.
