@@ -138,6 +138,7 @@ RUN_LIMITS: dict[str, tuple[float, bool]] = {
     "max_seq_len": (1, True), "cost_samples": (0, True), "eval_every": (0, True),
     "num_eval_prompts": (0, True), "eval_new_tokens": (1, True), "ckpt_every": (0, True),
     "keep_checkpoints": (1, True), "timeout_s": (0, False), "profile_step": (0, True),
+    "collective_timeout_s": (0, False),
     "peak_tflops": (0, False),
 }  # fmt: skip
 
@@ -251,6 +252,13 @@ class RunOptions(TargetOptions):
         "Micro-batches per rank whose compute time is recorded in RUN_DIR/costs for "
         "`dflash-train calibrate` (after 2 warm-up steps; synchronizes CUDA while recording). "
         "0: off.",
+        section=EVAL,
+    )
+    collective_timeout_s: float | None = opt(
+        None,
+        "Seconds a collective waits for a rank before the step fails (a frozen node under "
+        "torchrun --nnodes MIN:MAX is noticed then); longer than the slowest rank's target "
+        "load and checkpoint save [default: torch's, 10 min NCCL, 30 min gloo].",
         section=EVAL,
     )
     profile_step: int = opt(

@@ -292,7 +292,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
     opts, folder = resolve_init_drafter(opts)
     cfg = train_config(opts)  # validates before anything is started
     spec = loader_spec(opts)
-    env = init_distributed(opts.device)
+    env = init_distributed(opts.device, opts.collective_timeout_s)
     client = None
     try:
         target = target_from_options(opts, env.device, parse_int_list(opts.layers))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,11 @@ class DistEnv:
         return self.world_size > 1
 
 
-def init_distributed(device: str | None = None) -> DistEnv:
-    """Read the torchrun environment, pick the device and start the process group."""
+def init_distributed(device: str | None = None, timeout_s: float | None = None) -> DistEnv:
+    """Read the torchrun environment, pick the device and start the process group.
+    ``timeout_s``: how long a collective waits for a rank before it fails (None: torch's
+    default, 10 min for NCCL and 30 for gloo); an elastic job notices a frozen node only
+    then."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -41,7 +45,11 @@ def init_distributed(device: str | None = None) -> DistEnv:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if timeout_s is None:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return DistEnv(rank=rank, world_size=world, local_rank=local, device=dev)
 
 
