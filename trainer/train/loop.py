@@ -871,14 +871,25 @@ class Trainer:
         differ, and ranks with different grad_accum would hang in the all-reduce)."""
         if not self.env.distributed:
             return
-        digest = hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=6)
-        key = float(int.from_bytes(digest.digest(), "little"))  # exact in float64
-        t = torch.tensor([key, -key], dtype=torch.float64, device=self.env.device)
-        hi, neg_lo = all_reduce(t, self.env, op="max").tolist()
-        if hi != -neg_lo:
+        first = self._pending[0] if self._pending is not None else None
+        where = {  # the plan this rank starts in: its position and the epoch's shape changes
+            "epoch": None if first is None else int(first.epoch),
+            "step": None if first is None else int(first.step),
+            "legs": [list(x) for x in getattr(self.source, "legs", ())],
+        }
+        keys = [_digest(spec), _digest(where)]
+        t = torch.tensor([*keys, *(-k for k in keys)], dtype=torch.float64, device=self.env.device)
+        hi_spec, hi_where, neg_lo_spec, neg_lo_where = all_reduce(t, self.env, op="max").tolist()
+        if hi_spec != -neg_lo_spec:
             raise ServedSpecError(
                 f"ranks were served different batch specs (rank {self.env.rank}: "
                 f"{json.dumps(spec, sort_keys=True)}); give every node's daemon the same [spec]"
+            )
+        if hi_where != -neg_lo_where:
+            raise ServedSpecError(
+                f"ranks start at different places of the plan (rank {self.env.rank}: "
+                f"{json.dumps(where)}): they resumed from different checkpoints or loader "
+                "states; every rank must resume from the same checkpoint"
             )
 
     def _progress(self) -> tqdm[Any] | None:
@@ -887,6 +898,12 @@ class Trainer:
         per_step = self.env.world_size * self.grad_accum  # steps left, in this shape's steps
         left = -(-(self.total_micro - self.clock.micro) // per_step)
         return progress_bar(self.step + max(left, 0), "train", initial=self.step)
+
+
+def _digest(obj: Any) -> float:
+    """48 bits of a JSON value's hash, exact in float64 (all-reduced to compare ranks)."""
+    digest = hashlib.blake2b(json.dumps(obj, sort_keys=True).encode(), digest_size=6)
+    return float(int.from_bytes(digest.digest(), "little"))
 
 
 def _memory_peaks_gb(device: torch.device) -> tuple[float, float]:
