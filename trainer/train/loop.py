@@ -219,7 +219,9 @@ class Trainer:
         self._scheduler_state: dict[str, Any] | None = None
         self.clock = Clock(unit=env.world_size * (cfg.grad_accum or 1))  # set in _start()
         self.total_micro: int | None = None  # the run's end on the clock (set in _start())
-        self._saved: ckpt.CheckpointRecord | None = None  # the checkpoint resumed from
+        # The resumed checkpoint's clock, or what rebuilds one (its world size and spec's
+        # grad_accum) for a checkpoint written before clocks; None for a fresh run.
+        self._saved_clock: tuple[dict[str, Any] | None, int, int] | None = None
         self._pending: tuple[Batch, float] | None = None  # the batch peeked by run()
         self.step = 0
         self.epoch = 0
@@ -309,7 +311,8 @@ class Trainer:
         self.optimizer.load_state_dict(saved.optimizer)
         self._scheduler_state = saved.scheduler
         self.step, self.epoch = saved.step, saved.epoch
-        self._saved = saved
+        spec_ga = (saved.meta.get("loader_spec") or {}).get("grad_accum", self.grad_accum)
+        self._saved_clock = (saved.clock, saved.world_size, int(spec_ga))
         self._checkpoint_spec = saved.meta.get("loader_spec")
         self._ask_saved_anchor_rule()
         self.source.load_state_dict(mine["loader"])
@@ -808,16 +811,15 @@ class Trainer:
         written before clocks (its shape from its loader spec), or a new one."""
         shape = self.env.world_size * self.grad_accum
         per_epoch = int(self.source.steps_per_epoch or 0)
-        saved = self._saved
-        if saved is None:
+        if self._saved_clock is None:
             return Clock(0, shape, per_epoch)
-        if saved.clock is not None:
-            return Clock.from_dict(saved.clock)
-        spec = saved.meta.get("loader_spec") or {}
-        unit = saved.world_size * int(spec.get("grad_accum", self.grad_accum))
+        clock, world, grad_accum = self._saved_clock
+        if clock is not None:
+            return Clock.from_dict(clock)
+        unit = world * grad_accum
         if unit != shape:  # the first shape's epoch length, scaled by the micro-batches
             per_epoch = round(per_epoch * shape / unit)
-        return Clock(saved.step * unit, unit, per_epoch)
+        return Clock(self.step * unit, unit, per_epoch)
 
     def _adopt_loader_spec(self) -> None:
         """Take ``grad_accum`` from the spec the loader actually serves (the daemon's
