@@ -36,25 +36,35 @@ MEASURE = textwrap.dedent("""
         for line in open("/proc/self/status"):
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    dtype = getattr(torch, sys.argv[3])
+    dtype, device = getattr(torch, sys.argv[3]), torch.device(sys.argv[5])
+    if device.type == "cuda":
+        torch.cuda.init()  # its host memory is the baseline's, not the load's
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM starts again from here
     before, t = status("VmRSS"), time.perf_counter()
     if sys.argv[2] == "plain":
         m = AutoModelForCausalLM.from_pretrained(sys.argv[1], local_files_only=True, dtype=dtype)
+        m.to(device)
     else:
-        m = load_model(Path(sys.argv[1]), "cpu", dtype)
+        m = load_model(Path(sys.argv[1]), device, dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t
-    weights = sum(x.numel() * x.element_size() for x in m.state_dict().values())
-    print(json.dumps({"seconds": seconds, "extra": status("VmHWM") - before - weights,
-                      "weights": weights}))
+    state = m.state_dict()
+    weights = sum(x.numel() * x.element_size() for x in state.values())
+    on_host = weights if device.type == "cpu" else 0  # the weights' own pages, if on the host
+    checksum = sum(float(x.double().sum()) for x in state.values())
+    gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    print(json.dumps({"seconds": seconds, "extra": status("VmHWM") - before - on_host,
+                      "weights": weights, "checksum": checksum, "gpu_peak": gpu}))
 """)
 
 
-def measure(path: Path, mode: str, dtype: str) -> dict[str, Any]:
-    """Load ``path`` in a fresh process (``mode`` "plain" or "ours", ``dtype`` a torch
-    dtype name): seconds, bytes of the weights, peak bytes beyond them."""
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(path), mode, dtype, str(ROOT)],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+def measure(path: Path, mode: str, dtype: str, device: str = "cpu") -> dict[str, Any]:
+    """Load ``path`` onto ``device`` in a fresh process (``mode`` "plain" or "ours",
+    ``dtype`` a torch dtype name): seconds, bytes of the weights, peak host bytes beyond
+    the weights' own (all of the peak on a GPU), a checksum of the state, peak GPU bytes."""
+    cmd = [sys.executable, "-c", MEASURE, str(path), mode, dtype, str(ROOT), device]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

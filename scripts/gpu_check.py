@@ -2,7 +2,9 @@
 
 Stages, each writing its figures to ``OUT/gpu_check.json`` as soon as it has them:
 
-1. ``env``: GPU, torch, transformers.
+1. ``env``: GPU, torch, transformers; ``load``: a 2 GB fp32 checkpoint onto the GPU in
+   bf16 the trainer's way (``trainer/model/weights.py``) and ``from_pretrained``'s: host
+   memory, GPU peak, time, same weights.
 2. ``head``: peak CUDA memory and time of the LM head + weighted cross-entropy, forward and
    backward, at hidden 4096 and vocabulary 151,936 in bf16, chunked (1024 slots) vs
    unchunked, for one document at the reference recipe (512 anchors x 15 slots) and for the
@@ -267,6 +269,31 @@ def train_stage(
     }
 
 
+def load_stage(work: Path) -> dict[str, object]:
+    """A local target onto the GPU (trainer/model/weights.py) against ``from_pretrained``
+    and ``.to(cuda)``: a 2 GB fp32 checkpoint loaded in bf16, each in a fresh process:
+    host memory beyond the baseline, GPU peak, time, and the same weights."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.bench_target_load import measure, save_random
+
+    path = work / "target-fp32"
+    if not (path / "config.json").is_file():
+        save_random(path, "float32", hidden=2048, layers=8, vocab=32000)
+    out: dict[str, object] = {}
+    sums = {}
+    for mode in ("plain", "ours"):
+        r = measure(path, mode, "bfloat16", "cuda:0")
+        sums[mode] = r["checksum"]
+        out[mode] = {
+            "seconds": round(r["seconds"], 2),
+            "host_extra_mib": round(r["extra"] / 2**20),
+            "gpu_peak_mib": round(r["gpu_peak"] / 2**20),
+            "weights_mib": round(r["weights"] / 2**20),
+        }
+    out["same_weights"] = sums["plain"] == sums["ours"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -280,6 +307,7 @@ def main() -> None:
     report.run("env", env_stage)
     report.run("head", head_stage)
     report.run("attention", attention_stage)
+    report.run("load", load_stage, work)
     daemon = None
     try:
         daemon, endpoint = start_daemon(work)
