@@ -125,7 +125,9 @@ def format_stats(st: dict[str, Any]) -> str:
             f"{s['job'][:15]:<16}{s['rank']:>4}/{s['world_size']:<1}{e:>7}{step:>8}{micro:>6}"
             f"{s['ring_fill']:>4}/{s['slots']:<2}{s['batches']:>10}{s['tokens_per_s']:>12,.0f}"
             f"{s['client_wait_s']:>9.2f}"
-        )
+            + (f"  (rest of the epoch after {len(s['legs'])} shape change(s))"
+               if s.get("legs") else "")
+        )  # fmt: skip
     if not st["sessions"]:
         lines.append("(no sessions)")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ def session_stats(s: Session, now: float) -> dict[str, Any]:
         "rank": s.rank,
         "world_size": s.spec.world_size,
         "pos": list(s.pos),
+        "legs": [list(leg) for leg in s.legs],  # shape changes of pos's epoch (elastic)
         "ring_fill": s.produced - s.consumed,
         "slots": s.ring.num_slots,
         "batches": s.stats.batches,

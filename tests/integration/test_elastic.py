@@ -66,6 +66,15 @@ def test_an_epoch_resized_4_2_3_serves_every_sample_exactly_once(daemons, corpus
         c.close()
 
     three = _ranks([d.endpoint], 3, state2, grad_accum=2)
+    next(three[0])
+    # The operator sees it: `dflash-loader stats` lists the session's shape changes.
+    from loader_server.cli.service import _request_stats, format_stats
+
+    st = _request_stats(d.endpoint, 5.0)
+    mine = [x for x in st["sessions"] if x["rank"] == 0 and x["world_size"] == 3]
+    assert mine and mine[0]["legs"] == [[4, 1, 5], [2, 1, 7]]
+    assert "rest of the epoch after 2 shape change(s)" in format_stats(st)
+    three[0].load_state_dict({**state2, "rank": 0})  # back to where it began (nothing lost)
     third = _steps(three, None, 2, corpus)  # to the end of the epoch
     assert all(c.legs == () for c in three)
 
