@@ -2,9 +2,9 @@
 
 ``from_pretrained`` memory-maps safetensors: in the checkpoint's own dtype on CPU the
 weights stay views of the page cache (one copy per node, whatever the number of ranks),
-which ``load_model`` keeps. Anywhere else it would first build the whole model in host
-memory (in the requested dtype: a full converted copy per rank) and only then move it:
-8 ranks x 64 GB for a 32B target. ``load_model`` instead builds the model on its device
+which ``load_model`` keeps. In another dtype it first builds a converted copy of the whole
+model in host memory, per rank (8 ranks x 64 GB for a 32B target), and onto a GPU every
+rank maps and reads the whole file before the copy. ``load_model`` instead builds the model on its device
 (``torch.device`` context, weight initialization skipped) and reads every tensor of the
 checkpoint with plain file reads, ``STAGING_BYTES`` at a time, into a host staging buffer
 (pinned on CUDA) and from there into its parameter on the device, converting the dtype on
@@ -12,10 +12,10 @@ the way. Host memory beyond the weights' destination: one staging buffer. No fil
 mapped, so a rank's resident memory does not grow with the checkpoint either.
 
 What it reads is checked: every parameter and persistent buffer of the model must come
-from the checkpoint (tied weights once), no tensor may be left over, and each must have
-its parameter's shape; a mismatch is one line naming the tensor and the file. A
-checkpoint this reader does not cover (``pytorch_model.bin``, a dtype it does not know,
-names the model renames on load) goes through ``from_pretrained`` as before, with a note.
+from the checkpoint (tied weights once) with its parameter's shape; a mismatch is one line
+naming the tensor and the file. A checkpoint this reader does not cover
+(``pytorch_model.bin``, a dtype it does not know, a tensor the model does not have, as
+with names a model renames on load) goes through ``from_pretrained`` as before, logged.
 """
 
 from __future__ import annotations
