@@ -4,11 +4,11 @@
 weights stay views of the page cache (one copy per node, whatever the number of ranks),
 which ``load_model`` keeps. In another dtype it first builds a converted copy of the whole
 model in host memory, per rank (8 ranks x 64 GB for a 32B target), and onto a GPU every
-rank maps and reads the whole file before the copy. ``load_model`` instead builds the model on its device
-(``torch.device`` context, weight initialization skipped) and reads every tensor of the
-checkpoint with plain file reads, ``STAGING_BYTES`` at a time, into a host staging buffer
-(pinned on CUDA) and from there into its parameter on the device, converting the dtype on
-the way. Host memory beyond the weights' destination: one staging buffer. No file is
+rank maps and reads the whole file before the copy. ``load_model`` instead builds the
+model on its device (``torch.device`` context, weight initialization skipped) and reads
+every tensor of the checkpoint with plain file reads, ``STAGING_BYTES`` at a time, into a
+host staging buffer (pinned on CUDA) and from there into its parameter on the device,
+converting the dtype on the way. Host memory beyond the weights' destination: one staging buffer. No file is
 mapped, so a rank's resident memory does not grow with the checkpoint either.
 
 What it reads is checked: every parameter and persistent buffer of the model must come
