@@ -8,8 +8,9 @@ rank maps and reads the whole file before the copy. ``load_model`` instead build
 model on its device (``torch.device`` context, weight initialization skipped) and reads
 every tensor of the checkpoint with plain file reads, ``STAGING_BYTES`` at a time, into a
 host staging buffer (pinned on CUDA) and from there into its parameter on the device,
-converting the dtype on the way. Host memory beyond the weights' destination: one staging buffer. No file is
-mapped, so a rank's resident memory does not grow with the checkpoint either.
+converting the dtype on the way. Host memory beyond the weights' destination: one
+staging buffer. No file is mapped, so a rank's resident memory does not grow with the
+checkpoint either.
 
 What it reads is checked: every parameter and persistent buffer of the model must come
 from the checkpoint (tied weights once) with its parameter's shape; a mismatch is one line
