@@ -151,7 +151,11 @@ class RunOptions(TargetOptions):
     endpoint: str = opt(help="Loader endpoint, e.g. ipc:///run/dflash-loader/loader.sock.")
     job: str = opt("train", "Job name (a session per rank).")
     run_dir: Path = opt(help="Where checkpoints, metrics and config.json go.")
-    resume: bool = opt(False, "Continue from the newest checkpoint, if any.")
+    resume: bool = opt(
+        False,
+        "Continue from the newest checkpoint, if any; also on another number of ranks or "
+        "--grad-accum (the rest of the epoch is planned afresh for them).",
+    )
     layers: str | None = opt(
         None, "Target layer ids for the features, e.g. 0,1,2 (default: spread).", section=DRAFTER
     )
