@@ -48,13 +48,13 @@ MEASURE = textwrap.dedent("""
         m = load_model(Path(sys.argv[1]), device, dtype)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t
+    seconds, peak = time.perf_counter() - t, status("VmHWM")
+    gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     state = m.state_dict()
     weights = sum(x.numel() * x.element_size() for x in state.values())
     on_host = weights if device.type == "cpu" else 0  # the weights' own pages, if on the host
-    checksum = sum(float(x.double().sum()) for x in state.values())
-    gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    print(json.dumps({"seconds": seconds, "extra": status("VmHWM") - before - on_host,
+    checksum = sum(float(x.double().sum()) for x in state.values())  # after the peak
+    print(json.dumps({"seconds": seconds, "extra": peak - before - on_host,
                       "weights": weights, "checksum": checksum, "gpu_peak": gpu}))
 """)
 

@@ -46,6 +46,7 @@ class Batch:
     micro: int = 0
     bucket: int = 0
     steps_per_epoch: int = 0  # 0: not served from a plan
+    leg: int = 0  # shape changes of its epoch before the plan it comes from (elastic resume)
 
     @property
     def position(self) -> tuple[int, int, int]:

@@ -398,6 +398,14 @@ class LoaderClient:
         steps = msg.get("steps")
         if not isinstance(steps, int) or steps < 0:
             raise P.ProtocolError(f"welcome: steps {steps!r} is not a non-negative int")
+        if self.legs and P.legs(msg.get("legs"), "welcome legs") != self.legs:
+            raise P.LoaderRequestError(
+                P.E_MISMATCH,
+                f"the daemon at {self.endpoint} did not plan the rest of epoch "
+                f"{self.position[0]} after its shape changes {[list(x) for x in self.legs]} "
+                "(a daemon from before elastic resumes?); it would serve the epoch from its "
+                "start: upgrade the daemon",
+            )
         self._ring = Ring(self.shm_dir, msg, self._socket_owner())
         self._sid = str(msg["s"])
         self._n = 0
@@ -535,6 +543,7 @@ class LoaderClient:
             layout=layout,
             steps_per_epoch=meta.steps,
             num_tokens=meta.tokens,
+            leg=len(self.legs),
         )
         self.steps_per_epoch = meta.steps
         if meta.next_position[0] != meta.epoch:

@@ -190,6 +190,7 @@ class Dispatcher:
             slot_bytes=ring.layout.slot_bytes,
             layout=ring.layout.to_wire(),
             steps=plan.num_steps,
+            legs=[list(leg) for leg in req.legs],  # the client checks they were planned
             instance=self._instance,
             fingerprint=self._producer.dataset.fingerprint,
             spec=req.spec.to_dict(),

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from loader_server.planning.elastic import shaped
 from loader_server.planning.planner import EpochPlan
 from loader_server.planning.spec import BatchSpec, SpecLimits
 from loader_server.service.rings import ShmRing
@@ -74,12 +75,15 @@ def parse_open(
         raise ValueError(f"pos micro {start[2]} >= grad_accum {spec.grad_accum}")
     legs = P.legs(msg.get("legs"))
     for k, leg in enumerate(legs, 1):
-        if leg.world_size > MAX_WORLD_SIZE or leg.grad_accum > limits.max_grad_accum:
+        if leg.world_size > MAX_WORLD_SIZE:
             raise ValueError(
-                f"legs: shape change {k} has world_size {leg.world_size} x grad_accum "
-                f"{leg.grad_accum}, beyond this daemon's limits ({MAX_WORLD_SIZE} ranks, "
-                f"grad_accum {limits.max_grad_accum})"
+                f"legs: shape change {k} has world_size {leg.world_size}, beyond "
+                f"{MAX_WORLD_SIZE} ranks"
             )
+        try:  # each leg was once a spec this daemon had to accept
+            limits.check(shaped(spec, leg.world_size, leg.grad_accum), num_samples)
+        except ValueError as e:
+            raise ValueError(f"legs: shape change {k}: {e}") from None
     epochs = msg.get("epochs")
     if epochs is not None and (
         not isinstance(epochs, int) or isinstance(epochs, bool) or not 0 <= epochs <= P.MAX_INDEX

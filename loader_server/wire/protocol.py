@@ -20,7 +20,7 @@ Daemon -> client
     pending   s: the open was accepted; its plan (or ring) is still being made (every 1 s)
     welcome   s, shm (ring path), ctl (control page path), slots, slot_bytes, layout
               (field -> [dtype, offset, capacity]), steps (per epoch of the start epoch),
-              instance, fingerprint, spec (effective)
+              instance, fingerprint, spec (effective), legs (the open's, as planned)
     end       s: the requested epochs are done
     hb        s: answer to a heartbeat (also sent unasked, to see whether a client is alive)
     closed    s: answer to a close; the session and its ring are gone

@@ -88,9 +88,19 @@ def test_a_checkpoint_that_does_not_fit_its_config_is_named(tmp_path):
         load_model(path, "cpu", torch.float32)
 
 
-def test_a_checkpoint_it_does_not_read_goes_through_from_pretrained(tmp_path):
+def test_a_checkpoint_it_does_not_read_goes_through_from_pretrained(tmp_path, caplog):
     path = _save(tmp_path / "m", dtype=torch.bfloat16)
     state = load_file(path / "model.safetensors")
+    # A tensor the model does not have (a renamed or extra key): found on the meta device
+    # before anything is allocated, and from_pretrained loads the checkpoint instead.
+    extra = {**state, "model.rotary_emb.inv_freq": torch.ones(8)}
+    save_file(extra, path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("INFO", logger="trainer.model.weights"):
+        ours = load_model(path, "cpu", torch.float32).state_dict()
+    assert "holds 'model.rotary_emb.inv_freq', which the model does not have" in caplog.text
+    plain = _plain(path, torch.float32).state_dict()
+    assert all(torch.equal(ours[k], plain[k]) for k in plain)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     (path / "model.safetensors").unlink()
     torch.save(state, path / "pytorch_model.bin")  # an older format
     ours = load_model(path, "cpu", torch.float32).state_dict()

@@ -68,9 +68,10 @@ def load_model(
         if files is None:
             raise _Unsupported("no safetensors files")
         return _read_into(path, files, device, dtype)
-    except _Unsupported as why:
-        log.info("%s: loaded by from_pretrained (%s)", path, why)
-        return _from_pretrained(path, device, dtype)
+    except _Unsupported as e:
+        why = str(e)  # not the exception: its traceback would keep a half-built model alive
+    log.info("%s: loaded by from_pretrained (%s)", path, why)
+    return _from_pretrained(path, device, dtype)
 
 
 def _from_pretrained(
@@ -122,20 +123,48 @@ def checkpoint_dtype(files: list[Path]) -> torch.dtype | None:
 def _read_into(
     path: Path, files: list[Path], device: torch.device, dtype: torch.dtype
 ) -> PreTrainedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Check every tensor against the model on the meta device (nothing allocated), then
+    build it on ``device`` and read the tensors into it."""
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    reads = _plan_reads(path, files, _build(config, torch.device("meta"), dtype))
+    model = _build(config, device, dtype)
+    wanted = _destinations(model)
+    pin = device.type == "cuda"
+    staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=pin)
+    with torch.no_grad():  # parameters are written in place
+        for file, start, name, src, begin, end in reads:
+            with open(file, "rb", buffering=0) as f:
+                _copy(f, start + begin, end - begin, src, wanted[name], staging)
+    if pin:
+        torch.cuda.synchronize(device)  # the staging buffer is reused and freed after this
+    return model.eval()
+
+
+def _build(config: Any, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    """The model of ``config`` on ``device`` in ``dtype``, its random initialization
+    skipped (weights tied as ``post_init`` would)."""
+    from transformers import AutoModelForCausalLM
+
     try:
         with torch.device(device), _no_init():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except Exception as e:  # an architecture from_config cannot build: from_pretrained says why
-        raise _Unsupported(f"from_config: {e}") from e
+        raise _Unsupported(f"from_config: {e}") from None
     model.tie_weights()  # part of the initialization skipped above
-    wanted = _destinations(model)
-    done: set[str] = set()
-    pin = device.type == "cuda"
-    staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=pin)
-    for file in files:  # (under no_grad: parameters are written in place)
+    return model
+
+
+Read = tuple[Path, int, str, torch.dtype, int, int]  # file, data start, name, dtype, span
+
+
+def _plan_reads(path: Path, files: list[Path], skeleton: torch.nn.Module) -> list[Read]:
+    """Every tensor of the checkpoint matched to the model (on the meta device): names,
+    dtypes and shapes known, nothing the model needs missing (tied weights once)."""
+    wanted = _destinations(skeleton)
+    reads: list[Read] = []
+    for file in files:
         header, start = read_header(file)
         for name, info in header.items():
             if name not in wanted:
@@ -143,27 +172,22 @@ def _read_into(
             src = DTYPES.get(info["dtype"])
             if src is None:
                 raise _Unsupported(f"{name!r} has dtype {info['dtype']}")
-            dest = wanted[name]
-            if tuple(info["shape"]) != tuple(dest.shape):
+            if tuple(info["shape"]) != tuple(wanted[name].shape):
                 raise WeightsError(
                     f"{file}: tensor {name!r} has shape {info['shape']}, the model built from "
-                    f"{path / 'config.json'} has {list(dest.shape)}"
+                    f"{path / 'config.json'} has {list(wanted[name].shape)}"
                 )
             begin, end = info["data_offsets"]
-            with open(file, "rb", buffering=0) as f, torch.no_grad():
-                _copy(f, start + begin, end - begin, src, dest, staging)
-            done.add(name)
-    loaded = {wanted[n].data_ptr() for n in done}  # tied weights share their storage
-    missing = sorted(n for n in wanted if n not in done and wanted[n].data_ptr() not in loaded)
+            reads.append((file, start, name, src, int(begin), int(end)))
+    loaded = {id(wanted[r[2]]) for r in reads}  # a tied weight is one tensor, two names
+    missing = sorted(n for n, t in wanted.items() if id(t) not in loaded)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise WeightsError(
             f"{path}: the checkpoint has no {', '.join(missing[:3])}{more} (the model its "
             "config.json describes needs them)"
         )
-    if pin:
-        torch.cuda.synchronize(device)  # the staging buffer is reused and freed after this
-    return model.eval()
+    return reads
 
 
 def _copy(

@@ -483,8 +483,9 @@ class Trainer:
         # Used up before the next next(): the client reuses the slot after that.
         with phase("copy"):
             on_dev = batch.to(dev, non_blocking=True)
-        leg = len(getattr(self.source, "legs", ()))  # shape changes in this epoch so far
-        gen = anchor_generator(cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro, leg)
+        gen = anchor_generator(
+            cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro, batch.leg
+        )
         last = batch.micro == self.grad_accum - 1
         sync = (
             contextlib.nullcontext()
@@ -817,8 +818,12 @@ class Trainer:
         if clock is not None:
             return Clock.from_dict(clock)
         unit = world * grad_accum
-        if unit != shape:  # the first shape's epoch length, scaled by the micro-batches
-            per_epoch = round(per_epoch * shape / unit)
+        if unit != shape:
+            # The first shape's epoch, in micro-batches: what the legs of this epoch served
+            # plus the rest the loader now plans for this shape (``per_epoch`` is its steps).
+            legs = getattr(self.source, "legs", ())
+            served = sum(leg[0] * leg[1] * leg[2] for leg in legs)
+            per_epoch = round((served + per_epoch * shape) / unit)
         return Clock(self.step * unit, unit, per_epoch)
 
     def _adopt_loader_spec(self) -> None:
@@ -877,6 +882,7 @@ class Trainer:
         where = {  # the plan this rank starts in: its position and the epoch's shape changes
             "epoch": None if first is None else int(first.epoch),
             "step": None if first is None else int(first.step),
+            "leg": None if first is None else int(first.leg),
             "legs": [list(x) for x in getattr(self.source, "legs", ())],
         }
         keys = [_digest(spec), _digest(where)]
