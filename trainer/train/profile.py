@@ -136,12 +136,12 @@ def report(
 ) -> dict[str, Any]:  # fmt: skip
     """The ``profile.json`` record: phase seconds and shares of the step, FLOPs, MFU."""
     named = sum(times[p] for p in PHASES)
-    shares = {p: round(times[p] / step_s, 4) for p in PHASES}
-    shares["other"] = round(max(step_s - named, 0.0) / step_s, 4)
+    shares = {p: _sig(times[p] / step_s) for p in PHASES}
+    shares["other"] = _sig(max(step_s - named, 0.0) / step_s)
     rec: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "step_s": round(step_s, 4),
-        "phase_s": {k: round(v, 4) for k, v in times.items()},
+        "step_s": _sig(step_s),
+        "phase_s": {k: _sig(v) for k, v in times.items()},
         "phase_share": shares,
         "flops": {k: _sig(v) for k, v in flops.items()},
         "tflops_per_s": _sig(flops["total"] / step_s / 1e12),
