@@ -153,3 +153,42 @@ def test_bad_chains_and_resizes_are_refused_and_name_the_value(daemons, corpus):
     # Nothing of this changed what the daemon serves the job at its real position.
     ok = _ranks([d.endpoint], 2, state, only=[0])[0]
     assert next(ok).position == (0, 2, 0)
+
+
+def test_a_client_refuses_a_daemon_that_did_not_plan_its_rest(tmp_path):
+    """A daemon from before elastic resumes ignores ``legs`` and would serve the epoch from
+    its start (the served steps again): its welcome, which does not echo the legs, is
+    refused. The stand-in answers as such a daemon did: welcome without legs."""
+    import threading
+
+    import zmq
+
+    from loader_server.wire import protocol as P
+
+    spec = BatchSpec(**TEST_SPEC, world_size=2).to_dict()
+    state = {"version": 3, "job": "old", "rank": 0, "world_size": 4, "position": [0, 5, 0],
+             "legs": [], "fingerprint": "f" * 16, "spec": {**spec, "world_size": 4}}  # fmt: skip
+    endpoint = f"ipc://{tmp_path}/old.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(endpoint)
+    opened: list[dict] = []
+
+    def old_daemon() -> None:
+        if router.poll(20_000):
+            peer, frame = router.recv_multipart()
+            opened.append(P.decode(frame))
+            router.send_multipart([peer, P.encode("welcome", s="abc", steps=9,
+                                                  fingerprint="f" * 16, spec=spec)])  # fmt: skip
+
+    t = threading.Thread(target=old_daemon)
+    t.start()
+    try:
+        c = LoaderClient(endpoint, job="old", rank=0, world_size=2, timeout_s=10)
+        c.load_state_dict(state)
+        with pytest.raises(LoaderRequestError, match="did not plan the rest of epoch 0 after its "
+                           r"shape changes \[\[4, 1, 5\]\].*upgrade the daemon"):  # fmt: skip
+            next(c)
+    finally:
+        t.join(30)
+        router.close(linger=0)
+    assert opened and opened[0]["legs"] == [[4, 1, 5]]
