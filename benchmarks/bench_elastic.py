@@ -72,24 +72,20 @@ def through_daemon(samples: int, seed: int) -> dict[str, Any]:
                     if state is not None:
                         c.load_state_dict(state)
                     clients.append(c)
-                steps = None
-                done = 0
-                while True:
+                last = k == len(SHAPES) - 1
+                done, cut = 0, None  # the last shape serves to the end of the epoch
+                while last or cut is None or done < cut:
                     try:
                         for c in clients:
                             for _ in range(ga):
                                 b = next(c)
                                 got += b.sample_ids.tolist()
-                                steps = b.steps_per_epoch
                     except StopIteration:
                         break
                     done += 1
-                    if k + 1 < len(SHAPES) and done == (cuts[-1] if len(cuts) > k else None):
-                        break
-                    if k + 1 < len(SHAPES) and len(cuts) == k and steps is not None:
-                        cuts.append(cut_points(rng, steps))
-                        if done >= cuts[-1]:
-                            break
+                    if cut is None and not last:  # the leg's steps are known from here
+                        cut = cut_points(rng, b.steps_per_epoch)
+                        cuts.append(cut)
                 state = clients[0].state_dict()
                 for c in clients:
                     c.close()

@@ -7,9 +7,7 @@ comes back and both restart under world size 2. The launcher recipe is docs/TRAI
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from procs import kill_tree
 
 from loader_server.data.synth import SynthSpec, write_corpus
 from scripts.daemon_process import DaemonProcess
@@ -36,31 +35,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-                out.append(int(entry))
-                todo.append(int(entry))
-    return out
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """kill -9 an agent and every rank it started (ranks run in sessions of their own)."""
-    for pid in [*_descendants(proc.pid), proc.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait(30)
 
 
 class Node:
@@ -108,12 +82,12 @@ class Node:
     def lose(self) -> None:
         """The node dies at once: kill -9 of its agent, its rank and its daemon."""
         assert self.agent is not None and self.daemon is not None
-        _kill_tree(self.agent)
+        kill_tree(self.agent)
         self.daemon.kill()
 
     def stop(self) -> None:
         if self.agent is not None and self.agent.poll() is None:
-            _kill_tree(self.agent)
+            kill_tree(self.agent)
         if self.daemon is not None and self.daemon.proc.poll() is None:
             self.daemon.stop()
         import shutil

@@ -7,7 +7,6 @@ trainer.cli train` against it. All waits are bounded polls.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from procs import children, kill_tree
 
 from loader_server.data.synth import SynthSpec, write_corpus
 from trainer.train.metrics import read_metrics
@@ -126,19 +126,6 @@ def test_two_ranks_train_against_the_daemon(daemon, tmp_path):
     }
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
 def test_kill_and_resume_matches_uninterrupted(daemon, tmp_path):
     steps, extra = 12, ("--ckpt-every", "4", "--grad-accum", "2")
     whole = tmp_path / "whole"
@@ -158,7 +145,7 @@ def test_kill_and_resume_matches_uninterrupted(daemon, tmp_path):
             assert agent.poll() is None, (tmp_path / "cut.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "trainer made no progress"
             time.sleep(0.05)
-        workers = _children(agent.pid)
+        workers = children(agent.pid)
         assert len(workers) == 2
         os.kill(max(workers), signal.SIGKILL)  # kill -9 one trainer rank
         assert agent.wait(60) != 0
@@ -228,10 +215,7 @@ def _train_until(cmd: list[str], run_dir: Path, log: Path, step: int) -> None:
                 assert time.monotonic() < deadline, "trainer made no progress"
                 time.sleep(0.05)
         finally:
-            for pid in [*_children(agent.pid), agent.pid]:  # ranks run in their own sessions
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            agent.wait(30)
+            kill_tree(agent)  # a node lost at once
 
 
 def test_a_job_resumes_on_fewer_then_more_ranks_with_a_continuous_schedule(daemon, tmp_path):

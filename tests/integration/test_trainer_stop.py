@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import zmq
-from test_trainer_integration import RUN_TIMEOUT_S, _children, daemon, env, records
+from procs import children
+from test_trainer_integration import RUN_TIMEOUT_S, daemon, env, records
 
 from client import LoaderClient, LoaderRequestError
 from loader_server.wire import protocol as P
@@ -80,7 +81,7 @@ def test_sigterm_closes_the_sessions_checkpoints_and_exits_0(daemon, tmp_path):
     proc = launch(daemon.endpoint, run_dir, "stop", log, "--steps", "100000", "--token-budget",
                   "1024")  # fmt: skip
     wait_for_step(proc, run_dir, 3, log)
-    assert len(_children(proc.pid)) == 2
+    assert len(children(proc.pid)) == 2
     assert {s["rank"] for s in sessions(daemon.endpoint) if s["job"] == "stop"} == {0, 1}
 
     proc.send_signal(signal.SIGTERM)  # systemctl stop, KillMode=mixed: the launcher only
