@@ -32,9 +32,9 @@ import numpy as np
 from loader_server.planning import buckets as bk
 from loader_server.planning import cost
 from loader_server.planning.planner import EpochPlan, plan_epoch
+from loader_server.planning.schedule import NUM_BANDS
 from loader_server.planning.spec import REFERENCE_BUCKETS, BatchSpec
 
-NUM_BANDS = 4
 #: The cost fields of a spec without a cost model (cost = tokens, budget = token budget).
 TOKEN_COST: dict[str, Any] = {
     name: getattr(BatchSpec(), name) for name in (*cost.COEFFICIENTS, "cost_budget")

@@ -351,13 +351,15 @@ def _schedule(batches: _Batches, spec: BatchSpec, key: _Seeds) -> np.ndarray:
     scale = 1.0 if batches.cut is None or top <= 0 else _COST_UNITS / top
     costs = np.ceil(batches.costs * scale).astype(np.int64)
     args = (spec.world_size, spec.grad_accum, rng)
+    # Modelled costs are balanced further (cost-matched units, exact or swapped rank
+    # splits); token costs keep the scheduler of the default plans, whose bytes are pinned.
+    modelled = batches.cut is not None
     if stratify:
-        # Cost-matched units for modelled costs only: default plans stay what they were.
-        modelled = batches.cut is not None
+        bands = schedule.band_tokens(batches.seq_lengths, batches.starts) if modelled else None
         return schedule.stratified_steps(
-            batches.lens, batches.tokens, costs, *args, match_costs=modelled
+            batches.lens, batches.tokens, costs, *args, modelled=modelled, bands=bands
         )
-    return schedule.shuffled_steps(batches.tokens, costs, *args)
+    return schedule.shuffled_steps(batches.tokens, costs, *args, modelled=modelled)
 
 
 def _assemble(

@@ -34,12 +34,26 @@ most expensive micro-batches.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
 BALANCE_TOLERANCE = 0.04
+# Length bands of equal token mass that the step mix distance counts tokens in.
+NUM_BANDS = 4
 _THETAS = np.linspace(0.0, 1.0, 11)
+# Modelled costs: the step mix distance a balancing threshold may reach (the plan target),
+# or this much above the least mix any threshold gives.
+MIX_LIMIT, MIX_SLACK = 0.10, 0.01
+# Of the thresholds balanced within this of the best, the one of least step mix is taken.
+BALANCE_SLACK = 0.002
+# Steps with at most this many splits into ranks are balanced exactly (every split tried).
+_EXACT_SPLITS = 128
+# At most this many rounds of trades per step (each round trades once in every step).
+_MAX_SWAPS = 16
 
 
 def drop_remainder(tokens: np.ndarray, step_size: int) -> np.ndarray:
@@ -57,12 +71,15 @@ def shuffled_steps(
     world_size: int,
     grad_accum: int,
     rng: np.random.Generator,
+    modelled: bool = False,
 ) -> np.ndarray:
-    """[num_steps, world_size*grad_accum] micro-batch indices in random order, rank-major."""
+    """[num_steps, world_size*grad_accum] micro-batch indices in random order, rank-major.
+    ``modelled``: ranks by ``balance_ranks`` (else LPT in rounds)."""
     width = world_size * grad_accum
     kept = drop_remainder(tokens, width)
     steps = kept[rng.permutation(kept.size)].reshape(-1, width)
-    return assign_ranks(steps, costs, grad_accum, rng)
+    ranked = balance_ranks(steps, costs, grad_accum) if modelled else _lpt(steps, costs, grad_accum)
+    return _relabel(ranked, world_size, rng)
 
 
 def stratified_steps(
@@ -73,57 +90,145 @@ def stratified_steps(
     grad_accum: int,
     rng: np.random.Generator,
     tolerance: float = BALANCE_TOLERANCE,
-    match_costs: bool = False,
+    modelled: bool = False,
+    bands: np.ndarray | None = None,
 ) -> np.ndarray:
     """[num_steps, world_size*grad_accum] micro-batch indices, rank-major within a step.
 
-    ``match_costs``: a unit takes the micro-batches of equal cost rank in every length
-    stratum instead of random ones (see ``_balanced_units``)."""
+    ``modelled`` (costs from a cost model; ``bands`` is then each micro-batch's tokens per
+    length band): units are cost-matched (``_deal_matched``), each step's micro-batches go
+    to ranks by ``balance_ranks``, and of the cheap-unit thresholds the one whose finished
+    steps are best balanced is taken, among those whose step mix distance is within
+    ``MIX_LIMIT`` (or ``MIX_SLACK`` above the least any threshold gives, when that is
+    more). Otherwise (token costs: the default plans, which stay as they were) units take
+    random micro-batches of each stratum, the threshold is the smallest whose units' own
+    max/mean is within ``tolerance``, and ranks get LPT in rounds."""
     kept = drop_remainder(tokens, world_size * grad_accum)
-    units = _balanced_units(kept, lens, costs, world_size, rng, tolerance, match_costs)
-    if grad_accum == 1:
-        steps = units[rng.permutation(units.shape[0])]
-    else:
-        u = np.arange(units.shape[0])
-        by_len = np.lexsort((rng.random(u.size), lens[units].mean(axis=1)))
-        at = _deal(u[by_len], grad_accum, rng)
-        steps = units[at].reshape(at.shape[0], world_size * grad_accum)
-    return assign_ranks(steps, costs, grad_accum, rng)
+    if not modelled:
+        units = _token_units(kept, lens, costs, world_size, rng, tolerance)
+        steps = _lpt(_compose(units, lens, grad_accum, rng), costs, grad_accum)
+        return _relabel(steps, world_size, rng)
+    if bands is None:
+        raise ValueError("modelled balancing needs each micro-batch's band tokens")
+    by_len, by_cost, cost_rank = _orders(kept, lens, costs, rng)
+    candidates = []
+    for n_cheap in _cheap_counts(costs[by_cost], world_size):
+        mixed = by_len[cost_rank[by_len] >= n_cheap]  # still sorted by length
+        units = np.concatenate(
+            [
+                by_cost[:n_cheap].reshape(-1, world_size),
+                _deal_matched(mixed, world_size, costs, rng),
+            ]
+        )
+        steps = _compose(units, lens, grad_accum, rng)
+        candidates.append((step_mix(bands, steps), steps))
+    limit = max(MIX_LIMIT, min(m for m, _ in candidates) + MIX_SLACK)
+    scored = []
+    for mix, steps in candidates:
+        if mix <= limit:
+            ranked = balance_ranks(steps, costs, grad_accum)
+            loads = costs[ranked].reshape(-1, world_size, grad_accum).sum(axis=2)
+            scored.append((_mean_ratio(loads), mix, ranked))
+    best_ratio = min(r for r, _, _ in scored)
+    _, _, best = min((x for x in scored if x[0] <= best_ratio + BALANCE_SLACK), key=lambda x: x[1])
+    return _relabel(best, world_size, rng)
 
 
-def _balanced_units(
+def band_tokens(lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """[num_micro, NUM_BANDS] int64: each micro-batch's tokens in each length band of equal
+    token mass (``metrics.band_edges`` of these lengths). ``lengths``: the samples in
+    micro-batch order; micro-batch m begins at ``starts[m]``."""
+    x = np.asarray(lengths, np.int64)
+    if starts.size == 0:
+        return np.zeros((0, NUM_BANDS), np.int64)
+    mass = np.cumsum(np.bincount(x) * np.arange(int(x.max()) + 1, dtype=np.int64))
+    edges = np.searchsorted(mass, mass[-1] * np.arange(1, NUM_BANDS) / NUM_BANDS)
+    band = np.searchsorted(edges, x, side="left")
+    micro = np.repeat(np.arange(starts.size), np.diff(np.append(starts, x.size)))
+    flat = np.bincount(micro * NUM_BANDS + band, weights=x, minlength=starts.size * NUM_BANDS)
+    return flat.astype(np.int64).reshape(-1, NUM_BANDS)
+
+
+def step_mix(bands: np.ndarray, steps: np.ndarray) -> float:
+    """Step mix distance of ``steps`` (``metrics.step_mix_distance``) from each
+    micro-batch's tokens per length band (``bands``: [num_micro, NUM_BANDS] integers).
+    Integer sums, elementwise float operations and ``math.fsum``: the same value on every
+    machine."""
+    if steps.shape[0] == 0:
+        return 0.0
+    t = bands[steps].sum(axis=1)  # [steps, bands], exact
+    total = t.sum(axis=0)
+    epoch = total / max(int(total.sum()), 1)
+    per_step = t / np.maximum(t.sum(axis=1, keepdims=True), 1)
+    dist = np.abs(per_step[:, 0] - epoch[0])
+    for b in range(1, t.shape[1]):
+        dist = dist + np.abs(per_step[:, b] - epoch[b])
+    return 0.5 * math.fsum(dist.tolist()) / steps.shape[0]
+
+
+def _orders(
+    kept: np.ndarray, lens: np.ndarray, costs: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``kept`` by length (random among equals), by cost, and each one's cost rank."""
+    by_len = kept[np.lexsort((rng.random(kept.size), lens[kept]))]
+    by_cost = kept[np.argsort(costs[kept], kind="stable")]
+    cost_rank = np.empty(costs.shape[0], np.int64)
+    cost_rank[by_cost] = np.arange(kept.size)
+    return by_len, by_cost, cost_rank
+
+
+def _cheap_counts(sorted_costs: np.ndarray, world: int) -> Iterator[int]:
+    """How many of the cheapest micro-batches to group by cost, for each threshold theta
+    of ``_THETAS`` x the median cost (whole units; each count once)."""
+    if sorted_costs.size == 0:
+        yield 0
+        return
+    median = float(np.median(sorted_costs))
+    seen = -1
+    for theta in _THETAS * median:
+        n = int(np.searchsorted(sorted_costs, theta)) // world * world
+        if n != seen:
+            seen = n
+            yield n
+
+
+def _token_units(
     kept: np.ndarray,
     lens: np.ndarray,
     costs: np.ndarray,
     world: int,
     rng: np.random.Generator,
     tolerance: float,
-    match_costs: bool,
 ) -> np.ndarray:
-    """[num_units, world]: cheap micro-batches grouped by cost, the rest stratified by L.
-
-    With ``match_costs`` the stratified units are cost-matched: every length stratum is
-    ordered by cost (random among equals) and unit j takes the j-th of each, so a unit
-    still spans every length band while its micro-batches cost alike. Micro-batches cut
-    by a cost budget cost 0.8-1.0 of it, the spread set by how many rows they hold, not by
-    their length: random dealing leaves units ~1.06 apart, which the cheap-unit threshold
-    could only fix by grouping most micro-batches by cost (step mix 0.2-0.5)."""
+    """[num_units, world]: cheap micro-batches grouped by cost, the rest stratified by L
+    (one random micro-batch of every stratum), the threshold judged by the units' own
+    max/mean. The default plans' scheduler, unchanged (their bytes are pinned)."""
     if kept.size == 0 or world == 1:
         return kept.reshape(-1, world)
-    by_len = kept[np.lexsort((rng.random(kept.size), lens[kept]))]
-    by_cost = kept[np.argsort(costs[kept], kind="stable")]
-    cost_rank = np.empty(costs.shape[0], np.int64)
-    cost_rank[by_cost] = np.arange(kept.size)
+    by_len, by_cost, cost_rank = _orders(kept, lens, costs, rng)
     median = float(np.median(costs[kept]))
     units = kept.reshape(-1, world)
     for theta in _THETAS * median:
         n_cheap = int(np.searchsorted(costs[by_cost], theta)) // world * world
         mixed = by_len[cost_rank[by_len] >= n_cheap]  # still sorted by length
-        dealt = _deal_matched(mixed, world, costs, rng) if match_costs else _deal(mixed, world, rng)
-        units = np.concatenate([by_cost[:n_cheap].reshape(-1, world), dealt])
+        units = np.concatenate([by_cost[:n_cheap].reshape(-1, world), _deal(mixed, world, rng)])
         if _mean_ratio(costs[units]) <= 1.0 + tolerance:
             break
     return units
+
+
+def _compose(
+    units: np.ndarray, lens: np.ndarray, grad_accum: int, rng: np.random.Generator
+) -> np.ndarray:
+    """[num_steps, world*grad_accum]: ``grad_accum`` units per step, dealt by the same
+    systematic sampling over their mean length (so cheap units spread over steps); in
+    random order when a step is one unit."""
+    if grad_accum == 1:
+        return units[rng.permutation(units.shape[0])]
+    u = np.arange(units.shape[0])
+    by_len = np.lexsort((rng.random(u.size), lens[units].mean(axis=1)))
+    at = _deal(u[by_len], grad_accum, rng)
+    return units[at].reshape(at.shape[0], units.shape[1] * grad_accum)
 
 
 def _mean_ratio(unit_costs: np.ndarray) -> float:
@@ -154,11 +259,33 @@ def _deal_matched(
 def assign_ranks(
     steps: np.ndarray, costs: np.ndarray, grad_accum: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """Rearrange each step so it reads rank-major: ``out[s, r*grad_accum + g]``.
+    """Each step rank-major (``out[s, r*grad_accum + g]``) by ``balance_ranks``, ranks
+    relabeled at random per step."""
+    return _relabel(balance_ranks(steps, costs, grad_accum), steps.shape[1] // grad_accum, rng)
 
-    LPT in rounds: round g hands the g-th largest ``world_size`` micro-batches out, largest
-    to the rank with the least cost so far; then ranks are relabeled at random per step.
-    """
+
+def balance_ranks(steps: np.ndarray, costs: np.ndarray, grad_accum: int) -> np.ndarray:
+    """Each step's micro-batches to ranks, ``grad_accum`` each, least max rank load first:
+    rank-major ``out[s, r*grad_accum + g]``. ``costs`` are integers (exact sums).
+
+    Exact when a step has few ways to split (``_EXACT_SPLITS``: e.g. 2 ranks x up to 6,
+    3 x 3, 4 x 2): every split is tried. Beyond, LPT in rounds and then swaps: while some
+    micro-batch of the most loaded rank can trade places with one of another rank so
+    that the larger of the two loads falls, the best such trade is made (each one lowers
+    the sum of squared loads, so this ends; all steps at once, vectorized)."""
+    num_steps, width = steps.shape
+    world = width // grad_accum
+    if grad_accum == 1 or world == 1 or num_steps == 0:
+        return _lpt(steps, costs, grad_accum)
+    splits = _splits(world, grad_accum)
+    if splits is not None:
+        return _exact(steps, costs, splits)
+    return _swap(_lpt(steps, costs, grad_accum).reshape(num_steps, world, grad_accum), costs)
+
+
+def _lpt(steps: np.ndarray, costs: np.ndarray, grad_accum: int) -> np.ndarray:
+    """LPT in rounds: round g hands out the g-th largest ``world`` micro-batches, largest
+    to the rank with the least cost so far. Rank-major ``[num_steps, width]``."""
     num_steps, width = steps.shape
     world = width // grad_accum
     c = costs[steps]
@@ -173,5 +300,76 @@ def assign_ranks(
         chunk = slice(g * world, (g + 1) * world)
         out[rows, lightest, g] = steps[:, chunk]
         load[rows, lightest] += c[:, chunk]
+    return out.reshape(num_steps, width)
+
+
+def _relabel(ranked: np.ndarray, world: int, rng: np.random.Generator) -> np.ndarray:
+    """Ranks relabeled at random per step, so no rank systematically gets the longest or
+    costliest micro-batches."""
+    num_steps, width = ranked.shape
+    out = ranked.reshape(num_steps, world, width // world)
     relabel = np.argsort(rng.random((num_steps, world)), axis=1)
-    return out[rows, relabel].reshape(num_steps, width)
+    return out[np.arange(num_steps)[:, None], relabel].reshape(num_steps, width)
+
+
+@functools.cache
+def _splits(world: int, grad_accum: int) -> np.ndarray | None:
+    """Every split of ``world*grad_accum`` positions into ``world`` unordered groups of
+    ``grad_accum``, as [splits, world, grad_accum]; None when there are more than
+    ``_EXACT_SPLITS``."""
+    n = world * grad_accum
+    count = math.factorial(n) // (math.factorial(grad_accum) ** world * math.factorial(world))
+    if count > _EXACT_SPLITS:
+        return None
+
+    def build(rest: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
+        if not rest:
+            return [[]]
+        first, others = rest[0], rest[1:]
+        out = []
+        for mates in itertools.combinations(others, grad_accum - 1):
+            left = tuple(x for x in others if x not in mates)
+            out += [[(first, *mates), *tail] for tail in build(left)]
+        return out
+
+    return np.array(build(tuple(range(n))), np.int64)
+
+
+def _exact(steps: np.ndarray, costs: np.ndarray, splits: np.ndarray) -> np.ndarray:
+    """The split of least max rank load for every step (the first such, in ``splits``
+    order), in chunks of steps that keep the [steps, splits, world] loads small."""
+    num_steps, width = steps.shape
+    c = costs[steps]
+    best = np.empty(num_steps, np.int64)
+    chunk = max(1, (1 << 22) // splits.size)
+    for a in range(0, num_steps, chunk):
+        loads = c[a : a + chunk][:, splits].sum(axis=3)  # [chunk, splits, world]
+        best[a : a + chunk] = loads.max(axis=2).argmin(axis=1)
+    return np.take_along_axis(steps, splits[best].reshape(num_steps, width), axis=1)
+
+
+def _swap(out: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """Improve [steps, world, grad_accum] by single trades with the most loaded rank (see
+    ``balance_ranks``). Rank-major ``[num_steps, width]``."""
+    num_steps, world, accum = out.shape
+    active = np.arange(num_steps)
+    for _ in range(_MAX_SWAPS):
+        if active.size == 0:
+            break
+        c = costs[out[active]]  # [a, world, accum]
+        load = c.sum(axis=2)
+        rows = np.arange(active.size)
+        top = load.argmax(axis=1)
+        high = load[rows, top][:, None, None, None]
+        d = c[rows, top][:, :, None, None] - c[:, None, :, :]  # its item i for rank w's j
+        larger = np.maximum(high - d, load[:, None, :, None] + d)
+        gain = np.where(d > 0, high - larger, 0).reshape(active.size, -1)
+        pick = gain.argmax(axis=1)
+        ok = gain[rows, pick] > 0
+        i, w, j = np.unravel_index(pick[ok], (accum, world, accum))
+        s, h = active[ok], top[ok]
+        mine = out[s, h, i]
+        out[s, h, i] = out[s, w, j]
+        out[s, w, j] = mine
+        active = s
+    return out.reshape(num_steps, world * accum)
