@@ -1,6 +1,6 @@
 """Cost-balanced against token-balanced plans, measured on the real trainer, in one run.
 
-    .venv/bin/python benchmarks/bench_cost_balance.py [--calibrate 240] [--steps 20]
+    .venv/bin/python benchmarks/bench_cost_balance.py [--grad-accum 1,4] [--steps 20]
 
 What it does, on this machine (CPU, one thread):
 
@@ -17,20 +17,24 @@ What it does, on this machine (CPU, one thread):
 2. Calibration, for real: the trainer (``trainer.train.loop.Trainer``, one rank) trains on the
    token-balanced plan's micro-batches with ``--cost-samples``, then ``dflash-train
    calibrate`` fits the cost model to what it recorded (hold-out error printed).
-3. Two plans of the same corpus: token-balanced (no cost model) and cost-balanced (the
-   profile). The same randomly chosen steps' micro-batches (``--steps`` of each plan, all
-   8 ranks) are timed for real, forward + backward as the trainer runs them, each twice
-   in a row, the two plans interleaved step by step. Per step, a rank's time is its
-   micro-batch's (first) time.
+3. For each ``--grad-accum`` (default 1 and 4), three plans of the same corpus:
+   token-balanced (no cost model), cost-balanced by the planner of the ``--baseline``
+   commit (``benchmarks/baseline.py``: its own code, in a fresh interpreter; default the
+   commit before ranks were balanced by exact splits and swaps) and cost-balanced by this
+   checkout's. The same randomly chosen steps' micro-batches (``--steps`` of each plan at
+   grad_accum 1, proportionally fewer above, all 8 ranks) are timed for real, forward +
+   backward as the trainer runs them, each twice in a row, the plans interleaved step by
+   step. Per step, a rank's time is the sum of its micro-batches' (first) times.
 4. Reported, side by side: measured rank imbalance (mean over steps of max/mean of the
    ranks' times), the noise floor (the same micro-batches timed twice in a row give each
    timing's jitter, ``(t1 - t2) / (t1 + t2) * sqrt(2)`` relative to the pair's mean, less
-   its median (the second run's warm-cache bias); 8 such deviations drawn at random are 8
-   ranks with equal work: the mean of their max/mean over 20,000 draws is what jitter
-   alone makes of a perfect plan. Back to back, because this VM's speed drifts by several
-   percent over minutes, as the ranks of one step would not), the
-   simulated DDP epoch time (steps per epoch x mean per-step maximum) and its ratio, and
-   the plan targets on the 902K reference shape with the cost model on.
+   its median (the second run's warm-cache bias); 8 ranks of ``grad_accum`` such
+   deviations drawn at random are 8 ranks with equal work: the mean of their max/mean
+   over 20,000 draws is what jitter alone makes of a perfect plan. Back to back, because
+   this VM's speed drifts by several percent over minutes, as the ranks of one step would
+   not), the simulated DDP epoch time (steps per epoch x mean per-step maximum) and its
+   ratio to the token-balanced plan's, and the plan targets on the 902K reference shape
+   with the cost model on at grad_accum 1 and 4 (baseline commit's and this checkout's).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -62,8 +67,13 @@ from trainer.train.batches import Batch, pad_batch
 from trainer.train.distributed import local_env
 from trainer.train.loop import TrainConfig, Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.baseline import plans_at
+
 VOCAB = 151_936
 BLOCK, PER_DOC, MAX_ANCHORS = 8, 1, 32
+# The planner before ranks were balanced by exact splits and swaps (issue 29's baseline).
+BASELINE = "157d561"
 PROMPT = 4  # unsupervised tokens at the start of every sample
 
 
@@ -195,71 +205,62 @@ def imbalance(t: np.ndarray) -> float:
     return float((t.max(axis=1) / t.mean(axis=1)).mean())
 
 
-def reference_targets() -> dict[str, dict[str, Any]]:
+def reference_targets(baseline: str | None) -> dict[str, dict[str, Any]]:
     """Plan targets on the 902K reference shape, token-balanced and with the cost model of
     an 8B target on one H100 (coefficients of the order of its FLOP counts; shape-true,
-    not measured here)."""
+    not measured here), at grad_accum 1 and 4; ``baseline``: also that commit's
+    cost-balanced plans."""
     lengths = synth_lengths(SynthSpec(num_samples=902_000))
-    base = BatchSpec(world_size=8)
     h100 = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
     model = np.array(list(h100.values()))
     out = {}
-    for name, spec in (
-        ("token-balanced", base),
-        ("cost-balanced (8B/H100 model)", dataclasses.replace(base, **h100)),
-        ("cost-balanced, packed", dataclasses.replace(base, layout="packed", **h100)),
-    ):
-        runs = [metrics.evaluate(lengths, spec, model=model) for _ in range(3)]
-        r = runs[0]
-        r["plan_s"] = min(x["plan_s"] for x in runs)
-        r["plan_warm_s"] = min(x["plan_warm_s"] for x in runs)
-        out[name] = r
+    for accum in (1, 4):
+        base = BatchSpec(world_size=8, grad_accum=accum)
+        cost_spec = dataclasses.replace(base, **h100)
+        rows: list[tuple[str, BatchSpec, str | None]] = [("token-balanced", base, None)]
+        if baseline is not None:
+            rows.append((f"cost-balanced @{baseline}", cost_spec, baseline))
+        rows += [
+            ("cost-balanced", cost_spec, None),
+            ("cost-balanced, packed", dataclasses.replace(cost_spec, layout="packed"), None),
+        ]
+        for name, spec, rev in rows:
+            runs = [_evaluate(lengths, spec, model, rev) for _ in range(3)]
+            r = runs[0]
+            r["plan_s"] = min(x["plan_s"] for x in runs)
+            r["plan_warm_s"] = min(x["plan_warm_s"] for x in runs)
+            out[f"ga {accum}: {name}"] = r
     return out
 
 
-@click.command()
-@click.option("--samples", type=int, default=20_000, show_default=True)
-@click.option(
-    "--calibrate", "calib", type=int, default=240, show_default=True, help="Micro-batches."
-)
-@click.option("--steps", type=int, default=20, show_default=True, help="Timed steps per plan.")
-@click.option(
-    "--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per rank."
-)
-@click.option("--hidden", type=int, default=64, show_default=True, help="Tiny target width.")
-@click.option("--threads", type=int, default=1, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "--plot", type=click.Path(dir_okay=False, path_type=Path), help="Keep calibrate's PNG here."
-)
-@click.option("--skip-reference", is_flag=True, help="Skip the 902K plan targets.")
-def main(samples, calib, steps, grad_accum, hidden, threads, seed, json_out, plot, skip_reference):
-    torch.set_num_threads(threads)
-    corpus = Corpus(samples, seed)
-    tokens = BatchSpec(
-        token_budget=4096, max_batch_size=64, max_seq_len=1024, world_size=8, seed=seed,
-        grad_accum=grad_accum,
-        block_size=BLOCK, anchors_per_doc=PER_DOC, max_anchors=MAX_ANCHORS,
-    )  # fmt: skip
-    target, drafter = build_models(hidden)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        token_plan = plan_epoch(corpus.lengths, tokens, epoch=0)
-        report = calibrate(corpus, token_plan, target, drafter, calib, Path(tmp))
-        print(f"calibration ({time.perf_counter() - t0:.0f} s)\n{report.summary()}\n")
-        cost_spec = dataclasses.replace(tokens, **cost.profile_fields(report.profile))
-        if plot is not None and report.plot is not None:
-            shutil.copyfile(report.plot, plot)
-    plans = {
-        "token-balanced": token_plan,
-        "cost-balanced": plan_epoch(corpus.lengths, cost_spec, epoch=0),
-    }
+def _evaluate(lengths: np.ndarray, spec: BatchSpec, model: np.ndarray, rev: str | None):
+    """``metrics.evaluate`` by this checkout's planner, or by commit ``rev``'s."""
+    if rev is None:
+        return metrics.evaluate(lengths, spec, model=model)
+    (plan, cold), (following, warm) = plans_at(rev, lengths, spec)
+    return {**metrics.summarize(plan, following, model), "plan_s": cold, "plan_warm_s": warm}
+
+
+def run_shape(
+    corpus: Corpus,
+    specs: dict[str, BatchSpec],
+    baseline: str | None,
+    steps: int,
+    coef,
+    seed: int,
+    target,
+    drafter,
+) -> dict[str, Any]:
+    """Plan, time and compare the plans of one grad_accum (``specs``: token and cost)."""
+    plans = {"token-balanced": plan_epoch(corpus.lengths, specs["token"], epoch=0)}
+    if baseline is not None:
+        plans[f"cost @{baseline}"] = plans_at(baseline, corpus.lengths, specs["cost"], (0,))[0][0]
+    plans["cost-balanced"] = plan_epoch(corpus.lengths, specs["cost"], epoch=0)
+    accum = specs["cost"].grad_accum
     t0 = time.perf_counter()
     times, _ = measure(plans, steps, corpus, target, drafter, seed)
-    timed = 2 * steps * 8 * grad_accum * len(plans)
-    print(f"timed {timed} micro-batches ({time.perf_counter() - t0:.0f} s)")
-    coef = cost_spec.coefficients
+    timed = 2 * steps * 8 * accum * len(plans)
+    print(f"\ngrad_accum {accum}: timed {timed} micro-batches ({time.perf_counter() - t0:.0f} s)")
     floor = noise_floor(times, seed)
     rows: dict[str, dict[str, float]] = {}
     for name, p in plans.items():
@@ -276,33 +277,102 @@ def main(samples, calib, steps, grad_accum, hidden, threads, seed, json_out, plo
             "padding_efficiency": float(p.stats["padding_efficiency"]),
             "step_mix_distance": metrics.step_mix_distance(p),
         }
-    tok, cst = rows["token-balanced"], rows["cost-balanced"]
     print(
-        f"\nworld size 8, {steps} sampled steps per plan, each timed twice; noise floor {floor:.4f}"
+        f"world size 8 x grad_accum {accum}, {steps} sampled steps per plan, each timed twice; "
+        f"noise floor {floor:.4f}"
     )
-    titles = ("imb meas", "again", "imb model", "steps", "DDP epoch s", "eff", "mix")
-    widths = (9, 7, 9, 6, 12, 6, 6)
-    print(f"{'':<16} " + " ".join(f"{t:>{w}}" for t, w in zip(titles, widths, strict=True)))
+    titles = ("imb meas", "again", "imb model", "steps", "DDP epoch s", "x token", "eff", "mix")
+    widths = (9, 7, 9, 6, 12, 8, 6, 6)
+    width = max(len(n) for n in rows) + 1
+    print(f"{'':<{width}} " + " ".join(f"{t:>{w}}" for t, w in zip(titles, widths, strict=True)))
+    tok = rows["token-balanced"]
     for name, r in rows.items():
         print(
-            f"{name:<16} {r['imbalance_measured']:>9.4f} {r['imbalance_measured_again']:>7.4f} "
+            f"{name:<{width}} {r['imbalance_measured']:>9.4f} "
+            f"{r['imbalance_measured_again']:>7.4f} "
             f"{r['imbalance_modelled']:>9.4f} {r['steps_per_epoch']:>6} {r['ddp_epoch_s']:>12.1f} "
+            f"{r['ddp_epoch_s'] / tok['ddp_epoch_s']:>8.3f} "
             f"{r['padding_efficiency']:>6.3f} {r['step_mix_distance']:>6.3f}"
         )
     gap_tok = tok["imbalance_measured"] - floor
-    gap_cost = cst["imbalance_measured"] - floor
-    print(
-        f"\ncost-balanced: {gap_cost:+.4f} above the floor (target <= 0.02), "
-        f"{100 * (1 - gap_cost / gap_tok) if gap_tok > 0 else float('nan'):.0f}% of the "
-        f"token-balanced gap ({gap_tok:+.4f}) closed (target >= 50%)"
-    )
-    print(f"DDP epoch time cost/token: {cst['ddp_epoch_s'] / tok['ddp_epoch_s']:.3f}")
-    result: dict[str, Any] = {
-        "fit": report.as_dict(), "coefficients": report.coefficients, "noise_floor": floor,
-        "plans": rows, "times_s": {name: t.tolist() for name, t in times.items()},
+    for name, r in rows.items():
+        if name == "token-balanced":
+            continue
+        gap = r["imbalance_measured"] - floor
+        closed = 100 * (1 - gap / gap_tok) if gap_tok > 0 else float("nan")
+        print(
+            f"{name}: {gap:+.4f} above the floor (target <= 0.02), {closed:.0f}% of the "
+            f"token-balanced gap ({gap_tok:+.4f}) closed"
+        )
+    return {
+        "noise_floor": floor, "plans": rows,
+        "times_s": {name: t.tolist() for name, t in times.items()},
     }  # fmt: skip
+
+
+@click.command()
+@click.option("--samples", type=int, default=20_000, show_default=True)
+@click.option(
+    "--calibrate", "calib", type=int, default=240, show_default=True, help="Micro-batches."
+)
+@click.option(
+    "--steps", type=int, default=20, show_default=True,
+    help="Timed steps per plan at grad_accum 1 (fewer at larger grad_accum: the same number "
+    "of micro-batches, at least 4 steps).",
+)  # fmt: skip
+@click.option(
+    "--grad-accum", "accums", default="1,4", show_default=True,
+    help="Micro-batches per rank, comma-separated: each is planned and timed in turn.",
+)  # fmt: skip
+@click.option(
+    "--baseline", default=BASELINE, show_default=True,
+    help="Also time the cost-balanced plans of this commit's planner ('' to skip).",
+)  # fmt: skip
+@click.option("--hidden", type=int, default=64, show_default=True, help="Tiny target width.")
+@click.option("--threads", type=int, default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--plot", type=click.Path(dir_okay=False, path_type=Path), help="Keep calibrate's PNG here."
+)
+@click.option("--skip-reference", is_flag=True, help="Skip the 902K plan targets.")
+def main(
+    samples, calib, steps, accums, baseline, hidden, threads, seed, json_out, plot, skip_reference
+):
+    torch.set_num_threads(threads)
+    try:
+        grad_accums = [int(a) for a in accums.split(",")]
+    except ValueError:
+        raise click.BadParameter(
+            f"{accums!r}: comma-separated integers", param_hint="--grad-accum"
+        ) from None
+    baseline = baseline or None
+    corpus = Corpus(samples, seed)
+    tokens = BatchSpec(
+        token_budget=4096, max_batch_size=64, max_seq_len=1024, world_size=8, seed=seed,
+        block_size=BLOCK, anchors_per_doc=PER_DOC, max_anchors=MAX_ANCHORS,
+    )  # fmt: skip
+    target, drafter = build_models(hidden)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        token_plan = plan_epoch(corpus.lengths, tokens, epoch=0)
+        report = calibrate(corpus, token_plan, target, drafter, calib, Path(tmp))
+        print(f"calibration ({time.perf_counter() - t0:.0f} s)\n{report.summary()}")
+        fitted = cost.profile_fields(report.profile)
+        if plot is not None and report.plot is not None:
+            shutil.copyfile(report.plot, plot)
+    result: dict[str, Any] = {
+        "fit": report.as_dict(), "coefficients": report.coefficients, "by_grad_accum": {},
+    }  # fmt: skip
+    for accum in grad_accums:
+        specs = {"token": dataclasses.replace(tokens, grad_accum=accum)}
+        specs["cost"] = dataclasses.replace(specs["token"], **fitted)
+        n = max(4, round(steps / accum))
+        result["by_grad_accum"][str(accum)] = run_shape(
+            corpus, specs, baseline, n, specs["cost"].coefficients, seed, target, drafter
+        )
     if not skip_reference:
-        ref = reference_targets()
+        ref = reference_targets(baseline)
         print("\nplan targets on the 902K reference shape (world size 8); cost imb: by the")
         print("8B/H100 model")
         print(metrics.format_table(ref))

@@ -30,6 +30,15 @@ by LPT in rounds (largest cost to the least loaded rank).
 
 Ranks are relabeled at random in every step so no rank systematically gets the longest or
 most expensive micro-batches.
+
+Modelled costs (a cost model on; the paths above stay as they are for token costs, whose
+plans are pinned): units are cost-matched, a step's micro-batches go to ranks by
+``balance_ranks`` (every split tried for small steps, else LPT and then swaps with the
+most loaded rank), and theta is the one whose finished steps balance best while the step
+mix distance stays within ``MIX_LIMIT`` (docs/PLANNER.md, "Modelled costs: ranks balanced
+within the mix target"). On the reference shape with an 8B/H100 model: grad_accum 4
+1.0175 -> 1.0015 (mix 0.039 -> 0.072), grad_accum 1 unchanged at 1.038 (one micro-batch
+per rank: only the mix could buy more).
 """
 
 from __future__ import annotations
