@@ -61,6 +61,7 @@ PY = sys.executable
 TRAIN = [PY, "-m", "trainer.cli"]
 SERVED = "target"  # --served-model-name
 BLOCK = 8  # drafter block size: B - 1 = 7 speculative tokens
+SLIDING_WINDOW = 16  # the sliding drafter's window: shorter than most prompts
 
 # The probe: vLLM imports sitecustomize at start-up in every process (API server, engine
 # core, worker). It wraps AutoWeightsLoader.load_weights (the vLLM parameter names each
@@ -412,10 +413,10 @@ def regen(src: Path, out: Path, url: str, target: Path, holdout: int, log: Path)
 # ---- the checks ------------------------------------------------------------------------
 
 
-def check_weights(report_path: Path, export: Path) -> Check:
+def check_weights(report_path: Path, export: Path, drafter: str) -> Check:
     from safetensors import safe_open
 
-    name = "vLLM loaded every drafter weight"
+    name = f"{drafter}: vLLM loaded every drafter weight"
     if not report_path.exists():
         return Check(name, False, f"the probe wrote no report ({report_path}): vLLM's loading "
                      "path changed (serve-check's PROBE needs updating)")  # fmt: skip
@@ -476,6 +477,8 @@ class Verifier:
             num_layers=int(folder.config["num_hidden_layers"]),
             block_size=int(folder.value("block_size")),
             mask_token_id=folder.mask_token_id,
+            layer_types=folder.layer_types,
+            sliding_window=folder.sliding_window,
         )
         drafter = DFlashDrafter(cfg)
         init_drafter(drafter, folder, target)
@@ -556,7 +559,6 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
         plain = complete(url, prompts, args.max_tokens)
         # a second pass ends each response at a stop token of its own, inside a step
         stops = [stop_token(o) for o in plain]
-        no_stops: list[list[int]] = [[] for _ in prompts]
         plain_stop = [cut_at(o, s) for o, s in zip(plain, stops, strict=True)]
 
     with phases("stand-in (scripts/chat_server.py) regen of the first rows"):
@@ -571,17 +573,51 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
             + (f"; differ: rows {differ[:10]}" if differ else ""),
         ))  # fmt: skip
 
-    run_dir, export = work / "run", work / "drafter"
-    with phases(f"train the drafter ({args.steps} steps) and export it"):
-        endpoint = f"ipc://{work}/loader.sock"
+    for name, flags in DRAFTERS.items():
+        checks += drafter_checks(
+            args, work, phases, name, flags, corpus, target, prompts, plain, plain_stop, stops
+        )
+    return checks
+
+
+#: The drafters served: the first DFlash (full attention), and a sliding-window one (all
+#: layers sliding: vLLM's V1 runner, the one its CPU build has, serves no mix of sliding
+#: and full layers: "Model Runner V1 does not support: mixed sliding/full dflash drafts").
+DRAFTERS: dict[str, list[str]] = {
+    "full attention": [],
+    "sliding window": ["--drafter-layers", "2", "--sliding-window", str(SLIDING_WINDOW)],
+}
+
+
+def drafter_checks(
+    args: argparse.Namespace,
+    work: Path,
+    phases: Phases,
+    name: str,
+    flags: list[str],
+    corpus: Path,
+    target: Path,
+    prompts: list[list[int]],
+    plain: list[list[int]],
+    plain_stop: list[list[int]],
+    stops: list[list[int]],
+) -> list[Check]:
+    """Train the drafter ``flags`` describe, export it, serve it with vLLM and compare
+    vLLM's output and acceptance with plain greedy and the trainer's verifier."""
+    checks: list[Check] = []
+    tag = name.replace(" ", "-")
+    no_stops: list[list[int]] = [[] for _ in prompts]
+    run_dir, export = work / f"run-{tag}", work / f"drafter-{tag}"
+    with phases(f"{name}: train the drafter ({args.steps} steps) and export it"):
+        endpoint = f"ipc://{work}/loader-{tag}.sock"
         daemon = DaemonProcess(corpus, endpoint, "--token-budget", "2048", "--max-seq-len", "512",
-                               log_path=work / "daemon.log")  # fmt: skip
+                               log_path=work / f"daemon-{tag}.log")  # fmt: skip
         try:
-            sh(*TRAIN, "train", "--endpoint", endpoint, "--target", str(target), "--job", "sc",
+            sh(*TRAIN, "train", "--endpoint", endpoint, "--target", str(target), "--job", tag,
                "--run-dir", str(run_dir), "--steps", str(args.steps), "--block-size", str(BLOCK),
                "--anchors-per-doc", "16", "--token-budget", "2048", "--max-seq-len", "512",
                "--lr", "3e-3", "--num-eval-prompts", "0", "--cost-samples", "0",
-               "--no-progress", log=work / "train.log")  # fmt: skip
+               "--no-progress", *flags, log=work / f"train-{tag}.log")  # fmt: skip
         finally:
             daemon.stop()
         sh(*TRAIN, "export", str(run_dir), str(export))
@@ -591,13 +627,13 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
             f"{summary.get('steps', '?')} steps"
         )
 
-    report = work / "vllm-weights.json"
-    with phases("vLLM serves the target with the DFlash drafter"):
+    report = work / f"vllm-weights-{tag}.json"
+    with phases(f"{name}: vLLM serves the target with the DFlash drafter"):
         probe = work / "probe"
         probe.mkdir(exist_ok=True)
         (probe / "sitecustomize.py").write_text(PROBE)
         pythonpath = os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))
-        with vllm_server(args.vllm_python, target, work / "vllm-dflash.log", export,
+        with vllm_server(args.vllm_python, target, work / f"vllm-dflash-{tag}.log", export,
                          PYTHONPATH=pythonpath,
                          DFLASH_SERVE_CHECK_REPORT=str(report)) as url:  # fmt: skip
             counters = [spec_counters(url)]
@@ -605,9 +641,9 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
             counters.append(spec_counters(url))
             spec_stop = complete(url, prompts, args.max_tokens, stops)
             counters.append(spec_counters(url))
-        checks.append(check_weights(report, export))
+        checks.append(check_weights(report, export, name))
 
-    with phases("the trainer's verifier on the same prompts"):
+    with phases(f"{name}: the trainer's verifier on the same prompts"):
         verifier = Verifier(target, export)
         passes = [
             ("max_tokens", spec, plain, *verifier.run(prompts, args.max_tokens, no_stops)),
@@ -642,16 +678,16 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
         taus.append((label, tau_vllm, rep))
     stopped = sum(1 for s in stops if s)
     checks.append(Check(
-        "speculative == plain greedy == verifier", equal_out and stopped > 0,
+        f"{name}: speculative == plain greedy == verifier", equal_out and stopped > 0,
         "; ".join(outputs) + f"; {stopped} prompts end at their stop token",
     ))  # fmt: skip
     checks.append(Check(
-        "vLLM acceptance == trainer's verifier", equal_acc,
+        f"{name}: vLLM acceptance == trainer's verifier", equal_acc,
         "vLLM/verifier (tau: 1 + accepted/drafts / tau_served) " + "; ".join(acceptance),
     ))  # fmt: skip
     label, tau_vllm, rep = taus[0]
     checks.append(Check(
-        "acceptance above 1 (a meaningful comparison)", tau_vllm >= args.min_tau,
+        f"{name}: acceptance above 1 (a meaningful comparison)", tau_vllm >= args.min_tau,
         f"{tau_vllm:.3f} >= {args.min_tau} ({label}; the verifier's z-lab tau {rep.tau:.3f}, "
         f"pooled {rep.tau_pooled:.3f}, served {rep.tau_served:.3f}, "
         f"committed {rep.tau_committed:.3f})",

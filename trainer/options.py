@@ -130,6 +130,7 @@ EVAL = "Evaluation, checkpoints, output"
 #: ``RunOptions`` field -> (lowest allowed value, whether the bound itself is allowed)
 RUN_LIMITS: dict[str, tuple[float, bool]] = {
     "drafter_layers": (1, True), "block_size": (2, True), "anchors_per_doc": (1, True),
+    "sliding_window": (1, True),
     "max_anchors": (0, True), "loss_chunk": (0, True), "mask_token_id": (0, True),
     "gamma": (0, False), "lr": (0, False), "warmup": (0, True), "weight_decay": (0, True),
     "grad_clip": (0, False), "steps": (1, True), "epochs": (1, True),
@@ -164,6 +165,19 @@ class RunOptions(TargetOptions):
     )
     block_size: int | None = opt(  # None: resolved by trainer.run.resolve_init_drafter
         None, "Block size [16; --init-drafter: its own].", section=DRAFTER
+    )
+    layer_types: str | None = opt(
+        None,
+        "Attention of each drafter layer, comma-separated: full or sliding (the config's "
+        "full_attention / sliding_attention), e.g. sliding,sliding,full [all full; with "
+        "--sliding-window alone, all sliding; --init-drafter: its own].",
+        section=DRAFTER,
+    )
+    sliding_window: int | None = opt(
+        None,
+        "Positions a sliding layer sees (its own included), causally inside the block, as "
+        "SGLang and vLLM serve it [--init-drafter: its own].",
+        section=DRAFTER,
     )
     init_drafter: Path | None = opt(
         None,
@@ -406,6 +420,47 @@ def parse_int_list(value: str | None) -> list[int] | None:
         return [int(x) for x in value.split(",")]
     except ValueError as e:
         raise ValueError(f"expected comma-separated integers, got {value!r}") from e
+
+
+_LAYER_NAMES = {
+    "full": "full_attention", "full_attention": "full_attention",
+    "sliding": "sliding_attention", "sliding_attention": "sliding_attention",
+}  # fmt: skip
+
+
+def layer_kinds(value: str, num_layers: int) -> tuple[str, ...]:
+    """``--layer-types`` (full/sliding or the config's names) as the config's names, one
+    per drafter layer."""
+    names = [v.strip() for v in value.split(",")]
+    unknown = [v for v in names if v not in _LAYER_NAMES]
+    if unknown:
+        raise ValueError(
+            f"--layer-types {value!r}: {unknown[0]!r} is not full or sliding "
+            "(full_attention, sliding_attention)"
+        )
+    if len(names) != num_layers:
+        raise ValueError(
+            f"--layer-types {value!r} names {len(names)} layers, the drafter has {num_layers} "
+            "(--drafter-layers)"
+        )
+    return tuple(_LAYER_NAMES[v] for v in names)
+
+
+def parse_layer_types(
+    value: str | None, sliding_window: int | None, num_layers: int
+) -> tuple[str, ...] | None:
+    """``--layer-types`` as the drafter config's ``layer_types`` (None: all full), checked
+    against ``--sliding-window``, which alone makes every layer sliding."""
+    if not value:
+        return None if sliding_window is None else ("sliding_attention",) * num_layers
+    kinds = layer_kinds(value, num_layers)
+    if "sliding_attention" in kinds and sliding_window is None:
+        raise ValueError(f"--layer-types {value!r} has sliding layers: give --sliding-window N")
+    if "sliding_attention" not in kinds and sliding_window is not None:
+        raise ValueError(
+            f"--sliding-window {sliding_window}: --layer-types {value!r} has no sliding layer"
+        )
+    return None if "sliding_attention" not in kinds else kinds
 
 
 def _to_json(value: Any) -> Any:

@@ -25,7 +25,7 @@ from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, 
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.target import TINY, Target, mask_token_id, target_from_options, target_record
-from trainer.options import RunOptions, TargetOptions, parse_int_list
+from trainer.options import RunOptions, TargetOptions, parse_int_list, parse_layer_types
 from trainer.train import stop
 from trainer.train.checkpoint import RunWriteError, latest_checkpoint, write_error_message
 from trainer.train.distributed import init_distributed, shutdown
@@ -124,6 +124,8 @@ def build_drafter(target: Target, opts: RunOptions, device: torch.device | str) 
         num_layers=opts.drafter_layers,
         block_size=opts.block_size,
         mask_token_id=mask_id,
+        layer_types=parse_layer_types(opts.layer_types, opts.sliding_window, opts.drafter_layers),
+        sliding_window=opts.sliding_window,
     )
     log.info("drafter MASK: %s", "learned vector" if mask_id is None else f"token {mask_id}")
     with torch.random.fork_rng(devices=[]):
@@ -196,9 +198,13 @@ def resolve_init_drafter(opts: RunOptions) -> tuple[RunOptions, DrafterFolder | 
     if opts.init_drafter is None:
         defaults = {"drafter_layers": DEFAULT_DRAFTER_LAYERS, "block_size": DEFAULT_BLOCK_SIZE}
         unset: dict[str, Any] = {k: v for k, v in defaults.items() if getattr(opts, k) is None}
-        return replace(opts, **unset), None
-    folder = read_drafter_folder(opts.init_drafter)
-    return options_from_folder(opts, folder), folder
+        opts, folder = replace(opts, **unset), None
+    else:
+        folder = read_drafter_folder(opts.init_drafter)
+        opts = options_from_folder(opts, folder)
+    assert opts.drafter_layers is not None
+    parse_layer_types(opts.layer_types, opts.sliding_window, opts.drafter_layers)  # refused now
+    return opts, folder
 
 
 def init_from_folder(

@@ -19,8 +19,11 @@ Which loader reads which key (checked against their sources):
 * ``num_target_layers``: the TARGET's depth (not the number of captured layers); SGLang
   checks the layer ids against it.
 * ``vocab_size`` must be the target's: vLLM builds a draft-to-target token map otherwise.
-* ``layer_types`` all "full_attention": SGLang and vLLM then attend bidirectionally
-  (non-causal) inside the block, as the drafter was trained.
+* ``layer_types``: "full_attention" layers SGLang and vLLM attend bidirectionally
+  (non-causal) inside the block, "sliding_attention" ones causally within
+  ``sliding_window`` positions (``use_sliding_window`` true, or Transformers' Qwen3Config
+  drops the window), as the drafter was trained; vLLM's V1 runner serves all-sliding or
+  all-full drafters only.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import torch
 from trainer.files import atomic_output, check_output
 from trainer.hf import remote_code_paths
 from trainer.hf.folder import ARCHITECTURE, WEIGHTS, weight_names
-from trainer.model.drafter import DFlashDrafter, DrafterConfig
+from trainer.model.drafter import FULL_ATTENTION, DFlashDrafter, DrafterConfig
 from trainer.model.target import target_from_options, target_record
 from trainer.options import CONFIG_FILE, TargetOptions
 from trainer.train import checkpoint as ckpt
@@ -223,10 +223,13 @@ def folder_config(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, Any]:
         "max_position_embeddings": tgt["max_position_embeddings"],
         "vocab_size": tgt["vocab_size"],
         "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        # Sliding layers (if any): Transformers keeps sliding_window only with
+        # use_sliding_window; SGLang and vLLM read layer_types and sliding_window, and serve
+        # sliding layers causal inside the block, full ones bidirectional, as trained.
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
         "max_window_layers": cfg.num_layers,
-        "layer_types": ["full_attention"] * cfg.num_layers,
+        "layer_types": list(cfg.layer_types or [FULL_ATTENTION] * cfg.num_layers),
         "block_size": cfg.block_size,
         "num_target_layers": tgt["num_hidden_layers"],
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": src.layer_ids},

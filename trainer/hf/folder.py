@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.hf.configuration_dflash import DFLASH_KEYS
-from trainer.model.drafter import DFlashDrafter
-from trainer.options import RunOptions, parse_int_list
+from trainer.model.drafter import FULL_ATTENTION, LAYER_TYPES, SLIDING, DFlashDrafter
+from trainer.options import RunOptions, layer_kinds, parse_int_list
 
 if TYPE_CHECKING:
     from trainer.model.target import Target
@@ -59,6 +59,21 @@ class DrafterFolder:
         return None if value is None else int(value)
 
     @property
+    def layer_types(self) -> tuple[str, ...] | None:
+        """Per layer full_attention / sliding_attention; None when every layer is full."""
+        kinds = tuple(self.config.get("layer_types") or ())
+        return kinds if SLIDING in kinds else None
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the sliding layers (``dflash_config.swa_window_size``, else the
+        top-level ``sliding_window``, vLLM's order); None without sliding layers."""
+        if self.layer_types is None:
+            return None
+        value = self.dflash.get("swa_window_size", self.config.get("sliding_window"))
+        return None if value is None else int(value)
+
+    @property
     def rope_theta(self) -> float | None:
         rope = self.config.get("rope_parameters") or {}
         theta = rope.get("rope_theta", self.config.get("rope_theta"))
@@ -97,16 +112,41 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
         value = folder.value(key)
         if value not in (None, neutral, False, 0):
             raise ValueError(f"{file}: {key} = {value!r} is not supported by this drafter")
-    kinds = set(folder.config.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise ValueError(f"{file}: layer_types {sorted(kinds)}: only full_attention is supported")
+    kinds = list(folder.config.get("layer_types") or [FULL_ATTENTION])
+    unknown = sorted(set(kinds) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"{file}: layer_types {unknown}: only {' and '.join(LAYER_TYPES)}")
+    if folder.layer_types is not None:
+        if len(kinds) != folder.config.get("num_hidden_layers"):
+            raise ValueError(
+                f"{file}: layer_types has {len(kinds)} entries for num_hidden_layers "
+                f"{folder.config.get('num_hidden_layers')}"
+            )
+        if folder.sliding_window is None or folder.sliding_window < 1:
+            raise ValueError(
+                f"{file}: sliding_attention layers but sliding_window is "
+                f"{folder.config.get('sliding_window')!r}"
+            )
+        if folder.config.get("use_sliding_window") is False:
+            raise ValueError(
+                f"{file}: sliding_attention layers with use_sliding_window false (Transformers "
+                "then drops sliding_window, and vLLM refuses the folder)"
+            )
+        for key in ("is_causal", "causal"):
+            if folder.value(key) is not None:
+                raise ValueError(
+                    f"{file}: {key} = {folder.value(key)!r}: this drafter's sliding layers are "
+                    "causal inside the block and its full layers bidirectional (the engines' "
+                    "default); an override is not supported"
+                )
     rope = folder.config.get("rope_parameters") or folder.config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise ValueError(f"{file}: rope_type {kind!r}: only plain RoPE is supported")
     if folder.config.get("hidden_act", "silu") != "silu" or folder.config.get("attention_bias"):
         raise ValueError(f"{file}: only hidden_act silu without attention_bias is supported")
-    extra = sorted(set(folder.dflash) - set(DFLASH_KEYS) - set(_UNSUPPORTED) - {"mask_token"})
+    known = {*DFLASH_KEYS, *_UNSUPPORTED, "mask_token", "swa_window_size"}
+    extra = sorted(set(folder.dflash) - known)
     if extra:
         raise ValueError(f"{file}: unknown dflash_config keys {extra}")
     return folder
@@ -122,9 +162,10 @@ def _agree(flag: str, mine: Any, key: str, theirs: Any, file: Path) -> Any:
 
 
 def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
-    """``opts`` with ``--layers``, ``--drafter-layers``, ``--block-size`` and
-    ``--mask-token-id`` taken from ``folder`` where the user gave none; a value the user gave
-    must agree with the folder's (the MASK token may be overridden, with a warning)."""
+    """``opts`` with ``--layers``, ``--drafter-layers``, ``--block-size``, ``--layer-types``,
+    ``--sliding-window`` and ``--mask-token-id`` taken from ``folder`` where the user gave
+    none; a value the user gave must agree with the folder's (the MASK token may be
+    overridden, with a warning)."""
     file, c = folder.path / "config.json", folder.config
     ids = _agree(
         "--layers", parse_int_list(opts.layers), "target_layer_ids",
@@ -136,6 +177,21 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
     )
     block = folder.value("block_size")
     block_size = int(_agree("--block-size", opts.block_size, "block_size", block, file))
+    window = folder.sliding_window
+    if opts.sliding_window is not None and opts.sliding_window != window:
+        raise ValueError(
+            f"--sliding-window {opts.sliding_window} differs from {file}'s sliding_window "
+            f"{window}: drop --sliding-window"
+        )
+    if opts.layer_types is not None:
+        mine = layer_kinds(opts.layer_types, drafter_layers)
+        if (mine if SLIDING in mine else None) != folder.layer_types:
+            raise ValueError(
+                f"--layer-types {opts.layer_types} differs from {file}'s layer_types "
+                f"{list(folder.layer_types or [FULL_ATTENTION] * drafter_layers)}: drop "
+                "--layer-types"
+            )
+    kinds = folder.layer_types
     if opts.learned_mask:
         raise ValueError(f"--learned-mask: {file} embeds a mask token id instead")
     mask = folder.mask_token_id
@@ -150,6 +206,8 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
         drafter_layers=drafter_layers,
         block_size=block_size,
         mask_token_id=mask_token_id,
+        layer_types=None if kinds is None else ",".join(kinds),
+        sliding_window=window,
     )
 
 
@@ -169,6 +227,8 @@ def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: 
         ("vocab_size", c.get("vocab_size"), target.vocab_size),
         ("num_target_layers", folder.value("num_target_layers"), target.num_layers),
         ("target_layer_ids", folder.target_layer_ids, target.layer_ids),
+        ("layer_types", folder.layer_types, cfg.layer_types),
+        ("sliding_window", folder.sliding_window, cfg.sliding_window),
     )
     for key, theirs, mine in fields:
         if theirs is None and key in ("num_target_layers", "rms_norm_eps", "rope_theta"):

@@ -8,7 +8,9 @@ Written by dflash-loader's trainer; the math is exactly its drafter's
 * each layer: queries from the block's B slots (``input_layernorm`` first); keys and values
   from ``[context ; block]``, keys RMS-normed per head (``k_norm``) and rotated at their
   absolute positions (RoPE, half-split, plain ``rope_theta``); the block attends to all of
-  it, bidirectionally; residual; MLP (SiLU-gated); residual;
+  it, bidirectionally; a ``sliding_attention`` layer (``layer_types``) instead lets the
+  query at position q see keys at positions q - sliding_window + 1 .. q only (causal
+  inside the block), as SGLang and vLLM serve it; residual; MLP (SiLU-gated); residual;
 * a final ``norm``. Logits are the caller's: the target's ``lm_head`` on slots 1..B-1.
 
 There is no embedding: slot 0 is the anchor token's target embedding, slots 1..B-1 the
@@ -90,6 +92,10 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
         self.q_norm = DFlashRMSNorm(d, config.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(d, config.rms_norm_eps)
+        kinds = getattr(config, "layer_types", None) or ()
+        window = getattr(config, "sliding_window", None)
+        sliding = bool(kinds) and kinds[layer_idx] == "sliding_attention"
+        self.window = int(window) if sliding and window is not None else None
 
     def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """``[b, S, heads*d]`` -> ``[b, heads, S, d]``."""
@@ -100,10 +106,13 @@ class DFlashAttention(nn.Module):
         x: torch.Tensor,
         ctx: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        keep: torch.Tensor | None,
+        positions: torch.Tensor,
         cache: Cache | None,
     ) -> torch.Tensor:
-        """Block ``x [b, B, H]`` (normed) over keys of ``[ctx ; x]`` (and the cache)."""
+        """Block ``x [b, B, H]`` (normed) over keys of ``[ctx ; x]`` (and the cache);
+        ``keep [b, keys]`` marks padding (None: none), ``positions [b, n + B]`` are those of
+        ``[ctx ; x]``."""
         cos, sin = rope
         q_len = x.shape[1]
         q = self.q_norm(self._split(self.q_proj(x), self.heads))
@@ -116,13 +125,38 @@ class DFlashAttention(nn.Module):
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        if mask is not None and mask.shape[-1] != k.shape[-2]:
-            raise ValueError(
-                f"attention_mask covers {mask.shape[-1]} keys, the layer has {k.shape[-2]} "
-                "(cached + context + block)"
-            )
+        mask = self._mask(keep, positions, k.shape[-2], q_len)
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+    def _mask(
+        self, keep: torch.Tensor | None, positions: torch.Tensor, keys: int, q_len: int
+    ) -> torch.Tensor | None:
+        """SDPA's boolean mask for ``keys`` keys (cached, then ``positions``' own).
+
+        Full layers: every key but padding. Sliding layers: the key at position p is seen
+        from the query at position q iff 0 <= q - p < window. A sliding layer's cache may
+        keep only its last states (Transformers' sliding cache layers): the cached keys are
+        the positions just before ``positions``' first, and ``keep`` is cut to them."""
+        if self.window is None:
+            if keep is not None and keep.shape[-1] != keys:
+                raise ValueError(
+                    f"attention_mask covers {keep.shape[-1]} keys, the layer has {keys} "
+                    "(cached + context + block)"
+                )
+            return None if keep is None else keep[:, None, None, :]
+        fresh = positions.shape[-1]
+        if keys < fresh or (keep is not None and keep.shape[-1] < keys):
+            raise ValueError(f"attention_mask and positions do not cover the layer's {keys} keys")
+        cached = keys - fresh
+        start = positions[:, :1]
+        past = start - cached + torch.arange(cached, device=positions.device)[None]
+        key_pos = torch.cat([past, positions], dim=1)  # [b, keys]
+        back = positions[:, -q_len:, None] - key_pos[:, None, :]
+        seen = (back >= 0) & (back < self.window)
+        if keep is not None:
+            seen &= keep[:, None, -keys:]
+        return seen[:, None]
 
 
 class DFlashMLP(nn.Module):
@@ -150,10 +184,11 @@ class DFlashDecoderLayer(nn.Module):
         h: torch.Tensor,
         ctx: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        keep: torch.Tensor | None,
+        positions: torch.Tensor,
         cache: Cache | None,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rope, mask, cache)
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope, keep, positions, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -167,8 +202,20 @@ def _check_config(config: DFlashConfig) -> None:
     if kind != "default":
         raise ValueError(f"this DFlash model supports plain RoPE only, config has {kind!r}")
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise ValueError(f"this DFlash model supports full attention only, layer_types {kinds}")
+    if kinds - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"this DFlash model supports full and sliding attention, not {kinds}")
+    if "sliding_attention" in kinds and not getattr(config, "sliding_window", None):
+        raise ValueError("sliding_attention layers need sliding_window (and use_sliding_window)")
+    overrides = {
+        "is_causal": getattr(config, "is_causal", None),
+        "causal": config.dflash_config.get("causal"),
+        "use_swa": config.dflash_config.get("use_swa"),
+    }
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given:
+        raise ValueError(
+            f"this DFlash model supports the default attention rules only, not {given}"
+        )
 
 
 def _rope_theta(config: DFlashConfig) -> float:
@@ -177,14 +224,13 @@ def _rope_theta(config: DFlashConfig) -> float:
 
 
 def _key_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """A 2D keep-mask ``[b, keys]`` (1 = attend) as SDPA's boolean ``[b, 1, 1, keys]``;
-    None where every key is kept (bidirectional over all of them)."""
+    """A 2D keep-mask ``[b, keys]`` (1 = attend) as bool; None where every key is kept."""
     if mask is None:
         return None
     if mask.dim() != 2:
         raise ValueError(f"attention_mask must be [batch, keys], got shape {tuple(mask.shape)}")
     keep = mask.bool()
-    return None if bool(keep.all()) else keep[:, None, None, :]
+    return None if bool(keep.all()) else keep
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -250,10 +296,10 @@ class DFlashDraftModel(PreTrainedModel):
                 f"block {b}"
             )
         rope = rope_cos_sin(position_ids, self.config.head_dim, self.rope_theta)
-        mask = _key_mask(attention_mask)
+        keep = _key_mask(attention_mask)
         h = noise_embeds.to(dtype)
         for layer in self.layers:
-            h = layer(h, ctx, rope, mask, cache)
+            h = layer(h, ctx, rope, keep, position_ids, cache)
         h = self.norm(h).to(noise_embeds.dtype)
         # The cache's field name depends on the transformers version: mypy checks the value
         # against every field.

@@ -2,7 +2,11 @@
 
 The rule (the reference DFlash training mask): a query of block ``j`` (document ``d_j``,
 anchor ``a_j``) sees the context keys of its own document at positions ``< a_j``, and the
-``B`` keys of its own block, in both directions; nothing else. Training runs blocks in
+``B`` keys of its own block, in both directions; nothing else. A *sliding* layer
+(``LayerRule(window=w)``, ``layer_types`` "sliding_attention" in the exported config) is
+what SGLang and vLLM serve for one: the query of slot ``i`` (position ``a_j + i``) sees
+context keys at positions ``>= a_j + i - w + 1`` only (``w`` positions, itself included)
+and the block's keys causally (slots ``<= i``, also within the window). Training runs blocks in
 *chunks* (``BlockChunk``): the keys of a chunk are the packed context of the documents its
 blocks belong to (a contiguous slice of the micro-batch's packed context, since blocks are
 ordered document-major) followed by the chunk's own block keys. A chunk's mask is
@@ -44,6 +48,26 @@ BACKENDS = ("auto", "sdpa", "flex")
 
 
 @dataclass(frozen=True)
+class LayerRule:
+    """Which keys a layer's block queries see: ``window`` None is full attention (context
+    before the anchor, the whole block in both directions), ``window`` w a sliding layer
+    (the last w positions up to the query's own, causal inside the block)."""
+
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"sliding window must be >= 1, got {self.window}")
+
+    @property
+    def key(self) -> str:
+        return "full" if self.window is None else f"sliding{self.window}"
+
+
+FULL = LayerRule()
+
+
+@dataclass(frozen=True)
 class BlockChunk:
     """A chunk of ``n`` blocks and the context keys they may draw on.
 
@@ -78,42 +102,50 @@ class BlockChunk:
         q_blk = torch.arange(self.num_queries, device=self.blk_doc.device) // b
         return q_blk, self.blk_doc[q_blk], self.blk_anchor[q_blk]
 
-    def dense_mask(self) -> torch.Tensor:
-        """``[n*B, S + n*B]`` bool, True where a query may attend (built once per chunk)."""
-        return self._once("_dense", self._dense_mask)
+    def dense_mask(self, rule: LayerRule = FULL) -> torch.Tensor:
+        """``[n*B, S + n*B]`` bool, True where a query may attend (built once per chunk and
+        rule)."""
+        return self._once(f"_dense_{rule.key}", lambda: self._dense_mask(rule))
 
-    def _dense_mask(self) -> torch.Tensor:
+    def _dense_mask(self, rule: LayerRule) -> torch.Tensor:
         q_blk, q_doc, q_anchor = self.query_rule()
         ctx_ok = (self.ctx_doc[None, :] == q_doc[:, None]) & (
             self.ctx_pos[None, :] < q_anchor[:, None]
         )
         own = q_blk[:, None] == q_blk[None, :]
+        if rule.window is not None:
+            slot = torch.arange(self.num_queries, device=q_blk.device) % self.block_size
+            lowest = q_anchor + slot - rule.window + 1  # [n*B]: the window's first position
+            ctx_ok &= self.ctx_pos[None, :] >= lowest[:, None]
+            back = slot[:, None] - slot[None, :]
+            own &= (back >= 0) & (back < rule.window)
         return torch.cat([ctx_ok, own], dim=1)
 
-    def per_document(self) -> PerDocument:
-        """The chunk regrouped by document for SDPA (built once per chunk)."""
-        return self._once("_per_document", lambda: _per_document(self))
+    def per_document(self, rule: LayerRule = FULL) -> PerDocument:
+        """The chunk regrouped by document for SDPA (built once per chunk and rule)."""
+        return self._once(f"_per_document_{rule.key}", lambda: _per_document(self, rule))
 
-    def block_mask(self) -> BlockMask:
-        """The flex-attention ``BlockMask`` of the rule, built once per chunk (every layer of
-        the drafter reuses it); compiled on CUDA, where building it eagerly costs more than
-        the attention itself."""
+    def block_mask(self, rule: LayerRule = FULL) -> BlockMask:
+        """The flex-attention ``BlockMask`` of the rule, built once per chunk and rule (every
+        layer of the drafter with that rule reuses it); compiled on CUDA, where building it
+        eagerly costs more than the attention itself."""
         device = self.blk_doc.device
         build = _mask_builder(device.type)
         return self._once(
-            "_block_mask",
-            lambda: build(self.mask_mod(), None, None, self.num_queries, self.num_keys, device),
+            f"_block_mask_{rule.key}",
+            lambda: build(self.mask_mod(rule), None, None, self.num_queries, self.num_keys, device),
         )
 
-    def mask_mod(self) -> Callable[..., torch.Tensor]:
+    def mask_mod(self, rule: LayerRule = FULL) -> Callable[..., torch.Tensor]:
         """The rule as a flex-attention ``mask_mod(b, h, q_idx, kv_idx)``."""
         q_blk, q_doc, q_anchor = self.query_rule()
         span, b = int(self.ctx_doc.numel()), self.block_size
         # One sentinel entry so block keys (kv_idx >= span) index safely.
         ctx_doc = torch.cat([self.ctx_doc, self.ctx_doc.new_full((1,), -1)])
         ctx_pos = torch.cat([self.ctx_pos, self.ctx_pos.new_zeros(1)])
+        window = rule.window
 
-        def rule(
+        def full(
             bi: torch.Tensor, hi: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
         ) -> torch.Tensor:
             is_ctx = kv_idx < span
@@ -122,7 +154,21 @@ class BlockChunk:
             own = (~is_ctx) & ((kv_idx - span) // b == q_blk[q_idx])
             return ctx_ok | own
 
-        return rule
+        if window is None:
+            return full
+
+        def sliding(
+            bi: torch.Tensor, hi: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            c = torch.clamp(kv_idx, max=span)
+            slot = q_idx % b
+            in_ctx_window = ctx_pos[c] >= q_anchor[q_idx] + slot - window + 1
+            back = slot - (kv_idx - span) % b
+            in_block_window = (back >= 0) & (back < window)
+            is_ctx = kv_idx < span
+            return full(bi, hi, q_idx, kv_idx) & torch.where(is_ctx, in_ctx_window, in_block_window)
+
+        return sliding
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -143,17 +189,22 @@ def _flex_available() -> bool:
 
 
 def block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk, backend: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunk: BlockChunk,
+    backend: str,
+    rule: LayerRule = FULL,
 ) -> torch.Tensor:
     """Attention of ``q [1, h, n*B, d]`` over ``k, v [1, kv_h, S + n*B, d]`` under the rule."""
     k, v = k.to(q.dtype), v.to(q.dtype)  # autocast may leave normed q/k and plain v apart
     if backend == "flex":
-        return _flex(q, k, v, chunk)
-    return _sdpa_per_document(q, k, v, chunk)
+        return _flex(q, k, v, chunk, rule)
+    return _sdpa_per_document(q, k, v, chunk, rule)
 
 
 def _sdpa_per_document(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk, rule: LayerRule
 ) -> torch.Tensor:
     """SDPA with a dense mask, one padded row per document of the chunk.
 
@@ -161,7 +212,7 @@ def _sdpa_per_document(
     context with every query; per document the work is its own queries x (its context up
     to its last anchor + its own block keys), as a padded batch in one call.
     """
-    idx = chunk.per_document()
+    idx = chunk.per_document(rule)
     qd = q[0][:, idx.q_index].transpose(0, 1)  # [D, h, maxQ, d]
     kd = k[0][:, idx.k_index].transpose(0, 1)  # [D, kv_h, maxK, d]
     vd = v[0][:, idx.k_index].transpose(0, 1)
@@ -187,7 +238,7 @@ class PerDocument:
     slot_row: torch.Tensor
 
 
-def _per_document(chunk: BlockChunk) -> PerDocument:
+def _per_document(chunk: BlockChunk, rule: LayerRule) -> PerDocument:
     b, dev = chunk.block_size, chunk.blk_doc.device
     n, span = int(chunk.blk_doc.numel()), int(chunk.ctx_doc.numel())
     docs, blk_j = torch.unique_consecutive(chunk.blk_doc, return_inverse=True)
@@ -213,6 +264,12 @@ def _per_document(chunk: BlockChunk) -> PerDocument:
     c_pos = chunk.ctx_pos[c_index] if span else c_index  # [D, maxC]
     ctx_ok = c_valid[:, None, :] & (c_pos[:, None, :] < q_anchor[:, :, None])
     own = (rows[None, :, None] // b == rows[None, None, :] // b) & q_valid[:, None, :]
+    if rule.window is not None:
+        slot = rows % b  # [maxQ]: each query's slot in its block
+        lowest = q_anchor + slot[None, :] - rule.window + 1  # [D, maxQ]
+        ctx_ok &= c_pos[:, None, :] >= lowest[:, :, None]
+        back = slot[:, None] - slot[None, :]
+        own &= ((back >= 0) & (back < rule.window))[None]
     mask = torch.cat([ctx_ok, own], dim=2) & q_valid[:, :, None]
     mask[:, :, max_c] |= ~q_valid  # padded query rows: one (block) key, output unused
     slots = torch.arange(n * b, device=dev)
@@ -221,9 +278,12 @@ def _per_document(chunk: BlockChunk) -> PerDocument:
     return PerDocument(q_index, k_index, mask, slot_doc, slot_row)
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk) -> torch.Tensor:
+def _flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: BlockChunk, rule: LayerRule
+) -> torch.Tensor:
     gqa = k.shape[1] != q.shape[1]
-    return _flex_kernel(q.device.type)(q, k, v, block_mask=chunk.block_mask(), enable_gqa=gqa)
+    mask = chunk.block_mask(rule)
+    return _flex_kernel(q.device.type)(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
 @cache

@@ -6,7 +6,9 @@ come only from the block's B tokens. Keys and values are the block's own tokens 
 anchor, concatenated (``n*H``), projected to ``H`` (no bias) and RMS-normalized once, then
 fed through each layer's own ``k_proj``/``v_proj`` (so every layer sees the target, not only
 the first). Attention is bidirectional inside a block; which context keys a block may see
-is ``trainer.model.attention``'s rule.
+is ``trainer.model.attention``'s rule. A layer marked "sliding_attention" in ``layer_types``
+sees only the last ``sliding_window`` positions, causally inside the block (the rule SGLang
+and vLLM serve for z-lab's sliding-window drafters).
 
 The drafter has no embedding or LM head of its own: block tokens are embedded with the
 target's frozen ``embed_tokens`` and scored with its frozen ``lm_head`` by the caller. The
@@ -33,10 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.model.attention import BlockChunk, block_attention
+from trainer.model.attention import FULL, BlockChunk, LayerRule, block_attention
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+
+FULL_ATTENTION, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +61,14 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     # None: a learned MASK vector (opt-in; serving engines embed mask_token_id instead).
     mask_token_id: int | None = None
+    # Per layer "full_attention" or "sliding_attention" (None: all full); a sliding layer
+    # sees the last ``sliding_window`` positions, causally inside the block (LayerRule).
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.layer_types is not None:  # a list from JSON: the same config
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         for name in (
             "hidden_size",
             "intermediate_size",
@@ -76,6 +88,30 @@ class DrafterConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} must divide by num_kv_heads {self.num_kv_heads}"
             )
+        kinds = self.layer_types
+        if kinds is not None:
+            if len(kinds) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(kinds)} entries for {self.num_layers} drafter layers"
+                )
+            unknown = sorted(set(kinds) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types {unknown}: each must be one of {LAYER_TYPES}")
+        sliding = kinds is not None and SLIDING in kinds
+        if sliding and self.sliding_window is None:
+            raise ValueError("sliding_attention layers need a sliding_window")
+        if self.sliding_window is not None and not sliding:
+            raise ValueError(
+                f"sliding_window {self.sliding_window} is set but no layer is sliding_attention"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def layer_rule(self, index: int) -> LayerRule:
+        """The attention rule of drafter layer ``index``."""
+        if self.layer_types is not None and self.layer_types[index] == SLIDING:
+            return LayerRule(window=self.sliding_window)
+        return FULL
 
     @staticmethod
     def from_target(
@@ -164,14 +200,15 @@ class DrafterAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         chunk: BlockChunk,
         backend: str,
+        rule: LayerRule = FULL,
     ) -> torch.Tensor:
         """Block inputs ``x [n*B, H]`` attend to ``ctx_kv`` (this chunk's context) and their
-        own blocks; returns ``[n*B, H]``."""
+        own blocks under ``rule``; returns ``[n*B, H]``."""
         q = apply_rotary(self.q_norm(self._split(self.q_proj(x), self.heads)), *rope)
         k_blk, v_blk = self.keys_values(x, rope)
         k = torch.cat([ctx_kv[0].to(k_blk.dtype), k_blk], dim=2)
         v = torch.cat([ctx_kv[1].to(v_blk.dtype), v_blk], dim=2)
-        out = block_attention(q, k, v, chunk, backend)
+        out = block_attention(q, k, v, chunk, backend, rule)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], -1))
 
 
@@ -187,8 +224,9 @@ class DrafterMLP(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, index: int = 0) -> None:
         super().__init__()
+        self.rule = cfg.layer_rule(index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DrafterAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -202,7 +240,7 @@ class DrafterLayer(nn.Module):
         chunk: BlockChunk,
         backend: str,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx_kv, rope, chunk, backend)
+        h = h + self.self_attn(self.input_layernorm(h), ctx_kv, rope, chunk, backend, self.rule)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -283,7 +321,7 @@ class DFlashDrafter(nn.Module):
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_target_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         # Learned MASK (opt-in, not servable); set from the target's mean embedding by the
         # caller. With a mask_token_id the MASK is the target's frozen embedding row.

@@ -75,6 +75,9 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
 log = logging.getLogger(__name__)
+
+# Drafter config fields newer than some checkpoints, with the value those checkpoints mean.
+_DRAFTER_DEFAULTS: dict[str, Any] = {"layer_types": None, "sliding_window": None}
 #: The spec fields of a job's shape: a checkpoint resumes under another (the rest of the
 #: epoch is planned for it, ``loader_server.planning.elastic``).
 SHAPE = ("world_size", "grad_accum")
@@ -300,8 +303,17 @@ class Trainer:
                 log.info("no checkpoint in %s: starting fresh", self.cfg.run_dir)
             return False
         path, saved, mine = self._newest_complete(found)
-        if saved.drafter_config != self.drafter.config.to_dict():
-            raise ValueError(f"{path}: drafter config differs from this run's")
+        current = self.drafter.config.to_dict()
+        # Fields a checkpoint predates have their defaults (no sliding layers).
+        theirs = {**_DRAFTER_DEFAULTS, **saved.drafter_config}
+        if theirs["layer_types"] is not None:
+            theirs["layer_types"] = tuple(theirs["layer_types"])
+        differ = sorted(k for k in {*current, *theirs} if current.get(k) != theirs.get(k))
+        if differ:
+            raise ValueError(
+                f"{path}: drafter config differs from this run's in "
+                + ", ".join(f"{k} ({theirs.get(k)!r} vs {current.get(k)!r})" for k in differ)
+            )
         if saved.loss_config != asdict(self.cfg.loss):
             raise ValueError(f"{path}: loss config {saved.loss_config} differs from this run's")
         check_target(path, saved.meta, self.meta)

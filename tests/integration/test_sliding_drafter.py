@@ -1,0 +1,253 @@
+"""Sliding-window drafters end to end: the real training loop trains one (sliding and full
+layers), ``export`` writes the fields SGLang, vLLM and Transformers read, the exported
+model computes the trainer's drafter and drafts losslessly with the same acceptance as our
+verifier inside Transformers' DFlash ``generate``, ``--init-drafter`` reads the kinds and
+the window back (and refuses what disagrees), and ``--resume`` names a changed window."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel
+
+from trainer.hf.export import export_drafter, read_trained_drafter
+from trainer.model.attention import FULL, LayerRule
+from trainer.model.blocks import LossConfig
+from trainer.model.drafter import DFlashDrafter, DraftBlocks, DrafterConfig
+from trainer.model.verifier import DrafterProposer, greedy_generate, speculative_generate
+from trainer.options import RunOptions, TargetOptions
+from trainer.run import (
+    build_drafter,
+    init_from_folder,
+    resolve_init_drafter,
+    run_meta,
+    train_config,
+)
+from trainer.train.batches import ListSource
+from trainer.train.distributed import local_env
+from trainer.train.loop import TrainConfig, Trainer
+
+B, MASK, WINDOW = 4, 511, 6
+KINDS = ("sliding_attention", "full_attention")
+
+
+def config(target, **kw) -> DrafterConfig:
+    return DrafterConfig.from_target(
+        target.config, num_target_layers=3, num_layers=2, block_size=B, mask_token_id=MASK,
+        layer_types=KINDS, sliding_window=WINDOW, **kw,
+    )  # fmt: skip
+
+
+def train(target, samples, run_dir: Path, cfg: DrafterConfig, steps: int, resume=False):
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    tc = TrainConfig(
+        run_dir=run_dir, loss=LossConfig(block_size=B, anchors_per_doc=8), steps=steps, lr=3e-3,
+        warmup=2, progress=False, resume=resume,
+    )  # fmt: skip
+    Trainer(
+        tc, target=target, drafter=drafter, source=ListSource(samples, rows=4), env=local_env(),
+        meta=run_meta(TargetOptions(), target),
+    ).run()  # fmt: skip
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def samples(target):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(8):
+        prompt = torch.randint(0, MASK, (8,), generator=g)
+        out.append((torch.cat([prompt, greedy_generate(target, prompt, 32)]).tolist(), [1] * 40))
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(target, samples, tmp_path_factory):
+    return train(target, samples, tmp_path_factory.mktemp("swa-run"), config(target), 40)
+
+
+@pytest.fixture(scope="module")
+def trained(run_dir):
+    src = read_trained_drafter(run_dir)
+    drafter = DFlashDrafter(src.config)
+    drafter.load_state_dict(src.weights)
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def folder(run_dir, tmp_path_factory):
+    return export_drafter(run_dir, tmp_path_factory.mktemp("swa-export") / "d", dtype="fp32")
+
+
+def load(folder: Path):
+    model = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    return model.eval()
+
+
+def test_trained_drafter_keeps_its_layer_rules(trained):
+    assert trained.config.layer_types == KINDS and trained.config.sliding_window == WINDOW
+    assert [layer.rule for layer in trained.layers] == [LayerRule(WINDOW), FULL]
+
+
+def test_export_writes_what_the_engines_read(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["layer_types"] == list(KINDS)
+    assert (cfg["sliding_window"], cfg["use_sliding_window"]) == (WINDOW, True)
+    assert "is_causal" not in cfg and "causal" not in cfg["dflash_config"]
+    assert load(folder).config.sliding_window == WINDOW  # Transformers kept the window
+
+
+@pytest.mark.parametrize("anchor", [3, 13, 20])
+def test_exported_model_computes_the_trainer_drafter(folder, target, trained, anchor):
+    ids = torch.randint(0, MASK, (26,), generator=torch.Generator().manual_seed(3))
+    feats, _ = target.features(ids[None])
+    blocks = DraftBlocks.one_document(feats[:, :anchor], [anchor], ids[anchor : anchor + 1])
+    noise = trained.block_inputs(target.embed_tokens, ids[anchor : anchor + 1])[None]
+    model = load(folder)
+    with torch.no_grad():
+        ref = trained(target.embed_tokens, blocks)
+        out = model(
+            noise_embeds=noise, context_hidden_states=feats[:, :anchor],
+            position_ids=torch.arange(anchor + B)[None],
+        ).last_hidden_state[0]  # fmt: skip
+        # The window matters here: the same weights as a full-attention drafter differ.
+        full = DFlashDrafter(replace(trained.config, layer_types=None, sliding_window=None))
+        full.load_state_dict(trained.state_dict())
+        other = full(target.embed_tokens, blocks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    if anchor > WINDOW:
+        assert not torch.allclose(other, ref, atol=1e-3)
+
+
+def test_transformers_dflash_generate_is_lossless_with_our_acceptance(
+    folder, target, trained, samples
+):
+    """Transformers' loop feeds the model through its cache (the context keys of earlier
+    steps, the previous block cropped): the sliding layers' window must be counted in
+    positions across it. Output = the target's greedy; per step, our verifier's lengths."""
+    model = load(folder)
+    seen: list[int] = []
+    forward = model.forward
+
+    def counting(*args, **kw):
+        seen.append(kw["context_hidden_states"].shape[1])
+        return forward(*args, **kw)
+
+    model.forward = counting
+    accepted = []
+    prompts = [torch.tensor(s[0][:8]) for s in samples[:3]]
+    for prompt in prompts:
+        seen.clear()
+        kw = dict(do_sample=False, max_new_tokens=32, min_new_tokens=32)
+        spec = target.model.generate(
+            prompt[None], assistant_model=model, speculation_type="dflash", **kw
+        )
+        assert torch.equal(spec[0, prompt.numel() :], greedy_generate(target, prompt, 32))
+        ours = speculative_generate(
+            target, DrafterProposer(target, trained), prompt, block_size=B, max_new_tokens=32
+        )
+        steps = seen[1:]
+        assert steps == ours.acceptance_lengths[: len(steps)]
+        accepted += steps
+    assert max(accepted) > 1
+
+
+def tiny_opts(**over) -> RunOptions:
+    base = dict(endpoint="unused", run_dir=Path("unused"), attention="sdpa", steps=1)
+    return RunOptions(**{**base, **over})
+
+
+def test_init_drafter_reads_the_rules_back(folder, target, trained, tmp_path):
+    opts, spec = resolve_init_drafter(tiny_opts(init_drafter=folder))
+    assert (opts.layer_types, opts.sliding_window) == (",".join(KINDS), WINDOW)
+    run_target = target
+    drafter = build_drafter(run_target, opts, torch.device("cpu"))
+    assert drafter.config.layer_types == KINDS and drafter.config.sliding_window == WINDOW
+    init_from_folder(drafter, spec, run_target, train_config(replace(opts, run_dir=tmp_path)))
+    for name, value in trained.state_dict().items():
+        assert torch.equal(drafter.state_dict()[name], value), name
+
+
+def edited(folder: Path, dest: Path, **changes) -> Path:
+    shutil.copytree(folder, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    for key, value in changes.items():
+        if key == "dflash_config":
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def test_init_drafter_refuses_what_disagrees(folder, tmp_path):
+    def error(src: Path, **opts) -> str:
+        with pytest.raises(ValueError) as err:
+            resolve_init_drafter(tiny_opts(init_drafter=src, **opts))
+        return str(err.value)
+
+    assert "--sliding-window 8 differs" in error(folder, sliding_window=8)
+    assert "--layer-types full,full differs" in error(folder, layer_types="full,full")
+    for name, change, needle in (
+        ("causal", {"dflash_config": {"causal": False}}, "causal = False"),
+        ("is_causal", {"is_causal": True}, "is_causal = True"),
+        ("off", {"use_sliding_window": False}, "use_sliding_window false"),
+        ("nowindow", {"sliding_window": None}, "sliding_window is None"),
+        ("short", {"layer_types": ["sliding_attention"]}, "1 entries for num_hidden_layers 2"),
+        ("kind", {"layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
+    ):
+        assert needle in error(edited(folder, tmp_path / name, **change)), name
+
+
+def test_resume_names_a_changed_window(target, samples, run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    with pytest.raises(ValueError, match=r"sliding_window \(6 vs 9\)"):
+        train(target, samples, copy, replace(config(target), sliding_window=9), 41, resume=True)
+
+
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        ({"layer_types": "sliding,full"}, "has sliding layers: give --sliding-window N"),
+        ({"layer_types": "full,full", "sliding_window": 4}, "has no sliding layer"),
+        ({"layer_types": "sliding"}, "names 1 layers, the drafter has 2"),
+        ({"layer_types": "sliding,local", "sliding_window": 4}, "'local' is not full or sliding"),
+    ],
+)
+def test_bad_layer_options_are_refused_before_anything_runs(opts, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_init_drafter(tiny_opts(drafter_layers=2, **opts))
+
+
+def test_sliding_window_alone_makes_every_layer_sliding(target):
+    opts, _ = resolve_init_drafter(tiny_opts(drafter_layers=2, sliding_window=5))
+    drafter = build_drafter(target, opts, torch.device("cpu"))
+    assert drafter.config.layer_types == ("sliding_attention",) * 2
+
+
+def test_a_checkpoint_from_before_sliding_layers_resumes(target, samples, tmp_path):
+    """Checkpoints written before ``layer_types``/``sliding_window`` existed hold neither:
+    they are full-attention drafters, and resume as such."""
+    from trainer.train import checkpoint as ckpt
+
+    full = replace(config(target), layer_types=None, sliding_window=None)
+    run = train(target, samples, tmp_path / "old", full, 2)
+    path = ckpt.latest_checkpoint(run)
+    saved, per_rank = ckpt.load_checkpoint(path, local_env())
+    old = {
+        k: v for k, v in saved.drafter_config.items() if k not in ("layer_types", "sliding_window")
+    }
+    shutil.rmtree(path)
+    ckpt.save_checkpoint(
+        run, saved.step, local_env(), record=replace(saved, drafter_config=old),
+        per_rank={k: v for k, v in per_rank.items() if k in ("loader", "rng")},
+    )  # fmt: skip
+    train(target, samples, run, full, 3, resume=True)
+    assert read_trained_drafter(run).step == 3
