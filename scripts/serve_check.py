@@ -580,11 +580,14 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
     return checks
 
 
+#: One row per drafter served: its tau (vLLM's and the verifier's) and training costs.
+COMPARISON: list[dict[str, Any]] = []
+
 #: The drafters served: the first DFlash (full attention), and a sliding-window one (all
 #: layers sliding: vLLM's V1 runner, the one its CPU build has, serves no mix of sliding
 #: and full layers: "Model Runner V1 does not support: mixed sliding/full dflash drafts").
 DRAFTERS: dict[str, list[str]] = {
-    "full attention": [],
+    "full attention": ["--drafter-layers", "2"],
     "sliding window": ["--drafter-layers", "2", "--sliding-window", str(SLIDING_WINDOW)],
 }
 
@@ -622,6 +625,8 @@ def drafter_checks(
             daemon.stop()
         sh(*TRAIN, "export", str(run_dir), str(export))
         summary = json.loads((run_dir / "summary.json").read_text())
+        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rss = max(r.get("rss_peak_gb", 0.0) for r in records)
         print(  # tau is the verifier's, below (the run evaluates none)
             f"   training: loss {summary['first_loss']:.2f} -> {summary['last_loss']:.2f}, "
             f"{summary.get('steps', '?')} steps"
@@ -686,6 +691,11 @@ def drafter_checks(
         "vLLM/verifier (tau: 1 + accepted/drafts / tau_served) " + "; ".join(acceptance),
     ))  # fmt: skip
     label, tau_vllm, rep = taus[0]
+    COMPARISON.append({
+        "drafter": name, "flags": " ".join(flags) or "-", "vllm_tau": tau_vllm,
+        "tau_served": rep.tau_served, "tau": rep.tau, "last_loss": summary["last_loss"],
+        "step_s": summary["median_step_time_s"], "rss_peak_gb": rss,
+    })  # fmt: skip
     checks.append(Check(
         f"{name}: acceptance above 1 (a meaningful comparison)", tau_vllm >= args.min_tau,
         f"{tau_vllm:.3f} >= {args.min_tau} ({label}; the verifier's z-lab tau {rep.tau:.3f}, "
@@ -727,6 +737,16 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(c.name) for c in checks)
     for c in checks:
         print(f"  {'PASS' if c.ok else 'FAIL'}  {c.name:<{width}}  {c.detail}")
+    if COMPARISON:
+        print("drafters (same data, same steps; tau of the max_tokens pass):")
+        print(f"  {'drafter':<16} {'flags':<40} {'vLLM tau':>8} {'served':>7} {'z-lab':>6} "
+              f"{'loss':>6} {'step s':>7} {'RSS GB':>7}")  # fmt: skip
+        for r in COMPARISON:
+            print(
+                f"  {r['drafter']:<16} {r['flags']:<40} {r['vllm_tau']:>8.3f} "
+                f"{r['tau_served']:>7.3f} {r['tau']:>6.3f} {r['last_loss']:>6.2f} "
+                f"{r['step_s']:>7.3f} {r['rss_peak_gb']:>7.2f}"
+            )
     print("phases:")
     for name, dt in phases.times:
         print(f"  {dt:7.1f} s  {name}")
