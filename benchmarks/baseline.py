@@ -34,7 +34,9 @@ import loader_server.planning.planner as planner
 from loader_server.planning.spec import BatchSpec
 folder = sys.argv[1]
 ARRAYS = json.loads(sys.argv[2])
-assert planner.__file__.startswith(folder), planner.__file__  # the old commit's code
+import os
+here = os.path.realpath(planner.__file__)
+assert here.startswith(os.path.realpath(folder)), here  # the old commit's code
 lengths = np.load(folder + "/lengths.npy")
 spec = BatchSpec.from_dict(json.load(open(folder + "/spec.json")))
 for epoch in json.load(open(folder + "/epochs.json")):
@@ -48,10 +50,8 @@ for epoch in json.load(open(folder + "/epochs.json")):
 
 
 def repo_root() -> Path:
-    out = subprocess.run(
-        ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
-    )
-    return Path(out.stdout.strip())
+    """This checkout (whatever the working directory)."""
+    return Path(__file__).resolve().parents[1]
 
 
 def plans_at(

@@ -130,7 +130,7 @@ def _measure_head(fn, h, head, labels, w, chunk) -> tuple[float, float]:
 def attention_stage() -> dict[str, object]:
     """Compiled flex_attention (BlockMask) against SDPA with the dense chunk mask, bf16, on
     one chunk of 64 blocks of 16 over an 8,192-token document: agreement and time."""
-    from trainer.model.attention import BlockChunk, block_attention
+    from trainer.model.attention import BlockChunk, LayerRule, block_attention
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -168,6 +168,17 @@ def attention_stage() -> dict[str, object]:
         out[f"{backend}_kernel_ms"] = round((t2 - t1) * 1e3, 2)
     diff = (results["flex"].float() - results["sdpa"].float()).abs().max()
     out["max_abs_diff"] = float(diff)
+    # A sliding layer (2,048-token window, the z-lab drafters'): the compiled BlockMask of
+    # that rule against SDPA's, on the same chunk.
+    rule = LayerRule(window=2048)
+    sliding = {be: block_attention(q, k, v, replace(chunk), be, rule) for be in ("sdpa", "flex")}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    block_attention(q, k, v, replace(chunk), "flex", rule)
+    torch.cuda.synchronize()
+    out["sliding_flex_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+    gap = (sliding["flex"].float() - sliding["sdpa"].float()).abs().max()
+    out["sliding_max_abs_diff"] = float(gap)
     return out
 
 

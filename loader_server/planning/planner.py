@@ -355,9 +355,9 @@ def _schedule(batches: _Batches, spec: BatchSpec, key: _Seeds) -> np.ndarray:
     # splits); token costs keep the scheduler of the default plans, whose bytes are pinned.
     modelled = batches.cut is not None
     if stratify:
-        bands = schedule.band_tokens(batches.seq_lengths, batches.starts) if modelled else None
+        samples = (batches.seq_lengths, batches.starts) if modelled else None
         return schedule.stratified_steps(
-            batches.lens, batches.tokens, costs, *args, modelled=modelled, bands=bands
+            batches.lens, batches.tokens, costs, *args, modelled=modelled, samples=samples
         )
     return schedule.shuffled_steps(batches.tokens, costs, *args, modelled=modelled)
 

@@ -100,12 +100,13 @@ def stratified_steps(
     rng: np.random.Generator,
     tolerance: float = BALANCE_TOLERANCE,
     modelled: bool = False,
-    bands: np.ndarray | None = None,
+    samples: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """[num_steps, world_size*grad_accum] micro-batch indices, rank-major within a step.
 
-    ``modelled`` (costs from a cost model; ``bands`` is then each micro-batch's tokens per
-    length band): units are cost-matched (``_deal_matched``), each step's micro-batches go
+    ``modelled`` (costs from a cost model; ``samples`` is then ``(lengths, starts)``: the
+    samples in micro-batch order and where each micro-batch begins, for the step mix):
+    units are cost-matched (``_deal_matched``), each step's micro-batches go
     to ranks by ``balance_ranks``, and of the cheap-unit thresholds the one whose finished
     steps are best balanced is taken, among those whose step mix distance is within
     ``MIX_LIMIT`` (or ``MIX_SLACK`` above the least any threshold gives, when that is
@@ -117,8 +118,9 @@ def stratified_steps(
         units = _token_units(kept, lens, costs, world_size, rng, tolerance)
         steps = _lpt(_compose(units, lens, grad_accum, rng), costs, grad_accum)
         return _relabel(steps, world_size, rng)
-    if bands is None:
-        raise ValueError("modelled balancing needs each micro-batch's band tokens")
+    if samples is None:
+        raise ValueError("modelled balancing needs the micro-batches' samples (their bands)")
+    bands = band_tokens(*samples, kept=kept)
     by_len, by_cost, cost_rank = _orders(kept, lens, costs, rng)
     candidates = []
     for n_cheap in _cheap_counts(costs[by_cost], world_size):
@@ -143,17 +145,27 @@ def stratified_steps(
     return _relabel(best, world_size, rng)
 
 
-def band_tokens(lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+def band_tokens(
+    lengths: np.ndarray, starts: np.ndarray, kept: np.ndarray | None = None
+) -> np.ndarray:
     """[num_micro, NUM_BANDS] int64: each micro-batch's tokens in each length band of equal
-    token mass (``metrics.band_edges`` of these lengths). ``lengths``: the samples in
-    micro-batch order; micro-batch m begins at ``starts[m]``."""
+    token mass (``metrics.band_edges`` of the samples the plan serves: those of the
+    ``kept`` micro-batches, default all). ``lengths``: the samples in micro-batch order;
+    micro-batch m begins at ``starts[m]``."""
     x = np.asarray(lengths, np.int64)
     if starts.size == 0:
         return np.zeros((0, NUM_BANDS), np.int64)
-    mass = np.cumsum(np.bincount(x) * np.arange(int(x.max()) + 1, dtype=np.int64))
+    micro = np.repeat(np.arange(starts.size), np.diff(np.append(starts, x.size)))
+    served = x
+    if kept is not None:
+        keep = np.zeros(starts.size, bool)
+        keep[kept] = True
+        served = x[keep[micro]]
+    if served.size == 0:
+        return np.zeros((starts.size, NUM_BANDS), np.int64)
+    mass = np.cumsum(np.bincount(served) * np.arange(int(served.max()) + 1, dtype=np.int64))
     edges = np.searchsorted(mass, mass[-1] * np.arange(1, NUM_BANDS) / NUM_BANDS)
     band = np.searchsorted(edges, x, side="left")
-    micro = np.repeat(np.arange(starts.size), np.diff(np.append(starts, x.size)))
     flat = np.bincount(micro * NUM_BANDS + band, weights=x, minlength=starts.size * NUM_BANDS)
     return flat.astype(np.int64).reshape(-1, NUM_BANDS)
 
@@ -277,8 +289,8 @@ def balance_ranks(steps: np.ndarray, costs: np.ndarray, grad_accum: int) -> np.n
     """Each step's micro-batches to ranks, ``grad_accum`` each, least max rank load first:
     rank-major ``out[s, r*grad_accum + g]``. ``costs`` are integers (exact sums).
 
-    Exact when a step has few ways to split (``_EXACT_SPLITS``: e.g. 2 ranks x up to 6,
-    3 x 3, 4 x 2): every split is tried. Beyond, LPT in rounds and then swaps: while some
+    Exact when a step has few ways to split (``_EXACT_SPLITS``: 2 ranks x up to 5, 3 x 2,
+    4 x 2): every split is tried. Beyond, LPT in rounds and then swaps: while some
     micro-batch of the most loaded rank can trade places with one of another rank so
     that the larger of the two loads falls, the best such trade is made (each one lowers
     the sum of squared loads, so this ends; all steps at once, vectorized)."""

@@ -197,7 +197,9 @@ def test_init_drafter_refuses_what_disagrees(folder, tmp_path):
     for name, change, needle in (
         ("causal", {"dflash_config": {"causal": False}}, "causal = False"),
         ("is_causal", {"is_causal": True}, "is_causal = True"),
-        ("off", {"use_sliding_window": False}, "use_sliding_window false"),
+        ("off", {"use_sliding_window": False}, "use_sliding_window False"),
+        ("unsaid", {"use_sliding_window": None}, "use_sliding_window None"),
+        ("two", {"dflash_config": {"swa_window_size": 9}}, "swa_window_size 9 != sliding_window 6"),
         ("nowindow", {"sliding_window": None}, "sliding_window is None"),
         ("short", {"layer_types": ["sliding_attention"]}, "1 entries for num_hidden_layers 2"),
         ("kind", {"layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
@@ -251,3 +253,23 @@ def test_a_checkpoint_from_before_sliding_layers_resumes(target, samples, tmp_pa
     )  # fmt: skip
     train(target, samples, run, full, 3, resume=True)
     assert read_trained_drafter(run).step == 3
+
+
+def test_the_remote_code_refuses_gaps_in_a_sliding_layer_mask(folder):
+    """Positions are counted from a row's left edge: padding inside a row would shift them,
+    so a sliding layer refuses it (left padding is fine)."""
+    model = load(folder)
+    n, h = 9, model.config.hidden_size
+    ctx = torch.randn(2, n, model.fc.in_features)
+    noise = torch.randn(2, B, h)
+    pos = torch.arange(n + B)[None].expand(2, -1)
+    left = torch.ones(2, n + B, dtype=torch.long)
+    left[1, :3] = 0
+    with torch.no_grad():
+        model(noise_embeds=noise, context_hidden_states=ctx, position_ids=pos, attention_mask=left)
+        gap = torch.ones(2, n + B, dtype=torch.long)
+        gap[1, 4] = 0
+        with pytest.raises(ValueError, match="left padding only"):
+            model(
+                noise_embeds=noise, context_hidden_states=ctx, position_ids=pos, attention_mask=gap
+            )

@@ -98,6 +98,20 @@ def test_band_tokens_give_the_metric_step_mix():
         )
 
 
+def test_band_edges_are_those_of_the_served_samples():
+    """Micro-batches the last step cannot hold are dropped before the plan is served: the
+    bands (and so the step mix the scheduler weighs) are those of the rest."""
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(1, 400, 600)
+    starts = np.arange(0, 600, 6)  # 100 micro-batches of 6 samples
+    kept = np.flatnonzero(np.arange(100) % 3 != 0)  # a third dropped
+    served = np.concatenate([lengths[s : s + 6] for s in starts[kept]])
+    want = schedule.band_tokens(served, np.arange(0, served.size, 6))
+    got = schedule.band_tokens(lengths, starts, kept=kept)[kept]
+    assert np.array_equal(got, want)
+    assert not np.array_equal(schedule.band_tokens(lengths, starts)[kept], want)
+
+
 REFERENCE = synth_lengths(SynthSpec(num_samples=902_000, seed=5))
 
 
@@ -134,7 +148,7 @@ def test_one_micro_batch_per_rank_balances_within_the_mix_target():
 
 def test_modelled_balance_needs_band_tokens():
     costs = np.ones(16, np.int64)
-    with pytest.raises(ValueError, match="band tokens"):
+    with pytest.raises(ValueError, match="their bands"):
         schedule.stratified_steps(
             np.ones(16), np.ones(16), costs, 8, 2, np.random.default_rng(0), modelled=True
         )

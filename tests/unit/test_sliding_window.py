@@ -163,3 +163,9 @@ def test_layer_types_from_json_are_the_same_config():
     a = small_config(layer_types=["sliding_attention"] * 3, sliding_window=4)
     assert a == small_config(layer_types=("sliding_attention",) * 3, sliding_window=4)
     assert a.to_dict()["layer_types"] == ("sliding_attention",) * 3
+
+
+def test_all_full_layer_types_is_the_plain_config():
+    assert small_config(layer_types=["full_attention"] * 3) == small_config()
+    with pytest.raises(ValueError, match="a sequence of names"):
+        small_config(layer_types="sliding_attention")

@@ -127,10 +127,16 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
                 f"{file}: sliding_attention layers but sliding_window is "
                 f"{folder.config.get('sliding_window')!r}"
             )
-        if folder.config.get("use_sliding_window") is False:
+        if folder.config.get("use_sliding_window") is not True:
             raise ValueError(
-                f"{file}: sliding_attention layers with use_sliding_window false (Transformers "
-                "then drops sliding_window, and vLLM refuses the folder)"
+                f"{file}: sliding_attention layers with use_sliding_window "
+                f"{folder.config.get('use_sliding_window')!r} (Transformers then drops "
+                "sliding_window, and vLLM refuses the folder): it must be true"
+            )
+        nested, top = folder.dflash.get("swa_window_size"), folder.config.get("sliding_window")
+        if nested is not None and top is not None and int(nested) != int(top):
+            raise ValueError(
+                f"{file}: dflash_config.swa_window_size {nested} != sliding_window {top}"
             )
         for key in ("is_causal", "causal"):
             if folder.value(key) is not None:

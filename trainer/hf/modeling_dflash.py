@@ -155,6 +155,15 @@ class DFlashAttention(nn.Module):
         back = positions[:, -q_len:, None] - key_pos[:, None, :]
         seen = (back >= 0) & (back < self.window)
         if keep is not None:
+            # Positions count kept keys only from the left edge: a gap inside a row would
+            # shift them (and a sliding cache keeps its last slots, gaps included).
+            first = keep.float().argmax(dim=-1, keepdim=True)
+            after = torch.arange(keep.shape[-1], device=keep.device)[None] >= first
+            if bool((after & ~keep).any()):
+                raise ValueError(
+                    "sliding_attention layers support left padding only (attention_mask has "
+                    "a gap after a row's first kept key)"
+                )
             seen &= keep[:, None, -keys:]
         return seen[:, None]
 
@@ -204,6 +213,11 @@ def _check_config(config: DFlashConfig) -> None:
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds - {"full_attention", "sliding_attention"}:
         raise ValueError(f"this DFlash model supports full and sliding attention, not {kinds}")
+    listed = getattr(config, "layer_types", None)
+    if listed is not None and len(listed) != config.num_hidden_layers:
+        raise ValueError(
+            f"layer_types has {len(listed)} entries for {config.num_hidden_layers} layers"
+        )
     if "sliding_attention" in kinds and not getattr(config, "sliding_window", None):
         raise ValueError("sliding_attention layers need sliding_window (and use_sliding_window)")
     overrides = {
@@ -211,7 +225,7 @@ def _check_config(config: DFlashConfig) -> None:
         "causal": config.dflash_config.get("causal"),
         "use_swa": config.dflash_config.get("use_swa"),
     }
-    given = {k: v for k, v in overrides.items() if v is not None}
+    given = {k: v for k, v in overrides.items() if v not in (None, False)}
     if given:
         raise ValueError(
             f"this DFlash model supports the default attention rules only, not {given}"

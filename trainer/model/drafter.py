@@ -67,8 +67,7 @@ class DrafterConfig:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        if self.layer_types is not None:  # a list from JSON: the same config
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self._check_layer_types()
         for name in (
             "hidden_size",
             "intermediate_size",
@@ -88,16 +87,7 @@ class DrafterConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} must divide by num_kv_heads {self.num_kv_heads}"
             )
-        kinds = self.layer_types
-        if kinds is not None:
-            if len(kinds) != self.num_layers:
-                raise ValueError(
-                    f"layer_types has {len(kinds)} entries for {self.num_layers} drafter layers"
-                )
-            unknown = sorted(set(kinds) - set(LAYER_TYPES))
-            if unknown:
-                raise ValueError(f"layer_types {unknown}: each must be one of {LAYER_TYPES}")
-        sliding = kinds is not None and SLIDING in kinds
+        sliding = self.layer_types is not None
         if sliding and self.sliding_window is None:
             raise ValueError("sliding_attention layers need a sliding_window")
         if self.sliding_window is not None and not sliding:
@@ -106,6 +96,22 @@ class DrafterConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def _check_layer_types(self) -> None:
+        """``layer_types`` checked, as a tuple; all full is None (one spelling per config)."""
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, str):
+            raise ValueError(f"layer_types must be a sequence of names, got {self.layer_types!r}")
+        kinds = tuple(self.layer_types)
+        if len(kinds) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(kinds)} entries for {self.num_layers} drafter layers"
+            )
+        unknown = sorted(set(kinds) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types {unknown}: each must be one of {LAYER_TYPES}")
+        object.__setattr__(self, "layer_types", kinds if SLIDING in kinds else None)
 
     def layer_rule(self, index: int) -> LayerRule:
         """The attention rule of drafter layer ``index``."""
