@@ -479,6 +479,7 @@ class Verifier:
             mask_token_id=folder.mask_token_id,
             layer_types=folder.layer_types,
             sliding_window=folder.sliding_window,
+            sliding_causal=folder.sliding_causal or folder.layer_types is None,
         )
         drafter = DFlashDrafter(cfg)
         init_drafter(drafter, folder, target)
@@ -639,7 +640,11 @@ COMPARISON: list[dict[str, Any]] = []
 DRAFTERS: dict[str, list[str]] = {
     "full attention": ["--drafter-layers", "2"],
     "sliding window": ["--drafter-layers", "2", "--sliding-window", str(SLIDING_WINDOW)],
-}
+    "sliding, bidirectional": [
+        "--drafter-layers", "2", "--sliding-window", str(SLIDING_WINDOW),
+        "--sliding-bidirectional",
+    ],
+}  # fmt: skip
 
 
 def drafter_checks(
@@ -658,7 +663,7 @@ def drafter_checks(
     """Train the drafter ``flags`` describe, export it, serve it with vLLM and compare
     vLLM's output and acceptance with plain greedy and the trainer's verifier."""
     checks: list[Check] = []
-    tag = name.replace(" ", "-")
+    tag = name.replace(",", "").replace(" ", "-")
     no_stops: list[list[int]] = [[] for _ in prompts]
     run_dir, export = work / f"run-{tag}", work / f"drafter-{tag}"
     with phases(f"{name}: train the drafter ({args.steps} steps) and export it"):
@@ -797,11 +802,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'PASS' if c.ok else 'FAIL'}  {c.name:<{width}}  {c.detail}")
     if COMPARISON:
         print("drafters (same data, same steps; tau of the max_tokens pass):")
-        print(f"  {'drafter':<16} {'flags':<40} {'vLLM tau':>8} {'served':>7} {'z-lab':>6} "
+        print(f"  {'drafter':<24} {'flags':<64} {'vLLM tau':>8} {'served':>7} {'z-lab':>6} "
               f"{'loss':>6} {'step s':>7} {'RSS GB':>7}")  # fmt: skip
         for r in COMPARISON:
             print(
-                f"  {r['drafter']:<16} {r['flags']:<40} {r['vllm_tau']:>8.3f} "
+                f"  {r['drafter']:<24} {r['flags']:<64} {r['vllm_tau']:>8.3f} "
                 f"{r['tau_served']:>7.3f} {r['tau']:>6.3f} {r['last_loss']:>6.2f} "
                 f"{r['step_s']:>7.3f} {r['rss_peak_gb']:>7.2f}"
             )

@@ -179,6 +179,13 @@ class RunOptions(TargetOptions):
         "SGLang and vLLM serve it [--init-drafter: its own].",
         section=DRAFTER,
     )
+    sliding_bidirectional: bool = opt(
+        False,
+        "Sliding layers see every block slot within the window, not only earlier ones "
+        "(exported as is_causal false, as DFlash2's reference drafter is) [--init-drafter: "
+        "its own].",
+        section=DRAFTER,
+    )
     init_drafter: Path | None = opt(
         None,
         "Start from a DFlash drafter folder (an export, or a released one): its weights, "

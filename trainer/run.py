@@ -126,6 +126,7 @@ def build_drafter(target: Target, opts: RunOptions, device: torch.device | str) 
         mask_token_id=mask_id,
         layer_types=parse_layer_types(opts.layer_types, opts.sliding_window, opts.drafter_layers),
         sliding_window=opts.sliding_window,
+        sliding_causal=not opts.sliding_bidirectional,
     )
     log.info("drafter MASK: %s", "learned vector" if mask_id is None else f"token {mask_id}")
     with torch.random.fork_rng(devices=[]):
@@ -203,7 +204,9 @@ def resolve_init_drafter(opts: RunOptions) -> tuple[RunOptions, DrafterFolder | 
         folder = read_drafter_folder(opts.init_drafter)
         opts = options_from_folder(opts, folder)
     assert opts.drafter_layers is not None
-    parse_layer_types(opts.layer_types, opts.sliding_window, opts.drafter_layers)  # refused now
+    kinds = parse_layer_types(opts.layer_types, opts.sliding_window, opts.drafter_layers)
+    if opts.sliding_bidirectional and kinds is None:
+        raise ValueError("--sliding-bidirectional: no drafter layer is sliding (--sliding-window)")
     return opts, folder
 
 

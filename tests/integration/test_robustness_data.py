@@ -206,9 +206,17 @@ def _slow_source(tmp_path: Path) -> Path:
     return src
 
 
+def _default_sigint() -> None:
+    """A suite started in the background (``cmd &`` without job control) runs with SIGINT
+    ignored, which children inherit and Python then leaves ignored: the tokenizer under
+    test gets the default disposition, as from a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_with_workers(args: list[str]) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen([*CLI, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)  # fmt: skip
     deadline = time.monotonic() + 60
     while True:
         out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)

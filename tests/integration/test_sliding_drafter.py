@@ -195,7 +195,7 @@ def test_init_drafter_refuses_what_disagrees(folder, tmp_path):
     assert "--sliding-window 8 differs" in error(folder, sliding_window=8)
     assert "--layer-types full,full differs" in error(folder, layer_types="full,full")
     for name, change, needle in (
-        ("causal", {"dflash_config": {"causal": False}}, "causal = False"),
+        ("causal", {"dflash_config": {"causal": True}}, "causal = True"),
         ("is_causal", {"is_causal": True}, "is_causal = True"),
         ("off", {"use_sliding_window": False}, "use_sliding_window False"),
         ("unsaid", {"use_sliding_window": None}, "use_sliding_window None"),
@@ -253,6 +253,49 @@ def test_a_checkpoint_from_before_sliding_layers_resumes(target, samples, tmp_pa
     )  # fmt: skip
     train(target, samples, run, full, 3, resume=True)
     assert read_trained_drafter(run).step == 3
+
+
+@pytest.fixture(scope="module")
+def bidirectional(target, samples, tmp_path_factory):
+    """A drafter whose sliding layers see their whole block (``is_causal: false``)."""
+    run = tmp_path_factory.mktemp("swa-bi-run")
+    train(target, samples, run, replace(config(target), sliding_causal=False), 12)
+    out = export_drafter(run, tmp_path_factory.mktemp("swa-bi") / "d", dtype="fp32")
+    src = read_trained_drafter(run)
+    drafter = DFlashDrafter(src.config)
+    drafter.load_state_dict(src.weights)
+    return out, drafter.eval()
+
+
+def test_a_bidirectional_sliding_drafter_round_trips(bidirectional, folder, target, tmp_path):
+    bi, drafter = bidirectional
+    cfg = json.loads((bi / "config.json").read_text())
+    assert cfg["is_causal"] is False and cfg["layer_types"] == list(KINDS)
+    assert drafter.layers[0].rule == LayerRule(WINDOW, causal=False)
+    ids = torch.randint(0, MASK, (26,), generator=torch.Generator().manual_seed(4))
+    feats, _ = target.features(ids[None])
+    anchor = 15
+    blocks = DraftBlocks.one_document(feats[:, :anchor], [anchor], ids[anchor : anchor + 1])
+    noise = drafter.block_inputs(target.embed_tokens, ids[anchor : anchor + 1])[None]
+    with torch.no_grad():
+        ref = drafter(target.embed_tokens, blocks)
+        out = load(bi)(
+            noise_embeds=noise, context_hidden_states=feats[:, :anchor],
+            position_ids=torch.arange(anchor + B)[None],
+        ).last_hidden_state[0]  # fmt: skip
+        causal = DFlashDrafter(replace(drafter.config, sliding_causal=True))
+        causal.load_state_dict(drafter.state_dict())
+        other = causal(target.embed_tokens, blocks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert not torch.allclose(other, ref, atol=1e-3)
+    opts, spec = resolve_init_drafter(tiny_opts(init_drafter=bi))
+    assert opts.sliding_bidirectional
+    rebuilt = build_drafter(target, opts, torch.device("cpu"))
+    init_from_folder(rebuilt, spec, target, train_config(replace(opts, run_dir=tmp_path)))
+    assert rebuilt.config == drafter.config
+    # The causal export with the flag: they disagree.
+    with pytest.raises(ValueError, match="drop --sliding-bidirectional"):
+        resolve_init_drafter(tiny_opts(init_drafter=folder, sliding_bidirectional=True))
 
 
 def test_the_remote_code_refuses_gaps_in_a_sliding_layer_mask(folder):

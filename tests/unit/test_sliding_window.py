@@ -18,7 +18,7 @@ def slow_mask(chunk: BlockChunk, rule: LayerRule) -> torch.Tensor:
     i of a block at anchor a sits at position a + i; a context key at position p of the same
     document is seen iff p < a (full) and, sliding, (a + i) - p <= w - 1; a block key j of
     the same block iff (sliding) j <= i and i - j <= w - 1, else always."""
-    b, w = chunk.block_size, rule.window
+    b, w, causal = chunk.block_size, rule.window, rule.causal
     n, span = int(chunk.blk_doc.numel()), int(chunk.ctx_doc.numel())
     out = torch.zeros(n * b, span + n * b, dtype=torch.bool)
     for q in range(n * b):
@@ -29,7 +29,12 @@ def slow_mask(chunk: BlockChunk, rule: LayerRule) -> torch.Tensor:
             seen = int(chunk.ctx_doc[c]) == doc and p < a
             out[q, c] = seen and (w is None or (a + i) - p <= w - 1)
         for j in range(b):
-            out[q, span + blk * b + j] = w is None or (j <= i and i - j <= w - 1)
+            if w is None:
+                out[q, span + blk * b + j] = True
+            elif causal:
+                out[q, span + blk * b + j] = j <= i and i - j <= w - 1
+            else:  # vLLM's non-causal window: w - 1 positions on either side
+                out[q, span + blk * b + j] = abs(i - j) <= w - 1
     return out
 
 
@@ -40,6 +45,16 @@ def packed_chunk(doc_lens: list[int], blocks: list[tuple[int, int]], b: int) -> 
     blk_doc = torch.tensor([d for d, _ in blocks])
     blk_anchor = torch.tensor([a for _, a in blocks])
     return BlockChunk(docs, pos, blk_doc, blk_anchor, b)
+
+
+def test_bidirectional_sliding_mask_hand_checked():
+    # The same block as below, bidirectional: every slot sees the whole block (B <= w).
+    m = packed_chunk([6], [(0, 4)], 3).dense_mask(LayerRule(window=3, causal=False))
+    assert m.int().tolist() == [
+        [0, 0, 1, 1, 0, 0, 1, 1, 1],
+        [0, 0, 0, 1, 0, 0, 1, 1, 1],
+        [0, 0, 0, 0, 0, 0, 1, 1, 1],
+    ]
 
 
 def test_sliding_mask_hand_checked():
@@ -69,7 +84,8 @@ def chunks(draw):
         )
     )
     window = draw(st.one_of(st.none(), st.integers(1, 14)))
-    return packed_chunk(doc_lens, blocks, b), LayerRule(window=window)
+    causal = window is None or draw(st.booleans())
+    return packed_chunk(doc_lens, blocks, b), LayerRule(window=window, causal=causal)
 
 
 @settings(max_examples=80, deadline=None)
@@ -86,14 +102,15 @@ def test_every_mask_of_the_rule_is_the_rule_written_out(case):
         assert sorted(seen.tolist()) == torch.nonzero(want[slot]).flatten().tolist()
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [1, 3, 7, 64])
-def test_sdpa_and_flex_equal_the_dense_mask_with_a_window(window):
+def test_sdpa_and_flex_equal_the_dense_mask_with_a_window(window, causal):
     pytest.importorskip("torch.nn.attention.flex_attention")
     g = torch.Generator().manual_seed(window)
     chunk = packed_chunk(
         [40, 30, 20], [(0, 5), (0, 17), (0, 39), (1, 0), (1, 12), (1, 29), (2, 3)], 4
     )
-    rule = LayerRule(window=window)
+    rule = LayerRule(window=window, causal=causal)
     q = torch.randn(1, 4, chunk.num_queries, 16, generator=g)
     k = torch.randn(1, 2, chunk.num_keys, 16, generator=g)
     v = torch.randn(1, 2, chunk.num_keys, 16, generator=g)
@@ -104,9 +121,10 @@ def test_sdpa_and_flex_equal_the_dense_mask_with_a_window(window):
     dense = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
     assert torch.allclose(per_doc, dense, atol=1e-5)
     assert torch.allclose(flex, dense, atol=1e-5)
-    # A full layer on the same chunk is another rule, cached apart.
+    # A full layer on the same chunk is another rule, cached apart (the same one when the
+    # window holds every document and the block is bidirectional).
     full = block_attention(q, k, v, chunk, "sdpa", FULL)
-    assert not torch.allclose(full, per_doc, atol=1e-3)
+    assert torch.allclose(full, per_doc, atol=1e-5) == (not causal and window >= 40)
 
 
 def small_config(**kw) -> DrafterConfig:
@@ -152,6 +170,7 @@ def test_a_mixed_drafter_drafts_alike_in_chunks_and_in_one():
         ({"layer_types": ("full_attention",) * 2}, "2 entries for 3 drafter layers"),
         ({"layer_types": ("full_attention", "swa", "full_attention")}, "'swa'"),
         ({"layer_types": ("sliding_attention",) * 3, "sliding_window": 0}, ">= 1, got 0"),
+        ({"sliding_causal": False}, "no layer is sliding"),
     ],
 )
 def test_config_refuses_what_it_cannot_mean(kw, message):

@@ -230,6 +230,9 @@ def folder_config(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, Any]:
         "sliding_window": cfg.sliding_window,
         "max_window_layers": cfg.num_layers,
         "layer_types": list(cfg.layer_types or [FULL_ATTENTION] * cfg.num_layers),
+        # Bidirectional sliding layers: is_causal false (vLLM and SGLang read it first);
+        # causal ones need nothing (each engine's default for a sliding layer).
+        **({} if cfg.sliding_causal else {"is_causal": False}),
         "block_size": cfg.block_size,
         "num_target_layers": tgt["num_hidden_layers"],
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": src.layer_ids},

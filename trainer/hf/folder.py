@@ -74,6 +74,15 @@ class DrafterFolder:
         return None if value is None else int(value)
 
     @property
+    def sliding_causal(self) -> bool:
+        """Whether sliding layers are causal inside the block: unless ``is_causal`` (vLLM
+        and SGLang read it first) or ``dflash_config.causal`` says false."""
+        for key in ("is_causal", "causal"):
+            if self.value(key) is not None:
+                return bool(self.value(key))
+        return True
+
+    @property
     def rope_theta(self) -> float | None:
         rope = self.config.get("rope_parameters") or {}
         theta = rope.get("rope_theta", self.config.get("rope_theta"))
@@ -139,11 +148,11 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
                 f"{file}: dflash_config.swa_window_size {nested} != sliding_window {top}"
             )
         for key in ("is_causal", "causal"):
-            if folder.value(key) is not None:
+            if folder.value(key) not in (None, False):
                 raise ValueError(
-                    f"{file}: {key} = {folder.value(key)!r}: this drafter's sliding layers are "
-                    "causal inside the block and its full layers bidirectional (the engines' "
-                    "default); an override is not supported"
+                    f"{file}: {key} = {folder.value(key)!r}: full layers are bidirectional "
+                    "inside the block here; only false (bidirectional sliding layers) or "
+                    "unset (the engines' default: sliding layers causal) is supported"
                 )
     rope = folder.config.get("rope_parameters") or folder.config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -197,6 +206,12 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
                 f"{list(folder.layer_types or [FULL_ATTENTION] * drafter_layers)}: drop "
                 "--layer-types"
             )
+    theirs_causal = folder.sliding_causal or folder.layer_types is None
+    if opts.sliding_bidirectional and theirs_causal:
+        raise ValueError(
+            f"--sliding-bidirectional: {file}'s sliding layers are causal (or it has none): "
+            "drop --sliding-bidirectional"
+        )
     kinds = folder.layer_types
     if opts.learned_mask:
         raise ValueError(f"--learned-mask: {file} embeds a mask token id instead")
@@ -214,6 +229,7 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
         mask_token_id=mask_token_id,
         layer_types=None if kinds is None else ",".join(kinds),
         sliding_window=window,
+        sliding_bidirectional=not theirs_causal,
     )
 
 
@@ -235,6 +251,7 @@ def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: 
         ("target_layer_ids", folder.target_layer_ids, target.layer_ids),
         ("layer_types", folder.layer_types, cfg.layer_types),
         ("sliding_window", folder.sliding_window, cfg.sliding_window),
+        ("sliding causal", folder.sliding_causal or cfg.layer_types is None, cfg.sliding_causal),
     )
     for key, theirs, mine in fields:
         if theirs is None and key in ("num_target_layers", "rms_norm_eps", "rope_theta"):

@@ -10,7 +10,8 @@ Written by dflash-loader's trainer; the math is exactly its drafter's
   absolute positions (RoPE, half-split, plain ``rope_theta``); the block attends to all of
   it, bidirectionally; a ``sliding_attention`` layer (``layer_types``) instead lets the
   query at position q see keys at positions q - sliding_window + 1 .. q only (causal
-  inside the block), as SGLang and vLLM serve it; residual; MLP (SiLU-gated); residual;
+  inside the block; with ``is_causal`` false, also the block's later slots within the
+  window), as SGLang and vLLM serve it; residual; MLP (SiLU-gated); residual;
 * a final ``norm``. Logits are the caller's: the target's ``lm_head`` on slots 1..B-1.
 
 There is no embedding: slot 0 is the anchor token's target embedding, slots 1..B-1 the
@@ -96,6 +97,9 @@ class DFlashAttention(nn.Module):
         window = getattr(config, "sliding_window", None)
         sliding = bool(kinds) and kinds[layer_idx] == "sliding_attention"
         self.window = int(window) if sliding and window is not None else None
+        # is_causal / dflash_config.causal false: sliding layers bidirectional in the block
+        said = [getattr(config, "is_causal", None), config.dflash_config.get("causal")]
+        self.causal = all(v is None or bool(v) for v in said)
 
     def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """``[b, S, heads*d]`` -> ``[b, heads, S, d]``."""
@@ -153,7 +157,7 @@ class DFlashAttention(nn.Module):
         past = start - cached + torch.arange(cached, device=positions.device)[None]
         key_pos = torch.cat([past, positions], dim=1)  # [b, keys]
         back = positions[:, -q_len:, None] - key_pos[:, None, :]
-        seen = (back >= 0) & (back < self.window)
+        seen = (back >= 0) & (back < self.window) if self.causal else back.abs() < self.window
         if keep is not None:
             # Positions count kept keys only from the left edge: a gap inside a row would
             # shift them (and a sliding cache keeps its last slots, gaps included).
@@ -228,7 +232,8 @@ def _check_config(config: DFlashConfig) -> None:
     given = {k: v for k, v in overrides.items() if v not in (None, False)}
     if given:
         raise ValueError(
-            f"this DFlash model supports the default attention rules only, not {given}"
+            f"this DFlash model supports bidirectional full layers only, not {given} "
+            "(is_causal / causal false is fine: bidirectional sliding layers)"
         )
 
 

@@ -6,7 +6,9 @@ anchor ``a_j``) sees the context keys of its own document at positions ``< a_j``
 (``LayerRule(window=w)``, ``layer_types`` "sliding_attention" in the exported config) is
 what SGLang and vLLM serve for one: the query of slot ``i`` (position ``a_j + i``) sees
 context keys at positions ``>= a_j + i - w + 1`` only (``w`` positions, itself included)
-and the block's keys causally (slots ``<= i``, also within the window). Training runs blocks in
+and the block's keys causally (slots ``<= i``, also within the window); a bidirectional
+sliding layer (``causal=False``: ``is_causal: false``) sees every block slot within ``w``
+of its own. Training runs blocks in
 *chunks* (``BlockChunk``): the keys of a chunk are the packed context of the documents its
 blocks belong to (a contiguous slice of the micro-batch's packed context, since blocks are
 ordered document-major) followed by the chunk's own block keys. A chunk's mask is
@@ -54,6 +56,10 @@ class LayerRule:
     (the last w positions up to the query's own, causal inside the block)."""
 
     window: int | None = None
+    # Sliding layers only: causal inside the block (the engines' default for a sliding
+    # layer), or bidirectional within the window (``is_causal: false``, as DFlash2's
+    # reference checkpoint sets; vLLM's window is then w - 1 positions on either side).
+    causal: bool = True
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -61,7 +67,17 @@ class LayerRule:
 
     @property
     def key(self) -> str:
-        return "full" if self.window is None else f"sliding{self.window}"
+        if self.window is None:
+            return "full"
+        return f"sliding{self.window}" + ("" if self.causal else "-bidirectional")
+
+    def in_block(self, back: torch.Tensor) -> torch.Tensor:
+        """Whether a sliding layer's query sees the block key ``back`` slots before it
+        (negative: after it)."""
+        assert self.window is not None
+        if self.causal:
+            return (back >= 0) & (back < self.window)
+        return back.abs() < self.window
 
 
 FULL = LayerRule()
@@ -117,8 +133,7 @@ class BlockChunk:
             slot = torch.arange(self.num_queries, device=q_blk.device) % self.block_size
             lowest = q_anchor + slot - rule.window + 1  # [n*B]: the window's first position
             ctx_ok &= self.ctx_pos[None, :] >= lowest[:, None]
-            back = slot[:, None] - slot[None, :]
-            own &= (back >= 0) & (back < rule.window)
+            own &= rule.in_block(slot[:, None] - slot[None, :])
         return torch.cat([ctx_ok, own], dim=1)
 
     def per_document(self, rule: LayerRule = FULL) -> PerDocument:
@@ -163,8 +178,7 @@ class BlockChunk:
             c = torch.clamp(kv_idx, max=span)
             slot = q_idx % b
             in_ctx_window = ctx_pos[c] >= q_anchor[q_idx] + slot - window + 1
-            back = slot - (kv_idx - span) % b
-            in_block_window = (back >= 0) & (back < window)
+            in_block_window = rule.in_block(slot - (kv_idx - span) % b)
             is_ctx = kv_idx < span
             return full(bi, hi, q_idx, kv_idx) & torch.where(is_ctx, in_ctx_window, in_block_window)
 
@@ -268,8 +282,7 @@ def _per_document(chunk: BlockChunk, rule: LayerRule) -> PerDocument:
         slot = rows % b  # [maxQ]: each query's slot in its block
         lowest = q_anchor + slot[None, :] - rule.window + 1  # [D, maxQ]
         ctx_ok &= c_pos[:, None, :] >= lowest[:, :, None]
-        back = slot[:, None] - slot[None, :]
-        own &= ((back >= 0) & (back < rule.window))[None]
+        own &= rule.in_block(slot[:, None] - slot[None, :])[None]
     mask = torch.cat([ctx_ok, own], dim=2) & q_valid[:, :, None]
     mask[:, :, max_c] |= ~q_valid  # padded query rows: one (block) key, output unused
     slots = torch.arange(n * b, device=dev)

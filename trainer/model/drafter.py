@@ -65,6 +65,9 @@ class DrafterConfig:
     # sees the last ``sliding_window`` positions, causally inside the block (LayerRule).
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    # Sliding layers causal inside the block (the engines' default), or bidirectional
+    # within the window (``is_causal: false``).
+    sliding_causal: bool = True
 
     def __post_init__(self) -> None:
         self._check_layer_types()
@@ -96,6 +99,8 @@ class DrafterConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if not self.sliding_causal and not sliding:
+            raise ValueError("sliding_causal False (bidirectional) but no layer is sliding")
 
     def _check_layer_types(self) -> None:
         """``layer_types`` checked, as a tuple; all full is None (one spelling per config)."""
@@ -116,7 +121,7 @@ class DrafterConfig:
     def layer_rule(self, index: int) -> LayerRule:
         """The attention rule of drafter layer ``index``."""
         if self.layer_types is not None and self.layer_types[index] == SLIDING:
-            return LayerRule(window=self.sliding_window)
+            return LayerRule(window=self.sliding_window, causal=self.sliding_causal)
         return FULL
 
     @staticmethod

@@ -77,7 +77,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Drafter config fields newer than some checkpoints, with the value those checkpoints mean.
-_DRAFTER_DEFAULTS: dict[str, Any] = {"layer_types": None, "sliding_window": None}
+_DRAFTER_DEFAULTS: dict[str, Any] = {
+    "layer_types": None, "sliding_window": None, "sliding_causal": True,
+}  # fmt: skip
 #: The spec fields of a job's shape: a checkpoint resumes under another (the rest of the
 #: epoch is planned for it, ``loader_server.planning.elastic``).
 SHAPE = ("world_size", "grad_accum")
