@@ -479,7 +479,7 @@ class Verifier:
             mask_token_id=folder.mask_token_id,
             layer_types=folder.layer_types,
             sliding_window=folder.sliding_window,
-            sliding_causal=folder.sliding_causal or folder.layer_types is None,
+            sliding_causal=folder.sliding_causal,
         )
         drafter = DFlashDrafter(cfg)
         init_drafter(drafter, folder, target)

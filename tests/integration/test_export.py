@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from drafters import greedy_samples, train_run
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
@@ -28,18 +29,15 @@ from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DraftBlocks, DrafterConfig
 from trainer.model.target import target_from_options
 from trainer.model.verifier import DrafterProposer, greedy_generate, speculative_generate
-from trainer.options import RunOptions, TargetOptions
+from trainer.options import RunOptions
 from trainer.run import (
     build_drafter,
     init_from_folder,
     resolve_init_drafter,
-    run_meta,
     train_config,
 )
 from trainer.train import checkpoint as ckpt
-from trainer.train.batches import ListSource
 from trainer.train.distributed import local_env
-from trainer.train.loop import TrainConfig, Trainer
 
 B = 8
 MASK = 511
@@ -69,26 +67,14 @@ def train(target, samples, run_dir: Path, *, mask: int | None = MASK, steps: int
     drafter = DFlashDrafter(cfg)
     if mask is None:
         drafter.mask_embedding.data.copy_(target.embed_tokens.weight.mean(0))
-    tc = TrainConfig(
-        run_dir=run_dir, loss=LossConfig(block_size=B, anchors_per_doc=6), steps=steps, lr=3e-3,
-        warmup=2, progress=False,
-    )  # fmt: skip
-    Trainer(
-        tc, target=target, drafter=drafter, source=ListSource(samples, rows=4), env=local_env(),
-        meta=run_meta(TargetOptions(), target),
-    ).run()  # fmt: skip
-    return run_dir
+    return train_run(
+        target, samples, run_dir, drafter, LossConfig(block_size=B, anchors_per_doc=6), steps
+    )
 
 
 @pytest.fixture(scope="module")
 def samples(target) -> list[tuple[list[int], list[int]]]:
-    """Prompts with the target's greedy continuations: a drafter learns them in a few steps."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(8):
-        prompt = torch.randint(0, MASK, (8,), generator=g)
-        out.append((torch.cat([prompt, greedy_generate(target, prompt, 32)]).tolist(), [1] * 40))
-    return out
+    return greedy_samples(target, MASK)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from drafters import greedy_samples, train_run
 from transformers import AutoModel
 
 from trainer.hf.export import export_drafter, read_trained_drafter
@@ -20,17 +21,14 @@ from trainer.model.attention import FULL, LayerRule
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DraftBlocks, DrafterConfig
 from trainer.model.verifier import DrafterProposer, greedy_generate, speculative_generate
-from trainer.options import RunOptions, TargetOptions
+from trainer.options import RunOptions
 from trainer.run import (
     build_drafter,
     init_from_folder,
     resolve_init_drafter,
-    run_meta,
     train_config,
 )
-from trainer.train.batches import ListSource
 from trainer.train.distributed import local_env
-from trainer.train.loop import TrainConfig, Trainer
 
 B, MASK, WINDOW = 4, 511, 6
 KINDS = ("sliding_attention", "full_attention")
@@ -45,26 +43,13 @@ def config(target, **kw) -> DrafterConfig:
 
 def train(target, samples, run_dir: Path, cfg: DrafterConfig, steps: int, resume=False):
     torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg)
-    tc = TrainConfig(
-        run_dir=run_dir, loss=LossConfig(block_size=B, anchors_per_doc=8), steps=steps, lr=3e-3,
-        warmup=2, progress=False, resume=resume,
-    )  # fmt: skip
-    Trainer(
-        tc, target=target, drafter=drafter, source=ListSource(samples, rows=4), env=local_env(),
-        meta=run_meta(TargetOptions(), target),
-    ).run()  # fmt: skip
-    return run_dir
+    loss = LossConfig(block_size=B, anchors_per_doc=8)
+    return train_run(target, samples, run_dir, DFlashDrafter(cfg), loss, steps, resume=resume)
 
 
 @pytest.fixture(scope="module")
 def samples(target):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(8):
-        prompt = torch.randint(0, MASK, (8,), generator=g)
-        out.append((torch.cat([prompt, greedy_generate(target, prompt, 32)]).tolist(), [1] * 40))
-    return out
+    return greedy_samples(target, MASK)
 
 
 @pytest.fixture(scope="module")

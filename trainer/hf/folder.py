@@ -76,7 +76,10 @@ class DrafterFolder:
     @property
     def sliding_causal(self) -> bool:
         """Whether sliding layers are causal inside the block: unless ``is_causal`` (vLLM
-        and SGLang read it first) or ``dflash_config.causal`` says false."""
+        and SGLang read it first) or ``dflash_config.causal`` says false. True without
+        sliding layers (the drafter config's spelling)."""
+        if self.layer_types is None:
+            return True
         for key in ("is_causal", "causal"):
             if self.value(key) is not None:
                 return bool(self.value(key))
@@ -206,7 +209,7 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
                 f"{list(folder.layer_types or [FULL_ATTENTION] * drafter_layers)}: drop "
                 "--layer-types"
             )
-    theirs_causal = folder.sliding_causal or folder.layer_types is None
+    theirs_causal = folder.sliding_causal
     if opts.sliding_bidirectional and theirs_causal:
         raise ValueError(
             f"--sliding-bidirectional: {file}'s sliding layers are causal (or it has none): "
@@ -251,7 +254,7 @@ def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: 
         ("target_layer_ids", folder.target_layer_ids, target.layer_ids),
         ("layer_types", folder.layer_types, cfg.layer_types),
         ("sliding_window", folder.sliding_window, cfg.sliding_window),
-        ("sliding causal", folder.sliding_causal or cfg.layer_types is None, cfg.sliding_causal),
+        ("sliding causal", folder.sliding_causal, cfg.sliding_causal),
     )
     for key, theirs, mine in fields:
         if theirs is None and key in ("num_target_layers", "rms_norm_eps", "rope_theta"):
