@@ -305,10 +305,16 @@ class LoaderClient:
             if msg.get("s") == sid and msg["t"] in ("closed", "error"):
                 return
 
-    def _finish(self) -> None:
-        """The requested epochs are done: free the daemon's ring, keep StopIteration."""
+    def _finish(self, wait_s: float = 1.0) -> None:
+        """The requested epochs are done: free the daemon's ring, keep StopIteration.
+        Waits (up to ``wait_s``) for the daemon to confirm, so once ``StopIteration`` is
+        raised the rank is free: a new client of the same rank, on its own connection, is
+        not refused as a second reader because its ``open`` overtook this ``close``."""
         self._done = True
+        sid = self._sid
         self._end_session()
+        if sid is not None and self._sock is not None:
+            self._await_closed(sid, wait_s)
 
     # --- session ---------------------------------------------------------------------------
 
