@@ -130,7 +130,10 @@ EVAL = "Evaluation, checkpoints, output"
 #: ``RunOptions`` field -> (lowest allowed value, whether the bound itself is allowed)
 RUN_LIMITS: dict[str, tuple[float, bool]] = {
     "drafter_layers": (1, True), "block_size": (2, True), "anchors_per_doc": (1, True),
-    "sliding_window": (1, True),
+    "sliding_window": (1, True), "conv_kernel_size": (1, True), "conv_group_size": (1, True),
+    "selector_rank": (1, True), "selector_top_k": (1, True), "output_multiplier": (0, False),
+    "final_logit_softcapping": (0, False), "input_embedding_scale": (0, False),
+    "selector_alpha": (0, True),
     "max_anchors": (0, True), "loss_chunk": (0, True), "mask_token_id": (0, True),
     "gamma": (0, False), "lr": (0, False), "warmup": (0, True), "weight_decay": (0, True),
     "grad_clip": (0, False), "steps": (1, True), "epochs": (1, True),
@@ -186,6 +189,47 @@ class RunOptions(TargetOptions):
         "its own].",
         section=DRAFTER,
     )
+    drafter: str | None = opt(
+        None,
+        "Drafter generation: dflash, or dflash2 (grouped convolutions around each sublayer "
+        "and a candidate selector over the LM head's top-K; served as DFlash2DraftModel) "
+        "[dflash; --init-drafter: its own].",
+        choices=("dflash", "dflash2"), section=DRAFTER,  # trainer.model.dflash2.VARIANTS
+    )  # fmt: skip
+    conv_kernel_size: int | None = opt(
+        None, "DFlash2: taps of each block convolution [2; --init-drafter: its own].",
+        section=DRAFTER,
+    )  # fmt: skip
+    conv_group_size: int | None = opt(
+        None, "DFlash2: hidden channels sharing one dynamic tap [16; --init-drafter: its own].",
+        section=DRAFTER,
+    )  # fmt: skip
+    selector_rank: int | None = opt(
+        None,
+        "DFlash2: rank of the selector's codebooks (two [vocab, rank] tables) [256; "
+        "--init-drafter: its own].",
+        section=DRAFTER,
+    )
+    selector_top_k: int | None = opt(
+        None, "DFlash2: unary candidates the selector walks [16; --init-drafter: its own].",
+        section=DRAFTER,
+    )  # fmt: skip
+    output_multiplier: float | None = opt(
+        None, "DFlash2: scale of the unary logits [1; --init-drafter: its own].", section=DRAFTER
+    )
+    final_logit_softcapping: float | None = opt(
+        None,
+        "DFlash2: soft cap c of the unary logits, c*tanh(x/c) [none; --init-drafter: its own].",
+        section=DRAFTER,
+    )
+    input_embedding_scale: float | None = opt(
+        None, "DFlash2: scale of the block's embeddings [1; --init-drafter: its own].",
+        section=DRAFTER,
+    )  # fmt: skip
+    selector_alpha: float | None = opt(
+        None, "DFlash2: weight of the selector's K-way cross-entropy next to the unary one [1].",
+        section=DRAFTER,
+    )  # fmt: skip
     init_drafter: Path | None = opt(
         None,
         "Start from a DFlash drafter folder (an export, or a released one): its weights, "
@@ -451,6 +495,27 @@ def layer_kinds(value: str, num_layers: int) -> tuple[str, ...]:
             "(--drafter-layers)"
         )
     return tuple(_LAYER_NAMES[v] for v in names)
+
+
+#: DFlash2's drafter fields (``DrafterConfig``, the options of the same names) and the
+#: reference's defaults (z-lab's DFlash2, vLLM's and speculators' configs).
+DFLASH2_DEFAULTS: dict[str, Any] = {
+    "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16,
+    "output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0,
+}  # fmt: skip
+
+
+def dflash2_fields(opts: RunOptions) -> dict[str, Any]:
+    """The drafter config's variant and DFlash2 fields of ``opts`` (``--drafter`` resolved);
+    a DFlash2 flag given for a dflash drafter is refused, naming it."""
+    given = {k: getattr(opts, k) for k in DFLASH2_DEFAULTS if getattr(opts, k) is not None}
+    if opts.drafter != "dflash2":
+        named = sorted([*given, *(["selector_alpha"] if opts.selector_alpha is not None else [])])
+        if named:
+            flag = "--" + named[0].replace("_", "-")
+            raise ValueError(f"{flag} is a DFlash2 option: add --drafter dflash2")
+        return {}
+    return {"variant": "dflash2", **DFLASH2_DEFAULTS, **given}
 
 
 def parse_layer_types(

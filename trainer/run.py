@@ -25,7 +25,13 @@ from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, 
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.target import TINY, Target, mask_token_id, target_from_options, target_record
-from trainer.options import RunOptions, TargetOptions, parse_int_list, parse_layer_types
+from trainer.options import (
+    RunOptions,
+    TargetOptions,
+    dflash2_fields,
+    parse_int_list,
+    parse_layer_types,
+)
 from trainer.train import stop
 from trainer.train.checkpoint import RunWriteError, latest_checkpoint, write_error_message
 from trainer.train.distributed import init_distributed, shutdown
@@ -127,6 +133,7 @@ def build_drafter(target: Target, opts: RunOptions, device: torch.device | str) 
         layer_types=parse_layer_types(opts.layer_types, opts.sliding_window, opts.drafter_layers),
         sliding_window=opts.sliding_window,
         sliding_causal=not opts.sliding_bidirectional,
+        **dflash2_fields(opts),
     )
     log.info("drafter MASK: %s", "learned vector" if mask_id is None else f"token {mask_id}")
     with torch.random.fork_rng(devices=[]):
@@ -164,6 +171,7 @@ def train_config(opts: RunOptions) -> TrainConfig:
             anchors_per_doc=opts.anchors_per_doc,
             max_anchors=opts.max_anchors,
             gamma=opts.gamma,
+            selector_alpha=1.0 if opts.selector_alpha is None else opts.selector_alpha,
         ),
         loss_chunk=opts.loss_chunk,
         attention=opts.attention,
@@ -207,6 +215,9 @@ def resolve_init_drafter(opts: RunOptions) -> tuple[RunOptions, DrafterFolder | 
     kinds = parse_layer_types(opts.layer_types, opts.sliding_window, opts.drafter_layers)
     if opts.sliding_bidirectional and kinds is None:
         raise ValueError("--sliding-bidirectional: no drafter layer is sliding (--sliding-window)")
+    if opts.drafter is None:
+        opts = replace(opts, drafter="dflash")
+    dflash2_fields(opts)  # DFlash2 flags need --drafter dflash2
     return opts, folder
 
 

@@ -282,3 +282,39 @@ def test_epochs_train_every_step_of_every_epoch(daemon, tmp_path):
     assert sorted(recs) == list(range(sum(per_epoch) + 1))
     assert recs[sum(per_epoch)]["epoch"] == 2 and "tau" in recs[sum(per_epoch)]
     assert (run_dir / "checkpoints" / f"step-{sum(per_epoch):08d}").is_dir()
+
+
+def test_two_ranks_train_a_dflash2_drafter_and_export_it(daemon, tmp_path):
+    """DFlash2 under DDP: the selector is used outside the drafter's forward (by the head),
+    and its gradients are still all-reduced (both ranks end with the same weights, which
+    the export's DFlash2 folder carries)."""
+    run_dir = tmp_path / "run"
+    flags = ("--drafter", "dflash2", "--selector-rank", "8", "--selector-top-k", "4",
+             "--conv-group-size", "32", "--ckpt-every", "4")  # fmt: skip
+    run(train_cmd(daemon.endpoint, run_dir, "d2", 4, *flags), tmp_path / "t.log")
+    recs = records(run_dir)
+    assert sorted(recs) == list(range(5)) and 1.0 <= recs[4]["tau"] <= 8.0
+    out = tmp_path / "export"
+    cmd = [sys.executable, "-m", "trainer.cli", "export", str(run_dir), str(out), "--dtype", "fp32"]
+    run(cmd, tmp_path / "e.log")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and "auto_map" not in config
+    d2 = config["dflash_config"]
+    assert (d2["selector_rank"], d2["selector_top_k"], d2["conv_group_size"]) == (8, 4, 32)
+    assert (d2["conv_kernel_size"], d2["output_multiplier"]) == (2, 1.0)
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["candidate_selector.predecessor_codebook"].shape == (512, 8)
+    assert weights["layers.0.attention_conv.base_kernel"].shape == (2, 2, 128)
+    assert weights["layers.0.mlp_conv.kernel_projection.weight"].shape == (2 * 2 * 4, 128)
+    # The selector's gradients reached the optimizer through DDP: it left its initialisation
+    # (the drafter as built from the run's seed).
+    from trainer.model.drafter import DFlashDrafter, DrafterConfig
+
+    ckpt = torch.load(run_dir / "checkpoints" / "step-00000004" / "model.pt", weights_only=False)
+    torch.manual_seed(0)  # --seed's default
+    fresh = DFlashDrafter(DrafterConfig(**ckpt["drafter_config"])).state_dict()
+    for name in ("candidate_selector.successor_codebook", "layers.0.mlp_conv.base_kernel"):
+        assert not torch.allclose(fresh[name], weights[name]), name

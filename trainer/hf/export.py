@@ -33,10 +33,10 @@ import torch
 
 from trainer.files import atomic_output, check_output
 from trainer.hf import remote_code_paths
-from trainer.hf.folder import ARCHITECTURE, WEIGHTS, weight_names
+from trainer.hf.folder import ARCHITECTURES, WEIGHTS, weight_names
 from trainer.model.drafter import FULL_ATTENTION, DFlashDrafter, DrafterConfig
 from trainer.model.target import target_from_options, target_record
-from trainer.options import CONFIG_FILE, TargetOptions
+from trainer.options import CONFIG_FILE, DFLASH2_DEFAULTS, TargetOptions
 from trainer.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
@@ -201,12 +201,17 @@ def folder_config(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, Any]:
     import transformers
 
     cfg, tgt = src.config, src.target
+    dflash2 = cfg.variant == "dflash2"
+    # DFlash2's fields, in dflash_config where vLLM and SGLang read them.
+    extra = {k: getattr(cfg, k) for k in DFLASH2_DEFAULTS} if dflash2 else {}
+    # Transformers' DFlash loop runs DFlash v1 only: the remote code goes with v1 folders.
+    auto_map = {
+        "AutoConfig": "configuration_dflash.DFlashConfig",
+        "AutoModel": "modeling_dflash.DFlashDraftModel",
+    }
     return {
-        "architectures": [ARCHITECTURE],
-        "auto_map": {
-            "AutoConfig": "configuration_dflash.DFlashConfig",
-            "AutoModel": "modeling_dflash.DFlashDraftModel",
-        },
+        "architectures": [ARCHITECTURES[cfg.variant]],
+        **({} if dflash2 else {"auto_map": auto_map}),
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -235,7 +240,11 @@ def folder_config(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, Any]:
         **({} if cfg.sliding_causal else {"is_causal": False}),
         "block_size": cfg.block_size,
         "num_target_layers": tgt["num_hidden_layers"],
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": src.layer_ids},
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": src.layer_ids,
+            **extra,
+        },
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in src.layer_ids],
         "dtype": _DTYPE_NAMES[dtype],
         "torch_dtype": _DTYPE_NAMES[dtype],
@@ -261,8 +270,12 @@ def _state_for_export(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, torc
 
 
 def _info(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, Any]:
+    dflash2 = src.config.variant == "dflash2"
     return {
-        "format": "DFlashDraftModel (z-lab dflash; SGLang, vLLM, Transformers)",
+        "format": "DFlash2DraftModel (z-lab dflash; SGLang, vLLM)"
+        if dflash2
+        else "DFlashDraftModel (z-lab dflash; SGLang, vLLM, Transformers)",
+        "architecture": ARCHITECTURES[src.config.variant],
         "checkpoint": str(src.checkpoint),
         "step": src.step,
         "target": src.target_name,
@@ -276,7 +289,16 @@ def _info(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _readme(info: dict[str, Any]) -> str:
-    return f"""# DFlash drafter
+    dflash2 = info["architecture"] == ARCHITECTURES["dflash2"]
+    transformers_line = (
+        "Transformers' DFlash loop drafts DFlash v1 only; vLLM's DFlash2 path needs a GPU "
+        "(Triton kernels)."
+        if dflash2
+        else "Transformers: `target.generate(ids, assistant_model=AutoModel.from_pretrained("
+        'DRAFT, trust_remote_code=True, dtype=target.dtype), speculation_type="dflash", '
+        "do_sample=False)`."
+    )
+    return f"""# {"DFlash2" if dflash2 else "DFlash"} drafter
 
 Trained by dflash-loader's trainer (`dflash-train export`).
 
@@ -296,8 +318,7 @@ vllm serve TARGET --speculative-config \\
     '{{"method": "dflash", "model": "DRAFT", "num_speculative_tokens": {info["block_size"] - 1}}}'
 ```
 
-Transformers: `target.generate(ids, assistant_model=AutoModel.from_pretrained(DRAFT, \
-trust_remote_code=True, dtype=target.dtype), speculation_type="dflash", do_sample=False)`.
+{transformers_line}
 """
 
 
@@ -307,7 +328,7 @@ def _write_folder(folder: Path, src: TrainedDrafter, dtype: torch.dtype) -> None
     config = folder_config(src, dtype)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(_state_for_export(src, dtype), str(folder / WEIGHTS), metadata={"format": "pt"})
-    for path in remote_code_paths():
+    for path in remote_code_paths() if src.config.variant == "dflash" else ():
         shutil.copyfile(path, folder / path.name)
     info = _info(src, dtype)
     (folder / INFO).write_text(json.dumps(info, indent=2) + "\n")

@@ -15,7 +15,7 @@ import torch
 
 from trainer.hf.configuration_dflash import DFLASH_KEYS
 from trainer.model.drafter import FULL_ATTENTION, LAYER_TYPES, SLIDING, DFlashDrafter
-from trainer.options import RunOptions, layer_kinds, parse_int_list
+from trainer.options import DFLASH2_DEFAULTS, RunOptions, layer_kinds, parse_int_list
 
 if TYPE_CHECKING:
     from trainer.model.target import Target
@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 ARCHITECTURE = "DFlashDraftModel"
+#: The folder architecture of each drafter generation (``DrafterConfig.variant``).
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
+#: DFlash2's ``dflash_config`` keys every engine needs (vLLM reads them without a default).
+DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def weight_names(names: set[str]) -> str:
@@ -86,6 +90,21 @@ class DrafterFolder:
         return True
 
     @property
+    def variant(self) -> str:
+        """``dflash`` or ``dflash2``, by the folder's architecture."""
+        arch = self.config.get("architectures") or []
+        return next((v for v, a in ARCHITECTURES.items() if a in arch), "dflash")
+
+    @property
+    def dflash2(self) -> dict[str, Any]:
+        """The DFlash2 fields of the drafter config (``DFLASH2_DEFAULTS`` where the folder
+        is silent); empty for a DFlash folder."""
+        if self.variant != "dflash2":
+            return {}
+        out = {k: self.value(k) for k in DFLASH2_DEFAULTS}
+        return {k: DFLASH2_DEFAULTS[k] if v is None else v for k, v in out.items()}
+
+    @property
     def rope_theta(self) -> float | None:
         rope = self.config.get("rope_parameters") or {}
         theta = rope.get("rope_theta", self.config.get("rope_theta"))
@@ -116,11 +135,20 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
         raise FileNotFoundError(f"--init-drafter {path}: no config.json")
     folder = DrafterFolder(Path(path), json.loads(file.read_text()))
     arch = folder.config.get("architectures") or []
-    if ARCHITECTURE not in arch:
-        raise ValueError(f"{file}: architectures {arch} is not [{ARCHITECTURE!r}]")
+    if not set(ARCHITECTURES.values()) & set(arch):
+        raise ValueError(
+            f"{file}: architectures {arch} is none of {sorted(ARCHITECTURES.values())}"
+        )
     if not folder.target_layer_ids:
         raise ValueError(f"{file}: no dflash_config.target_layer_ids")
+    dflash2 = folder.variant == "dflash2"
+    if dflash2:
+        missing = [k for k in DFLASH2_REQUIRED if folder.value(k) is None]
+        if missing:
+            raise ValueError(f"{file}: a {arch[0]} needs dflash_config.{missing[0]}")
     for key, neutral in _UNSUPPORTED.items():
+        if dflash2 and key in DFLASH2_DEFAULTS:
+            continue  # DFlash2's own fields
         value = folder.value(key)
         if value not in (None, neutral, False, 0):
             raise ValueError(f"{file}: {key} = {value!r} is not supported by this drafter")
@@ -163,7 +191,7 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
         raise ValueError(f"{file}: rope_type {kind!r}: only plain RoPE is supported")
     if folder.config.get("hidden_act", "silu") != "silu" or folder.config.get("attention_bias"):
         raise ValueError(f"{file}: only hidden_act silu without attention_bias is supported")
-    known = {*DFLASH_KEYS, *_UNSUPPORTED, "mask_token", "swa_window_size"}
+    known = {*DFLASH_KEYS, *_UNSUPPORTED, *DFLASH2_DEFAULTS, "mask_token", "swa_window_size"}
     extra = sorted(set(folder.dflash) - known)
     if extra:
         raise ValueError(f"{file}: unknown dflash_config keys {extra}")
@@ -216,6 +244,12 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
             "drop --sliding-bidirectional"
         )
     kinds = folder.layer_types
+    variant = _agree("--drafter", opts.drafter, "architectures", folder.variant, file)
+    dflash2 = {
+        k: _agree("--" + k.replace("_", "-"), getattr(opts, k), k, v, file)
+        for k, v in folder.dflash2.items()
+        if v is not None or getattr(opts, k) is not None
+    }
     if opts.learned_mask:
         raise ValueError(f"--learned-mask: {file} embeds a mask token id instead")
     mask = folder.mask_token_id
@@ -233,6 +267,8 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
         layer_types=None if kinds is None else ",".join(kinds),
         sliding_window=window,
         sliding_bidirectional=not theirs_causal,
+        drafter=variant,
+        **dflash2,
     )
 
 
@@ -255,6 +291,8 @@ def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: 
         ("layer_types", folder.layer_types, cfg.layer_types),
         ("sliding_window", folder.sliding_window, cfg.sliding_window),
         ("sliding causal", folder.sliding_causal, cfg.sliding_causal),
+        ("architectures", folder.variant, cfg.variant),
+        *((k, v, getattr(cfg, k)) for k, v in folder.dflash2.items()),
     )
     for key, theirs, mine in fields:
         if theirs is None and key in ("num_target_layers", "rms_norm_eps", "rope_theta"):

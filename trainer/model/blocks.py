@@ -38,6 +38,8 @@ class LossConfig:
     anchors_per_doc: int = 512
     max_anchors: int = 2048  # per micro-batch; 0: no cap
     gamma: float = 7.0
+    # DFlash2: weight of the selector's K-way cross-entropy next to the unary one.
+    selector_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -48,6 +50,8 @@ class LossConfig:
             raise ValueError(f"max_anchors must be >= 0 (0: no cap), got {self.max_anchors}")
         if not (math.isfinite(self.gamma) and self.gamma > 0):
             raise ValueError(f"gamma must be a positive number, got {self.gamma}")
+        if not (math.isfinite(self.selector_alpha) and self.selector_alpha >= 0):
+            raise ValueError(f"selector_alpha must be a number >= 0, got {self.selector_alpha}")
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.model.attention import FULL, BlockChunk, LayerRule, block_attention
+from trainer.model.dflash2 import VARIANTS, CandidateSelector, GroupedConv
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -68,6 +69,17 @@ class DrafterConfig:
     # Sliding layers causal inside the block (the engines' default), or bidirectional
     # within the window (``is_causal: false``).
     sliding_causal: bool = True
+    # "dflash2": grouped convolutions around each sublayer and a candidate selector
+    # (``trainer.model.dflash2``); its fields below keep their defaults for "dflash".
+    variant: str = "dflash"
+    vocab_size: int | None = None  # the target's (the selector's codebooks); dflash2 only
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         self._check_layer_types()
@@ -101,6 +113,37 @@ class DrafterConfig:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if not self.sliding_causal and not sliding:
             raise ValueError("sliding_causal False (bidirectional) but no layer is sliding")
+        self._check_variant()
+
+    def _check_variant(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.variant != "dflash2":
+            if self.vocab_size is not None:
+                raise ValueError("vocab_size is a dflash2 field (its selector's codebooks)")
+            return
+        if self.vocab_size is None or self.vocab_size < 1:
+            raise ValueError(f"a dflash2 drafter needs the target's vocab_size ({self.vocab_size})")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}"
+            )
+        if self.conv_kernel_size > self.block_size:
+            raise ValueError(
+                f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}"
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(
+                f"selector_top_k {self.selector_top_k} exceeds the vocabulary ({self.vocab_size})"
+            )
+        if not self.output_multiplier > 0:
+            raise ValueError(f"output_multiplier must be > 0, got {self.output_multiplier}")
+        cap = self.final_logit_softcapping
+        if cap is not None and not cap > 0:
+            raise ValueError(f"final_logit_softcapping must be > 0 (or unset), got {cap}")
 
     def _check_layer_types(self) -> None:
         """``layer_types`` checked, as a tuple; all full is None (one spelling per config)."""
@@ -142,6 +185,8 @@ class DrafterConfig:
             rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
         )
+        if overrides.get("variant") == "dflash2":
+            values["vocab_size"] = int(config.vocab_size)
         values.update(overrides)
         return DrafterConfig(**values)
 
@@ -242,6 +287,12 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(cfg)
+        if cfg.variant == "dflash2":
+            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+            self.attention_conv: GroupedConv | None = GroupedConv(*conv)
+            self.mlp_conv: GroupedConv | None = GroupedConv(*conv)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(
         self,
@@ -251,8 +302,14 @@ class DrafterLayer(nn.Module):
         chunk: BlockChunk,
         backend: str,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx_kv, rope, chunk, backend, self.rule)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if self.attention_conv is None or self.mlp_conv is None:
+            h = h + self.self_attn(self.input_layernorm(h), ctx_kv, rope, chunk, backend, self.rule)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        x, out_side = self.attention_conv.prepare(self.input_layernorm(h))
+        x = self.self_attn(x, ctx_kv, rope, chunk, backend, self.rule)
+        h = h + self.attention_conv.finish(x, out_side)
+        x, out_side = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), out_side)
 
 
 @dataclass(frozen=True)
@@ -324,7 +381,8 @@ KEEP_CHUNKS = 2  # chunks per micro-batch drafted without activation checkpointi
 
 class DFlashDrafter(nn.Module):
     """Projection of target features, K decoder layers, final norm (and, opt-in, a learned
-    MASK vector)."""
+    MASK vector). A dflash2 drafter also holds its ``candidate_selector``, which the head
+    (``trainer.model.loss``) and the verifier use on what ``forward`` returns."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -337,6 +395,11 @@ class DFlashDrafter(nn.Module):
         # Learned MASK (opt-in, not servable); set from the target's mean embedding by the
         # caller. With a mask_token_id the MASK is the target's frozen embedding row.
         self.mask_embedding = nn.Parameter(torch.zeros(h)) if cfg.mask_token_id is None else None
+        self.candidate_selector = (
+            CandidateSelector(cast(int, cfg.vocab_size), h, cfg.selector_rank, cfg.selector_top_k)
+            if cfg.variant == "dflash2"
+            else None
+        )
 
     def block_inputs(self, embed: nn.Module, anchor_ids: torch.Tensor) -> torch.Tensor:
         """``[anchor, MASK x (B-1)]`` embeddings for ``anchor_ids [n]``: ``[n*B, H]``."""
@@ -348,10 +411,13 @@ class DFlashDrafter(nn.Module):
                 raise RuntimeError("a drafter without a MASK vector needs a mask_token_id")
             ids = anchor_ids.new_full((n, b), mask_id)
             ids[:, 0] = anchor_ids
-            return embed(ids.view(-1)).to(dtype)
-        x = embed(anchor_ids).to(dtype)
-        masks = self.mask_embedding.to(dtype).expand(n, b - 1, -1)
-        return torch.cat([x[:, None], masks], dim=1).reshape(n * b, -1)
+            x = embed(ids.view(-1)).to(dtype)
+        else:
+            first = embed(anchor_ids).to(dtype)
+            masks = self.mask_embedding.to(dtype).expand(n, b - 1, -1)
+            x = torch.cat([first[:, None], masks], dim=1).reshape(n * b, -1)
+        scale = self.config.input_embedding_scale
+        return x * scale if scale != 1.0 else x
 
     def forward(self, embed: nn.Module, blocks: DraftBlocks, backend: str = "sdpa") -> torch.Tensor:
         """Hidden states (after the final norm) of every block slot, ``[N*B, H]``, or of the

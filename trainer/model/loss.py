@@ -28,9 +28,11 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import BackwardCFunction
+from torch.utils.checkpoint import checkpoint
 
 from client.batch import Batch
 from trainer.model.blocks import LossConfig, draft_blocks, plan_blocks
+from trainer.model.dflash2 import CandidateSelector, softcap_logits, training_candidates
 from trainer.model.docs import DocView
 from trainer.model.drafter import DFlashDrafter, DraftBlocks
 from trainer.model.phases import phase
@@ -53,11 +55,43 @@ class LossOutput:
     capped_blocks: int = 0  # anchors drawn but dropped by the per-micro-batch cap
 
 
+@dataclass(frozen=True)
+class LogitRule:
+    """How the head's logits are read: ``softcap(multiplier * h @ W.T)`` (DFlash2's
+    ``output_multiplier`` and ``final_logit_softcapping``), and how many of the top
+    candidates (``top_k``, DFlash2's selector) the head returns with their logits."""
+
+    multiplier: float = 1.0
+    cap: float | None = None
+    top_k: int = 0
+
+    @property
+    def plain(self) -> bool:
+        return self.multiplier == 1.0 and not self.cap
+
+
+@dataclass
+class HeadOutput:
+    """The weighted CE sum (differentiable), argmax hits ``[N]``, and with ``top_k``: the
+    training candidates ``[N, K]`` (the label put last where the top-K misses it,
+    ``dflash2.training_candidates``), their logits ``[N, K]`` (differentiable), the
+    label's place ``[N]`` and whether the top-K held it ``[N]``."""
+
+    ce: torch.Tensor
+    hits: torch.Tensor
+    candidates: torch.Tensor
+    candidate_logits: torch.Tensor
+    place: torch.Tensor
+    found: torch.Tensor
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Weighted CE of ``h @ W.T`` chunk by chunk, with ``d/dh`` computed in the same pass.
+    """Weighted CE of ``rule(h @ W.T)`` chunk by chunk, with ``d/dh`` computed in the same
+    pass, and (``rule.top_k``) the logits of the top candidates as a second output.
 
     Frozen ``W`` only (the LM head): no weight gradient. Saves ``grad_h`` (``[N, H]``), never
-    logits; backward scales it by the incoming gradient.
+    logits; backward scales it by the incoming gradient and adds the candidates' share
+    (``[N, K]`` slopes times their ``W`` rows, chunk by chunk).
     """
 
     @staticmethod
@@ -68,31 +102,53 @@ class _LinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         weights: torch.Tensor,
         chunk: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = h.shape[0]
+        rule: LogitRule,
+    ) -> tuple[torch.Tensor, ...]:
+        n, k = h.shape[0], rule.top_k
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         hits = torch.empty(n, dtype=torch.bool, device=h.device)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        cands = torch.empty(n, k, dtype=torch.long, device=h.device)
+        cand_logits = torch.empty(n, k, dtype=torch.float32, device=h.device)
+        slopes = torch.empty(n, k, dtype=torch.float32, device=h.device)
+        place = torch.empty(n, dtype=torch.long, device=h.device)
+        found = torch.empty(n, dtype=torch.bool, device=h.device)
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
             # One function call per chunk: its logits are freed before the next chunk's exist.
-            ce, hits[lo:hi], grad = _chunk_ce(
-                h[lo:hi], weight, labels[lo:hi], weights[lo:hi], grad_h is not None
+            out = _chunk_ce(
+                h[lo:hi], weight, labels[lo:hi], weights[lo:hi], grad_h is not None, rule
             )
+            ce, hit, grad, extra = out
             total += ce
+            hits[lo:hi] = hit
             if grad is not None:
                 assert grad_h is not None  # a gradient comes back only when asked for
                 grad_h[lo:hi] = grad
-        ctx.save_for_backward(grad_h if grad_h is not None else h.new_empty(0))
-        ctx.mark_non_differentiable(hits)
-        return total, hits
+            for dst, src in zip((cands, cand_logits, slopes, place, found), extra, strict=False):
+                dst[lo:hi] = src
+        ctx.chunk = chunk  # type: ignore[attr-defined]
+        ctx.save_for_backward(
+            grad_h if grad_h is not None else h.new_empty(0), weight, cands, slopes
+        )
+        ctx.mark_non_differentiable(hits, cands, place, found)
+        return total, hits, cands, cand_logits, place, found
 
     @staticmethod
     def backward(
-        ctx: BackwardCFunction, grad_total: torch.Tensor, grad_hits: torch.Tensor | None
-    ) -> tuple[torch.Tensor, None, None, None, None]:
-        (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_total.to(grad_h.dtype), None, None, None, None
+        ctx: BackwardCFunction, grad_total: torch.Tensor, *grads: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        grad_h, weight, cands, slopes = cast(tuple[torch.Tensor, ...], ctx.saved_tensors)
+        out = grad_h * grad_total.to(grad_h.dtype)
+        grad_logits = grads[2]
+        if grad_logits is not None and cands.shape[1]:
+            g = grad_logits * slopes  # d(candidate logit) / d(raw logit)
+            chunk = int(ctx.chunk)  # type: ignore[attr-defined]
+            for lo in range(0, out.shape[0], chunk):
+                hi = min(lo + chunk, out.shape[0])
+                rows = weight[cands[lo:hi]].float()  # [n, K, H]
+                out[lo:hi] += torch.einsum("nk,nkh->nh", g[lo:hi], rows).to(out.dtype)
+        return out, None, None, None, None, None
 
 
 def _chunk_ce(
@@ -101,26 +157,80 @@ def _chunk_ce(
     labels: torch.Tensor,
     weights: torch.Tensor,
     need_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Weighted CE sum, argmax hits and (if ``need_grad``) ``d/dh`` for one chunk of rows.
+    rule: LogitRule,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """Weighted CE sum, argmax hits, ``d/dh`` (if ``need_grad``) and, with ``rule.top_k``,
+    the candidates, their logits and slopes, the label's place and whether it was found,
+    for one chunk of rows.
 
     One ``[rows, vocab]`` fp32 buffer holds the logits, then (in place) the softmax, then the
-    gradient of the logits: ``logsumexp`` and ``softmax`` would each allocate another.
+    gradient of the logits: ``logsumexp`` and ``softmax`` would each allocate another (a
+    soft cap keeps one more, its slope).
     """
     logits = (h @ weight.t()).float()
+    slope: torch.Tensor | float = rule.multiplier
+    if rule.multiplier != 1.0:
+        logits.mul_(rule.multiplier)
+    if rule.cap:
+        logits.div_(rule.cap).tanh_()
+        slope = (1.0 - logits * logits).mul_(rule.multiplier)
+        logits.mul_(rule.cap)
     w = weights.float()
     picked = logits.gather(1, labels[:, None])[:, 0]
     hits = logits.argmax(-1) == labels
+    extra: tuple[torch.Tensor, ...] = ()
+    if rule.top_k:
+        top = logits.topk(rule.top_k, dim=-1).indices
+        cands, place, found = training_candidates(top, labels)
+        cand_slope = (
+            slope.gather(1, cands)
+            if isinstance(slope, torch.Tensor)
+            else torch.full(cands.shape, slope, device=h.device)
+        )
+        extra = (cands, logits.gather(1, cands), cand_slope, place, found)
     top = logits.amax(-1, keepdim=True)
     probs = logits.sub_(top).exp_()  # in place: the logits are not needed any more
     total = probs.sum(-1, keepdim=True)
     ce = ((top[:, 0] + total[:, 0].log() - picked) * w).sum()
     if not need_grad:
-        return ce, hits, None
+        return ce, hits, None, extra
     probs.div_(total)
     probs[torch.arange(h.shape[0], device=h.device), labels] -= 1.0
     probs.mul_(w[:, None])
-    return ce, hits, (probs.to(weight.dtype) @ weight).to(h.dtype)
+    if not rule.plain:
+        probs.mul_(slope)
+    return ce, hits, (probs.to(weight.dtype) @ weight).to(h.dtype), extra
+
+
+def head_loss(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int,
+    rule: LogitRule = LogitRule(),
+) -> HeadOutput:
+    """Sum of ``weights * CE(rule(head(hidden)), labels)`` and what ``rule`` asks for.
+
+    ``chunk_size > 0``: logits for at most ``chunk_size`` rows exist at once (fused pass,
+    frozen head). ``0``: the plain path (all logits, autograd), kept as the reference.
+    """
+    if chunk_size <= 0:
+        logits = softcap_logits(head(hidden).float(), rule.multiplier, rule.cap)
+        ce = (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
+        hits = logits.argmax(-1) == labels
+        if not rule.top_k:
+            empty = labels.new_empty(labels.shape[0], 0)
+            return HeadOutput(ce, hits, empty, empty.float(), labels.new_empty(0), hits[:0])
+        cands, place, found = training_candidates(logits.topk(rule.top_k).indices, labels)
+        return HeadOutput(ce, hits, cands, logits.gather(1, cands), place, found)
+    weight = head.weight
+    if weight.requires_grad:
+        raise ValueError("the chunked LM head needs a frozen head (no weight gradient)")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("the chunked LM head supports a head without bias only")
+    out = _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_size, rule)
+    return HeadOutput(*out)
 
 
 def linear_cross_entropy(
@@ -130,21 +240,42 @@ def linear_cross_entropy(
     weights: torch.Tensor,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum of weights * CE(head(hidden), labels), argmax hits [N])``.
+    """``(sum of weights * CE(head(hidden), labels), argmax hits [N])`` (``head_loss``)."""
+    out = head_loss(hidden, head, labels, weights, chunk_size)
+    return out.ce, out.hits
 
-    ``chunk_size > 0``: logits for at most ``chunk_size`` rows exist at once (fused pass,
-    frozen head). ``0``: the plain path (all logits, autograd), kept as the reference.
-    """
-    if chunk_size <= 0:
-        logits = head(hidden).float()
-        ce = F.cross_entropy(logits, labels, reduction="none")
-        return (ce * weights).sum(), logits.argmax(-1) == labels
-    weight = head.weight
-    if weight.requires_grad:
-        raise ValueError("the chunked LM head needs a frozen head (no weight gradient)")
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("the chunked LM head supports a head without bias only")
-    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_size)
+
+def selector_loss(
+    selector: CandidateSelector,
+    hidden: torch.Tensor,
+    predecessors: torch.Tensor,
+    head: HeadOutput,
+    weights: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash2's K-way selector CE summed with ``weights``, and whether its teacher-forced
+    choice is the label ``[N]``; ``chunk_size`` rows at a time (their ``[n, K, rank]``
+    gathers recomputed in backward), all at once with 0."""
+    n = hidden.shape[0]
+    step = chunk_size if chunk_size > 0 else max(n, 1)
+
+    def part(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        trans = selector.transitions(hidden[lo:hi], predecessors[lo:hi], head.candidates[lo:hi])
+        scores = head.candidate_logits[lo:hi] + trans
+        ce = F.cross_entropy(scores, head.place[lo:hi], reduction="none")
+        return (ce * weights[lo:hi].float()).sum(), scores.argmax(-1) == head.place[lo:hi]
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    hits: list[torch.Tensor] = []
+    many = n > step and torch.is_grad_enabled()
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        if many:
+            ce, hit = checkpoint(part, lo, hi, use_reentrant=False)
+        else:
+            ce, hit = part(lo, hi)
+        total, hits = total + ce, [*hits, hit]
+    return total, (torch.cat(hits) if hits else head.found) & head.found
 
 
 def draft_loss(
@@ -192,7 +323,16 @@ def draft_loss(
         sel = plan.weights > 0
         labels = plan.labels[sel].to(device, non_blocking=True)
         weights = plan.weights[sel].to(device, non_blocking=True)
-        weighted, hits = linear_cross_entropy(hidden, target.lm_head, labels, weights, chunk_size)
+        selector = core.candidate_selector
+        out = head_loss(hidden, target.lm_head, labels, weights, chunk_size, logit_rule(core))
+        weighted, hits = out.ce, out.hits
+        if selector is not None:  # DFlash2: its served choice is the selector's
+            # The teacher-forced predecessor of offset k: the true token at k-1 (the anchor).
+            full = plan.labels.to(device, non_blocking=True)
+            prev = torch.cat([blocks.anchor_ids[:, None], full[:, :-1]], 1)
+            prev = prev[sel.to(device, non_blocking=True)]
+            sel_ce, hits = selector_loss(selector, hidden, prev, out, weights, chunk_size)
+            weighted = weighted + cfg.selector_alpha * sel_ce
     weight_sum = weights.sum()
     k_idx = torch.arange(b - 1).expand_as(sel)[sel].to(device, non_blocking=True)
     return LossOutput(
@@ -221,4 +361,15 @@ def zero_loss(target: Target, drafter: torch.nn.Module) -> torch.Tensor:
     device = core.fc.weight.device
     feats = torch.zeros(1, 1, core.fc.in_features, device=device)  # anchor 0 sees none of it
     blocks = DraftBlocks.one_document(feats, [0], torch.zeros(1, dtype=torch.long))
-    return drafter(target.embed_tokens, blocks, "sdpa").sum() * 0.0
+    zero = drafter(target.embed_tokens, blocks, "sdpa").sum() * 0.0
+    if core.candidate_selector is not None:  # used outside forward: touch it too
+        zero = zero + sum(p.sum() for p in core.candidate_selector.parameters()) * 0.0
+    return zero
+
+
+def logit_rule(drafter: DFlashDrafter) -> LogitRule:
+    """How ``drafter``'s head reads its logits (DFlash2: multiplier, cap, top-K)."""
+    cfg = drafter.config
+    if drafter.candidate_selector is None:
+        return LogitRule()
+    return LogitRule(cfg.output_multiplier, cfg.final_logit_softcapping, cfg.selector_top_k)

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from trainer.model.dflash2 import softcap_logits, walk
 from trainer.model.drafter import DFlashDrafter, DraftBlocks
 from trainer.model.target import Target
 
@@ -85,19 +86,39 @@ class DrafterProposer:
 
     @torch.no_grad()
     def logits(self, committed: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B-1, V]`` for the tokens after the anchor ``committed[-1]``."""
+        """Logits ``[B-1, V]`` for the tokens after the anchor ``committed[-1]`` (DFlash2:
+        the unary ones, before the selector)."""
+        return self._draft(committed, ctx)[1]
+
+    def _draft(
+        self, committed: torch.Tensor, ctx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafted slots' hidden states ``[B-1, H]`` and their (unary) logits."""
         anchor_pos = committed.numel() - 1
         if ctx.shape[0] != anchor_pos:
             raise ValueError(f"context has {ctx.shape[0]} positions, anchor is at {anchor_pos}")
         blocks = DraftBlocks.one_document(ctx[None], [anchor_pos], committed[-1:])
-        hidden = self.drafter(self.target.embed_tokens, blocks, "sdpa")
-        return self.target.lm_head(hidden[1:].to(self.target.lm_head.weight.dtype))
+        hidden = self.drafter(self.target.embed_tokens, blocks, "sdpa")[1:]
+        logits = self.target.lm_head(hidden.to(self.target.lm_head.weight.dtype))
+        cfg = self.drafter.config
+        if self.drafter.candidate_selector is not None:
+            logits = softcap_logits(
+                logits.float(), cfg.output_multiplier, cfg.final_logit_softcapping
+            )
+        return hidden, logits
 
+    @torch.no_grad()
     def propose(self, committed: torch.Tensor, ctx: torch.Tensor, num: int) -> torch.Tensor:
         b = self.drafter.config.block_size
         if num != b - 1:
             raise ValueError(f"a block of {b} drafts {b - 1} tokens, asked for {num}")
-        return self.logits(committed, ctx).argmax(-1)
+        hidden, logits = self._draft(committed, ctx)
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            return logits.argmax(-1)
+        # DFlash2: the greedy walk over the selector's edges between the unary top-K.
+        unary, cands = logits.topk(selector.top_k, dim=-1)
+        return walk(selector.edges(hidden, unary, cands, int(committed[-1])), cands)
 
 
 def eos_ids(config: PretrainedConfig | GenerationConfig | None) -> tuple[int, ...]:

@@ -49,12 +49,14 @@ from typing import IO, Any, cast
 import torch
 
 from trainer.files import fsync_dir
+from trainer.model.blocks import LossConfig
 from trainer.options import RENAMED
 from trainer.train.distributed import DistEnv, all_reduce, barrier
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 1
+LOSS_DEFAULTS = {"selector_alpha": LossConfig.selector_alpha}
 MANIFEST_VERSION = 1
 MANIFESTS = "manifests"  # RUN_DIR/manifests/step-N.json
 _NAME = re.compile(r"^step-(\d{8})$")
@@ -121,7 +123,8 @@ class CheckpointRecord:
         if missing:
             raise ValueError(f"{where}: not a drafter checkpoint (no {', '.join(missing)})")
         saved_loss: dict[str, Any] = dict(shared["loss_config"])
-        loss = {RENAMED.get(k, k): v for k, v in saved_loss.items()}
+        # Fields newer than the checkpoint mean their defaults (selector_alpha: DFlash2's).
+        loss = {**LOSS_DEFAULTS, **{RENAMED.get(k, k): v for k, v in saved_loss.items()}}
         return cls(
             step=int(shared["step"]),
             epoch=int(shared.get("epoch", 0)),

@@ -32,7 +32,7 @@ import math
 import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,7 +48,7 @@ from loader_server.wire.protocol import (
 from trainer.model.attention import BACKENDS, resolve_backend
 from trainer.model.blocks import LossConfig, anchor_generator
 from trainer.model.docs import DocView
-from trainer.model.drafter import DFlashDrafter
+from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.loss import DEFAULT_CHUNK_SIZE, draft_loss, zero_loss
 from trainer.model.phases import phase
 from trainer.model.target import Target
@@ -76,10 +76,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Drafter config fields newer than some checkpoints, with the value those checkpoints mean.
+# Drafter config fields newer than some checkpoints, with the value those checkpoints mean
+# (every field added since the first has a default: no sliding layers, DFlash v1).
 _DRAFTER_DEFAULTS: dict[str, Any] = {
-    "layer_types": None, "sliding_window": None, "sliding_causal": True,
-}  # fmt: skip
+    f.name: f.default for f in fields(DrafterConfig) if f.default is not MISSING
+}
 #: The spec fields of a job's shape: a checkpoint resumes under another (the rest of the
 #: epoch is planned for it, ``loader_server.planning.elastic``).
 SHAPE = ("world_size", "grad_accum")
