@@ -463,24 +463,15 @@ class Verifier:
         import torch
         from transformers import GenerationConfig
 
-        from trainer.hf.folder import init_drafter, read_drafter_folder
-        from trainer.model.drafter import DFlashDrafter, DrafterConfig
+        from trainer.hf.folder import config_from_folder, init_drafter, read_drafter_folder
+        from trainer.model.drafter import DFlashDrafter
         from trainer.model.target import load_target
         from trainer.model.verifier import DrafterProposer, eos_ids
 
         torch.set_num_threads(2)
         folder = read_drafter_folder(export)
         target = load_target(str(target_dir), layer_ids=folder.target_layer_ids)
-        cfg = DrafterConfig.from_target(
-            target.config,
-            num_target_layers=len(target.layer_ids),
-            num_layers=int(folder.config["num_hidden_layers"]),
-            block_size=int(folder.value("block_size")),
-            mask_token_id=folder.mask_token_id,
-            layer_types=folder.layer_types,
-            sliding_window=folder.sliding_window,
-            sliding_causal=folder.sliding_causal,
-        )
+        cfg = config_from_folder(folder, target)
         drafter = DFlashDrafter(cfg)
         init_drafter(drafter, folder, target)
         drafter.eval()
@@ -556,11 +547,111 @@ def speculators_parity(
         f"{theirs['aux_hidden_state_layer_ids']}; {len(anchors)} blocks at anchors {anchors}: "
         f"max |ours - speculators'| {diff:.2e} (hidden states up to {scale:.1f})"
     )
+    selector = drafter.candidate_selector
+    if selector is not None:  # DFlash2: the selector's teacher-forced candidate scores
+        b = drafter.config.block_size
+        with torch.no_grad():
+            logits = verifier.target.lm_head(ours).float()
+            cands = logits.topk(selector.top_k, dim=-1).indices
+            block = ids[torch.tensor(anchors)[:, None] + torch.arange(b)]
+            prev = torch.cat([block[:, :1], block[:, :-1]], 1).reshape(-1)
+            scores = logits.gather(1, cands) + selector.transitions(ours, prev, cands)
+        n = scores.shape[0]
+        same_ids = torch.equal(cands, theirs["candidates"][:n])
+        score_d = float((scores - theirs["scores"][:n]).abs().max())
+        detail += (
+            f"; selector scores of the top-{selector.top_k}: max |ours - speculators'| "
+            f"{score_d:.2e}, candidate ids {'equal' if same_ids else 'DIFFER'}"
+        )
+        if not same_ids or score_d > 1e-4 * max(float(scores.abs().max()), 1.0):
+            return Check(check, False, detail)
     if sliding:  # speculators trains another sliding rule (docs/TRAINER.md): not compared
         return Check(f"{name}: speculators converts and validates it", True,
                      detail + " (not an equality: speculators masks sliding layers by "
                      "another rule than vLLM serves)")  # fmt: skip
     return Check(check, diff <= 1e-5 * max(scale, 1.0), detail)
+
+
+def vllm_dflash2_parity(
+    args: argparse.Namespace, work: Path, name: str, export: Path, target: Path,
+    tokens: list[int],
+) -> Check:  # fmt: skip
+    """vLLM's ``DFlash2Qwen3ForCausalLM`` loads the export on CPU and its convolutions,
+    candidate logits and selector edges equal the trainer's on the same inputs
+    (``scripts/vllm_dflash2_check.py``, in the vLLM virtualenv)."""
+    import torch
+
+    from trainer.model.dflash2 import softcap_logits
+    from trainer.model.drafter import DraftBlocks
+
+    check = f"{name}: vLLM's DFlash2 model class loads it; its pieces == the drafter's"
+    verifier = Verifier(target, export)
+    drafter, tgt = verifier.proposer.drafter, verifier.target
+    cfg, selector = drafter.config, drafter.candidate_selector
+    assert selector is not None
+    g = torch.Generator().manual_seed(0)
+    rows, hid = 2 * cfg.block_size, cfg.hidden_size
+    conv_in = [torch.randn(rows, hid, generator=g) for _ in drafter.layers]
+    conv_out = [torch.randn(rows, hid, generator=g) for _ in drafter.layers]
+    ids = torch.tensor(tokens)
+    anchor = min(12, ids.numel() - 1)
+    feats, _ = tgt.features(ids[None])
+    with torch.no_grad():
+        blocks = DraftBlocks.one_document(feats[:, :anchor], [anchor], ids[anchor : anchor + 1])
+        hidden = drafter(tgt.embed_tokens, blocks)[1:]
+        logits = softcap_logits(tgt.lm_head(hidden).float(), cfg.output_multiplier,
+                                cfg.final_logit_softcapping)  # fmt: skip
+        unary, cands = logits.topk(selector.top_k, dim=-1)
+        edges = selector.edges(hidden, unary, cands, int(ids[anchor]))
+        ours_conv = []
+        for i, layer in enumerate(drafter.layers):
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                y, c = conv.prepare(conv_in[i])
+                ours_conv.append((y, conv.finish(conv_out[i], c)))
+    inputs, outputs = work / "vllm-dflash2-in.pt", work / "vllm-dflash2-out.pt"
+    torch.save({"block": cfg.block_size, "conv_in": conv_in, "conv_out": conv_out,
+                "hidden": hidden, "candidates": cands, "unary": unary,
+                "anchor": ids[anchor : anchor + 1], "lm_head": tgt.lm_head.weight},
+               inputs)  # fmt: skip
+    try:
+        sh(args.vllm_python, str(ROOT / "scripts" / "vllm_dflash2_check.py"), str(target),
+           str(export), str(inputs), str(outputs), log=work / "vllm-dflash2.log")  # fmt: skip
+    except RuntimeError as e:
+        return Check(check, False, str(e)[-300:])
+    theirs = torch.load(outputs)
+    problems = []
+    # vLLM's parameters all filled from the export, but the target's embedding and LM head
+    # (nested loaders also report their own, unprefixed names: only the model's count)
+    theirs["loaded"] = sorted(set(theirs["loaded"]) & set(theirs["params"]))
+    unfilled = sorted(
+        n for n in set(theirs["params"]) - set(theirs["loaded"]) - set(theirs["unused"])
+        if not n.endswith(("embed_tokens.weight", "lm_head.weight"))
+    )  # fmt: skip
+    if unfilled:
+        problems.append(f"vLLM parameters not from the export: {unfilled}")
+    dflash2 = [n for n in theirs["loaded"] if "conv" in n or "candidate_selector" in n]
+    conv = max(
+        float((a - b).abs().max())
+        for mine, their in zip(ours_conv, theirs["convs"], strict=True)
+        for a, b in zip(mine, their, strict=True)
+    )
+    if not torch.equal(theirs["candidates"], cands):
+        problems.append("candidates differ")
+    unary_d = float((theirs["unary"] - unary).abs().max())
+    edge_d = float((theirs["edges"] - edges).abs().max())
+    for label, d in (("convolutions", conv), ("candidate logits", unary_d), ("edges", edge_d)):
+        if d > 1e-4:
+            problems.append(f"{label} differ by {d:.2e}")
+    detail = (
+        f"{theirs['architectures']}: {len(theirs['exported'])} exported tensors -> "
+        f"{len(theirs['loaded'])} of {len(theirs['params'])} parameters ({len(dflash2)} "
+        f"convolution and selector ones; not filled: the target's embedding and LM head, "
+        f"unused {theirs['unused'] or 'none'}); "
+        f"max |ours - vLLM's|: convolutions {conv:.1e}, "
+        f"top-{theirs['top_k']} candidate logits {unary_d:.1e} (same ids), selector edges "
+        f"{edge_d:.1e}"
+    )
+    return Check(check, not problems, "; ".join(problems) if problems else detail)
 
 
 def stop_token(output: list[int], start: int = 8) -> list[int]:
@@ -628,6 +719,7 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
         checks += drafter_checks(
             args, work, phases, name, flags, corpus, target, prompts, plain, plain_stop, stops
         )
+    checks += dflash2_checks(args, work, phases, corpus, target, prompts, plain)
     return checks
 
 
@@ -647,24 +739,12 @@ DRAFTERS: dict[str, list[str]] = {
 }  # fmt: skip
 
 
-def drafter_checks(
-    args: argparse.Namespace,
-    work: Path,
-    phases: Phases,
-    name: str,
-    flags: list[str],
-    corpus: Path,
-    target: Path,
-    prompts: list[list[int]],
-    plain: list[list[int]],
-    plain_stop: list[list[int]],
-    stops: list[list[int]],
-) -> list[Check]:
-    """Train the drafter ``flags`` describe, export it, serve it with vLLM and compare
-    vLLM's output and acceptance with plain greedy and the trainer's verifier."""
-    checks: list[Check] = []
-    tag = name.replace(",", "").replace(" ", "-")
-    no_stops: list[list[int]] = [[] for _ in prompts]
+def train_and_export(
+    args: argparse.Namespace, work: Path, phases: Phases, name: str, tag: str,
+    flags: list[str], corpus: Path, target: Path,
+) -> tuple[Path, Path, dict[str, Any], float]:  # fmt: skip
+    """The drafter ``flags`` describe, trained on ``corpus`` (the loader daemon and
+    ``dflash-train train``) and exported (bf16): run folder, export, summary, peak RSS."""
     run_dir, export = work / f"run-{tag}", work / f"drafter-{tag}"
     with phases(f"{name}: train the drafter ({args.steps} steps) and export it"):
         endpoint = f"ipc://{work}/loader-{tag}.sock"
@@ -686,6 +766,88 @@ def drafter_checks(
             f"   training: loss {summary['first_loss']:.2f} -> {summary['last_loss']:.2f}, "
             f"{summary.get('steps', '?')} steps"
         )
+    return run_dir, export, summary, rss
+
+
+#: vLLM's CPU build (V1 model runner only) refuses a DFlash2 drafter with this line.
+DFLASH2_REFUSAL = "Model Runner V1 does not support: DFlash candidate-head drafts"
+#: The DFlash2 drafter (full-attention layers: speculators' sliding mask is another rule).
+DFLASH2_FLAGS = ["--drafter", "dflash2", "--drafter-layers", "2", "--selector-rank", "64"]
+
+
+def dflash2_checks(
+    args: argparse.Namespace,
+    work: Path,
+    phases: Phases,
+    corpus: Path,
+    target: Path,
+    prompts: list[list[int]],
+    plain: list[list[int]],
+) -> list[Check]:
+    """A DFlash2 drafter, trained and exported as the others. vLLM's CPU build refuses to
+    serve it (``DFLASH2_REFUSAL``, quoted), so: vLLM's DFlash2 model class loads it and its
+    convolutions, candidate logits and selector edges equal ours; speculators' DFlash2
+    model loads it and its forward equals ours; our verifier (the selector's greedy walk,
+    plain greedy verification) is lossless against vLLM's plain greedy output."""
+    name, tag, checks = "DFlash2", "dflash2", []
+    run_dir, export, summary, rss = train_and_export(
+        args, work, phases, name, tag, DFLASH2_FLAGS, corpus, target
+    )
+    log = work / "vllm-dflash2-serve.log"
+    with phases(f"{name}: vLLM's CPU build is asked to serve it"):
+        try:
+            with vllm_server(args.vllm_python, target, log, export):
+                served = "vLLM served it (its CPU build now runs DFlash2: serve-check it fully)"
+                checks.append(Check(f"{name}: vLLM's CPU build refuses it", False, served))
+        except RuntimeError:
+            said = DFLASH2_REFUSAL in log.read_text(errors="replace")
+            checks.append(Check(
+                f"{name}: vLLM's CPU build refuses it, for the known reason", said,
+                f'"{DFLASH2_REFUSAL}" (its V2 runner, which serves DFlash2, needs Triton)'
+                if said else f"vLLM failed otherwise: {tail(log, 8)}",
+            ))  # fmt: skip
+    full = work / f"drafter-{tag}-fp32"
+    sh(*TRAIN, "export", str(run_dir), str(full), "--dtype", "fp32")
+    with phases(f"{name}: vLLM's model class and speculators' model load it"):
+        checks.append(vllm_dflash2_parity(args, work, name, full, target, prompts[0] + plain[0]))
+        checks.append(speculators_parity(args, work, tag, name, full, target,
+                                         prompts[0] + plain[0]))  # fmt: skip
+    with phases(f"{name}: the trainer's verifier (the selector's walk) on the same prompts"):
+        rep, tokens, _ = Verifier(target, export).run(prompts, args.max_tokens,
+                                                      [[] for _ in prompts])  # fmt: skip
+    same = sum(1 for t, g in zip(tokens, plain, strict=True) if t == g)
+    checks.append(Check(
+        f"{name}: verifier output == vLLM's plain greedy", same == len(prompts),
+        f"{same}/{len(prompts)} prompts; tau {rep.tau_served:.3f} served, {rep.tau:.3f} z-lab's",
+    ))  # fmt: skip
+    COMPARISON.append({
+        "drafter": name, "flags": " ".join(DFLASH2_FLAGS), "vllm_tau": None,
+        "tau_served": rep.tau_served, "tau": rep.tau, "last_loss": summary["last_loss"],
+        "step_s": summary["median_step_time_s"], "rss_peak_gb": rss,
+    })  # fmt: skip
+    return checks
+
+
+def drafter_checks(
+    args: argparse.Namespace,
+    work: Path,
+    phases: Phases,
+    name: str,
+    flags: list[str],
+    corpus: Path,
+    target: Path,
+    prompts: list[list[int]],
+    plain: list[list[int]],
+    plain_stop: list[list[int]],
+    stops: list[list[int]],
+) -> list[Check]:
+    """Train the drafter ``flags`` describe, export it, serve it with vLLM and compare
+    vLLM's output and acceptance with plain greedy and the trainer's verifier."""
+    checks: list[Check] = []
+    tag = name.replace(",", "").replace(" ", "-")
+    no_stops: list[list[int]] = [[] for _ in prompts]
+    run_dir, export, summary, rss = train_and_export(args, work, phases, name, tag, flags, corpus,
+                                                     target)  # fmt: skip
 
     report = work / f"vllm-weights-{tag}.json"
     with phases(f"{name}: vLLM serves the target with the DFlash drafter"):
@@ -805,8 +967,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'drafter':<24} {'flags':<64} {'vLLM tau':>8} {'served':>7} {'z-lab':>6} "
               f"{'loss':>6} {'step s':>7} {'RSS GB':>7}")  # fmt: skip
         for r in COMPARISON:
+            vllm_tau = "n/a" if r["vllm_tau"] is None else f"{r['vllm_tau']:.3f}"
             print(
-                f"  {r['drafter']:<24} {r['flags']:<64} {r['vllm_tau']:>8.3f} "
+                f"  {r['drafter']:<24} {r['flags']:<64} {vllm_tau:>8} "
                 f"{r['tau_served']:>7.3f} {r['tau']:>6.3f} {r['last_loss']:>6.2f} "
                 f"{r['step_s']:>7.3f} {r['rss_peak_gb']:>7.2f}"
             )

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.hf.configuration_dflash import DFLASH_KEYS
-from trainer.model.drafter import FULL_ATTENTION, LAYER_TYPES, SLIDING, DFlashDrafter
+from trainer.model.drafter import (
+    FULL_ATTENTION,
+    LAYER_TYPES,
+    SLIDING,
+    DFlashDrafter,
+    DrafterConfig,
+)
 from trainer.options import DFLASH2_DEFAULTS, RunOptions, layer_kinds, parse_int_list
 
 if TYPE_CHECKING:
@@ -299,6 +305,21 @@ def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: 
             continue  # optional in released configs; the weights' shapes still decide
         if theirs != mine:
             raise ValueError(f"{file}: {key} {theirs} != {mine} (this run's drafter and target)")
+
+
+def config_from_folder(folder: DrafterFolder, target: Target) -> DrafterConfig:
+    """The drafter config a folder describes, on ``target`` (whose width it takes)."""
+    return DrafterConfig.from_target(
+        target.config,
+        num_target_layers=len(target.layer_ids),
+        num_layers=int(folder.config["num_hidden_layers"]),
+        block_size=int(folder.value("block_size")),
+        mask_token_id=folder.mask_token_id,
+        layer_types=folder.layer_types,
+        sliding_window=folder.sliding_window,
+        sliding_causal=folder.sliding_causal,
+        **({"variant": "dflash2", **folder.dflash2} if folder.variant == "dflash2" else {}),
+    )
 
 
 def read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
