@@ -509,6 +509,7 @@ def speculators_parity(
     work: Path,
     tag: str,
     name: str,
+    run_dir: Path,
     export: Path,
     target: Path,
     tokens: list[int],
@@ -521,6 +522,9 @@ def speculators_parity(
     from trainer.model.drafter import DraftBlocks
 
     check = f"{name}: speculators converts it; its forward == the drafter's"
+    ours_dialect = work / f"drafter-{tag}-speculators"
+    sh(*TRAIN, "export", str(run_dir), str(ours_dialect), "--dtype", "fp32", "--format",
+       "speculators")  # fmt: skip
     verifier = Verifier(target, export)
     ids = torch.tensor(tokens)
     feats, _ = verifier.target.features(ids[None])
@@ -530,7 +534,7 @@ def speculators_parity(
     try:
         sh(args.vllm_python, str(ROOT / "scripts" / "speculators_check.py"), str(export),
            str(target), str(work / f"speculators-{tag}"), str(inputs), str(outputs),
-           log=work / f"speculators-{tag}.log")  # fmt: skip
+           str(ours_dialect), log=work / f"speculators-{tag}.log")  # fmt: skip
     except RuntimeError as e:
         return Check(check, False, str(e)[-300:])
     theirs = torch.load(outputs)
@@ -547,6 +551,14 @@ def speculators_parity(
         f"{theirs['aux_hidden_state_layer_ids']}; {len(anchors)} blocks at anchors {anchors}: "
         f"max |ours - speculators'| {diff:.2e} (hidden states up to {scale:.1f})"
     )
+    mine = theirs["ours"]
+    detail += (
+        f"; our --format speculators export: {mine['tensors']} tensors "
+        f"{'equal' if mine['weights_equal'] else 'DIFFER'}, {mine['config_keys']} config keys"
+        + (f", differ: {mine['config_differs']}" if mine["config_differs"] else " equal")
+    )
+    if not mine["weights_equal"] or mine["config_differs"]:
+        return Check(check, False, detail)
     selector = drafter.candidate_selector
     if selector is not None:  # DFlash2: the selector's teacher-forced candidate scores
         b = drafter.config.block_size
@@ -810,7 +822,7 @@ def dflash2_checks(
     sh(*TRAIN, "export", str(run_dir), str(full), "--dtype", "fp32")
     with phases(f"{name}: vLLM's model class and speculators' model load it"):
         checks.append(vllm_dflash2_parity(args, work, name, full, target, prompts[0] + plain[0]))
-        checks.append(speculators_parity(args, work, tag, name, full, target,
+        checks.append(speculators_parity(args, work, tag, name, run_dir, full, target,
                                          prompts[0] + plain[0]))  # fmt: skip
     with phases(f"{name}: the trainer's verifier (the selector's walk) on the same prompts"):
         rep, tokens, _ = Verifier(target, export).run(prompts, args.max_tokens,
@@ -877,7 +889,7 @@ def drafter_checks(
         # dtype, which bf16 would round
         full = work / f"drafter-{tag}-fp32"
         sh(*TRAIN, "export", str(run_dir), str(full), "--dtype", "fp32")
-        checks.append(speculators_parity(args, work, tag, name, full, target,
+        checks.append(speculators_parity(args, work, tag, name, run_dir, full, target,
                                          prompts[0] + plain[0]))  # fmt: skip
 
     outputs, acceptance, taus = [], [], []

@@ -3,7 +3,7 @@
 Run by ``scripts/serve_check.py`` with the vLLM virtualenv's Python (speculators 0.9 wants
 Transformers <= 5.19, which that virtualenv has; the project's does not):
 
-    python scripts/speculators_check.py EXPORT TARGET OUT INPUTS OUTPUTS
+    python scripts/speculators_check.py EXPORT TARGET OUT INPUTS OUTPUTS [OURS]
 
 1. speculators' own converter (``DFlashConverter``) turns the exported z-lab folder into a
    speculators checkpoint (``OUT``) and validates it (``from_pretrained``, no NaN);
@@ -19,6 +19,10 @@ folder's ``dflash_config`` convolution and selector fields; the weights loaded s
 but for the verifier's, which it fills; saved, then validated by ``from_pretrained``).
 Its forward adds the selector's teacher-forced candidate scores (``score_candidates`` of
 the unary top-K after the true previous token) to ``OUTPUTS``.
+
+``OURS``: the same drafter exported with ``--format speculators``; speculators'
+``from_pretrained`` loads it, and its weights and config are compared with the converted
+checkpoint's (``OUTPUTS["ours"]``).
 """
 
 from __future__ import annotations
@@ -55,7 +59,40 @@ def convert_dflash2(export: str, target: str, out: str) -> None:
     DFlash2DraftModel.from_pretrained(out)  # the converter's validation
 
 
-def main(export: str, target: str, out: str, inputs: str, outputs: str) -> None:
+#: Keys a Transformers config writes by its own version (or speculators by its save).
+_NOT_COMPARED = {
+    "auto_map.", "transformers_version", "transformer_layer_config.transformers_version",
+    "transformer_layer_config.torch_dtype", "transformer_layer_config.rope_theta",
+    "transformer_layer_config.bos_token_id", "transformer_layer_config.eos_token_id",
+    "transformer_layer_config.pad_token_id", "transformer_layer_config.initializer_range",
+}  # fmt: skip
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def compare_ours(ours: str, converted: str, cls: type) -> dict:
+    """Our speculators-dialect export against the converted checkpoint: both loaded by
+    speculators; weights equal, config keys equal (but version-written ones)."""
+    mine = cls.from_pretrained(ours).state_dict()
+    theirs = cls.from_pretrained(converted).state_dict()
+    same = mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    a = _flat(json.loads((Path(ours) / "config.json").read_text()))
+    b = _flat(json.loads((Path(converted) / "config.json").read_text()))
+    keys = (set(a) | set(b)) - _NOT_COMPARED
+    differ = {k: [a.get(k), b.get(k)] for k in sorted(keys) if a.get(k) != b.get(k)}
+    return {"weights_equal": same, "tensors": len(mine), "config_keys": len(keys),
+            "config_differs": differ}  # fmt: skip
+
+
+def main(export: str, target: str, out: str, inputs: str, outputs: str, ours: str = "") -> None:
     from speculators.convert.dflash.converter import DFlashConverter
     from speculators.models.dflash import DFlashDraftModel
     from speculators.models.dflash.utils import select_anchors
@@ -91,6 +128,7 @@ def main(export: str, target: str, out: str, inputs: str, outputs: str) -> None:
     torch.save(
         {
             "hidden": hidden[0], "anchors": anchors, "valid": valid, **extra,
+            "ours": compare_ours(ours, out, type(model)) if ours else None,
             "aux_hidden_state_layer_ids": config.get("aux_hidden_state_layer_ids"),
             "speculators_model_type": config.get("speculators_model_type"),
         },
@@ -99,4 +137,4 @@ def main(export: str, target: str, out: str, inputs: str, outputs: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:7])

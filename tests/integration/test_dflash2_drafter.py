@@ -173,3 +173,40 @@ def test_a_checkpoint_from_before_dflash2_resumes(target, samples, tmp_path):
     )  # fmt: skip
     train(target, samples, run, v1, 3, resume=True)
     assert read_trained_drafter(run).step == 3
+
+
+def test_the_speculators_dialect_holds_the_same_drafter(target, samples, tmp_path):
+    """``--format speculators``: speculators' layout (its loader and the converter's output
+    are compared in ``make serve-check``), the same tensors, nothing for the DFlash loaders."""
+    from safetensors.torch import load_file
+
+    run = train(target, samples, tmp_path / "run", config(target, final_logit_softcapping=None), 2)
+    folder = export_drafter(run, tmp_path / "d", dtype="fp32")
+    out = export_drafter(run, tmp_path / "s", dtype="fp32", fmt="speculators")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash2"
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["speculators_config"]["algorithm"] == "dflash2"
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == B - 1
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 2, 3]  # the tiny target's layers 0..2, +1
+    assert (cfg["selector_rank"], cfg["selector_top_k"], cfg["conv_group_size"]) == (8, 4, 32)
+    assert cfg["sliding_window_non_causal"] is True and cfg["block_size"] == B
+    layer = cfg["transformer_layer_config"]
+    assert layer["layer_types"] == list(KINDS) and "dflash_config" not in layer
+    theirs = load_file(str(out / "model.safetensors"))
+    ours = load_file(str(folder / "model.safetensors"))
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "dflash_export.json",
+        "model.safetensors",
+    ]
+
+
+def test_the_speculators_dialect_refuses_what_it_cannot_say(run_dir, tmp_path):
+    """speculators' DFlash2 config has no soft cap: such a drafter in that dialect would be
+    served as another model, so the export refuses it (the DFlash dialect carries it)."""
+    with pytest.raises(ValueError, match=r"final_logit_softcapping 30\.0: speculators' DFlash2"):
+        export_drafter(run_dir, tmp_path / "s", fmt="speculators")
+    assert not (tmp_path / "s").exists()

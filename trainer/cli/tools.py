@@ -54,12 +54,20 @@ def plot(run_dir: Path, out: Path | None) -> None:
 @click.option("--step", type=int, help="Checkpoint step [the newest].")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
-def export(run_dir: Path, out: Path, step: int | None, dtype: str, force: bool) -> None:
+@click.option(
+    "--format", "fmt", type=click.Choice(["dflash", "speculators"]), default="dflash",
+    show_default=True,
+    help="Config dialect: dflash (z-lab's DFlashDraftModel / DFlash2DraftModel folder: "
+    "SGLang, vLLM, Transformers) or speculators (vllm-project/speculators' checkpoint "
+    "layout; vLLM reads it too). Same weights either way.",
+)  # fmt: skip
+def export(run_dir: Path, out: Path, step: int | None, dtype: str, force: bool, fmt: str) -> None:
     """Write RUN_DIR's drafter as a Hugging Face folder OUT that SGLang, vLLM and
-    Transformers load (DFlashDraftModel format)."""
+    Transformers load (DFlashDraftModel, or DFlash2DraftModel for a --drafter dflash2 run),
+    or in speculators' layout (--format speculators)."""
     from trainer.hf.export import export_drafter
 
-    click.echo(str(export_drafter(run_dir, out, step=step, dtype=dtype, force=force)))
+    click.echo(str(export_drafter(run_dir, out, step=step, dtype=dtype, force=force, fmt=fmt)))
 
 
 @click.command("save-target")

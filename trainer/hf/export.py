@@ -34,6 +34,7 @@ import torch
 from trainer.files import atomic_output, check_output
 from trainer.hf import remote_code_paths
 from trainer.hf.folder import ARCHITECTURES, WEIGHTS, weight_names
+from trainer.hf.speculators import speculators_config
 from trainer.model.drafter import FULL_ATTENTION, DFlashDrafter, DrafterConfig
 from trainer.model.target import target_from_options, target_record
 from trainer.options import CONFIG_FILE, DFLASH2_DEFAULTS, TargetOptions
@@ -322,15 +323,38 @@ vllm serve TARGET --speculative-config \\
 """
 
 
-def _write_folder(folder: Path, src: TrainedDrafter, dtype: torch.dtype) -> None:
+def _verifier_architectures(src: TrainedDrafter) -> list[str]:
+    """The target's ``architectures`` (its folder's config), else its model type's
+    causal-LM class (the tiny target: ``Qwen3ForCausalLM``)."""
+    file = Path(src.target_name) / "config.json"
+    if file.is_file():
+        found = json.loads(file.read_text()).get("architectures")
+        if found:
+            return [str(a) for a in found]
+    return [f"{src.target['model_type'].capitalize()}ForCausalLM"]
+
+
+def _write_folder(folder: Path, src: TrainedDrafter, dtype: torch.dtype, fmt: str) -> None:
     from safetensors.torch import save_file
 
     config = folder_config(src, dtype)
+    if fmt == "speculators":
+        if not (Path(src.target_name) / "config.json").is_file():
+            log.warning(
+                "target %r is not a folder: speculators loads the verifier from "
+                "speculators_config.verifier.name_or_path, so point it at the target's folder "
+                "before loading (dflash-train save-target writes the tiny one)",
+                src.target_name,
+            )
+        config = speculators_config(
+            config, verifier=src.target_name, verifier_architectures=_verifier_architectures(src),
+            where=str(src.checkpoint),
+        )  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(_state_for_export(src, dtype), str(folder / WEIGHTS), metadata={"format": "pt"})
-    for path in remote_code_paths() if src.config.variant == "dflash" else ():
+    for path in remote_code_paths() if (src.config.variant, fmt) == ("dflash", "dflash") else ():
         shutil.copyfile(path, folder / path.name)
-    info = _info(src, dtype)
+    info = {**_info(src, dtype), "dialect": fmt}
     (folder / INFO).write_text(json.dumps(info, indent=2) + "\n")
     (folder / "README.md").write_text(_readme(info))
     for file in folder.iterdir():
@@ -338,14 +362,27 @@ def _write_folder(folder: Path, src: TrainedDrafter, dtype: torch.dtype) -> None
             os.fsync(f.fileno())
 
 
+FORMATS = ("dflash", "speculators")
+
+
 def export_drafter(
-    run_dir: Path, out: Path, *, step: int | None = None, dtype: str = "bf16", force: bool = False
+    run_dir: Path,
+    out: Path,
+    *,
+    step: int | None = None,
+    dtype: str = "bf16",
+    force: bool = False,
+    fmt: str = "dflash",
 ) -> Path:
     """Write ``run_dir``'s drafter (newest checkpoint, or ``step``) to ``out``, atomically
-    (``trainer.files.atomic_output``). An existing non-empty ``out`` needs ``force``; an
-    ``out`` that is, contains or lies inside the checkpoint read is refused."""
+    (``trainer.files.atomic_output``), in the DFlash dialect (z-lab's; SGLang, vLLM,
+    Transformers) or, ``fmt="speculators"``, speculators' (``trainer.hf.speculators``). An
+    existing non-empty ``out`` needs ``force``; an ``out`` that is, contains or lies inside
+    the checkpoint read is refused."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     out = Path(out)
     check_output(out, inputs=[Path(run_dir) / CONFIG_FILE], force=force)  # before reading
     src = read_trained_drafter(Path(run_dir), step)
@@ -353,6 +390,6 @@ def export_drafter(
     inputs = [src.checkpoint, Path(run_dir) / CONFIG_FILE]
     # --force: the old export goes only once the new one is in place
     with atomic_output(out, folder=True, force=force, inputs=inputs) as tmp:
-        _write_folder(tmp, src, DTYPES[dtype])
+        _write_folder(tmp, src, DTYPES[dtype], fmt)
     log.info("exported %s (step %d) to %s", src.checkpoint, src.step, out)
     return out
