@@ -313,11 +313,17 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
 
 
-def vllm_command(vllm_python: str, target: Path, port: int, drafter: Path | None) -> list[str]:
+def vllm_command(
+    vllm_python: str, target: Path, port: int, drafter: Path | None, speculators: bool = False
+) -> list[str]:
     """The vLLM OpenAI server for the target (docs/SERVING.md): fp32 on CPU, no
     torch.compile (--enforce-eager), a KV cache of a fixed size (the CPU backend otherwise
     reserves --gpu-memory-utilization of the machine's memory and refuses to start when
-    that much is not free); with ``drafter``, its DFlash speculator."""
+    that much is not free); with ``drafter``, its DFlash speculator. ``speculators``: the
+    drafter is a speculators-dialect folder, which vLLM takes as ``--model`` (it serves the
+    verifier its config names, with the drafter)."""
+    if speculators and drafter is not None:
+        target, drafter = drafter, None
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
            "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
@@ -330,10 +336,11 @@ def vllm_command(vllm_python: str, target: Path, port: int, drafter: Path | None
 
 @contextlib.contextmanager
 def vllm_server(
-    vllm_python: str, target: Path, log: Path, drafter: Path | None = None, **env: str
-) -> Iterator[str]:
+    vllm_python: str, target: Path, log: Path, drafter: Path | None = None,
+    speculators: bool = False, **env: str,
+) -> Iterator[str]:  # fmt: skip
     port = free_port()
-    cmd = vllm_command(vllm_python, target, port, drafter)
+    cmd = vllm_command(vllm_python, target, port, drafter, speculators)
     print("   $ " + " ".join(c if " " not in c else f"'{c}'" for c in cmd), flush=True)
     full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **env}
     with open(log, "wb") as out:
@@ -552,12 +559,22 @@ def speculators_parity(
         f"max |ours - speculators'| {diff:.2e} (hidden states up to {scale:.1f})"
     )
     mine = theirs["ours"]
+    differ = dict(mine["config_differs"])
+    note = ""
+    # speculators' converter does not read is_causal: a bidirectional sliding export comes
+    # out causal there (sliding_window_non_causal false); ours keeps what was trained.
+    if not drafter.config.sliding_causal and differ.get("sliding_window_non_causal") == [
+        True, False
+    ]:  # fmt: skip
+        del differ["sliding_window_non_causal"]
+        note = " (but sliding_window_non_causal: ours true, the converter's false: it drops is_causal)"
     detail += (
         f"; our --format speculators export: {mine['tensors']} tensors "
         f"{'equal' if mine['weights_equal'] else 'DIFFER'}, {mine['config_keys']} config keys"
-        + (f", differ: {mine['config_differs']}" if mine["config_differs"] else " equal")
+        + (f", differ: {differ}" if differ else " equal")
+        + note
     )
-    if not mine["weights_equal"] or mine["config_differs"]:
+    if not mine["weights_equal"] or differ:
         return Check(check, False, detail)
     selector = drafter.candidate_selector
     if selector is not None:  # DFlash2: the selector's teacher-forced candidate scores
@@ -840,6 +857,36 @@ def dflash2_checks(
     return checks
 
 
+#: The drafters vLLM also serves from their speculators-dialect export (``--format
+#: speculators``, given to vLLM as ``--model``).
+SPECULATORS_SERVED = {"full attention"}
+
+
+def speculators_served(
+    args: argparse.Namespace, work: Path, name: str, tag: str, run_dir: Path, target: Path,
+    prompts: list[list[int]], spec: list[list[int]], counters: list[dict[str, Any]],
+) -> Check:  # fmt: skip
+    """vLLM serves the speculators-dialect export of the same drafter (bf16, as the DFlash
+    one): its output and spec-decode counters equal the DFlash dialect's."""
+    folder = work / f"drafter-{tag}-speculators-bf16"
+    sh(*TRAIN, "export", str(run_dir), str(folder), "--format", "speculators")
+    with vllm_server(args.vllm_python, target, work / f"vllm-speculators-{tag}.log", folder,
+                     speculators=True) as url:  # fmt: skip
+        before = spec_counters(url)
+        out = complete(url, prompts, args.max_tokens)
+        after = spec_counters(url)
+    theirs = {k: round(after[k] - before[k]) for k in ("drafts", "accepted")}
+    ours = {k: round(counters[1][k] - counters[0][k]) for k in ("drafts", "accepted")}
+    same = sum(1 for a, b in zip(out, spec, strict=True) if a == b)
+    return Check(
+        f"{name}: vLLM serves the --format speculators export alike",
+        same == len(prompts) and theirs == ours,
+        f"vllm serve SPECULATORS_FOLDER (the verifier from its config): {same}/{len(prompts)} "
+        f"outputs equal the DFlash folder's; drafts {theirs['drafts']}/{ours['drafts']}, "
+        f"accepted {theirs['accepted']}/{ours['accepted']}",
+    )  # fmt: skip
+
+
 def drafter_checks(
     args: argparse.Namespace,
     work: Path,
@@ -919,6 +966,9 @@ def drafter_checks(
         )
         taus.append((label, tau_vllm, rep))
     stopped = sum(1 for s in stops if s)
+    if name in SPECULATORS_SERVED:
+        checks.append(speculators_served(args, work, name, tag, run_dir, target, prompts,
+                                         spec, counters[:2]))  # fmt: skip
     checks.append(Check(
         f"{name}: speculative == plain greedy == verifier", equal_out and stopped > 0,
         "; ".join(outputs) + f"; {stopped} prompts end at their stop token",
