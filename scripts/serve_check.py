@@ -567,7 +567,9 @@ def speculators_parity(
         True, False
     ]:  # fmt: skip
         del differ["sliding_window_non_causal"]
-        note = " (but sliding_window_non_causal: ours true, the converter's false: it drops is_causal)"
+        note = (
+            " (but sliding_window_non_causal: ours true, the converter's false: it drops is_causal)"
+        )
     detail += (
         f"; our --format speculators export: {mine['tensors']} tensors "
         f"{'equal' if mine['weights_equal'] else 'DIFFER'}, {mine['config_keys']} config keys"
