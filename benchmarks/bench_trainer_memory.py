@@ -7,6 +7,11 @@ two micro-batches, the second timed. Unchunked (``--loss-chunk 0``, the referenc
 runs only while its estimated logits fit in memory.
 
     python benchmarks/bench_trainer_memory.py [--anchors 64,256,1024,4096] [--chunk 1024]
+    python benchmarks/bench_trainer_memory.py --dflash2 [--anchors 256,1024,4096]
+
+``--dflash2``: DFlash (v1) and DFlash2 (the reference shape: 2-tap convolutions over groups
+of 16 channels, selector rank 256 and top-16, so two [151,936 x 256] codebooks), both
+chunked, side by side, with DFlash2's cost as ratios to v1's.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 VOCAB, HIDDEN, BLOCK, DOC_LEN = 151936, 256, 16, 4096 + 32
 
 
-def one(anchors: int, chunk: int) -> dict[str, float]:
+def one(anchors: int, chunk: int, variant: str = "dflash") -> dict[str, float]:
     import torch
 
     from trainer.model.blocks import LossConfig
@@ -34,9 +39,11 @@ def one(anchors: int, chunk: int) -> dict[str, float]:
     torch.manual_seed(0)
     spec = TinyTargetSpec(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=3 * HIDDEN)
     target = Target(build_tiny_model(spec), [0, 1, 2])
+    extra = {"variant": "dflash2"} if variant == "dflash2" else {}
     cfg = DrafterConfig.from_target(
-        target.config, num_target_layers=3, num_layers=2, block_size=BLOCK, mask_token_id=VOCAB - 1
-    )
+        target.config, num_target_layers=3, num_layers=2, block_size=BLOCK,
+        mask_token_id=VOCAB - 1, **extra,
+    )  # fmt: skip
     drafter = DFlashDrafter(cfg)
     ids = torch.randint(0, VOCAB - 1, (DOC_LEN,)).tolist()
     batch = pad_batch([(ids, [1] * DOC_LEN)])
@@ -74,12 +81,16 @@ def main() -> None:
     ap.add_argument("--anchors", default="64,256,1024,4096")
     ap.add_argument("--chunk", type=int, default=1024, help="Slots per chunk (chunked runs).")
     ap.add_argument("--limit-gb", type=float, default=14.0, help="Skip unchunked above this.")
+    ap.add_argument("--dflash2", action="store_true", help="DFlash2 next to DFlash (chunked).")
     ap.add_argument(
-        "--one", nargs=2, type=int, metavar=("ANCHORS", "CHUNK"), help=argparse.SUPPRESS
+        "--one", nargs=3, metavar=("ANCHORS", "CHUNK", "VARIANT"), help=argparse.SUPPRESS
     )
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(*args.one)))
+        print(json.dumps(one(int(args.one[0]), int(args.one[1]), args.one[2])))
+        return
+    if args.dflash2:
+        compare_dflash2([int(x) for x in args.anchors.split(",")], args.chunk)
         return
     rows = []
     for a in (int(x) for x in args.anchors.split(",")):
@@ -88,16 +99,33 @@ def main() -> None:
             if chunk == 0 and not fits_unchunked(a, args.limit_gb):
                 row[name] = None
                 continue
-            res = subprocess.run(
-                [sys.executable, __file__, "--one", str(a), str(chunk)],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            row[name] = json.loads(res.stdout.strip().splitlines()[-1])
+            row[name] = _run(a, chunk, "dflash")
         rows.append(row)
         _print_row(row)
     _print_summary(rows)
+
+
+def _run(anchors: int, chunk: int, variant: str) -> dict[str, float]:
+    """One configuration in a fresh process (peak RSS is per process)."""
+    res = subprocess.run(
+        [sys.executable, __file__, "--one", str(anchors), str(chunk), variant],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def compare_dflash2(anchors: list[int], chunk: int) -> None:
+    print(f"{'anchors':>8} {'DFlash: peak RSS, step':>24} {'DFlash2: peak RSS, step':>24}")
+    for a in anchors:
+        v1, v2 = _run(a, chunk, "dflash"), _run(a, chunk, "dflash2")
+        above = [r["rss_peak_gb"] - r["rss_before_gb"] for r in (v1, v2)]
+        print(
+            f"{a:>8} {v1['rss_peak_gb']:9.2f} GB {v1['step_s']:7.2f} s "
+            f"{v2['rss_peak_gb']:9.2f} GB {v2['step_s']:7.2f} s  ratios DFlash2/DFlash: "
+            f"memory {v2['rss_peak_gb'] / v1['rss_peak_gb']:.2f}x, time "
+            f"{v2['step_s'] / v1['step_s']:.2f}x, step-time memory above the model "
+            f"{above[1] / above[0]:.2f}x"
+        )
 
 
 def _print_row(row: dict) -> None:

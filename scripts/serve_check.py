@@ -969,8 +969,9 @@ def drafter_checks(
         taus.append((label, tau_vllm, rep))
     stopped = sum(1 for s in stops if s)
     if name in SPECULATORS_SERVED:
-        checks.append(speculators_served(args, work, name, tag, run_dir, target, prompts,
-                                         spec, counters[:2]))  # fmt: skip
+        with phases(f"{name}: vLLM serves its --format speculators export"):
+            checks.append(speculators_served(args, work, name, tag, run_dir, target, prompts,
+                                             spec, counters[:2]))  # fmt: skip
     checks.append(Check(
         f"{name}: speculative == plain greedy == verifier", equal_out and stopped > 0,
         "; ".join(outputs) + f"; {stopped} prompts end at their stop token",
