@@ -234,20 +234,24 @@ def copy_stage(endpoint: str) -> dict[str, object]:
 
 
 def train_stage(
-    endpoint: str, work: Path, steps: int, attention: str = "auto"
+    endpoint: str, work: Path, steps: int, attention: str = "auto", drafter: str = "dflash"
 ) -> dict[str, object]:
-    run_dir = work / f"run-{attention}"
+    """``steps`` of the Qwen3-8B-shaped run; ``drafter`` dflash2: the same with DFlash2's
+    reference shape (convolutions, rank-256 top-16 selector over the 151,936 tokens)."""
+    tag = attention if drafter == "dflash" else f"{attention}-{drafter}"
+    run_dir = work / f"run-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a rerun on the same machine starts afresh
     cmd = [
         sys.executable, "-m", "trainer.cli", "train", "--endpoint", endpoint,
         "--run-dir", str(run_dir), "--target", "tiny",
         *[x for kv in QWEN3_8B.items() for x in kv],
         "--steps", str(steps), "--num-eval-prompts", "2", "--eval-new-tokens", "16",
-        "--no-progress", "--attention", attention, "--job", f"gpu-check-{attention}",
+        "--no-progress", "--attention", attention, "--job", f"gpu-check-{tag}",
         "--profile-step", str(min(steps, 5)),  # a steady-state step, profiled
+        "--drafter", drafter,
     ]  # fmt: skip
     t0 = time.perf_counter()
-    log_path = work / f"train-{attention}.log"
+    log_path = work / f"train-{tag}.log"
     with open(log_path, "wb") as log:
         res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=330)
     wall = time.perf_counter() - t0
@@ -310,6 +314,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-sdpa", action="store_true", help="Skip the SDPA comparison run.")
+    ap.add_argument("--no-dflash2", action="store_true", help="Skip the DFlash2 run.")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "dflash-gpu-check"
@@ -324,6 +329,9 @@ def main() -> None:
         daemon, endpoint = start_daemon(work)
         report.run("copy_rule", copy_stage, endpoint)
         report.run("train", train_stage, endpoint, work, args.steps)
+        if not args.no_dflash2:
+            report.run("train_dflash2", train_stage, endpoint, work, args.steps // 2, "auto",
+                       "dflash2")  # fmt: skip
         if not args.no_sdpa:
             report.run("train_sdpa", train_stage, endpoint, work, args.steps // 2, "sdpa")
     finally:
