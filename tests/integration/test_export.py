@@ -354,7 +354,8 @@ def test_init_drafter_refusals(folders, target, tmp_path):
     for name, change, needle in (
         ("vocab", {"vocab_size": 1000}, "vocab_size 1000 != 512"),
         ("depth", {"num_target_layers": 36}, "num_target_layers 36 != 4"),
-        ("arch", {"architectures": ["LlamaForCausalLM"]}, "is not ['DFlashDraftModel']"),
+        ("arch", {"architectures": ["LlamaForCausalLM"]},
+         "is none of ['DFlash2DraftModel', 'DFlashDraftModel']"),
         ("dflash2", {"dflash_config": {"target_layer_ids": [0, 1, 2], "selector_rank": 256}},
          "selector_rank = 256 is not supported"),
     ):  # fmt: skip
