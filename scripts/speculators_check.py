@@ -47,7 +47,11 @@ def convert_dflash2(export: str, target: str, out: str) -> None:
     fields = {k: source["dflash_config"][k] for k in DFLASH2_FIELDS}
     config = DFlash2SpeculatorConfig(**{
         **base.model_dump(exclude={"speculators_model_type", "architectures"}), **fields,
-        "sliding_window_non_causal": not source.get("is_causal", True),
+        # speculators' DFlash2 default; false only for causal sliding layers
+        "sliding_window_non_causal": not (
+            "sliding_attention" in (source.get("layer_types") or [])
+            and source.get("is_causal", True) is not False
+        ),
     })  # fmt: skip
     config.speculators_config.algorithm = "dflash2"
     model = DFlash2DraftModel(config=config)

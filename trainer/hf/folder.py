@@ -107,7 +107,7 @@ class DrafterFolder:
         is silent); empty for a DFlash folder."""
         if self.variant != "dflash2":
             return {}
-        out = {k: self.value(k) for k in DFLASH2_DEFAULTS}
+        out = {k: self.dflash.get(k) for k in DFLASH2_DEFAULTS}  # where vLLM reads them
         return {k: DFLASH2_DEFAULTS[k] if v is None else v for k, v in out.items()}
 
     @property
@@ -149,7 +149,7 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
         raise ValueError(f"{file}: no dflash_config.target_layer_ids")
     dflash2 = folder.variant == "dflash2"
     if dflash2:
-        missing = [k for k in DFLASH2_REQUIRED if folder.value(k) is None]
+        missing = [k for k in DFLASH2_REQUIRED if folder.dflash.get(k) is None]
         if missing:
             raise ValueError(f"{file}: a {arch[0]} needs dflash_config.{missing[0]}")
     for key, neutral in _UNSUPPORTED.items():
@@ -251,11 +251,13 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
         )
     kinds = folder.layer_types
     variant = _agree("--drafter", opts.drafter, "architectures", folder.variant, file)
-    dflash2 = {
-        k: _agree("--" + k.replace("_", "-"), getattr(opts, k), k, v, file)
-        for k, v in folder.dflash2.items()
-        if v is not None or getattr(opts, k) is not None
-    }
+    dflash2 = {}
+    for k, theirs in folder.dflash2.items():
+        flag, mine = "--" + k.replace("_", "-"), getattr(opts, k)
+        if theirs is None and mine is not None:
+            raise ValueError(f"{flag} {mine} differs from {file}'s {k} (unset): drop {flag}")
+        if theirs is not None:
+            dflash2[k] = _agree(flag, mine, k, theirs, file)
     if opts.learned_mask:
         raise ValueError(f"--learned-mask: {file} embeds a mask token id instead")
     mask = folder.mask_token_id

@@ -12,15 +12,17 @@ config reader load.
 * ``aux_hidden_state_layer_ids``: the target layers in vLLM's numbering (id + 1), without
   the one past the target's last layer (speculators' converter drops it);
 * ``block_size``, ``mask_token_id``, ``draft_vocab_size``, ``sample_from_anchor``,
-  ``sliding_window_non_causal``; DFlash2's ``conv_kernel_size``, ``conv_group_size``,
-  ``selector_rank``, ``selector_top_k``;
+  ``sliding_window_non_causal`` (true unless the sliding layers are causal: vLLM applies
+  its negation, ``dflash_config.causal``, to every layer, full ones included); DFlash2's
+  ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``;
 * ``speculators_config``: greedy proposals of ``block_size - 1`` tokens against the
   verifier ``name_or_path`` (the run's ``--target``).
 
 speculators saves no embedding or LM head (it borrows the verifier's, as engines do), so
-the folder holds the drafter's tensors only. DFlash2's ``output_multiplier``,
-``final_logit_softcapping`` and ``input_embedding_scale`` have no speculators field: a
-drafter that sets them is refused.
+the folder holds the drafter's tensors only. Refused, because the layout cannot say them:
+DFlash2's ``output_multiplier``, ``final_logit_softcapping`` and ``input_embedding_scale``
+(no field); the target's last layer among the drafter's (no id for it in vLLM's
+numbering); causal sliding layers next to full ones (one causality flag for all layers).
 """
 
 from __future__ import annotations
@@ -53,6 +55,21 @@ def speculators_config(
                 "DFlash dialect (--format dflash)"
             )
     depth = int(dflash["num_target_layers"])
+    if depth - 1 in inner["target_layer_ids"]:
+        raise ValueError(
+            f"{where}: target layer {depth - 1} (the last) is one of the drafter's layers: "
+            "speculators' layout names layers by vLLM's numbering (+1) and has no id for it, "
+            "so its fc would lose those inputs; export the DFlash dialect (--format dflash)"
+        )
+    kinds = dflash.get("layer_types") or []
+    sliding = "sliding_attention" in kinds
+    causal_sliding = sliding and dflash.get("is_causal", True) is not False
+    if causal_sliding and "full_attention" in kinds:
+        raise ValueError(
+            f"{where}: causal sliding layers next to full ones: vLLM reads the speculators "
+            "layout's one sliding_window_non_causal flag for every layer, so the full "
+            "layers would be served causal; export the DFlash dialect (--format dflash)"
+        )
     transformer = {k: v for k, v in dflash.items() if k not in NON_TRANSFORMER}
     block = int(dflash["block_size"])
     return {
@@ -64,7 +81,9 @@ def speculators_config(
         "draft_vocab_size": int(dflash["vocab_size"]),
         "mask_token_id": inner["mask_token_id"],
         "sample_from_anchor": False,
-        "sliding_window_non_causal": dflash.get("is_causal", True) is False,
+        # vLLM makes every layer causal unless this is true (dflash_config.causal): true for
+        # full layers (bidirectional in the block) and bidirectional sliding ones.
+        "sliding_window_non_causal": not causal_sliding,
         "target_hidden_size": None,
         "tie_word_embeddings": False,
         "dtype": dflash["dtype"],

@@ -46,14 +46,15 @@ def grouped_conv(
     with ``r - t`` in ``r``'s block. ``delta [R, T, G]``, ``base [T, H]``."""
     rows, hidden = x.shape
     taps, groups = base.shape[0], delta.shape[-1]
-    blocks = x.view(rows, groups, hidden // groups)
-    coefficients = base.view(1, taps, groups, hidden // groups) + delta.unsqueeze(-1)
+    # fp32 sums, as vLLM's kernel accumulates them (the result in x's dtype)
+    blocks = x.float().view(rows, groups, hidden // groups)
+    coefficients = base.float().view(1, taps, groups, hidden // groups) + delta.float()[..., None]
     out = coefficients[:, 0] * blocks
     slot = torch.arange(rows, device=x.device) % block_size
     for tap in range(1, taps):
         shifted = F.pad(blocks[:-tap], (0, 0, 0, 0, tap, 0))
-        out = out + coefficients[:, tap] * shifted * (slot >= tap).view(-1, 1, 1).to(x.dtype)
-    return out.view(rows, hidden)
+        out = out + coefficients[:, tap] * shifted * (slot >= tap).view(-1, 1, 1)
+    return out.view(rows, hidden).to(x.dtype)
 
 
 class GroupedConv(nn.Module):
@@ -73,11 +74,10 @@ class GroupedConv(nn.Module):
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The sublayer's convolved input and the output side's coefficients."""
         c = self.kernel_projection(x).view(x.shape[0], 2, self.taps, self.num_groups)
-        base = self.base_kernel.to(x.dtype)
-        return grouped_conv(x, c[:, 0], base[0], self.block_size), c[:, 1]
+        return grouped_conv(x, c[:, 0], self.base_kernel[0], self.block_size), c[:, 1]
 
     def finish(self, y: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-        return grouped_conv(y, coefficients, self.base_kernel[1].to(y.dtype), self.block_size)
+        return grouped_conv(y, coefficients, self.base_kernel[1], self.block_size)
 
 
 class CandidateSelector(nn.Module):
@@ -96,12 +96,15 @@ class CandidateSelector(nn.Module):
     def transitions(
         self, hidden: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor
     ) -> torch.Tensor:
-        """``[N, K]`` scores of ``candidates [N, K]`` after ``predecessors [N]`` (fp32)."""
-        context = self.predecessor_codebook[predecessors] * self.hidden_projection(
-            hidden.to(self.hidden_projection.weight.dtype)
-        )
-        succ = self.successor_codebook[candidates]
-        return torch.einsum("nr,nkr->nk", context.float(), succ.float())
+        """``[N, K]`` scores of ``candidates [N, K]`` after ``predecessors [N]``, in fp32
+        (a product and a sum, not a matmul: autocast would run that in bf16)."""
+        context = self.predecessor_codebook[predecessors].float() * self._project(hidden)
+        return (context[:, None, :] * self.successor_codebook[candidates].float()).sum(-1)
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``W h`` in fp32 (the projection is a matmul: autocast off for it)."""
+        with torch.autocast(hidden.device.type, enabled=False):
+            return F.linear(hidden.float(), self.hidden_projection.weight.float())
 
     def edges(
         self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, anchor: int
@@ -111,10 +114,9 @@ class CandidateSelector(nn.Module):
         ``l``; ``unary [L, K]`` are the candidates' unary logits (vLLM's ``_score_edges``)."""
         k = candidates.shape[1]
         pred = torch.cat([candidates.new_full((1, k), anchor), candidates[:-1]])
-        hid = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
-        context = self.predecessor_codebook[pred] * hid[:, None]  # [L, K, R]
-        succ = self.successor_codebook[candidates]  # [L, K, R]
-        return unary[:, None, :].float() + torch.einsum("lpr,lcr->lpc", context, succ).float()
+        context = self.predecessor_codebook[pred].float() * self._project(hidden)[:, None]
+        succ = self.successor_codebook[candidates].float()  # [L, K, R]
+        return unary[:, None, :].float() + (context[:, :, None] * succ[:, None]).sum(-1)
 
 
 def softcap_logits(z: torch.Tensor, multiplier: float, cap: float | None) -> torch.Tensor:
