@@ -1,17 +1,21 @@
-"""Drafters trained by the real loop for the export and sliding-window tests: the target's
-greedy continuations as a corpus, and one run of ``Trainer`` saving checkpoints as
-``dflash-train train`` does."""
+"""Drafters trained by the real loop for the export, sliding-window and DFlash2 tests: the
+target's greedy continuations as a corpus, one run of ``Trainer`` saving checkpoints as
+``dflash-train train`` does, the trained drafter read back, random documents, and the
+options and edited folders the ``--init-drafter`` tests use."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
 
+from trainer.hf.export import read_trained_drafter
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.verifier import greedy_generate
-from trainer.options import TargetOptions
+from trainer.options import RunOptions, TargetOptions
 from trainer.run import run_meta
 from trainer.train.batches import ListSource
 from trainer.train.distributed import local_env
@@ -43,3 +47,42 @@ def train_run(
         meta=run_meta(TargetOptions(), target),
     ).run()  # fmt: skip
     return run_dir
+
+
+def trained_drafter(run_dir: Path) -> DFlashDrafter:
+    """The newest checkpoint's drafter of ``run_dir``, in eval mode."""
+    src = read_trained_drafter(run_dir)
+    drafter = DFlashDrafter(src.config)
+    drafter.load_state_dict(src.weights)
+    return drafter.eval()
+
+
+def random_docs(n_docs: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """``n_docs`` documents of random ids (1..511) of 20, 27, 34, ... tokens, the first 5 of
+    each unsupervised."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for d in range(n_docs):
+        n = 20 + 7 * d
+        out.append((torch.randint(1, 512, (n,), generator=g).tolist(), [0] * 5 + [1] * (n - 5)))
+    return out
+
+
+def run_opts(**over) -> RunOptions:
+    """Train options for ``resolve_init_drafter`` and ``build_drafter`` (nothing runs)."""
+    base = dict(endpoint="unused", run_dir=Path("unused"), attention="sdpa", steps=1)
+    return RunOptions(**{**base, **over})
+
+
+def edited(folder: Path, dest: Path, **changes) -> Path:
+    """A copy of drafter ``folder`` at ``dest`` with top-level config keys replaced, and
+    ``dflash_config`` keys merged (a None value removes the key)."""
+    shutil.copytree(folder, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    for key, value in changes.items():
+        if key == "dflash_config":
+            cfg[key] = {k: v for k, v in {**cfg[key], **value}.items() if v is not None}
+        else:
+            cfg[key] = value
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest

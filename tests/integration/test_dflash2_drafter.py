@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from drafters import greedy_samples, train_run
+from drafters import edited, greedy_samples, run_opts, train_run, trained_drafter
 
 from trainer.hf.export import export_drafter, read_trained_drafter
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.verifier import DrafterProposer, greedy_generate, speculative_generate
-from trainer.options import DFLASH2_DEFAULTS, RunOptions
+from trainer.options import DFLASH2_DEFAULTS
 from trainer.run import build_drafter, init_from_folder, resolve_init_drafter, train_config
 from trainer.train import checkpoint as ckpt
 from trainer.train.distributed import local_env
@@ -56,10 +56,7 @@ def run_dir(target, samples, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(run_dir):
-    src = read_trained_drafter(run_dir)
-    drafter = DFlashDrafter(src.config)
-    drafter.load_state_dict(src.weights)
-    return drafter.eval()
+    return trained_drafter(run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +84,8 @@ def test_export_is_a_dflash2_folder(folder, trained):
     assert served <= names
 
 
-def tiny_opts(**over) -> RunOptions:
-    base = dict(endpoint="unused", run_dir=Path("unused"), attention="sdpa", steps=1)
-    return RunOptions(**{**base, **over})
-
-
 def test_init_drafter_reads_a_dflash2_folder_back(folder, target, trained, samples, tmp_path):
-    opts, spec = resolve_init_drafter(tiny_opts(init_drafter=folder))
+    opts, spec = resolve_init_drafter(run_opts(init_drafter=folder))
     assert opts.drafter == "dflash2" and opts.selector_rank == 8 and opts.conv_group_size == 32
     drafter = build_drafter(target, opts, torch.device("cpu"))
     assert drafter.config == trained.config
@@ -109,22 +101,10 @@ def test_init_drafter_reads_a_dflash2_folder_back(folder, target, trained, sampl
     assert torch.equal(a.tokens, greedy_generate(target, prompt, 32))
 
 
-def edited(folder: Path, dest: Path, **changes) -> Path:
-    shutil.copytree(folder, dest)
-    cfg = json.loads((dest / "config.json").read_text())
-    for key, value in changes.items():
-        if key == "dflash_config":
-            cfg[key] = {k: v for k, v in {**cfg[key], **value}.items() if v is not None}
-        else:
-            cfg[key] = value
-    (dest / "config.json").write_text(json.dumps(cfg))
-    return dest
-
-
 def test_init_drafter_refuses_what_disagrees(folder, tmp_path):
     def error(src: Path, **opts) -> str:
         with pytest.raises(ValueError) as err:
-            resolve_init_drafter(tiny_opts(init_drafter=src, **opts))
+            resolve_init_drafter(run_opts(init_drafter=src, **opts))
         return str(err.value)
 
     assert "--drafter dflash differs" in error(folder, drafter="dflash")
@@ -142,7 +122,7 @@ def test_init_drafter_refuses_what_disagrees(folder, tmp_path):
 def test_dflash2_flags_need_the_dflash2_drafter(flag):
     name = "--" + flag.replace("_", "-")
     with pytest.raises(ValueError, match=f"{name} is a DFlash2 option: add --drafter dflash2"):
-        resolve_init_drafter(tiny_opts(**{flag: 2}))
+        resolve_init_drafter(run_opts(**{flag: 2}))
 
 
 def test_resume_names_a_changed_selector(target, samples, run_dir, tmp_path):

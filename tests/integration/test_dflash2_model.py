@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from drafters import random_docs
 
 from trainer.model.blocks import LossConfig, anchor_generator
 from trainer.model.dflash2 import CandidateSelector, grouped_conv, training_candidates, walk
@@ -68,15 +69,6 @@ def drafter(target) -> DFlashDrafter:
         for p in d.parameters():
             p.add_(0.1 * torch.randn_like(p))
     return d.eval()
-
-
-def _samples(n_docs: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for d in range(n_docs):
-        n = 20 + 7 * d
-        out.append((torch.randint(1, 512, (n,), generator=g).tolist(), [0] * 5 + [1] * (n - 5)))
-    return out
 
 
 def test_grouped_conv_equals_the_row_by_row_sum():
@@ -132,7 +124,7 @@ def reference_hidden(drafter, target, feats, ids, anchors) -> torch.Tensor:
 
 
 def test_chunked_forward_equals_the_written_out_drafter(target, drafter):
-    ids = torch.tensor(_samples(1, seed=4)[0][0])[None]
+    ids = torch.tensor(random_docs(1, seed=4)[0][0])[None]
     feats = target.train_features(ids)
     anchors = [3, 7, 8, 12, 16]
     with torch.no_grad():
@@ -151,7 +143,7 @@ def test_a_fresh_dflash2_drafter_computes_dflash(target):
     v2 = DFlashDrafter(config(target)).eval()
     missing = v2.load_state_dict(v1.state_dict(), strict=False).missing_keys
     assert missing and all("conv" in k or k.startswith("candidate_selector") for k in missing)
-    ids = torch.tensor(_samples(1, seed=5)[0][0])[None]
+    ids = torch.tensor(random_docs(1, seed=5)[0][0])[None]
     feats = target.train_features(ids)
     blocks = DraftBlocks.one_document(feats, [4, 9, 13], ids[0, [4, 9, 13]])
     with torch.no_grad():
@@ -251,7 +243,7 @@ def test_chunked_dflash2_loss_and_gradients_equal_unchunked(target, make):
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    batch = make(_samples(4, seed=2))
+    batch = make(random_docs(4, seed=2))
     ref, ref_grads = _loss_and_grads(target, drafter, batch, 0)
     for chunk in (2, B - 1, 3 * B + 1, 1000):
         out, grads = _loss_and_grads(target, drafter, batch, chunk)
@@ -277,7 +269,7 @@ def test_dflash2_drafts_losslessly_and_tau_counts_the_walk(target, drafter):
     can differ from the unary argmax (the selector reranks)."""
     proposer = DrafterProposer(target, drafter)
     differ = 0
-    for ids, _ in _samples(3, seed=7):
+    for ids, _ in random_docs(3, seed=7):
         prompt = torch.tensor(ids[:10])
         res = speculative_generate(target, proposer, prompt, block_size=B, max_new_tokens=24)
         assert res.tokens[:24].tolist() == greedy_generate(target, prompt, 24)[:24].tolist()

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from drafters import greedy_samples, train_run
+from drafters import greedy_samples, train_run, trained_drafter
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 
 from trainer.cli import main
-from trainer.hf.export import export_drafter, read_trained_drafter
+from trainer.hf.export import export_drafter
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DraftBlocks, DrafterConfig
 from trainer.model.target import target_from_options
@@ -84,10 +84,7 @@ def run_dir(target, samples, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(run_dir) -> DFlashDrafter:
-    src = read_trained_drafter(run_dir)
-    drafter = DFlashDrafter(src.config)
-    drafter.load_state_dict(src.weights)
-    return drafter.eval()
+    return trained_drafter(run_dir)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from drafters import greedy_samples, train_run
+from drafters import edited, greedy_samples, run_opts, train_run, trained_drafter
 from transformers import AutoModel
 
 from trainer.hf.export import export_drafter, read_trained_drafter
@@ -21,7 +21,6 @@ from trainer.model.attention import FULL, LayerRule
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DraftBlocks, DrafterConfig
 from trainer.model.verifier import DrafterProposer, greedy_generate, speculative_generate
-from trainer.options import RunOptions
 from trainer.run import (
     build_drafter,
     init_from_folder,
@@ -59,10 +58,7 @@ def run_dir(target, samples, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(run_dir):
-    src = read_trained_drafter(run_dir)
-    drafter = DFlashDrafter(src.config)
-    drafter.load_state_dict(src.weights)
-    return drafter.eval()
+    return trained_drafter(run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +139,8 @@ def test_transformers_dflash_generate_is_lossless_with_our_acceptance(
     assert max(accepted) > 1
 
 
-def tiny_opts(**over) -> RunOptions:
-    base = dict(endpoint="unused", run_dir=Path("unused"), attention="sdpa", steps=1)
-    return RunOptions(**{**base, **over})
-
-
 def test_init_drafter_reads_the_rules_back(folder, target, trained, tmp_path):
-    opts, spec = resolve_init_drafter(tiny_opts(init_drafter=folder))
+    opts, spec = resolve_init_drafter(run_opts(init_drafter=folder))
     assert (opts.layer_types, opts.sliding_window) == (",".join(KINDS), WINDOW)
     run_target = target
     drafter = build_drafter(run_target, opts, torch.device("cpu"))
@@ -159,22 +150,10 @@ def test_init_drafter_reads_the_rules_back(folder, target, trained, tmp_path):
         assert torch.equal(drafter.state_dict()[name], value), name
 
 
-def edited(folder: Path, dest: Path, **changes) -> Path:
-    shutil.copytree(folder, dest)
-    cfg = json.loads((dest / "config.json").read_text())
-    for key, value in changes.items():
-        if key == "dflash_config":
-            cfg[key] = {**cfg[key], **value}
-        else:
-            cfg[key] = value
-    (dest / "config.json").write_text(json.dumps(cfg))
-    return dest
-
-
 def test_init_drafter_refuses_what_disagrees(folder, tmp_path):
     def error(src: Path, **opts) -> str:
         with pytest.raises(ValueError) as err:
-            resolve_init_drafter(tiny_opts(init_drafter=src, **opts))
+            resolve_init_drafter(run_opts(init_drafter=src, **opts))
         return str(err.value)
 
     assert "--sliding-window 8 differs" in error(folder, sliding_window=8)
@@ -210,11 +189,11 @@ def test_resume_names_a_changed_window(target, samples, run_dir, tmp_path):
 )
 def test_bad_layer_options_are_refused_before_anything_runs(opts, message):
     with pytest.raises(ValueError, match=message):
-        resolve_init_drafter(tiny_opts(drafter_layers=2, **opts))
+        resolve_init_drafter(run_opts(drafter_layers=2, **opts))
 
 
 def test_sliding_window_alone_makes_every_layer_sliding(target):
-    opts, _ = resolve_init_drafter(tiny_opts(drafter_layers=2, sliding_window=5))
+    opts, _ = resolve_init_drafter(run_opts(drafter_layers=2, sliding_window=5))
     drafter = build_drafter(target, opts, torch.device("cpu"))
     assert drafter.config.layer_types == ("sliding_attention",) * 2
 
@@ -246,10 +225,7 @@ def bidirectional(target, samples, tmp_path_factory):
     run = tmp_path_factory.mktemp("swa-bi-run")
     train(target, samples, run, replace(config(target), sliding_causal=False), 12)
     out = export_drafter(run, tmp_path_factory.mktemp("swa-bi") / "d", dtype="fp32")
-    src = read_trained_drafter(run)
-    drafter = DFlashDrafter(src.config)
-    drafter.load_state_dict(src.weights)
-    return out, drafter.eval()
+    return out, trained_drafter(run)
 
 
 def test_a_bidirectional_sliding_drafter_round_trips(bidirectional, folder, target, tmp_path):
@@ -273,14 +249,14 @@ def test_a_bidirectional_sliding_drafter_round_trips(bidirectional, folder, targ
         other = causal(target.embed_tokens, blocks)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     assert not torch.allclose(other, ref, atol=1e-3)
-    opts, spec = resolve_init_drafter(tiny_opts(init_drafter=bi))
+    opts, spec = resolve_init_drafter(run_opts(init_drafter=bi))
     assert opts.sliding_bidirectional
     rebuilt = build_drafter(target, opts, torch.device("cpu"))
     init_from_folder(rebuilt, spec, target, train_config(replace(opts, run_dir=tmp_path)))
     assert rebuilt.config == drafter.config
     # The causal export with the flag: they disagree.
     with pytest.raises(ValueError, match="drop --sliding-bidirectional"):
-        resolve_init_drafter(tiny_opts(init_drafter=folder, sliding_bidirectional=True))
+        resolve_init_drafter(run_opts(init_drafter=folder, sliding_bidirectional=True))
 
 
 def test_the_remote_code_refuses_gaps_in_a_sliding_layer_mask(folder):

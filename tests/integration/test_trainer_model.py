@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from drafters import random_docs
 
 from trainer.model.blocks import (
     LossConfig,
@@ -58,16 +59,6 @@ def drafter(target) -> DFlashDrafter:
 # ---- loss targets and weights ------------------------------------------------------------
 
 
-def _samples(n_docs: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for d in range(n_docs):
-        n = 20 + 7 * d
-        ids = torch.randint(1, 512, (n,), generator=g).tolist()
-        out.append((ids, [0] * 5 + [1] * (n - 5)))
-    return out
-
-
 def hidden_of(target, drafter, feats, ids, anchors) -> torch.Tensor:
     with torch.no_grad():
         blocks = DraftBlocks.one_document(feats, anchors, ids[0, anchors])
@@ -76,7 +67,7 @@ def hidden_of(target, drafter, feats, ids, anchors) -> torch.Tensor:
 
 
 def test_loss_is_position_weighted_mean(target, drafter):
-    batch = pad_batch(_samples(3))
+    batch = pad_batch(random_docs(3))
     cfg = LossConfig(block_size=B, anchors_per_doc=3, gamma=2.0)
     out = draft_loss(target, drafter, batch, cfg, torch.Generator().manual_seed(5))
     # Recompute by hand with the same anchors, one document at a time.
@@ -128,7 +119,7 @@ def reference_hidden(drafter, target, feats, ids, anchors) -> torch.Tensor:
 
 
 def test_chunked_blocks_equal_the_dense_reference(target, drafter):
-    ids = torch.tensor(_samples(1, seed=4)[0][0])[None]
+    ids = torch.tensor(random_docs(1, seed=4)[0][0])[None]
     feats = target.train_features(ids)
     anchors = [3, 7, 8, 12, 16]
     with torch.no_grad():
@@ -157,7 +148,7 @@ def _loss_and_grads(target, drafter, batch, chunk_size, attention="sdpa"):
 def test_chunked_loss_and_gradients_equal_unchunked(target, drafter, make):
     """Chunk sizes below one block, between, and above every slot give the reference loss,
     gradients and accuracy counts (fp32)."""
-    batch = make(_samples(4, seed=2))
+    batch = make(random_docs(4, seed=2))
     ref, ref_grads = _loss_and_grads(target, drafter, batch, 0)
     slots = int(ref.count.sum())
     for chunk in (2, B - 1, 3 * B + 1, 10 * slots):
@@ -170,7 +161,7 @@ def test_chunked_loss_and_gradients_equal_unchunked(target, drafter, make):
 
 
 def test_packed_and_padded_losses_agree(target, drafter):
-    samples = _samples(4)
+    samples = random_docs(4)
     cfg = LossConfig(block_size=B, anchors_per_doc=5)
     losses = [
         float(
@@ -203,7 +194,7 @@ def test_zero_loss_reaches_every_parameter(target, drafter):
 
 
 def test_draft_loss_respects_the_anchor_cap(target, drafter):
-    batch = pad_batch(_samples(4))
+    batch = pad_batch(random_docs(4))
     cfg = LossConfig(block_size=B, anchors_per_doc=6, max_anchors=9)
     out = draft_loss(target, drafter, batch, cfg, _gen())
     assert out.num_blocks == 9 and out.capped_blocks == 4 * 6 - 9
@@ -253,7 +244,7 @@ def test_block_sees_only_context_before_anchor_and_itself(target, drafter):
 
 
 def test_packed_documents_do_not_leak(target, drafter):
-    samples = _samples(2)
+    samples = random_docs(2)
     cfg = LossConfig(block_size=B, anchors_per_doc=4)
     first = float(draft_loss(target, drafter, pack_batch(samples[:1]), cfg, _gen()).loss.detach())
     # Changing the second document changes nothing the first document's blocks see.
@@ -268,7 +259,7 @@ def _gen() -> torch.Generator:
 
 def test_training_and_inference_see_the_same_block(target, drafter):
     """The verifier's draft logits at an anchor equal training's: no off-by-one."""
-    ids = torch.tensor(_samples(1)[0][0])[None]
+    ids = torch.tensor(random_docs(1)[0][0])[None]
     feats = target.train_features(ids)
     a = 12
     hidden = hidden_of(target, drafter, feats, ids, [a])
@@ -290,7 +281,7 @@ def test_tiny_target_is_deterministic():
 
 
 def test_packed_target_features_equal_per_document(target):
-    samples = _samples(3)
+    samples = random_docs(3)
     packed = pack_batch(samples)
     feats, _ = target.features(packed.input_ids, packed.position_ids)
     start = 0
@@ -316,7 +307,7 @@ def test_captured_features_equal_output_hidden_states(target, layer_ids):
     """Hooks capture exactly ``hidden_states[id + 1]`` (the last layer's normed, as HF
     reports it); ``train_features`` stops early and gives the same values."""
     t = Target(target.model, layer_ids)
-    ids = torch.tensor(_samples(2)[1][0])[None]
+    ids = torch.tensor(random_docs(2)[1][0])[None]
     with torch.no_grad():
         hs = target.base(input_ids=ids, output_hidden_states=True).hidden_states
     expected = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
