@@ -86,7 +86,7 @@ def env_stage() -> dict[str, object]:
 
 
 def head_stage() -> dict[str, object]:
-    from trainer.model.loss import linear_cross_entropy
+    from trainer.model.loss import head_loss
 
     dev = torch.device("cuda")
     hidden, vocab = 4096, 151936
@@ -102,7 +102,7 @@ def head_stage() -> dict[str, object]:
         for chunk in (1024, 0):
             key = f"{anchors}_anchors_{'chunked' if chunk else 'unchunked'}"
             try:
-                peak, secs = _measure_head(linear_cross_entropy, h, head, labels, w, chunk)
+                peak, secs = _measure_head(head_loss, h, head, labels, w, chunk)
                 out[key] = {"peak_gb": round(peak, 2), "ms": round(secs * 1e3, 1)}
             except torch.OutOfMemoryError:
                 out[key] = "out of memory"
@@ -118,7 +118,7 @@ def _measure_head(fn, h, head, labels, w, chunk) -> tuple[float, float]:
         base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         with torch.autocast("cuda", torch.bfloat16):
-            total, _ = fn(x, head, labels, w, chunk)
+            total = fn(x, head, labels, w, chunk).ce
         total.backward()
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0

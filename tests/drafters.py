@@ -10,10 +10,11 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from trainer.hf.export import read_trained_drafter
 from trainer.model.blocks import LossConfig
-from trainer.model.drafter import DFlashDrafter
+from trainer.model.drafter import DFlashDrafter, apply_rotary, rotary
 from trainer.model.verifier import greedy_generate
 from trainer.options import RunOptions, TargetOptions
 from trainer.run import run_meta
@@ -86,3 +87,31 @@ def edited(folder: Path, dest: Path, **changes) -> Path:
             cfg[key] = value
     (dest / "config.json").write_text(json.dumps(cfg))
     return dest
+
+
+def dense_layout(drafter: DFlashDrafter, feats: torch.Tensor, anchors: list[int], b: int):
+    """The written-out references' setup for one document's blocks at ``anchors``: the
+    dense mask ``[A*B, T + A*B]`` (context before the anchor, the whole own block), the
+    projected context ``[T, H]``, and the rotations of the queries and of the keys."""
+    cfg = drafter.config
+    a = torch.tensor(anchors)
+    t = torch.arange(feats.shape[1])
+    blk = torch.arange(len(anchors) * b) // b
+    mask = torch.cat([t[None, :] < a[blk][:, None], blk[:, None] == blk[None, :]], dim=1)
+    ctx = drafter.hidden_norm(drafter.fc(feats[0]))
+    pos = (a[:, None] + torch.arange(b)).view(-1)
+    rope_k = rotary(torch.cat([t, pos]), cfg.head_dim, cfg.rope_theta)
+    return mask, ctx, rotary(pos, cfg.head_dim, cfg.rope_theta), rope_k
+
+
+def dense_attention(att, x, ctx, mask, rope_q, rope_k) -> torch.Tensor:
+    """A drafter attention written out: block queries ``x [S, H]`` over ``[ctx; x]`` under
+    a dense ``mask``, one SDPA call; ``o_proj``'s output ``[S, H]``."""
+    kv_in = torch.cat([ctx, x])
+    q = apply_rotary(att.q_norm(att._split(att.q_proj(x), att.heads)), *rope_q)
+    k = apply_rotary(att.k_norm(att._split(att.k_proj(kv_in), att.kv_heads)), *rope_k)
+    v = att._split(att.v_proj(kv_in), att.kv_heads)
+    rep = att.heads // att.kv_heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+    return att.o_proj(o.transpose(1, 2).reshape(x.shape[0], -1))

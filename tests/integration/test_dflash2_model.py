@@ -17,8 +17,7 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from drafters import random_docs
+from drafters import dense_attention, dense_layout, random_docs
 
 from trainer.model.blocks import LossConfig, anchor_generator
 from trainer.model.dflash2 import CandidateSelector, grouped_conv, training_candidates, walk
@@ -26,8 +25,6 @@ from trainer.model.drafter import (
     DFlashDrafter,
     DraftBlocks,
     DrafterConfig,
-    apply_rotary,
-    rotary,
 )
 from trainer.model.loss import LogitRule, draft_loss, head_loss, selector_loss, zero_loss
 from trainer.model.verifier import DrafterProposer, greedy_generate, speculative_generate
@@ -88,35 +85,19 @@ def reference_hidden(drafter, target, feats, ids, anchors) -> torch.Tensor:
     anchor, the whole own block), one SDPA call per layer, ``slow_conv`` around attention
     and MLP. ``[A, B, H]``."""
     cfg = drafter.config
-    a = torch.tensor(anchors)
-    t = torch.arange(ids.shape[1])
-    blk = torch.arange(len(anchors) * B) // B
-    mask = torch.cat([t[None, :] < a[blk][:, None], blk[:, None] == blk[None, :]], dim=1)
-    ctx = drafter.hidden_norm(drafter.fc(feats[0]))
-    pos = (a[:, None] + torch.arange(B)).view(-1)
-    cos_k, sin_k = rotary(torch.cat([t, pos]), cfg.head_dim, cfg.rope_theta)
-    cos_q, sin_q = rotary(pos, cfg.head_dim, cfg.rope_theta)
-    h = target.embed_tokens(torch.tensor([[int(ids[0, x])] + [MASK] * (B - 1) for x in a]))
+    mask, ctx, rope_q, rope_k = dense_layout(drafter, feats, anchors, B)
+    h = target.embed_tokens(torch.tensor([[int(ids[0, x])] + [MASK] * (B - 1) for x in anchors]))
     h = h.view(-1, cfg.hidden_size) * cfg.input_embedding_scale
 
     def conv(module, x, side, coefficients):
         return slow_conv(x, coefficients[:, side], module.base_kernel[side], B)
 
     for layer in drafter.layers:
-        att = layer.self_attn
         x = layer.input_layernorm(h)
         c = layer.attention_conv.kernel_projection(x).view(x.shape[0], 2, cfg.conv_kernel_size, -1)
-        x = conv(layer.attention_conv, x, 0, c)
-        kv_in = torch.cat([ctx, x])
-        q = apply_rotary(att.q_norm(att._split(att.q_proj(x), att.heads)), cos_q, sin_q)
-        k = apply_rotary(att.k_norm(att._split(att.k_proj(kv_in), att.kv_heads)), cos_k, sin_k)
-        v = att._split(att.v_proj(kv_in), att.kv_heads)
-        rep = att.heads // att.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
-        h = h + conv(
-            layer.attention_conv, att.o_proj(o.transpose(1, 2).reshape(h.shape[0], -1)), 1, c
-        )
+        o = dense_attention(layer.self_attn, conv(layer.attention_conv, x, 0, c), ctx, mask,
+                            rope_q, rope_k)  # fmt: skip
+        h = h + conv(layer.attention_conv, o, 1, c)
         x = layer.post_attention_layernorm(h)
         c = layer.mlp_conv.kernel_projection(x).view(x.shape[0], 2, cfg.conv_kernel_size, -1)
         h = h + conv(layer.mlp_conv, layer.mlp(conv(layer.mlp_conv, x, 0, c)), 1, c)

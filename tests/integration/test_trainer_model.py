@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from drafters import random_docs
+from drafters import dense_attention, dense_layout, random_docs
 
 from trainer.model.blocks import (
     LossConfig,
@@ -18,9 +18,7 @@ from trainer.model.drafter import (
     DFlashDrafter,
     DraftBlocks,
     DrafterConfig,
-    apply_rotary,
     plan_chunks,
-    rotary,
 )
 from trainer.model.loss import draft_loss, zero_loss
 from trainer.model.target import (
@@ -92,30 +90,13 @@ def test_loss_is_position_weighted_mean(target, drafter):
 def reference_hidden(drafter, target, feats, ids, anchors) -> torch.Tensor:
     """Today's (pre-chunking) computation, written out: all blocks of one document in one
     attention call against a dense ``[A*B, T + A*B]`` mask. ``[A, B, H]``."""
-    cfg, b = drafter.config, B
-    a = torch.tensor(anchors)
-    n = ids.shape[1]
-    t = torch.arange(n)
-    blk = torch.arange(len(anchors) * b) // b
-    mask = torch.cat([t[None, :] < a[blk][:, None], blk[:, None] == blk[None, :]], dim=1)
-    ctx = drafter.hidden_norm(drafter.fc(feats[0]))
-    pos = (a[:, None] + torch.arange(b)).view(-1)
-    cos_k, sin_k = rotary(torch.cat([t, pos]), cfg.head_dim, cfg.rope_theta)
-    cos_q, sin_q = rotary(pos, cfg.head_dim, cfg.rope_theta)
-    h = drafter.block_inputs(target.embed_tokens, ids[0, a].long())
+    mask, ctx, rope_q, rope_k = dense_layout(drafter, feats, anchors, B)
+    h = drafter.block_inputs(target.embed_tokens, ids[0, torch.tensor(anchors)].long())
     for layer in drafter.layers:
-        att = layer.self_attn
         x = layer.input_layernorm(h)
-        kv_in = torch.cat([ctx, x])
-        q = apply_rotary(att.q_norm(att._split(att.q_proj(x), att.heads)), cos_q, sin_q)
-        k = apply_rotary(att.k_norm(att._split(att.k_proj(kv_in), att.kv_heads)), cos_k, sin_k)
-        v = att._split(att.v_proj(kv_in), att.kv_heads)
-        rep = att.heads // att.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
-        h = h + att.o_proj(o.transpose(1, 2).reshape(h.shape[0], -1))
+        h = h + dense_attention(layer.self_attn, x, ctx, mask, rope_q, rope_k)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return drafter.norm(h).view(len(anchors), b, -1)
+    return drafter.norm(h).view(len(anchors), B, -1)
 
 
 def test_chunked_blocks_equal_the_dense_reference(target, drafter):

@@ -28,7 +28,7 @@ from trainer.model.blocks import (
 from trainer.model.drafter import (
     plan_chunks,
 )
-from trainer.model.loss import linear_cross_entropy
+from trainer.model.loss import head_loss
 from trainer.model.target import (
     Target,
     TinyTargetSpec,
@@ -194,22 +194,24 @@ def test_plan_blocks_hand_checked():
     assert plan_blocks(batch, LossConfig(block_size=4), torch.Generator()) is None
 
 
-def test_linear_cross_entropy_matches_autograd():
+def test_chunked_head_loss_matches_autograd():
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=False).requires_grad_(False)
     h = torch.randn(13, 8, generator=g, requires_grad=True)
     labels = torch.randint(0, 50, (13,), generator=g)
     w = torch.rand(13, generator=g)
-    ref, ref_hits = linear_cross_entropy(h, head, labels, w, 0)
+    ref_out = head_loss(h, head, labels, w, 0)
+    ref, ref_hits = ref_out.ce, ref_out.hits
     (ref_grad,) = torch.autograd.grad(ref * 3.0, h)
     for chunk in (1, 4, 13, 100):
-        got, hits = linear_cross_entropy(h, head, labels, w, chunk)
+        out = head_loss(h, head, labels, w, chunk)
+        got, hits = out.ce, out.hits
         (grad,) = torch.autograd.grad(got * 3.0, h)
         assert torch.allclose(got, ref, rtol=1e-6) and torch.equal(hits, ref_hits)
         assert torch.allclose(grad, ref_grad, atol=1e-6)
     trainable = torch.nn.Linear(8, 50, bias=False)
     with pytest.raises(ValueError, match="frozen head"):
-        linear_cross_entropy(h, trainable, labels, w, 4)
+        head_loss(h, trainable, labels, w, 4)
 
 
 def test_anchor_cap_is_fair_and_deterministic():

@@ -12,7 +12,7 @@
 Memory. The drafter drafts blocks in chunks of ``chunk_size // B`` blocks under activation
 checkpointing and returns hidden states only for supervised slots; the frozen LM head and
 the weighted cross-entropy then run ``chunk_size`` slots at a time in one fused pass
-(``linear_cross_entropy``) that computes the gradient of the hidden states as it goes, so
+(``head_loss``) that computes the gradient of the hidden states as it goes, so
 full-vocabulary logits exist for one chunk only and the head costs the same two matrix
 products as the unchunked path (the head is frozen: no weight gradient). At a 151,936-token
 vocabulary one fp32 logit row is 0.58 MB; the unchunked path (``chunk_size=0``) keeps about
@@ -231,18 +231,6 @@ def head_loss(
         raise ValueError("the chunked LM head supports a head without bias only")
     out = _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_size, rule)
     return HeadOutput(*out)
-
-
-def linear_cross_entropy(
-    hidden: torch.Tensor,
-    head: torch.nn.Module,
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum of weights * CE(head(hidden), labels), argmax hits [N])`` (``head_loss``)."""
-    out = head_loss(hidden, head, labels, weights, chunk_size)
-    return out.ce, out.hits
 
 
 def selector_loss(
