@@ -60,10 +60,24 @@ class Daemon:
 
 @pytest.fixture
 def daemon(tmp_path, monkeypatch):
-    corpus = tmp_path / "corpus.arrow"
     spec = SynthSpec(
         num_samples=600, seed=3, median_len=96, max_len=256, vocab_size=512, content="learnable"
     )
+    yield from _serve(spec, tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def small_daemon(tmp_path, monkeypatch):
+    """The daemon on a quarter of the corpus (lengths drawn alike), for a run of several
+    epochs: each epoch's plan cut afresh gives 9, 9 and 10 steps of 4096 tokens."""
+    spec = SynthSpec(
+        num_samples=150, seed=5, median_len=96, max_len=256, vocab_size=512, content="learnable"
+    )
+    yield from _serve(spec, tmp_path, monkeypatch)
+
+
+def _serve(spec: SynthSpec, tmp_path: Path, monkeypatch):
+    corpus = tmp_path / "corpus.arrow"
     write_corpus(corpus, spec)
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp_path
     shm = base / f"dflash-trainer-test-{uuid.uuid4().hex[:8]}"
@@ -106,30 +120,28 @@ def records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
 
 
-def test_two_ranks_train_against_the_daemon(daemon, tmp_path):
-    run_dir = tmp_path / "run"
-    run(train_cmd(daemon.endpoint, run_dir, "two", 8, "--ckpt-every", "4"), tmp_path / "t.log")
-    recs = records(run_dir)
-    assert sorted(recs) == list(range(9))
-    assert 1.0 <= recs[0]["tau"] <= 8.0 and 1.0 <= recs[8]["tau"] <= 8.0  # B = 8
-    losses = [recs[s]["loss"] for s in range(1, 9)]
+def test_kill_and_resume_matches_uninterrupted(daemon, tmp_path):
+    """Two ranks train against the daemon (the uninterrupted run: every step recorded,
+    the loss falls, checkpoints every 4 steps of both ranks' state); a run killed -9 and
+    resumed records the same losses step for step."""
+    steps, extra = 12, ("--ckpt-every", "4", "--grad-accum", "2")
+    whole = tmp_path / "whole"
+    run(train_cmd(daemon.endpoint, whole, "whole", steps, *extra), tmp_path / "whole.log")
+    recs = records(whole)
+    assert sorted(recs) == list(range(steps + 1))
+    assert 1.0 <= recs[0]["tau"] <= 8.0 and 1.0 <= recs[steps]["tau"] <= 8.0  # B = 8
+    losses = [recs[s]["loss"] for s in range(1, steps + 1)]
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2, losses
-    assert all(0 <= recs[s]["data_wait_frac"] < 1 for s in range(1, 9))
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 8
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert ckpts == ["step-00000004", "step-00000008"]
-    assert {p.name for p in (run_dir / "checkpoints" / "step-00000008").iterdir()} == {
+    assert all(0 <= recs[s]["data_wait_frac"] < 1 for s in range(1, steps + 1))
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == steps
+    ckpts = sorted(p.name for p in (whole / "checkpoints").iterdir())
+    assert ckpts == ["step-00000004", "step-00000008", "step-00000012"]
+    assert {p.name for p in (whole / "checkpoints" / "step-00000012").iterdir()} == {
         "model.pt",
         "rank-00000.pt",
         "rank-00001.pt",
     }
-
-
-def test_kill_and_resume_matches_uninterrupted(daemon, tmp_path):
-    steps, extra = 12, ("--ckpt-every", "4", "--grad-accum", "2")
-    whole = tmp_path / "whole"
-    run(train_cmd(daemon.endpoint, whole, "whole", steps, *extra), tmp_path / "whole.log")
 
     cut = tmp_path / "cut"
     log = open(tmp_path / "cut.log", "wb")  # noqa: SIM115
@@ -260,7 +272,7 @@ def test_a_job_resumes_on_fewer_then_more_ranks_with_a_continuous_schedule(daemo
     assert state["world_size"] == 2 and state["legs"][:2] == [[2, 1, k1], [1, 1, k2 - k1]]
 
 
-def test_epochs_train_every_step_of_every_epoch(daemon, tmp_path):
+def test_epochs_train_every_step_of_every_epoch(small_daemon, tmp_path):
     """Epoch plans are cut afresh, so their step counts differ by one or so: ``--epochs 3``
     trains exactly the steps of the three plans (not 3 x the first one's), with the final
     evaluation and checkpoint at the last."""
@@ -269,7 +281,7 @@ def test_epochs_train_every_step_of_every_epoch(daemon, tmp_path):
     from loader_server.planning.spec import BatchSpec
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", daemon.endpoint,
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", small_daemon.endpoint,
            "--job", "epochs", "--run-dir", str(run_dir), "--epochs", "3", "--block-size", "8",
            "--anchors-per-doc", "16", "--token-budget", "4096", "--max-seq-len", "256",
            "--num-eval-prompts", "2", "--eval-new-tokens", "8", "--no-progress"]  # fmt: skip

@@ -77,6 +77,10 @@ def stop(proc: subprocess.Popen, log: Path) -> int:
 
 
 def test_sigterm_closes_the_sessions_checkpoints_and_exits_0(daemon, tmp_path):
+    """SIGTERM to the launcher: both sessions closed at once, one checkpoint, exit 0. Then
+    the job's batch spec changes as a unit's would (one launch serves both checks): the
+    stopped job started again (new run dir) with another spec is accepted at once, and the
+    stopped run resumes from its checkpoint under its own spec."""
     run_dir, log = tmp_path / "run", tmp_path / "t.log"
     proc = launch(daemon.endpoint, run_dir, "stop", log, "--steps", "100000", "--token-budget",
                   "1024")  # fmt: skip
@@ -111,22 +115,17 @@ def test_sigterm_closes_the_sessions_checkpoints_and_exits_0(daemon, tmp_path):
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == [f"step-{last:08d}"]
     assert "Traceback" not in output and "SignalException" not in output
+    _restart_with_another_spec(daemon, tmp_path, "stop", run_dir, last)
 
 
-def test_a_job_restarted_with_another_spec_after_a_clean_stop(daemon, tmp_path):
-    """Change a job's batch spec: stop it, start it again (new run dir) with another spec.
-    The old run's sessions are gone at once, so the daemon accepts the new spec, and a
-    stopped run resumes from its checkpoint under its own spec."""
-    first, log1 = tmp_path / "a", tmp_path / "a.log"
-    proc = launch(daemon.endpoint, first, "change", log1, "--steps", "100000",
-                  "--token-budget", "1024")  # fmt: skip
-    wait_for_step(proc, first, 2, log1)
-    proc.send_signal(signal.SIGTERM)
-    assert stop(proc, log1) == 0, log1.read_text(errors="replace")[-3000:]
-    stopped_at = max(records(first))
-
+def _restart_with_another_spec(daemon, tmp_path: Path, job: str, first: Path,
+                               stopped_at: int) -> None:  # fmt: skip
+    """Change a job's batch spec after job ``job``'s run ``first`` was stopped cleanly at
+    ``stopped_at``: start it again (new run dir) with another spec. The old run's sessions
+    are gone at once, so the daemon accepts the new spec, and a stopped run resumes from
+    its checkpoint under its own spec."""
     second, log2 = tmp_path / "b", tmp_path / "b.log"
-    proc = launch(daemon.endpoint, second, "change", log2, "--steps", "3",
+    proc = launch(daemon.endpoint, second, job, log2, "--steps", "3",
                   "--token-budget", "2048")  # fmt: skip
     assert stop(proc, log2) == 0, log2.read_text(errors="replace")[-3000:]
     served = json.loads((second / "loader_spec.json").read_text())
@@ -136,7 +135,7 @@ def test_a_job_restarted_with_another_spec_after_a_clean_stop(daemon, tmp_path):
 
     # Back to the first spec: the stopped run resumes from the checkpoint it wrote.
     log3 = tmp_path / "a2.log"
-    proc = launch(daemon.endpoint, first, "change", log3, "--steps", str(stopped_at + 2),
+    proc = launch(daemon.endpoint, first, job, log3, "--steps", str(stopped_at + 2),
                   "--token-budget", "1024")  # fmt: skip
     assert stop(proc, log3) == 0, log3.read_text(errors="replace")[-3000:]
     assert f"resumed from {first / 'checkpoints' / f'step-{stopped_at:08d}'}" in log3.read_text()
