@@ -133,9 +133,16 @@ def write_jsonl(path: Path, rows: Iterator[dict] | list[dict]) -> Path:
     return path
 
 
-def build_tokenizer(out_dir: Path, *, vocab_size: int = 1024, template: str = "chatml") -> Path:
-    """Train a byte-level BPE on generated conversations and save a Transformers tokenizer
-    folder (``AutoTokenizer.from_pretrained(out_dir)``) with the given chat template."""
+def build_tokenizer(
+    out_dir: Path,
+    *,
+    vocab_size: int = 1024,
+    template: str = "chatml",
+    texts: Iterator[str] | None = None,
+) -> Path:
+    """Train a byte-level BPE on ``texts`` (default: generated conversations) and save a
+    Transformers tokenizer folder (``AutoTokenizer.from_pretrained(out_dir)``) with the given
+    chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -148,11 +155,12 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = 1024, template: str = "c
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = (
-        m["content"] if "messages" in c else m["value"]
-        for c in generate_conversations(2000, seed=12345)
-        for m in c.get("messages", c.get("conversations", []))
-    )
+    if texts is None:
+        texts = (
+            m["content"] if "messages" in c else m["value"]
+            for c in generate_conversations(2000, seed=12345)
+            for m in c.get("messages", c.get("conversations", []))
+        )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -17,10 +17,20 @@ mix of every step, and held-out loss per length band.
   as training (``trainer.model.loss.draft_loss``), on held-out samples grouped into 4 bands at
   the quartiles of their lengths. Batches and anchor generators are fixed, so every
   drafter is scored on exactly the same blocks (a paired comparison).
+* **tau** (``--corpus text``): the trainer's verifier on the held-out prompts, at step 0 (the
+  untrained drafter), every ``eval_every`` steps and at the end (``metrics.jsonl``).
+* **Forgetting** (``--corpus text``): the held-out loss of the shortest band at every
+  checkpoint (every ``ckpt_every`` steps). For each interval between two checkpoints,
+  ``long_only`` is the share of its steps that held no sample below the split length, and
+  ``delta`` the change of that loss over the interval. Forgetting shows as ``delta > 0``
+  where ``long_only`` is high: ``forgetting_corr`` correlates the two, and
+  ``delta_long``/``delta_mixed`` average ``delta`` over intervals with ``long_only`` at least
+  ``LONG_RUN`` and below it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Sequence
@@ -36,6 +46,9 @@ NUM_BANDS = 4
 ROLLING_WINDOW = 21
 EVAL_TOKEN_BUDGET = 8192
 EVAL_SEED = 20240611
+#: An interval of steps counts as a long-only run when at least this share of its steps
+#: held no short sample.
+LONG_RUN = 0.5
 
 
 def rolling_mean(x: np.ndarray, window: int = ROLLING_WINDOW) -> np.ndarray:
@@ -227,11 +240,54 @@ def _stats(values: list[float | None]) -> dict[str, Any]:
     return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max()), "n": int(v.size)}
 
 
+def split_length(cfg: Any, lengths: np.ndarray) -> float:
+    """The length that splits short from long: the synthetic corpus's difficulty split (its
+    median setting), the text corpus's median length."""
+    return float(cfg.median_len) if cfg.corpus == "synthetic" else float(np.median(lengths))
+
+
+def tau_series(run_dir: Path) -> dict[str, list[float]]:
+    """The verifier's tau at every step it was measured (step 0: the untrained drafter)."""
+    from trainer.train.metrics import metrics_path, read_metrics
+
+    recs = [r for r in read_metrics(metrics_path(run_dir)) if "tau" in r]
+    return {"step": [int(r["step"]) for r in recs], "tau": [float(r["tau"]) for r in recs]}
+
+
+def forgetting(
+    steps: Sequence[int], short_loss: Sequence[float], all_hard: np.ndarray
+) -> dict[str, Any]:
+    """Forgetting measures (module docstring) from the shortest band's held-out loss at
+    checkpoint ``steps`` and, per optimizer step 1..n, whether it held no short sample."""
+    s = np.asarray(steps, dtype=np.int64)
+    loss = np.asarray(short_loss, dtype=np.float64)
+    if s.size != loss.size or s.size < 2 or np.any(np.diff(s) <= 0) or s[0] < 0:
+        raise ValueError(f"need >= 2 increasing checkpoint steps with a loss each, got {steps}")
+    if s[-1] > all_hard.size:
+        raise ValueError(f"checkpoint step {s[-1]} is past the {all_hard.size} logged steps")
+    long_only = np.array([all_hard[a:b].mean() for a, b in itertools.pairwise(s)])
+    delta = np.diff(loss)
+    long_iv, mixed_iv = long_only >= LONG_RUN, long_only < LONG_RUN
+    spread = long_only.std() > 0 and delta.std() > 0
+    return {
+        "steps": s.tolist(),
+        "short_loss": loss.tolist(),
+        "long_only": long_only.tolist(),
+        "delta": delta.tolist(),
+        "forgetting_corr": float(np.corrcoef(long_only, delta)[0, 1]) if spread else None,
+        "long_intervals": int(long_iv.sum()),
+        "delta_long": float(delta[long_iv].mean()) if long_iv.any() else None,
+        "delta_mixed": float(delta[mixed_iv].mean()) if mixed_iv.any() else None,
+        "rises_in_long": int((delta[long_iv] > 0).sum()),
+    }
+
+
 def _run_measures(cfg: Any, name: str, lengths: np.ndarray) -> dict[str, Any]:
     config, records = read_run(cfg.out_dir / "runs" / name)
     spec = effective_spec(config)
     idx, losses = loss_series(records, cfg.burn_in)
-    hard = step_hard_frac(records, spec, lengths, cfg.median_len)[idx]
+    all_frac = step_hard_frac(records, spec, lengths, split_length(cfg, lengths))
+    hard = all_frac[idx]
     resid = losses - rolling_mean(losses)
     corr = float(np.corrcoef(hard, resid)[0, 1]) if hard.std() > 0 and resid.std() > 0 else None
     tail = losses[-max(1, len(losses) // 10) :]
@@ -249,6 +305,7 @@ def _run_measures(cfg: Any, name: str, lengths: np.ndarray) -> dict[str, Any]:
             "loss": losses.tolist(),
             "hard_frac": hard.tolist(),
         },
+        "all_hard": (all_frac == 1.0).tolist(),
     }
 
 
@@ -266,6 +323,7 @@ def analyse(cfg: Any, train_path: Path, heldout_path: Path) -> dict[str, Any]:
     held_lengths = open_dataset(heldout_path).lengths
     band = length_bands(held_lengths)
     batches = heldout_batches(heldout_path, band)
+    split = split_length(cfg, lengths)
     runs: dict[str, dict[str, Any]] = {}
     for seed in cfg.seeds:
         names = [cfg.run_name(spec, seed) for spec in cfg.specs]
@@ -291,13 +349,37 @@ def analyse(cfg: Any, train_path: Path, heldout_path: Path) -> dict[str, Any]:
             fresh = build_drafter(target, replace(opts, seed=run["seed"]), "cpu")
             untrained = heldout_loss(target, fresh, batches, loss_cfg)
         log.info("%s: held-out loss %.4f", name, run["heldout"]["loss_all"])
+        if cfg.corpus == "text":
+            run_dir = cfg.out_dir / "runs" / name
+            run["tau"] = tau_series(run_dir)
+            run["forgetting"] = _forgetting(run_dir, run, target, batches, loss_cfg)
     return {
         "config": {**cfg.fixed_part(), "seeds": list(cfg.seeds), "specs": list(cfg.specs)},
-        "corpus": _corpus_facts(lengths, held_lengths, band, cfg.median_len),
+        "corpus": _corpus_facts(lengths, held_lengths, band, split),
         "untrained": untrained,
         "runs": runs,
         "summary": {spec: _summarize_spec(runs, spec) for spec in cfg.specs},
     }
+
+
+def _forgetting(
+    run_dir: Path, run: dict[str, Any], target: Any, batches: list, loss_cfg: Any
+) -> dict[str, Any]:
+    """The shortest band's held-out loss at every checkpoint of the run (and at step 0, the
+    untrained drafter of its seed), then ``forgetting``."""
+    from trainer.model.drafter import DFlashDrafter, DrafterConfig
+    from trainer.train import checkpoint as ckpt
+    from trainer.train.distributed import local_env
+
+    short = [(b, batch) for b, batch in batches if b == 0]
+    steps, losses = [], []
+    for path in ckpt.list_checkpoints(run_dir):
+        saved, _ = ckpt.load_checkpoint(path, local_env())
+        drafter = DFlashDrafter(DrafterConfig(**saved.drafter_config))
+        drafter.load_state_dict(saved.drafter)
+        steps.append(saved.step)
+        losses.append(heldout_loss(target, drafter, short, loss_cfg)["loss"][0])
+    return forgetting(steps, losses, np.asarray(run["all_hard"], dtype=np.float64))
 
 
 def _eval_loss_config(saved: dict[str, Any], anchors_per_doc: int) -> Any:
@@ -342,4 +424,10 @@ def _summarize_spec(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any
     out["heldout_all"] = _stats([r["heldout"]["loss_all"] for r in mine])
     nb = len(mine[0]["heldout"]["loss"])
     out["heldout_band"] = [_stats([r["heldout"]["loss"][b] for r in mine]) for b in range(nb)]
+    out["heldout_acc_all"] = _stats([r["heldout"]["acc_all"] for r in mine])
+    if "tau" in mine[0]:
+        out["tau_final"] = _stats([r["tau"]["tau"][-1] if r["tau"]["tau"] else None for r in mine])
+        out["tau_start"] = _stats([r["tau"]["tau"][0] if r["tau"]["tau"] else None for r in mine])
+        for k in ("forgetting_corr", "delta_long", "delta_mixed", "long_intervals"):
+            out[k] = _stats([r["forgetting"][k] for r in mine])
     return out

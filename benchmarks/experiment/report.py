@@ -9,6 +9,10 @@
 * ``experiment-jumps.png``: histogram of the step-to-step loss changes.
 * ``experiment-mix.png``: each step's share of long (hard) samples against its loss
   residual: why a step spikes.
+* ``experiment-tau.png`` (``--corpus text``): the verifier's tau over training (mean over
+  seeds, whiskers min..max).
+* ``experiment-forgetting.png`` (``--corpus text``): the shortest band's held-out loss at
+  every checkpoint (first seed), over the share of long-only steps between checkpoints.
 """
 
 from __future__ import annotations
@@ -20,12 +24,24 @@ import numpy as np
 
 from benchmarks.experiment.analysis import rolling_mean
 
-COLORS = {"sorted": "tab:red", "shuffled": "tab:orange", "stratified": "tab:blue"}
+COLORS = {
+    "sorted": "tab:red",
+    "six": "tab:green",
+    "shuffled": "tab:orange",
+    "stratified": "tab:blue",
+}
 LABELS = {
     "sorted": "sorted (frozen composition)",
+    "six": "6 hand-set buckets + shuffled",
     "shuffled": "bucketed + shuffled",
     "stratified": "bucketed + stratified",
 }
+
+
+def reference_spec(specs: Any) -> str:
+    """The spec differences are taken to: the reference fix (``six``, else ``shuffled``)."""
+    specs = list(specs)
+    return next((s for s in ("six", "shuffled") if s in specs), specs[0])
 
 
 def fmt(stat: dict[str, Any], digits: int = 3) -> str:
@@ -74,7 +90,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         "Held-out weighted block CE per length band (quartiles of held-out lengths; share of "
-        "long, hard samples in brackets):",
+        f"long samples, >= {results['corpus']['split_len']:.0f} tokens, in brackets):",
         "",
         "| spec | "
         + " | ".join(
@@ -94,7 +110,52 @@ def markdown(results: dict[str, Any]) -> str:
     for spec, s in summary.items():
         cells = [fmt(b) for b in s["heldout_band"]] + [fmt(s["heldout_all"])]
         lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+    if "tau_final" in next(iter(summary.values())):
+        lines += _tau_lines(results)
     return "\n".join(lines) + "\n"
+
+
+def _tau_lines(results: dict[str, Any]) -> list[str]:
+    summary = results["summary"]
+    lines = [
+        "",
+        "Acceptance length and forgetting (tau: the trainer's verifier on the held-out "
+        "prompts, tokens per target step; Δ short: change of the shortest band's held-out "
+        "loss between checkpoints, over intervals with at least half of the steps "
+        "long-only, and over the others):",
+        "",
+        "| spec | tau untrained | tau final | held-out acc. | intervals long-only | "
+        "Δ short, long-only | Δ short, mixed | corr(Δ short, long-only share) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for spec, s in summary.items():
+        cells = [
+            fmt(s["tau_start"]),
+            fmt(s["tau_final"]),
+            fmt(s["heldout_acc_all"]),
+            fmt(s["long_intervals"], 1),
+            fmt(s["delta_long"], 4),
+            fmt(s["delta_mixed"], 4),
+            fmt(s["forgetting_corr"], 2),
+        ]
+        lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+    ref = reference_spec(summary)
+    lines += ["", f"Paired by seed, minus {LABELS.get(ref, ref)}:", ""]
+    for spec in summary:
+        if spec == ref:
+            continue
+        d_tau, d_loss = [], []
+        for seed in results["config"]["seeds"]:
+            by = {r["spec"]: r for r in results["runs"].values() if r["seed"] == seed}
+            d_tau.append(by[spec]["tau"]["tau"][-1] - by[ref]["tau"]["tau"][-1])
+            d_loss.append(by[spec]["heldout"]["loss_all"] - by[ref]["heldout"]["loss_all"])
+        lines.append(
+            f"* {LABELS.get(spec, spec)}: tau "
+            + ", ".join(f"{x:+.3f}" for x in d_tau)
+            + "; held-out loss "
+            + ", ".join(f"{x:+.3f}" for x in d_loss)
+        )
+    return lines
 
 
 def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -177,7 +238,43 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.legend()
     ax.grid(alpha=0.3)
     save(fig, "experiment-mix.png")
+    if all("tau" in r for r in results["runs"].values()):
+        save(_plot_tau(plt, results), "experiment-tau.png")
+        save(_plot_forgetting(plt, runs, seed), "experiment-forgetting.png")
     return written
+
+
+def _plot_tau(plt: Any, results: dict[str, Any]) -> Any:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for spec in results["summary"]:
+        mine = [r["tau"] for r in results["runs"].values() if r["spec"] == spec]
+        step = np.array(mine[0]["step"])
+        tau = np.array([m["tau"] for m in mine if m["step"] == mine[0]["step"]])
+        mean = tau.mean(0)
+        err = np.vstack([mean - tau.min(0), tau.max(0) - mean])
+        ax.errorbar(step, mean, yerr=err, capsize=3, marker="o", ms=3, lw=1.6,
+                    color=COLORS.get(spec), label=LABELS.get(spec, spec))  # fmt: skip
+    ax.set(xlabel="optimizer step", ylabel="tau (tokens per target step)",
+           title="acceptance length on held-out prompts (mean, min..max over seeds)")  # fmt: skip
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def _plot_forgetting(plt: Any, runs: dict[str, dict[str, Any]], seed: int) -> Any:
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for spec, r in runs.items():
+        f = r["forgetting"]
+        c, steps = COLORS.get(spec), np.array(f["steps"])
+        ax1.plot(steps, f["short_loss"], marker="o", ms=3, color=c, label=LABELS.get(spec, spec))
+        mid = (steps[:-1] + steps[1:]) / 2
+        ax2.plot(mid, f["long_only"], marker="o", ms=3, color=c)
+    ax1.set(ylabel="held-out loss, shortest band", title=f"forgetting probe, seed {seed}")
+    ax1.legend(fontsize=8)
+    ax2.set(xlabel="optimizer step", ylabel="share of long-only steps\nsince last checkpoint")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    return fig
 
 
 def paired_delta(results: dict[str, Any], spec: str, ref: str) -> np.ndarray:
@@ -201,7 +298,7 @@ def _plot_heldout(plt: Any, results: dict[str, Any]) -> Any:
         s = summary[spec]
         return np.array([b[key] for b in s["heldout_band"]] + [s["heldout_all"][key]])
 
-    ref = "shuffled" if "shuffled" in summary else next(iter(summary))
+    ref = reference_spec(summary)
     for k, spec in enumerate(summary):
         mean = values(spec, "mean")
         err = np.vstack([mean - values(spec, "min"), values(spec, "max") - mean])

@@ -14,8 +14,17 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from benchmarks.experiment.analysis import length_bands, pooled_diff_std, rolling_mean, spikiness
+from benchmarks.experiment.analysis import (
+    forgetting,
+    length_bands,
+    pooled_diff_std,
+    rolling_mean,
+    spikiness,
+)
 from benchmarks.experiment.run import SPECS, ExperimentConfig, train_command
+from benchmarks.experiment.target import TargetRecipe, continuations, function_tasks, split_of
+from benchmarks.experiment.textdata import TextDataSpec, draw_prompts
+from loader_server.planning.spec import REFERENCE_BUCKETS
 
 # ---- spikiness ----------------------------------------------------------------------------
 
@@ -79,6 +88,120 @@ def test_length_bands_are_quartiles():
     assert band[:25].max() == 0 and band[-25:].min() == 3
 
 
+def test_forgetting_measures():
+    # Checkpoints at 10..40; steps 21-30 held no short sample, the others did.
+    all_hard = np.zeros(40)
+    all_hard[20:30] = 1.0
+    f = forgetting([10, 20, 30, 40], [3.0, 2.5, 2.7, 2.4], all_hard)
+    assert f["long_only"] == [0.0, 1.0, 0.0]
+    assert f["delta"] == pytest.approx([-0.5, 0.2, -0.3])
+    assert f["long_intervals"] == 1 and f["rises_in_long"] == 1
+    assert f["delta_long"] == pytest.approx(0.2) and f["delta_mixed"] == pytest.approx(-0.4)
+    assert f["forgetting_corr"] > 0.9
+    # A loss that keeps falling through the long-only interval shows no forgetting.
+    calm = forgetting([10, 20, 30, 40], [3.0, 2.5, 2.4, 2.0], all_hard)
+    assert calm["rises_in_long"] == 0 and calm["delta_long"] < 0
+    # Nothing to correlate when every interval has the same long-only share.
+    assert forgetting([0, 40], [3.0, 2.0], all_hard)["forgetting_corr"] is None
+
+
+@pytest.mark.parametrize(
+    "steps, losses, n",
+    [([10], [1.0], 40), ([20, 10], [1.0, 2.0], 40), ([10, 20], [1.0], 40), ([10, 50], [1, 2], 40)],
+)
+def test_forgetting_rejects_bad_checkpoints(steps, losses, n):
+    with pytest.raises(ValueError):
+        forgetting(steps, losses, np.zeros(n))
+
+
+# ---- the learned target's text ------------------------------------------------------------
+
+SOURCE = '''"""A module."""
+
+
+def add(a, b=1, *rest):
+    """Add two numbers.
+
+    More detail that is not asked for.
+    """
+    total = a + b
+    for x in rest:
+        total += x
+    return total
+
+
+class K:
+    def method(self, x):
+        """Twice x, as a method of a class, long enough to be kept as a task."""
+        value = x * 2
+        return value
+
+
+def bare(x):
+    return x
+'''
+
+
+def test_function_tasks_ask_for_documented_functions():
+    tasks = list(function_tasks("mod.py", SOURCE))
+    assert [line for _, line in tasks] == [4, 16]
+    (ask, reply), _ = tasks[0]
+    assert ask["role"] == "user" and reply["role"] == "assistant"
+    assert (
+        ask["content"]
+        == "Write the Python function `add(a, b=1, *rest)` of `mod.py`: Add two numbers."
+    )
+    assert (
+        reply["content"].startswith("def add(a, b=1, *rest):")
+        and "return total" in reply["content"]
+    )
+    method = tasks[1][0][1]["content"]
+    assert method.startswith("def method(self, x):\n")  # dedented out of its class
+    assert list(function_tasks("broken.py", "def f(:\n")) == []
+
+
+def test_continuations_are_consecutive_pieces():
+    chats = list(continuations("mod.py", SOURCE, chunk_chars=80))
+    assert len(chats) >= 3 and [i for _, i in chats] == list(range(len(chats)))
+    replies = [chat[1]["content"] for chat, _ in chats]
+    first = chats[0][0][0]["content"]
+    piece0 = first.split("```python\n", 1)[1].removesuffix("```")
+    assert piece0 + "".join(replies) == SOURCE  # pieces cut at line ends, nothing lost
+    assert all(p.endswith("\n") for p in replies)
+
+
+def test_text_splits_are_stable_and_sized():
+    names = [f"pkg/mod{i}.py" for i in range(4000)]
+    prompts = [n for n in names if split_of(n, 0.2) == "prompts"]
+    assert 0.17 < len(prompts) / len(names) < 0.23
+    assert prompts == [n for n in names if split_of(n, 0.2) == "prompts"]  # deterministic
+
+
+def test_recipe_key_names_what_changes_the_target():
+    base = TargetRecipe()
+    assert base.key() == TargetRecipe(threads=1).key()  # threads do not change the result
+    assert base.key() != TargetRecipe(steps=base.steps + 1).key()
+    for bad in ({"hidden": 250}, {"vocab_size": 100}, {"prompt_share": 1.0}, {"steps": 0}):
+        with pytest.raises(ValueError):
+            TargetRecipe(**bad)
+
+
+def test_drawn_prompts_are_disjoint_and_mixed():
+    recipe = TargetRecipe()
+    spec = TextDataSpec(train=300, heldout=60, tau=10, short_share=0.5)
+    sets = draw_prompts(recipe, spec)
+    assert len(sets["train"]) == 300 and len(sets["heldout"]) == 60
+    texts = [r["messages"][0]["content"] for rows in sets.values() for r in rows]
+    assert len(set(texts)) == len(texts)  # no prompt in two sets (or twice)
+    assert all(r["messages"][0]["role"] == "user" and len(r["messages"]) == 1
+               for rows in sets.values() for r in rows)  # fmt: skip
+    continuation = sum(t.startswith("Continue this code") for t in texts)
+    assert continuation == 180  # half of 360, the rest short questions
+    assert sets == draw_prompts(recipe, spec)  # reproducible
+    with pytest.raises(ValueError, match=r"function prompts, \d+ are asked for"):
+        draw_prompts(recipe, TextDataSpec(train=100_000, heldout=8, tau=1))
+
+
 # ---- run commands -------------------------------------------------------------------------
 
 
@@ -104,19 +227,43 @@ def test_specs_differ_only_in_their_spec_pairs(tmp_path):
         return [cmd[i + 1] for i, a in enumerate(cmd) if a == "--spec"]
 
     assert pairs(cmds["sorted"]) == ["composition=sorted"]
+    assert pairs(cmds["six"]) == ["buckets=96,152,216,304,412", "order=shuffled"]
     assert pairs(cmds["shuffled"]) == ["buckets=auto:8", "order=shuffled"]
     assert pairs(cmds["stratified"]) == ["buckets=auto:8", "order=stratified"]
+    assert common(cmds["six"]) == common(cmds["sorted"])
+
+
+def test_six_buckets_are_the_reference_bounds_scaled():
+    assert (
+        ExperimentConfig(out_dir=Path("x"), max_len=8192, token_budget=8192).six_buckets
+        == "770,1216,1728,2432,3296"
+    )
+    assert ExperimentConfig(out_dir=Path("x"), max_len=1024).six_buckets == "96,152,216,304,412"
+
+
+def test_text_runs_train_on_the_learned_target(tmp_path):
+    cfg = ExperimentConfig(out_dir=tmp_path, corpus="text", eval_every=25, ckpt_every=10)
+    assert cfg.specs == ("sorted", "six", "stratified")  # the issue's three
+    cmd = " ".join(train_command(cfg, "six", seed=0))
+    assert f"--target {cfg.target_dir()}" in cmd and "--tiny-vocab" not in cmd
+    assert f"--eval-prompts {tmp_path / 'data' / 'tau.jsonl'}" in cmd
+    assert "--eval-every 25" in cmd and "--ckpt-every 10" in cmd
+    fixed = cfg.fixed_part()
+    assert "target" in fixed and "samples" not in fixed and "threads" not in fixed["target"]
+    assert "target" not in ExperimentConfig(out_dir=tmp_path).fixed_part()
 
 
 @pytest.mark.parametrize(
     "kw",
     [
         {"specs": ("sorted", "bogus")},
-        {"specs": ()},
         {"seeds": (0, 0)},
         {"steps": 2},
         {"token_budget": 512, "max_len": 1024},
         {"burn_in": 1.0},
+        {"corpus": "web"},
+        {"jobs": 0},
+        {"ckpt_every": -1},
     ],
 )
 def test_config_rejects_bad_values(tmp_path, kw):
@@ -169,6 +316,50 @@ def test_tiny_experiment_end_to_end(tmp_path):
     # Other settings in the same folder are refused before anything runs.
     res = _experiment(out, *TINY[:-2], "--buckets", "auto:3")
     assert res.returncode != 0 and "other settings (buckets)" in res.stderr
+
+
+TEXT = [
+    "--corpus", "text", "--target-steps", "200", "--target-layers", "1", "--target-hidden", "64",
+    "--target-vocab", "512", "--target-seq-len", "256", "--target-lr", "0.01",
+    "--target-threads", "1", "--prompts", "60", "--heldout-prompts", "16", "--tau-prompts", "4",
+    "--max-reply-tokens", "32", "--steps", "6", "--grad-accum", "2", "--token-budget", "1024",
+    "--max-len", "512", "--eval-every", "3", "--eval-new-tokens", "16", "--ckpt-every", "2",
+]  # fmt: skip
+
+
+@pytest.mark.integration
+def test_text_experiment_end_to_end(tmp_path):
+    """A miniature of the learned-target experiment: the target trained here (into a cache
+    under tmp_path), prompts regenerated through the chat server, three specs trained on
+    the learned target with tau measured, the forgetting probe on every checkpoint."""
+    out = tmp_path / "exp"
+    env = {**os.environ, "DFLASH_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "benchmarks.experiment", str(out), *TEXT]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    (target,) = (tmp_path / "cache" / "experiment-target").iterdir()
+    facts = json.loads((target / "target.json").read_text())
+    assert facts["heldout_loss"] < facts["uniform_loss"] - 1.0  # it learned the text
+    assert (target / "tokenizer.json").is_file() and (target / "chat_template.jinja").is_file()
+    tau_prompts = (out / "data" / "tau.jsonl").read_text().splitlines()
+    assert len(tau_prompts) == 4 and all(json.loads(x)["prompt"] for x in tau_prompts)
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["summary"]) == {"sorted", "six", "stratified"}
+    for name, run in results["runs"].items():
+        assert run["tau"]["step"] == [0, 3, 6], name
+        assert all(1.0 <= t <= 8.0 for t in run["tau"]["tau"])  # 1 .. block size 8
+        f = run["forgetting"]
+        assert f["steps"] == [2, 4, 6] and len(f["delta"]) == 2
+        assert all(math.isfinite(x) and x > 0 for x in f["short_loss"])
+        assert all(0.0 <= x <= 1.0 for x in f["long_only"])
+        assert run["config"]["target"] == str(target)
+    six = results["runs"]["six-s0"]["config"]["loader_spec"]["buckets"]
+    assert six == [round(b * 512 / 8192) for b in REFERENCE_BUCKETS]  # scaled to max_len 512
+    assert results["corpus"]["train"]["samples"] >= 15  # empty replies are skipped
+    md = (out / "results.md").read_text()
+    assert "tau final" in md and "6 hand-set buckets + shuffled" in md
+    for name in ("tau", "forgetting"):
+        assert (out / f"experiment-{name}.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def _daemon_pid(out: Path) -> str:

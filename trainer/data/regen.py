@@ -122,7 +122,7 @@ def regen_corpus(
         raise ValueError(f"{src}: {len(ds)} samples leave none after a holdout of {spec.holdout}")
     n = n_keep if spec.limit is None else min(spec.limit, n_keep)
     if holdout_out is not None and spec.holdout:
-        held = _heldout(ds, src, range(n_keep, len(ds)))
+        held = heldout_prompts(ds, src, range(n_keep, len(ds)))
         write_heldout(holdout_out, held, force=force, inputs=[src])
     bar = progress_bar(n, "regen", "sample", progress)
     tokens = 0
@@ -155,7 +155,8 @@ def _record_batch(ids: list[np.ndarray], masks: list[np.ndarray]) -> pa.RecordBa
     return record_batch(flat_ids, flat_mask, lengths)
 
 
-def _heldout(ds: ArrowDataset, src: Path, rows: range) -> Iterator[HeldoutPrompt]:
+def heldout_prompts(ds: ArrowDataset, src: Path, rows: range) -> Iterator[HeldoutPrompt]:
+    """The prompt (tokens before the first supervised one) of each of ``rows`` of ``ds``."""
     for i in rows:
         ids = np.asarray(ds.input_ids(i))
         s = split_prompt(_mask(ds, i, len(ids)))
