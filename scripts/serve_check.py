@@ -314,14 +314,16 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def vllm_command(
-    vllm_python: str, target: Path, port: int, drafter: Path | None, speculators: bool = False
-) -> list[str]:
+    vllm_python: str, target: Path, port: int, drafter: Path | None, speculators: bool = False,
+    num_speculative_tokens: int = BLOCK - 1,
+) -> list[str]:  # fmt: skip
     """The vLLM OpenAI server for the target (docs/SERVING.md): fp32 on CPU, no
     torch.compile (--enforce-eager), a KV cache of a fixed size (the CPU backend otherwise
     reserves --gpu-memory-utilization of the machine's memory and refuses to start when
     that much is not free); with ``drafter``, its DFlash speculator. ``speculators``: the
     drafter is a speculators-dialect folder, which vLLM takes as ``--model`` (it serves the
-    verifier its config names, with the drafter)."""
+    verifier its config names, with the drafter); ``num_speculative_tokens``: the drafter's
+    block size - 1."""
     if speculators and drafter is not None:
         target, drafter = drafter, None
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
@@ -329,7 +331,8 @@ def vllm_command(
            "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
            "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0"]  # fmt: skip
     if drafter is not None:
-        spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": BLOCK - 1}
+        spec = {"method": "dflash", "model": str(drafter),
+                "num_speculative_tokens": num_speculative_tokens}  # fmt: skip
         cmd += ["--speculative-config", json.dumps(spec)]
     return cmd
 
@@ -337,10 +340,10 @@ def vllm_command(
 @contextlib.contextmanager
 def vllm_server(
     vllm_python: str, target: Path, log: Path, drafter: Path | None = None,
-    speculators: bool = False, **env: str,
+    speculators: bool = False, num_speculative_tokens: int = BLOCK - 1, **env: str,
 ) -> Iterator[str]:  # fmt: skip
     port = free_port()
-    cmd = vllm_command(vllm_python, target, port, drafter, speculators)
+    cmd = vllm_command(vllm_python, target, port, drafter, speculators, num_speculative_tokens)
     print("   $ " + " ".join(c if " " not in c else f"'{c}'" for c in cmd), flush=True)
     full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **env}
     with open(log, "wb") as out:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from benchmarks.experiment.run import CORPORA, SPECS, ExperimentConfig, run_experiment
+from benchmarks.experiment.run import CORPORA, SPECS, ExperimentConfig, SetupError, run_experiment
 from benchmarks.experiment.target import TargetRecipe
 from benchmarks.experiment.textdata import TextDataSpec
 
@@ -72,11 +74,23 @@ T, D = TargetRecipe, TextDataSpec
 @click.option("--eval-every", type=int, default=60, show_default=True, help="text: tau.")
 @click.option("--eval-new-tokens", type=int, default=48, show_default=True, help="text: tau.")
 @click.option("--ckpt-every", type=int, default=20, show_default=True, help="text: forgetting.")
+@click.option(
+    "--vllm-python",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="text: vLLM's CPU virtualenv Python (bash scripts/serve_check.sh --venv-only makes "
+    "it): vLLM serves every final drafter and its acceptance length is measured too.",
+)
 def experiment(out_dir: Path, **opts: Any) -> None:
     """Batching experiment: train a drafter under each loader spec (sorted, six hand-set
     buckets, optimal buckets shuffled or stratified); write OUT_DIR/results.json,
     results.md and PNG plots (docs/EXPERIMENT.md)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    # SIGTERM/SIGHUP end the experiment as Ctrl-C does: through the finally blocks that stop
+    # the trainers (they checkpoint), the loader daemon and any vLLM server.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     seq_len = opts.pop("target_seq_len")  # rows of seq_len, the same tokens per step
     target = TargetRecipe(
         steps=opts.pop("target_steps"),
@@ -94,7 +108,14 @@ def experiment(out_dir: Path, **opts: Any) -> None:
         tau=opts.pop("tau_prompts"),
         max_tokens=opts.pop("max_reply_tokens"),
     )
-    results = run_experiment(ExperimentConfig(out_dir=out_dir, target=target, text=text, **opts))
+    try:
+        cfg = ExperimentConfig(out_dir=out_dir, target=target, text=text, **opts)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    try:
+        results = run_experiment(cfg)
+    except SetupError as e:  # refused before anything ran: a message, not a traceback
+        raise click.ClickException(str(e)) from e
     click.echo(Path(out_dir, "results.md").read_text())
     click.echo(f"took {results['elapsed_s']:.0f} s; files:")
     for path in results["files"]:

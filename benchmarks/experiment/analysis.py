@@ -247,11 +247,17 @@ def split_length(cfg: Any, lengths: np.ndarray) -> float:
 
 
 def tau_series(run_dir: Path) -> dict[str, list[float]]:
-    """The verifier's tau at every step it was measured (step 0: the untrained drafter)."""
+    """The verifier's tau at every step it was measured (step 0: the untrained drafter):
+    ``tau`` (z-lab's per-prompt mean, the published statistic) and ``tau_served`` (pooled
+    over the served steps, the one vLLM's counters give)."""
     from trainer.train.metrics import metrics_path, read_metrics
 
     recs = [r for r in read_metrics(metrics_path(run_dir)) if "tau" in r]
-    return {"step": [int(r["step"]) for r in recs], "tau": [float(r["tau"]) for r in recs]}
+    return {
+        "step": [int(r["step"]) for r in recs],
+        "tau": [float(r["tau"]) for r in recs],
+        "tau_served": [float(r["tau_served"]) for r in recs],
+    }
 
 
 def forgetting(
@@ -309,8 +315,11 @@ def _run_measures(cfg: Any, name: str, lengths: np.ndarray) -> dict[str, Any]:
     }
 
 
-def analyse(cfg: Any, train_path: Path, heldout_path: Path) -> dict[str, Any]:
-    """All measures of every (spec, seed) run of ``cfg`` plus a per-spec summary."""
+def analyse(
+    cfg: Any, train_path: Path, heldout_path: Path, served: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """All measures of every (spec, seed) run of ``cfg`` plus a per-spec summary;
+    ``served``: vLLM's acceptance by run (``benchmarks.experiment.served``)."""
     import torch
 
     from loader_server.data.dataset import open_dataset
@@ -353,6 +362,8 @@ def analyse(cfg: Any, train_path: Path, heldout_path: Path) -> dict[str, Any]:
             run_dir = cfg.out_dir / "runs" / name
             run["tau"] = tau_series(run_dir)
             run["forgetting"] = _forgetting(run_dir, run, target, batches, loss_cfg)
+        if served and name in served:
+            run["vllm"] = served[name]
     return {
         "config": {**cfg.fixed_part(), "seeds": list(cfg.seeds), "specs": list(cfg.specs)},
         "corpus": _corpus_facts(lengths, held_lengths, band, split),
@@ -430,4 +441,8 @@ def _summarize_spec(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any
         out["tau_start"] = _stats([r["tau"]["tau"][0] if r["tau"]["tau"] else None for r in mine])
         for k in ("forgetting_corr", "delta_long", "delta_mixed", "long_intervals"):
             out[k] = _stats([r["forgetting"][k] for r in mine])
+        served = [r["tau"]["tau_served"][-1] if r["tau"]["tau_served"] else None for r in mine]
+        out["tau_served_final"] = _stats(served)
+    if all("vllm" in r for r in mine):
+        out["vllm_tau"] = _stats([r["vllm"]["tau"] for r in mine])
     return out

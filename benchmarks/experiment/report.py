@@ -120,18 +120,22 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
     lines = [
         "",
         "Acceptance length and forgetting (tau: the trainer's verifier on the held-out "
-        "prompts, tokens per target step; Δ short: change of the shortest band's held-out "
-        "loss between checkpoints, over intervals with at least half of the steps "
-        "long-only, and over the others):",
+        "prompts, tokens per target step, z-lab's per-prompt mean; served: pooled over the "
+        "steps a server runs, and vLLM's 1 + accepted / drafts on the same prompts; Δ short: "
+        "change of the shortest band's held-out loss between checkpoints, over intervals "
+        "with at least half of the steps long-only, and over the others):",
         "",
-        "| spec | tau untrained | tau final | held-out acc. | intervals long-only | "
-        "Δ short, long-only | Δ short, mixed | corr(Δ short, long-only share) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| spec | tau untrained | tau final | served, verifier | served, vLLM | held-out acc. "
+        "| intervals long-only | Δ short, long-only | Δ short, mixed "
+        "| corr(Δ short, long-only share) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for spec, s in summary.items():
         cells = [
             fmt(s["tau_start"]),
             fmt(s["tau_final"]),
+            fmt(s["tau_served_final"]),
+            fmt(s["vllm_tau"]) if "vllm_tau" in s else "not run",
             fmt(s["heldout_acc_all"]),
             fmt(s["long_intervals"], 1),
             fmt(s["delta_long"], 4),
@@ -139,6 +143,7 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
             fmt(s["forgetting_corr"], 2),
         ]
         lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+    lines += _served_lines(results)
     ref = reference_spec(summary)
     lines += ["", f"Paired by seed, minus {LABELS.get(ref, ref)}:", ""]
     for spec in summary:
@@ -156,6 +161,28 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
             + ", ".join(f"{x:+.3f}" for x in d_loss)
         )
     return lines
+
+
+def _served_lines(results: dict[str, Any]) -> list[str]:
+    """Whether vLLM's acceptance equals the verifier's ``tau_served``, run by run."""
+    runs = {k: r for k, r in results["runs"].items() if "vllm" in r}
+    if not runs:
+        return []
+    differ = {
+        k: (r["vllm"]["tau"], r["tau"]["tau_served"][-1])
+        for k, r in runs.items()
+        if abs(r["vllm"]["tau"] - r["tau"]["tau_served"][-1]) > 1e-9
+    }
+    drafts = sum(r["vllm"]["drafts"] for r in runs.values())
+    text = (
+        f"vLLM served {len(runs)} drafters ({drafts} drafts): its acceptance length equals "
+        f"the verifier's served tau in {len(runs) - len(differ)} of {len(runs)}"
+    )
+    if differ:
+        text += "; differ (vLLM, verifier): " + ", ".join(
+            f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in sorted(differ.items())
+        )
+    return ["", text + "."]
 
 
 def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -30,8 +30,9 @@ Steps: (1) the corpora (synthetic: written from seeds; text: the target built or
 its cache, then regenerated data); (2) start one real loader daemon subprocess; (3) run the
 trainer once per (spec, seed) as a subprocess of a world of one with ``grad_accum``
 micro-batches per step (``jobs`` of them at once); (4) stop the daemon (SIGTERM);
-(5) analyse (``benchmarks.experiment.analysis``) and write ``results.json``, ``results.md``
-and PNG plots (``benchmarks.experiment.report``).
+(5) with ``vllm_python``, vLLM serves every final drafter and its acceptance is measured
+(``benchmarks.experiment.served``); (6) analyse (``benchmarks.experiment.analysis``) and
+write ``results.json``, ``results.md`` and PNG plots (``benchmarks.experiment.report``).
 
 Runs that finished are reused when the command is repeated with the same settings (e.g. to
 add a seed); a run cut short is continued with ``--resume``.
@@ -44,10 +45,11 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -108,6 +110,9 @@ class ExperimentConfig:
     eval_every: int = 60
     eval_new_tokens: int = 48
     ckpt_every: int = 20
+    #: Python of vLLM's CPU virtualenv: when set, vLLM serves every final drafter and its
+    #: acceptance is measured too (``benchmarks.experiment.served``).
+    vllm_python: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
@@ -141,6 +146,8 @@ class ExperimentConfig:
             raise ValueError(f"threads, eval_anchors, jobs, eval_new_tokens must be >= 1: {self}")
         if self.eval_every < 0 or self.ckpt_every < 0:
             raise ValueError(f"eval_every and ckpt_every must be >= 0: {self}")
+        if self.vllm_python is not None and self.corpus != "text":
+            raise ValueError("vllm_python needs corpus='text' (a random target has no tau)")
 
     @property
     def six_buckets(self) -> str:
@@ -174,7 +181,7 @@ class ExperimentConfig:
     def fixed_part(self) -> dict[str, Any]:
         """Settings every run in one OUT_DIR must share (seeds and specs may grow)."""
         d = asdict(self)
-        for k in ("out_dir", "seeds", "specs", "threads", "jobs"):
+        for k in ("out_dir", "seeds", "specs", "threads", "jobs", "vllm_python"):
             d.pop(k)
         d["target"].pop("threads")
         if self.corpus == "synthetic":
@@ -230,6 +237,23 @@ def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
     return cmd
 
 
+class SetupError(ValueError):
+    """What the experiment refuses before anything runs (OUT_DIR, --vllm-python)."""
+
+
+def preflight(cfg: ExperimentConfig) -> None:
+    """Checks made before anything trains: OUT_DIR holds no other settings, and the vLLM
+    interpreter (``vllm_python``) exists and imports vLLM."""
+    if cfg.vllm_python is not None:
+        from benchmarks.experiment.served import check_interpreter
+
+        try:
+            check_interpreter(cfg.vllm_python)
+        except (FileNotFoundError, RuntimeError) as e:
+            raise SetupError(str(e)) from e
+    _check_out_dir(cfg)
+
+
 def _check_out_dir(cfg: ExperimentConfig) -> None:
     """Refuse to mix runs made with other settings into one OUT_DIR."""
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
@@ -239,7 +263,7 @@ def _check_out_dir(cfg: ExperimentConfig) -> None:
         old = json.loads(path.read_text())
         if old != fixed:
             diff = sorted(k for k in set(old) | set(fixed) if old.get(k) != fixed.get(k))
-            raise ValueError(
+            raise SetupError(
                 f"{cfg.out_dir} holds an experiment with other settings ({', '.join(diff)}); "
                 "choose a new OUT_DIR or repeat the same settings"
             )
@@ -284,33 +308,60 @@ def run_finished(run_dir: Path, steps: int) -> bool:
     return path.is_file() and json.loads(path.read_text()).get("steps") == steps
 
 
-def train_run(cfg: ExperimentConfig, spec: str, seed: int) -> float | None:
-    """Train one (spec, seed) run to completion; returns its seconds, or None when the run
-    had finished earlier and is reused."""
-    name = cfg.run_name(spec, seed)
-    run_dir = cfg.out_dir / "runs" / name
-    if run_finished(run_dir, cfg.steps):
-        log.info("%s: finished earlier, reused", name)
-        return None
-    log_path = cfg.out_dir / "logs" / f"{name}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "PYTHONWARNINGS": "ignore"}
-    t0 = time.perf_counter()
-    log.info("%s: training %d steps (log %s)", name, cfg.steps, log_path)
-    with open(log_path, "ab") as out:
-        res = subprocess.run(
-            train_command(cfg, spec, seed),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            timeout=300 + 30 * cfg.steps,
-        )
-    if res.returncode != 0 or not run_finished(run_dir, cfg.steps):
-        tail = log_path.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"run {name} failed (exit {res.returncode}); log tail:\n{tail}")
-    seconds = time.perf_counter() - t0
-    log.info("%s: done in %.0f s", name, seconds)
-    return seconds
+class Trainers:
+    """The trainer subprocesses of one experiment, ``jobs`` at a time. ``stop()`` (on
+    Ctrl-C or SIGTERM) sends SIGTERM to those running (a trainer checkpoints and exits, so
+    the next command continues it) and starts no more."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self._live: set[subprocess.Popen[bytes]] = set()
+        self._stopping = False
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            for proc in self._live:
+                with suppress(ProcessLookupError):
+                    proc.terminate()
+
+    def train(self, spec: str, seed: int) -> float | None:
+        """Train one (spec, seed) run to completion; returns its seconds, or None when the
+        run had finished earlier and is reused."""
+        cfg = self.cfg
+        name = cfg.run_name(spec, seed)
+        run_dir = cfg.out_dir / "runs" / name
+        if run_finished(run_dir, cfg.steps):
+            log.info("%s: finished earlier, reused", name)
+            return None
+        log_path = cfg.out_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "PYTHONWARNINGS": "ignore"}
+        t0 = time.perf_counter()
+        with open(log_path, "ab") as out:
+            with self._lock:
+                if self._stopping:
+                    raise RuntimeError(f"run {name} not started: the experiment is stopping")
+                log.info("%s: training %d steps (log %s)", name, cfg.steps, log_path)
+                proc = subprocess.Popen(
+                    train_command(cfg, spec, seed), stdout=out, stderr=subprocess.STDOUT, env=env
+                )
+                self._live.add(proc)
+            try:
+                code = proc.wait(timeout=300 + 30 * cfg.steps)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            finally:
+                with self._lock:
+                    self._live.discard(proc)
+        if code != 0 or not run_finished(run_dir, cfg.steps):
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"run {name} failed (exit {code}); log tail:\n{tail}")
+        seconds = time.perf_counter() - t0
+        log.info("%s: done in %.0f s", name, seconds)
+        return seconds
 
 
 def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -319,18 +370,28 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     from benchmarks.experiment.report import write_report
 
     t0 = time.perf_counter()
-    _check_out_dir(cfg)
+    preflight(cfg)
     train_path, heldout_path = write_corpora(cfg)
     train_s: dict[str, float | None] = {}
     todo = [(spec, seed) for seed in cfg.seeds for spec in cfg.specs]
+    trainers = Trainers(cfg)
     with (
         loader_daemon(train_path, cfg.endpoint, cfg.out_dir / "logs" / "daemon.log"),
         ThreadPoolExecutor(cfg.jobs) as pool,
     ):
-        done = pool.map(lambda job: train_run(cfg, *job), todo)
-        for (spec, seed), seconds in zip(todo, done, strict=True):
-            train_s[cfg.run_name(spec, seed)] = seconds
-    results = analyse(cfg, train_path, heldout_path)
+        try:
+            done = pool.map(lambda job: trainers.train(*job), todo)
+            for (spec, seed), seconds in zip(todo, done, strict=True):
+                train_s[cfg.run_name(spec, seed)] = seconds
+        except BaseException:  # a failed run, Ctrl-C, SIGTERM: stop the others first
+            trainers.stop()
+            raise
+    served = {}
+    if cfg.vllm_python is not None:
+        from benchmarks.experiment.served import serve_runs
+
+        served = serve_runs(cfg, [cfg.run_name(*job) for job in todo], cfg.vllm_python)
+    results = analyse(cfg, train_path, heldout_path, served)
     results["train_s"] = {k: v for k, v in train_s.items() if v is not None}
     results["reused_runs"] = [k for k, v in train_s.items() if v is None]
     results["elapsed_s"] = time.perf_counter() - t0

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,9 @@ from benchmarks.experiment.analysis import (
     rolling_mean,
     spikiness,
 )
+from benchmarks.experiment.report import _served_lines
 from benchmarks.experiment.run import SPECS, ExperimentConfig, train_command
+from benchmarks.experiment.served import acceptance
 from benchmarks.experiment.target import TargetRecipe, continuations, function_tasks, split_of
 from benchmarks.experiment.textdata import TextDataSpec, draw_prompts
 from loader_server.planning.spec import REFERENCE_BUCKETS
@@ -264,11 +268,51 @@ def test_text_runs_train_on_the_learned_target(tmp_path):
         {"corpus": "web"},
         {"jobs": 0},
         {"ckpt_every": -1},
+        {"vllm_python": "/usr/bin/python3"},  # synthetic: a random target has no tau
     ],
 )
 def test_config_rejects_bad_values(tmp_path, kw):
     with pytest.raises(ValueError):
         ExperimentConfig(out_dir=tmp_path, **kw)
+
+
+# ---- vLLM's acceptance ---------------------------------------------------------------------
+
+
+def _counters(drafts, accepted, per_pos):
+    return {"drafts": float(drafts), "draft_tokens": 7.0 * drafts, "accepted": float(accepted),
+            "per_pos": {p: float(n) for p, n in per_pos.items()}}  # fmt: skip
+
+
+def test_vllm_acceptance_is_counted_between_two_reads():
+    before = _counters(100, 40, {0: 30, 1: 10})
+    after = _counters(178, 79, {0: 60, 1: 19, 2: 1})  # 78 drafts, 39 accepted
+    got = acceptance(before, after)
+    assert (got["drafts"], got["accepted"]) == (78, 39)
+    assert got["per_pos"] == {0: 30, 1: 9, 2: 1}
+    assert got["tau"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="no drafts"):
+        acceptance(before, before)
+
+
+def test_served_lines_say_where_vllm_and_the_verifier_differ():
+    def run(vllm, verifier):
+        return {"vllm": {"tau": vllm, "drafts": 10}, "tau": {"tau_served": [1.0, verifier]}}
+
+    results = {"runs": {"a-s0": run(1.5, 1.5), "b-s0": run(1.6, 1.7)}}
+    (text,) = [x for x in _served_lines(results) if x]
+    assert "2 drafters (20 drafts)" in text and "in 1 of 2" in text
+    assert "b-s0 1.6000/1.7000" in text and "a-s0" not in text
+    assert _served_lines({"runs": {"a-s0": {"tau": {}}}}) == []
+
+
+def test_a_missing_vllm_python_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "exp"
+    res = _experiment(out, "--corpus", "text", "--vllm-python", str(tmp_path / "no-python"))
+    assert res.returncode != 0
+    assert f"--vllm-python {tmp_path / 'no-python'}: no such interpreter" in res.stderr
+    assert "serve_check.sh --venv-only" in res.stderr
+    assert not (out / "data").exists()  # no target built, no data made
 
 
 # ---- end to end ---------------------------------------------------------------------------
@@ -285,9 +329,57 @@ def _experiment(out: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
 
 
+def _processes_under(path: Path) -> list[int]:
+    """Pids of live processes whose command line names ``path`` (the daemon, trainers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone meanwhile
+            continue
+        if str(path) in cmdline and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def _stop_mid_run(out: Path, log: Path) -> None:
+    """Start the tiny experiment, SIGTERM it once its first trainer logged a step: it exits
+    143 and leaves no daemon or trainer behind."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.experiment", str(out), *TINY],
+            stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        )  # fmt: skip
+    try:
+        metrics = out / "runs" / "sorted-s0" / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no trainer step within 180 s"
+            time.sleep(0.1)
+        assert _processes_under(out)  # the daemon and a trainer run now
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 30
+    while (left := _processes_under(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left running after SIGTERM: {left}"
+
+
 @pytest.mark.integration
 def test_tiny_experiment_end_to_end(tmp_path):
+    """SIGTERM mid-run stops the daemon and every trainer; the same command then continues
+    and finishes the experiment."""
     out = tmp_path / "exp"
+    _stop_mid_run(out, tmp_path / "stopped.log")
     res = _experiment(out, *TINY)
     assert res.returncode == 0, res.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
@@ -348,6 +440,7 @@ def test_text_experiment_end_to_end(tmp_path):
     for name, run in results["runs"].items():
         assert run["tau"]["step"] == [0, 3, 6], name
         assert all(1.0 <= t <= 8.0 for t in run["tau"]["tau"])  # 1 .. block size 8
+        assert len(run["tau"]["tau_served"]) == 3 and "vllm" not in run
         f = run["forgetting"]
         assert f["steps"] == [2, 4, 6] and len(f["delta"]) == 2
         assert all(math.isfinite(x) and x > 0 for x in f["short_loss"])
@@ -358,6 +451,7 @@ def test_text_experiment_end_to_end(tmp_path):
     assert results["corpus"]["train"]["samples"] >= 15  # empty replies are skipped
     md = (out / "results.md").read_text()
     assert "tau final" in md and "6 hand-set buckets + shuffled" in md
+    assert "served, vLLM" in md and "not run" in md  # no --vllm-python
     for name in ("tau", "forgetting"):
         assert (out / f"experiment-{name}.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -1,0 +1,105 @@
+"""vLLM's acceptance length for every drafter of a ``--corpus text`` experiment.
+
+Each run's final checkpoint is exported (``dflash-train export --dtype fp32``) and served
+by vLLM's OpenAI server (the CPU build that ``make serve-check`` installs, fp32) as the
+DFlash speculator of the experiment's learned target. The held-out tau prompts (the ones
+the trainer's verifier measured, same count, same ``eval_new_tokens``) are completed
+greedily one at a time, and vLLM's spec-decode counters (``/metrics``) give its mean
+acceptance length ``1 + accepted / drafts``. Serve-check shows that this equals the
+verifier's ``tau_served`` on the same prompts; here the two are reported side by side
+(``served_vs_verifier``) for every run, so any difference on a learned target shows.
+
+Results are kept in ``OUT_DIR/vllm/<run>.json`` and reused when the experiment is repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def acceptance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's acceptance over the requests between two reads of its counters
+    (``scripts.serve_check.spec_counters``): drafts, accepted tokens, accepted per draft
+    position, and the mean acceptance length ``1 + accepted / drafts``."""
+    drafts = round(after["drafts"] - before["drafts"])
+    accepted = round(after["accepted"] - before["accepted"])
+    if drafts <= 0:
+        raise ValueError(f"vLLM counted no drafts ({before} -> {after}): was a drafter served?")
+    per_pos = {
+        int(p): round(v - before["per_pos"].get(p, 0.0)) for p, v in after["per_pos"].items()
+    }
+    return {
+        "drafts": drafts,
+        "accepted": accepted,
+        "per_pos": {p: n for p, n in sorted(per_pos.items()) if n},
+        "tau": 1.0 + accepted / drafts,
+    }
+
+
+def export_final(run_dir: Path, out: Path) -> Path:
+    """The run's newest checkpoint as an fp32 DFlash folder (made once)."""
+    if not (out / "config.json").is_file():
+        cmd = [sys.executable, "-m", "trainer.cli", "export", str(run_dir), str(out),
+               "--dtype", "fp32", "--force"]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"export of {run_dir} failed:\n{res.stdout}{res.stderr}"[-3000:])
+    return out
+
+
+def serve_run(cfg: Any, name: str, vllm_python: str, prompts: list[list[int]]) -> dict[str, Any]:
+    """vLLM's acceptance for one run (cached in ``OUT_DIR/vllm/<name>.json``)."""
+    from scripts.serve_check import complete, spec_counters, vllm_server
+
+    out = cfg.out_dir / "vllm" / f"{name}.json"
+    if out.is_file():
+        return dict(json.loads(out.read_text()))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run_dir = cfg.out_dir / "runs" / name
+    export = export_final(run_dir, cfg.out_dir / "exports" / name)
+    t0 = time.perf_counter()
+    with vllm_server(
+        vllm_python, cfg.target_dir(), cfg.out_dir / "logs" / f"vllm-{name}.log", export,
+        num_speculative_tokens=cfg.block_size - 1,
+    ) as url:  # fmt: skip
+        before = spec_counters(url)
+        tokens = complete(url, prompts, cfg.eval_new_tokens)
+        after = spec_counters(url)
+    res = {
+        **acceptance(before, after),
+        "prompts": len(prompts),
+        "max_tokens": cfg.eval_new_tokens,
+        "output_tokens": sum(map(len, tokens)),
+        "seconds": time.perf_counter() - t0,
+    }
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    log.info("%s: vLLM tau %.3f (%d drafts)", name, res["tau"], res["drafts"])
+    return res
+
+
+def check_interpreter(vllm_python: str) -> None:
+    """Refuse, before anything trains, an interpreter that is missing or has no vLLM."""
+    hint = "`bash scripts/serve_check.sh --venv-only` makes vLLM's CPU virtualenv (docs/SERVING.md)"
+    if not Path(vllm_python).is_file():
+        raise FileNotFoundError(f"--vllm-python {vllm_python}: no such interpreter; {hint}")
+    res = subprocess.run([vllm_python, "-c", "import vllm.entrypoints.openai.api_server"],
+                         capture_output=True, text=True)  # fmt: skip
+    if res.returncode != 0:
+        why = res.stderr.strip()[-300:]
+        raise RuntimeError(f"--vllm-python {vllm_python}: vLLM does not import ({why}); {hint}")
+
+
+def serve_runs(cfg: Any, names: list[str], vllm_python: str) -> dict[str, dict[str, Any]]:
+    """vLLM's acceptance for every run in ``names``, one server at a time."""
+    from trainer.data.regen import load_prompts
+
+    prompts = [p.tolist() for p in load_prompts(cfg.data_dir / "tau.jsonl")][: cfg.text.tau]
+    return {name: serve_run(cfg, name, vllm_python, prompts) for name in names}
