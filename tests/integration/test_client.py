@@ -143,7 +143,12 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
     """A waiting client asks to be woken for two batches. When the daemon cannot make the
     second (epoch 1's plan is held back here until the test lets it finish), it must still
     wake the client for the first: the batch arrives while that plan is still in progress.
-    The server runs in this process so that planning and filling can be slowed down."""
+    The server runs in this process so that planning and filling can be slowed down.
+
+    The daemon only submits epoch 1's plan to a planner thread before it fills the last
+    batch of epoch 0; when that thread starts is up to the OS scheduler. So the fill waits
+    for the plan to be under way (as well as for the client to be asleep), rather than
+    assuming the planner thread got there first."""
     import loader_server.service.plans as plans
     from client.ring import Ring
     from loader_server.data.dataset import ArrowDataset
@@ -165,6 +170,7 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
 
     def slow_fill(self, *args, **kwargs):
         asleep.wait(30)  # the client is asleep on the bell before the batch is published
+        planning.wait(30)  # and epoch 1's plan (asked for before this fill) is being made
         return real_fill(self, *args, **kwargs)
 
     monkeypatch.setattr(plans, "plan_rest", slow_plan)
@@ -184,7 +190,8 @@ def test_client_gets_a_ready_batch_while_the_next_epoch_is_still_planned(
         last = next(client)  # the last batch of epoch 0, the only one before epoch 1's plan
         assert last.position == (0, steps - 1, 0)
         assert asleep.is_set(), "the client never waited on the bell"
-        assert planning.is_set() and not finish.is_set(), "the batch came after epoch 1's plan"
+        assert planning.is_set(), "epoch 1's plan was not asked for before the batch was filled"
+        assert not finish.is_set(), "the batch came after epoch 1's plan"
         client.close()
     finally:
         finish.set()
