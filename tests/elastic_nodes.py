@@ -3,11 +3,20 @@
 folder) and its own `torchrun --nnodes 1:2` agent over one c10d rendezvous on 127.0.0.1.
 A cycle: node B is lost with kill -9 (daemon, agent and rank); node A's agent restarts its
 rank alone and the trainer continues from the newest checkpoint under world size 1; node B
-comes back and both restart under world size 2. The launcher recipe is docs/TRAINER.md's."""
+comes back and both restart under world size 2. The launcher recipe is docs/TRAINER.md's.
+
+While node B starts again, node A's rank is frozen (SIGSTOP), so how many steps it trains
+alone does not depend on how long a fresh torchrun and daemon take to start (many seconds
+on a loaded machine): running on, it could use up the data before node B is back, and the
+two-node round would resume at the last step with nothing left to train. It is thawed once
+its agent, seeing node B waiting in the rendezvous, has told it to stop for the two-node
+round (the SIGTERM is pending in the frozen rank until then)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from procs import kill_tree
+from procs import children, kill_tree
 
 from loader_server.data.synth import SynthSpec, write_corpus
 from scripts.daemon_process import DaemonProcess
@@ -79,6 +88,15 @@ class Node:
         with open(self.log, "wb") as f:
             self.agent = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
+    def rank(self) -> int:
+        """The pid of the rank this node's agent runs now (it leads its own process group)."""
+        assert self.agent is not None
+        for pid in children(self.agent.pid):
+            with contextlib.suppress(OSError):
+                if b"trainer.cli" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+        raise AssertionError(f"{self.name}'s agent runs no rank")
+
     def lose(self) -> None:
         """The node dies at once: kill -9 of its agent, its rank and its daemon."""
         assert self.agent is not None and self.daemon is not None
@@ -93,6 +111,19 @@ class Node:
         import shutil
 
         shutil.rmtree(self.shm, ignore_errors=True)
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether SIGTERM waits in process ``pid`` (frozen, it cannot take it yet)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # gone: nothing is waiting to be told any more
+    pending = 0
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            pending |= int(line.split()[1], 16)
+    return bool(pending & (1 << (signal.SIGTERM - 1)))
 
 
 def _wait(cond, what: str, nodes) -> None:
@@ -151,9 +182,16 @@ def elastic_cycles(tmp_path: Path, *, cycles: int, steps: int, alone_steps: int 
                 return logs().count("-> 1 x 1 at epoch") >= n and done() >= since + alone_steps
 
             _wait(alone, "node A alone", (a,))
-            back = time.time()
-            b.start(run_dir, steps)
-            marks.append((lost, back))
+            frozen = a.rank()
+            os.killpg(frozen, signal.SIGSTOP)  # see the module docstring
+            try:
+                back = time.time()
+                b.start(run_dir, steps)
+                marks.append((lost, back))
+                _wait(lambda r=frozen: _sigterm_pending(r), "A's agent to stop A for B", (a, b))
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(frozen, signal.SIGCONT)
             _wait(lambda n=n: logs().count("-> 2 x 1 at epoch") >= n, "node B back", (a, b))
             mark = done()
         _wait(lambda: a.agent.poll() == 0 and b.agent.poll() == 0, "the end of the run", (a, b))
@@ -167,6 +205,8 @@ def elastic_cycles(tmp_path: Path, *, cycles: int, steps: int, alone_steps: int 
     ]
     starts = sorted(set(starts))
     times = {s: r.get("time") for s, r in records.items()}
+    missing = [s + 1 for s in starts[: 2 * len(marks)] if s + 1 not in times]
+    assert not missing, f"resumed at steps {starts}, but step(s) {missing} have no record"
     timings = [
         (times[starts[2 * i] + 1] - lost, times[starts[2 * i + 1] + 1] - back)
         for i, (lost, back) in enumerate(marks)
