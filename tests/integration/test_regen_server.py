@@ -26,7 +26,8 @@ from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jso
 from trainer.cli import main
 from trainer.data.server.http import RowFailed, base_url, retry_after_s
 from trainer.data.server.journal import Journal, journal_path
-from trainer.data.server.run import reply_slots
+from trainer.data.server.run import index_rows, reply_slots
+from trainer.data.sources import expand_sources
 
 MAX_TOKENS = 12
 
@@ -395,6 +396,46 @@ def test_reply_slots():
         reply_slots([s, a])
     with pytest.raises(RowFailed, match="assistant_before_user"):
         reply_slots([a, u, a])
+
+
+def test_holdout_names_the_prompt_only_rows_it_cannot_hold_out(tmp_path):
+    """Only rows with an assistant turn can be held out: with too few of them the error
+    says so, names the prompt-only rows (file and row) and what --holdout would do."""
+    u, a = ({"role": r, "content": "x"} for r in ("user", "assistant"))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": [u]}] * 6 + [{"bad": 1}])
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"messages": [u, a]}, {"messages": [u]}] * 2)
+    files = expand_sources([prompts, mixed])
+    with pytest.raises(ValueError) as e:
+        index_rows(files, 3)
+    msg = str(e.value)
+    assert msg.startswith("--holdout 3: only 2 of the 10 valid conversations in 11 rows have ")
+    assert "an assistant reply, and only those can be held out" in msg
+    assert "the other 8 are prompt-only (no assistant turn)" in msg
+    assert f"{prompts.resolve()} rows 0, 1, 2, 3, 4 and 3 more (counting from 0)" in msg
+    assert "Pass --holdout 2 or less, or give the rows to hold out an assistant reply" in msg
+    assert "leave none" not in msg and "\n" not in msg
+    # Prompt-only rows in two files; none with a reply.
+    write_jsonl(mixed, [{"messages": [u]}] * 2)
+    with pytest.raises(ValueError) as e:
+        index_rows(expand_sources([mixed, prompts]), 1)
+    msg = str(e.value)
+    assert msg.startswith("--holdout 1: none of the 8 valid conversations in 9 rows has ")
+    assert f"{mixed.resolve()} rows 0, 1; {prompts.resolve()} rows 0, 1, 2 and 3 more" in msg
+    assert "Pass --holdout 0," in msg
+    # What --holdout 2 holds out: the rows with a reply, never a prompt-only one.
+    write_jsonl(mixed, [{"messages": [u, a]}, {"messages": [u]}] * 2)
+    index = index_rows(expand_sources([prompts, mixed]), 2)
+    assert list(index.holdout) == [(str(mixed.resolve()), 0), (str(mixed.resolve()), 2)]
+    # Enough replies, but holding them out would leave nothing to regenerate.
+    replies = write_jsonl(tmp_path / "replies.jsonl", [{"messages": [u, a]}] * 2 + [{"x": 1}])
+    with pytest.raises(ValueError) as e:
+        index_rows(expand_sources([replies]), 2)
+    assert str(e.value).startswith(
+        f"--holdout 2 leaves no conversation to regenerate: the 3 rows of {replies.resolve()} "
+        f"hold 2 valid conversations, and 1 row is not (first: {replies.resolve()} row 2: "
+        "missing_messages: "
+    )
+    assert str(e.value).endswith(". Pass --holdout 1 or less")
 
 
 def test_journal_cuts_a_torn_line_and_refuses_other_settings(tmp_path):

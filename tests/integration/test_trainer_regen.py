@@ -78,3 +78,13 @@ def test_regen_rewrites_responses_with_greedy_output(tmp_path):
 
     ds = open_dataset(out)
     assert len(ds) == 7 and ds.has_loss_mask
+
+    none = tmp_path / "none.arrow"
+    res = CliRunner().invoke(
+        main, ["regen", str(src), str(none), "--holdout", "9", "--no-progress"]
+    )
+    assert res.exit_code == 1 and not none.exists()
+    assert (
+        f"{src}: --holdout 9 leaves no sample to regenerate: the corpus has 9. Pass --holdout 8 "
+        "or less" in res.output
+    ), res.output

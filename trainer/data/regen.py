@@ -119,7 +119,11 @@ def regen_corpus(
     ds = open_dataset(src)
     n_keep = len(ds) - spec.holdout
     if n_keep < 1:
-        raise ValueError(f"{src}: {len(ds)} samples leave none after a holdout of {spec.holdout}")
+        fix = f"--holdout {len(ds) - 1} or less" if len(ds) > 1 else "--holdout 0"
+        raise ValueError(
+            f"{src}: --holdout {spec.holdout} leaves no sample to regenerate: the corpus has "
+            f"{len(ds)}. Pass {fix}"
+        )
     n = n_keep if spec.limit is None else min(spec.limit, n_keep)
     if holdout_out is not None and spec.holdout:
         held = heldout_prompts(ds, src, range(n_keep, len(ds)))

@@ -64,6 +64,10 @@ def regenerate(client: ChatClient, messages: list[dict[str, str]], tag: str) -> 
     }
 
 
+#: Rows an error names before it says how many more there are.
+NAMED_ROWS = 5
+
+
 @dataclass
 class RowIndex:
     """Every row of the sources in order; the held-out rows' messages (the last ``holdout``
@@ -72,6 +76,16 @@ class RowIndex:
     keys: list[tuple[str, int]] = field(default_factory=list)
     valid: int = 0
     holdout: dict[tuple[str, int], list[dict[str, str]]] = field(default_factory=dict)
+
+
+@dataclass
+class _RowTally:
+    """What the holdout check needs to know about the rows besides their keys."""
+
+    replied: int = 0  # valid rows with an assistant turn: the ones that can be held out
+    prompt_only: int = 0  # valid rows without one (regen answers them)
+    named_prompt_only: list[tuple[str, int]] = field(default_factory=list)  # the first few
+    first_failed: str | None = None  # the first row that is not a valid conversation
 
 
 def conversation(row: Any) -> list[dict[str, str]]:
@@ -98,23 +112,89 @@ def _rows(files: list[Source]) -> Iterator[tuple[tuple[str, int], Any]]:
 
 
 def index_rows(files: list[Source], holdout: int) -> RowIndex:
-    """All row keys and the held-out rows."""
-    index = RowIndex()
+    """All row keys and the held-out rows. Only a row with an assistant turn can be held
+    out: it is tokenized as it is (not regenerated), and its prompt is what comes before
+    its first reply; a prompt-only row is answered and enters the corpus. Raises
+    ValueError (naming the rows) when ``holdout`` cannot be met."""
+    index, tally = RowIndex(), _RowTally()
     tail: deque = deque(maxlen=max(holdout, 1))
     for key, item in _rows(files):
         index.keys.append(key)
         if isinstance(item, RowFailed):
+            if tally.first_failed is None:
+                tally.first_failed = f"{key[0]} row {key[1]}: {item.reason}: {item.detail}"
             continue
         index.valid += 1
-        if holdout and any(m["role"] == "assistant" for m in item):
-            tail.append((key, item))
-    if holdout and (len(tail) < holdout or index.valid <= holdout):
-        raise ValueError(
-            f"{index.valid} valid conversations in {len(index.keys)} rows leave none after a "
-            f"holdout of {holdout}"
-        )
+        if any(m["role"] == "assistant" for m in item):
+            tally.replied += 1
+            if holdout:
+                tail.append((key, item))
+        else:
+            tally.prompt_only += 1
+            if len(tally.named_prompt_only) < NAMED_ROWS:
+                tally.named_prompt_only.append(key)
+    if holdout:
+        _check_holdout(index, tally, holdout)
     index.holdout = dict(tail) if holdout else {}
     return index
+
+
+def _check_holdout(index: RowIndex, tally: _RowTally, holdout: int) -> None:
+    """One line saying why ``--holdout`` cannot be met by these rows, and what would do."""
+    rows = len(index.keys)
+    invalid = rows - index.valid
+    if index.valid == 0:
+        raise ValueError(
+            f"--holdout {holdout}: none of the {rows} rows of {_files(index.keys)} is a valid "
+            f"conversation, so there is nothing to hold out or regenerate; first: "
+            f"{tally.first_failed}"
+        )
+    if tally.replied < holdout and tally.prompt_only:
+        have = (
+            f"none of the {index.valid} valid conversations in {rows} rows has"
+            if tally.replied == 0
+            else f"only {tally.replied} of the {index.valid} valid conversations in {rows} rows "
+            + ("has" if tally.replied == 1 else "have")
+        )
+        fix = f"--holdout {tally.replied} or less" if tally.replied else "--holdout 0"
+        raise ValueError(
+            f"--holdout {holdout}: {have} an assistant reply, and only those can be held out "
+            f"(kept out unregenerated, the prompt cut before the first reply); the other "
+            f"{tally.prompt_only} are prompt-only (no assistant turn), which regen answers "
+            f"into the corpus: {_named_rows(tally.named_prompt_only, tally.prompt_only)} "
+            f"(counting from 0). Pass {fix}, or give the rows to hold out an assistant reply "
+            f"(any text: only the messages before it are kept)"
+        )
+    if index.valid <= holdout:
+        are = "row is" if invalid == 1 else "rows are"
+        not_valid = f", and {invalid} {are} not (first: {tally.first_failed})" if invalid else ""
+        fix = f"--holdout {index.valid - 1} or less" if index.valid > 1 else "--holdout 0"
+        raise ValueError(
+            f"--holdout {holdout} leaves no conversation to regenerate: the {rows} rows of "
+            f"{_files(index.keys)} hold {index.valid} valid conversations{not_valid}. "
+            f"Pass {fix}"
+        )
+
+
+def _files(keys: list[tuple[str, int]]) -> str:
+    """The input files the rows are from, by name (the first few)."""
+    names = list(dict.fromkeys(f for f, _ in keys))
+    if len(names) <= 3:
+        return ", ".join(names)
+    return f"{', '.join(names[:3])} and {len(names) - 3} more files"
+
+
+def _named_rows(named: list[tuple[str, int]], total: int) -> str:
+    """``FILE rows 0, 3; OTHER row 7 and 12 more``: the first rows of ``total``."""
+    by_file: dict[str, list[int]] = {}
+    for file, row in named:
+        by_file.setdefault(file, []).append(row)
+    parts = [
+        f"{file} row{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+        for file, rs in by_file.items()
+    ]
+    more = total - len(named)
+    return "; ".join(parts) + (f" and {more} more" if more else "")
 
 
 @dataclass
