@@ -445,4 +445,5 @@ def _summarize_spec(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any
         out["tau_served_final"] = _stats(served)
     if all("vllm" in r for r in mine):
         out["vllm_tau"] = _stats([r["vllm"]["tau"] for r in mine])
+        out["vllm_tau_heldout"] = _stats([r["vllm"]["heldout"]["tau"] for r in mine])
     return out

@@ -121,14 +121,15 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
         "",
         "Acceptance length and forgetting (tau: the trainer's verifier on the held-out "
         "prompts, tokens per target step, z-lab's per-prompt mean; served: pooled over the "
-        "steps a server runs, and vLLM's 1 + accepted / drafts on the same prompts; Δ short: "
+        "steps a server runs, and vLLM's 1 + accepted / drafts on the same prompts; vLLM, "
+        "all held-out: vLLM on every held-out prompt, 64 tokens each; Δ short: "
         "change of the shortest band's held-out loss between checkpoints, over intervals "
         "with at least half of the steps long-only, and over the others):",
         "",
-        "| spec | tau untrained | tau final | served, verifier | served, vLLM | held-out acc. "
-        "| intervals long-only | Δ short, long-only | Δ short, mixed "
-        "| corr(Δ short, long-only share) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| spec | tau untrained | tau final | served, verifier | served, vLLM "
+        "| vLLM, all held-out | held-out acc. | intervals long-only | Δ short, long-only "
+        "| Δ short, mixed | corr(Δ short, long-only share) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for spec, s in summary.items():
         cells = [
@@ -136,6 +137,7 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
             fmt(s["tau_final"]),
             fmt(s["tau_served_final"]),
             fmt(s["vllm_tau"]) if "vllm_tau" in s else "not run",
+            fmt(s["vllm_tau_heldout"]) if "vllm_tau_heldout" in s else "not run",
             fmt(s["heldout_acc_all"]),
             fmt(s["long_intervals"], 1),
             fmt(s["delta_long"], 4),
@@ -149,16 +151,21 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
     for spec in summary:
         if spec == ref:
             continue
-        d_tau, d_loss = [], []
+        d_tau, d_loss, d_vllm = [], [], []
         for seed in results["config"]["seeds"]:
             by = {r["spec"]: r for r in results["runs"].values() if r["seed"] == seed}
             d_tau.append(by[spec]["tau"]["tau"][-1] - by[ref]["tau"]["tau"][-1])
             d_loss.append(by[spec]["heldout"]["loss_all"] - by[ref]["heldout"]["loss_all"])
+            if "vllm" in by[spec] and "vllm" in by[ref]:
+                mine, theirs = by[spec]["vllm"]["heldout"], by[ref]["vllm"]["heldout"]
+                d_vllm.append(mine["tau"] - theirs["tau"])
         lines.append(
             f"* {LABELS.get(spec, spec)}: tau "
             + ", ".join(f"{x:+.3f}" for x in d_tau)
             + "; held-out loss "
             + ", ".join(f"{x:+.3f}" for x in d_loss)
+            + ("; vLLM tau, all held-out " if d_vllm else "")
+            + ", ".join(f"{x:+.3f}" for x in d_vllm)
         )
     return lines
 

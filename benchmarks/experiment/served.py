@@ -9,6 +9,10 @@ acceptance length ``1 + accepted / drafts``. Serve-check shows that this equals 
 verifier's ``tau_served`` on the same prompts; here the two are reported side by side
 (``served_vs_verifier``) for every run, so any difference on a learned target shows.
 
+A second pass serves every held-out sample's prompt (``HELDOUT_NEW_TOKENS`` tokens each):
+more prompts and longer generations than the verifier's periodic measure, so the drafters'
+served acceptance is compared with less measurement noise (``heldout``).
+
 Results are kept in ``OUT_DIR/vllm/<run>.json`` and reused when the experiment is repeated.
 """
 
@@ -23,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+#: Tokens generated per prompt in the pass over every held-out prompt.
+HELDOUT_NEW_TOKENS = 64
 
 
 def acceptance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -55,13 +62,22 @@ def export_final(run_dir: Path, out: Path) -> Path:
     return out
 
 
-def serve_run(cfg: Any, name: str, vllm_python: str, prompts: list[list[int]]) -> dict[str, Any]:
-    """vLLM's acceptance for one run (cached in ``OUT_DIR/vllm/<name>.json``)."""
+def serve_run(
+    cfg: Any, name: str, vllm_python: str, prompts: list[list[int]], heldout: list[list[int]]
+) -> dict[str, Any]:
+    """vLLM's acceptance for one run (cached in ``OUT_DIR/vllm/<name>.json``): on the tau
+    ``prompts`` as the verifier measured them, and on every ``heldout`` prompt."""
     from scripts.serve_check import complete, spec_counters, vllm_server
 
     out = cfg.out_dir / "vllm" / f"{name}.json"
-    if out.is_file():
-        return dict(json.loads(out.read_text()))
+    if out.is_file():  # reused when measured on the same prompts
+        old = json.loads(out.read_text())
+        held = old.get("heldout", {})
+        same = (old.get("prompts"), old.get("max_tokens"), held.get("prompts"),
+                held.get("max_tokens")) == (len(prompts), cfg.eval_new_tokens, len(heldout),
+                                            HELDOUT_NEW_TOKENS)  # fmt: skip
+        if same:
+            return dict(old)
     out.parent.mkdir(parents=True, exist_ok=True)
     run_dir = cfg.out_dir / "runs" / name
     export = export_final(run_dir, cfg.out_dir / "exports" / name)
@@ -70,18 +86,28 @@ def serve_run(cfg: Any, name: str, vllm_python: str, prompts: list[list[int]]) -
         vllm_python, cfg.target_dir(), cfg.out_dir / "logs" / f"vllm-{name}.log", export,
         num_speculative_tokens=cfg.block_size - 1,
     ) as url:  # fmt: skip
-        before = spec_counters(url)
+        counters = [spec_counters(url)]
         tokens = complete(url, prompts, cfg.eval_new_tokens)
-        after = spec_counters(url)
+        counters.append(spec_counters(url))
+        held = complete(url, heldout, HELDOUT_NEW_TOKENS)
+        counters.append(spec_counters(url))
     res = {
-        **acceptance(before, after),
+        **acceptance(counters[0], counters[1]),
         "prompts": len(prompts),
         "max_tokens": cfg.eval_new_tokens,
         "output_tokens": sum(map(len, tokens)),
+        "heldout": {
+            **acceptance(counters[1], counters[2]),
+            "prompts": len(heldout),
+            "max_tokens": HELDOUT_NEW_TOKENS,
+            "output_tokens": sum(map(len, held)),
+        },
         "seconds": time.perf_counter() - t0,
     }
     out.write_text(json.dumps(res, indent=2) + "\n")
-    log.info("%s: vLLM tau %.3f (%d drafts)", name, res["tau"], res["drafts"])
+    held = res["heldout"]
+    log.info("%s: vLLM tau %.3f (%d drafts), on all held-out prompts %.3f (%d drafts)",
+             name, res["tau"], res["drafts"], held["tau"], held["drafts"])  # fmt: skip
     return res
 
 
@@ -99,7 +125,11 @@ def check_interpreter(vllm_python: str) -> None:
 
 def serve_runs(cfg: Any, names: list[str], vllm_python: str) -> dict[str, dict[str, Any]]:
     """vLLM's acceptance for every run in ``names``, one server at a time."""
-    from trainer.data.regen import load_prompts
+    from loader_server.data.dataset import open_dataset
+    from trainer.data.regen import heldout_prompts, load_prompts
 
     prompts = [p.tolist() for p in load_prompts(cfg.data_dir / "tau.jsonl")][: cfg.text.tau]
-    return {name: serve_run(cfg, name, vllm_python, prompts) for name in names}
+    ds = open_dataset(cfg.data_dir / "heldout")
+    src = cfg.data_dir / "prompts-heldout.jsonl"
+    heldout = [p.prompt for p in heldout_prompts(ds, src, range(len(ds)))]
+    return {name: serve_run(cfg, name, vllm_python, prompts, heldout) for name in names}
