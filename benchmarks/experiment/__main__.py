@@ -79,7 +79,13 @@ T, D = TargetRecipe, TextDataSpec
     type=click.Path(dir_okay=False),
     default=None,
     help="text: vLLM's CPU virtualenv Python (bash scripts/serve_check.sh --venv-only makes "
-    "it): vLLM serves every final drafter and its acceptance length is measured too.",
+    "it): vLLM regenerates the replies (when the data is made) and serves every final "
+    "drafter, whose acceptance length is measured too.",
+)
+@click.option(
+    "--data-only",
+    is_flag=True,
+    help="Make the corpora (text: also the target) and stop, before the daemon and training.",
 )
 def experiment(out_dir: Path, **opts: Any) -> None:
     """Batching experiment: train a drafter under each loader spec (sorted, six hand-set
@@ -116,6 +122,10 @@ def experiment(out_dir: Path, **opts: Any) -> None:
         results = run_experiment(cfg)
     except SetupError as e:  # refused before anything ran: a message, not a traceback
         raise click.ClickException(str(e)) from e
+    if cfg.data_only:
+        click.echo(f"data made in {results['elapsed_s']:.0f} s: {results['train']} (training), "
+                   f"{results['heldout']} (held out)")  # fmt: skip
+        return
     click.echo(Path(out_dir, "results.md").read_text())
     click.echo(f"took {results['elapsed_s']:.0f} s; files:")
     for path in results["files"]:

@@ -110,9 +110,12 @@ class ExperimentConfig:
     eval_every: int = 60
     eval_new_tokens: int = 48
     ckpt_every: int = 20
-    #: Python of vLLM's CPU virtualenv: when set, vLLM serves every final drafter and its
-    #: acceptance is measured too (``benchmarks.experiment.served``).
+    #: Python of vLLM's CPU virtualenv: when set, vLLM regenerates the replies (when the
+    #: data is made: ``textdata``) and serves every final drafter, whose acceptance is
+    #: measured too (``benchmarks.experiment.served``).
     vllm_python: str | None = None
+    #: Make the corpora (and, for text, the target) and stop: no daemon, no training.
+    data_only: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
@@ -181,7 +184,7 @@ class ExperimentConfig:
     def fixed_part(self) -> dict[str, Any]:
         """Settings every run in one OUT_DIR must share (seeds and specs may grow)."""
         d = asdict(self)
-        for k in ("out_dir", "seeds", "specs", "threads", "jobs", "vllm_python"):
+        for k in ("out_dir", "seeds", "specs", "threads", "jobs", "vllm_python", "data_only"):
             d.pop(k)
         d["target"].pop("threads")
         if self.corpus == "synthetic":
@@ -280,7 +283,9 @@ def write_corpora(cfg: ExperimentConfig) -> tuple[Path, Path]:
         from benchmarks.experiment.textdata import make_text_corpora
 
         target = build_target(cfg.target)
-        made = make_text_corpora(cfg.data_dir, target, cfg.target, cfg.text, cfg.target.threads)
+        made = make_text_corpora(
+            cfg.data_dir, target, cfg.target, cfg.text, cfg.target.threads, cfg.vllm_python
+        )
         return made["train"], made["heldout"]
     paths = cfg.out_dir / "train.arrow", cfg.out_dir / "heldout.arrow"
     for path, heldout in zip(paths, (False, True), strict=True):
@@ -372,6 +377,9 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     preflight(cfg)
     train_path, heldout_path = write_corpora(cfg)
+    if cfg.data_only:
+        return {"train": str(train_path), "heldout": str(heldout_path),
+                "elapsed_s": time.perf_counter() - t0}  # fmt: skip
     train_s: dict[str, float | None] = {}
     todo = [(spec, seed) for seed in cfg.seeds for spec in cfg.specs]
     trainers = Trainers(cfg)

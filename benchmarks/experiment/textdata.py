@@ -10,13 +10,14 @@ target through ``dflash-train regen --server``, tokenized with its chat template
   user's prompt-only set has.
 * **Two disjoint sets**: ``train`` (the drafter's corpus) and ``heldout`` (held-out loss per
   length band; the prompts of its first ``tau`` samples are the verifier's).
-* **Regeneration**: ``scripts/chat_server.py --model TARGET --batch B`` (the project's
-  OpenAI-compatible stand-in for SGLang/vLLM) and ``trainer.cli regen`` against it, greedy,
-  ``max_tokens`` per reply: ``train`` -> ``train/``, ``heldout`` -> ``heldout/``, whose first
-  ``tau`` samples' prompts (tokens before the reply) go to ``tau.jsonl`` (for
-  ``--eval-prompts``; ``regen --holdout`` cannot hold out prompt-only rows). A call that
-  finished is not repeated (its corpus folder exists); one cut short resumes from its
-  journal.
+* **Regeneration**: an OpenAI-compatible server for the target, vLLM's (its CPU build, when
+  ``vllm_python`` names its virtualenv's Python) or else ``scripts/chat_server.py --model
+  TARGET --batch B`` (the project's stand-in for SGLang/vLLM), and ``trainer.cli regen``
+  against it, greedy, ``max_tokens`` per reply: ``train`` -> ``train/``, ``heldout`` ->
+  ``heldout/``, whose first ``tau`` samples' prompts (tokens before the reply) go to
+  ``tau.jsonl`` (for ``--eval-prompts``; ``regen --holdout`` holds out only rows that have
+  a reply). ``server.json`` records which server made the data. A call that finished is
+  not repeated (its corpus folder exists); one cut short resumes from its journal.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import logging
 import subprocess
 import sys
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,12 +110,30 @@ def _regen(
         raise RuntimeError(f"regen of {src} failed (exit {res.returncode}); log tail:\n{tail}")
 
 
-def make_text_corpora(
-    out_dir: Path, target: Path, recipe: TargetRecipe, spec: TextDataSpec, threads: int
-) -> dict[str, Path]:
-    """``{"train": corpus, "heldout": corpus, "tau": prompts}`` under ``out_dir`` (made once)."""
-    from loader_server.data.dataset import open_dataset
+def regen_server(
+    target: Path, threads: int, log_dir: Path, vllm_python: str | None = None
+) -> AbstractContextManager[str]:
+    """The server that regenerates the replies (its URL while the context is open): vLLM's
+    OpenAI server (fp32, ``scripts.serve_check.vllm_server``) with ``vllm_python``, else
+    the stand-in ``scripts/chat_server.py``."""
+    if vllm_python is not None:
+        from scripts.serve_check import vllm_server
+
+        return vllm_server(vllm_python, target, log_dir / "vllm-regen.log")
     from scripts.chat_server import running
+
+    args = ["--model", str(target), "--batch", str(SERVER_BATCH), "--port", "0",
+            "--threads", str(threads)]  # fmt: skip
+    return running(args, log_dir / "chat-server.log")
+
+
+def make_text_corpora(
+    out_dir: Path, target: Path, recipe: TargetRecipe, spec: TextDataSpec, threads: int,
+    vllm_python: str | None = None,
+) -> dict[str, Path]:  # fmt: skip
+    """``{"train": corpus, "heldout": corpus, "tau": prompts}`` under ``out_dir`` (made
+    once), regenerated through vLLM with ``vllm_python``, else the stand-in server."""
+    from loader_server.data.dataset import open_dataset
     from trainer.data.corpus import write_heldout
     from trainer.data.regen import heldout_prompts
 
@@ -132,13 +152,17 @@ def make_text_corpora(
     }
     logs = out_dir / "logs"
     logs.mkdir(exist_ok=True)
-    args = ["--model", str(target), "--batch", str(SERVER_BATCH), "--port", "0",
-            "--threads", str(threads)]  # fmt: skip
+    server = "vllm" if vllm_python is not None else "stand-in"
+    made_by = out_dir / "server.json"
+    if made_by.is_file() and json.loads(made_by.read_text())["server"] != server:
+        log.warning("%s: continuing data begun with another server (%s)", out_dir, made_by)
+    made_by.write_text(json.dumps({"server": server}) + "\n")
     t0 = time.perf_counter()
-    with running(args, logs / "chat-server.log") as url:
+    with regen_server(target, threads, logs, vllm_python) as url:
         for name in ("heldout", "train"):
             if not paths[name].exists():
-                log.info("regenerating %d %s replies through %s", len(sets[name]), name, url)
+                log.info("regenerating %d %s replies through %s (%s)", len(sets[name]), name,
+                         url, server)  # fmt: skip
                 _regen(src[name], paths[name], url, target, spec, logs / "regen.log")
     log.info("regenerated in %.0f s", time.perf_counter() - t0)
     ds = open_dataset(paths["heldout"])

@@ -315,6 +315,16 @@ def test_a_missing_vllm_python_is_refused_before_anything_runs(tmp_path):
     assert not (out / "data").exists()  # no target built, no data made
 
 
+def test_data_only_makes_the_corpora_and_stops(tmp_path):
+    out = tmp_path / "exp"
+    res = _experiment(out, *TINY, "--data-only")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "data made in" in res.stdout
+    for name in ("train.arrow", "heldout.arrow"):
+        assert (out / name).exists()
+    assert not (out / "runs").exists() and not (out / "logs").exists()  # no daemon, no run
+
+
 # ---- end to end ---------------------------------------------------------------------------
 
 TINY = [
