@@ -22,7 +22,7 @@ def _int_tuple(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from e
 
 
-T, D = TargetRecipe, TextDataSpec
+T, D, E = TargetRecipe, TextDataSpec, ExperimentConfig
 
 
 @click.command()
@@ -71,9 +71,13 @@ T, D = TargetRecipe, TextDataSpec
 @click.option("--heldout-prompts", type=int, default=D.heldout, show_default=True, help="text.")
 @click.option("--tau-prompts", type=int, default=D.tau, show_default=True, help="text.")
 @click.option("--max-reply-tokens", type=int, default=D.max_tokens, show_default=True, help="text.")
-@click.option("--eval-every", type=int, default=60, show_default=True, help="text: tau.")
-@click.option("--eval-new-tokens", type=int, default=48, show_default=True, help="text: tau.")
-@click.option("--ckpt-every", type=int, default=20, show_default=True, help="text: forgetting.")
+@click.option("--eval-every", type=int, default=E.eval_every, show_default=True, help="text: tau.")
+@click.option(
+    "--eval-new-tokens", type=int, default=E.eval_new_tokens, show_default=True, help="text: tau."
+)
+@click.option(
+    "--ckpt-every", type=int, default=E.ckpt_every, show_default=True, help="text: forgetting."
+)
 @click.option(
     "--vllm-python",
     type=click.Path(dir_okay=False),

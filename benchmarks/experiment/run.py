@@ -107,9 +107,9 @@ class ExperimentConfig:
     # --corpus text only:
     target: TargetRecipe = field(default_factory=TargetRecipe)
     text: TextDataSpec = field(default_factory=TextDataSpec)
-    eval_every: int = 60
-    eval_new_tokens: int = 48
-    ckpt_every: int = 20
+    eval_every: int = 50
+    eval_new_tokens: int = 32
+    ckpt_every: int = 15
     #: Python of vLLM's CPU virtualenv: when set, vLLM regenerates the replies (when the
     #: data is made: ``textdata``) and serves every final drafter, whose acceptance is
     #: measured too (``benchmarks.experiment.served``).
