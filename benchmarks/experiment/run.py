@@ -74,6 +74,9 @@ DEFAULT_SPECS = {
     "synthetic": ("sorted", "shuffled", "stratified"),
     "text": ("sorted", "six", "stratified"),
 }
+#: How a run is made: 2 since a run's seed also seeds the loader's plan (``--spec seed=``);
+#: an OUT_DIR with runs of another format is refused (its runs would be reused).
+RUN_FORMAT = 2
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 
@@ -183,7 +186,7 @@ class ExperimentConfig:
 
     def fixed_part(self) -> dict[str, Any]:
         """Settings every run in one OUT_DIR must share (seeds and specs may grow)."""
-        d = asdict(self)
+        d = {"runs": RUN_FORMAT, **asdict(self)}
         for k in ("out_dir", "seeds", "specs", "threads", "jobs", "vllm_python", "data_only"):
             d.pop(k)
         d["target"].pop("threads")
@@ -235,6 +238,9 @@ def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
             "--eval-new-tokens", str(cfg.eval_new_tokens),
             "--ckpt-every", str(cfg.ckpt_every), "--keep-checkpoints", "100000",
         ]  # fmt: skip
+    # The seed seeds the loader's plan too (the daemon's spec would give every run seed 0):
+    # another seed is another draw of batches as well as of the drafter's init.
+    cmd += ["--spec", f"seed={seed}"]
     for pair in SPECS[spec]:
         cmd += ["--spec", pair.format(buckets=cfg.buckets, six=cfg.six_buckets)]
     return cmd

@@ -230,10 +230,10 @@ def test_specs_differ_only_in_their_spec_pairs(tmp_path):
     def pairs(cmd: list[str]) -> list[str]:
         return [cmd[i + 1] for i, a in enumerate(cmd) if a == "--spec"]
 
-    assert pairs(cmds["sorted"]) == ["composition=sorted"]
-    assert pairs(cmds["six"]) == ["buckets=96,152,216,304,412", "order=shuffled"]
-    assert pairs(cmds["shuffled"]) == ["buckets=auto:8", "order=shuffled"]
-    assert pairs(cmds["stratified"]) == ["buckets=auto:8", "order=stratified"]
+    assert pairs(cmds["sorted"]) == ["seed=3", "composition=sorted"]  # the plan's seed too
+    assert pairs(cmds["six"]) == ["seed=3", "buckets=96,152,216,304,412", "order=shuffled"]
+    assert pairs(cmds["shuffled"]) == ["seed=3", "buckets=auto:8", "order=shuffled"]
+    assert pairs(cmds["stratified"]) == ["seed=3", "buckets=auto:8", "order=stratified"]
     assert common(cmds["six"]) == common(cmds["sorted"])
 
 
@@ -426,6 +426,7 @@ TEXT = [
     "--target-threads", "1", "--prompts", "60", "--heldout-prompts", "16", "--tau-prompts", "4",
     "--max-reply-tokens", "32", "--steps", "6", "--grad-accum", "2", "--token-budget", "1024",
     "--max-len", "512", "--eval-every", "3", "--eval-new-tokens", "16", "--ckpt-every", "2",
+    "--seeds", "5",
 ]  # fmt: skip
 
 
@@ -456,7 +457,8 @@ def test_text_experiment_end_to_end(tmp_path):
         assert all(math.isfinite(x) and x > 0 for x in f["short_loss"])
         assert all(0.0 <= x <= 1.0 for x in f["long_only"])
         assert run["config"]["target"] == str(target)
-    six = results["runs"]["six-s0"]["config"]["loader_spec"]["buckets"]
+        assert run["config"]["loader_spec"]["seed"] == 5, name  # the run's seed plans too
+    six = results["runs"]["six-s5"]["config"]["loader_spec"]["buckets"]
     assert six == [round(b * 512 / 8192) for b in REFERENCE_BUCKETS]  # scaled to max_len 512
     assert results["corpus"]["train"]["samples"] >= 15  # empty replies are skipped
     md = (out / "results.md").read_text()
