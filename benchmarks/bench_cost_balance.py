@@ -64,8 +64,9 @@ from trainer.model.target import Target, TinyTargetSpec, load_target
 from trainer.ops.calibrate import calibrate_run
 from trainer.train import hostmem
 from trainer.train.batches import Batch, pad_batch
+from trainer.train.config import TrainConfig
 from trainer.train.distributed import local_env
-from trainer.train.loop import TrainConfig, Trainer
+from trainer.train.loop import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.baseline import plans_at

@@ -1,3 +1,3 @@
-from loader_server.cli import main
+from loader_server.cli.main import main
 
 main()

@@ -19,8 +19,9 @@ from trainer.model.verifier import greedy_generate
 from trainer.options import RunOptions, TargetOptions
 from trainer.run import run_meta
 from trainer.train.batches import ListSource
+from trainer.train.config import TrainConfig
 from trainer.train.distributed import local_env
-from trainer.train.loop import TrainConfig, Trainer
+from trainer.train.loop import Trainer
 
 
 def greedy_samples(target, vocab: int, n: int = 8) -> list[tuple[list[int], list[int]]]:

@@ -33,10 +33,16 @@ from trainer.options import (
     parse_layer_types,
 )
 from trainer.train import stop
-from trainer.train.checkpoint import RunWriteError, latest_checkpoint, write_error_message
+from trainer.train.checkpoint import (
+    RunWriteError,
+    latest_checkpoint,
+    run_write_error,
+    write_error_message,
+)
+from trainer.train.config import TrainConfig
 from trainer.train.distributed import init_distributed, shutdown
 from trainer.train.guards import WRITE_ERRNOS
-from trainer.train.loop import TrainConfig, Trainer
+from trainer.train.loop import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -300,8 +306,7 @@ def _writing(write: Any, run_dir: Path) -> None:
     except OSError as e:
         if e.errno not in WRITE_ERRNOS:
             raise
-        msg = write_error_message(e, f"into the run folder {run_dir}", None, path=run_dir)
-        raise RunWriteError(msg) from None
+        raise run_write_error(e, run_dir) from None
 
 
 def run_training(opts: RunOptions) -> dict[str, Any] | None:

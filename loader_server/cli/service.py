@@ -85,7 +85,7 @@ def serve(config_path: Path | None, **kw: Any) -> None:
     Type=notify). SIGTERM or SIGINT: stop accepting, tell clients, unlink shared memory,
     exit 0. Spec flags set the defaults for sessions that do not send their own values.
     """
-    from loader_server.cli import setup_logging
+    from loader_server.cli.contract import setup_logging
 
     config = resolve_config(config_path, kw)
     # `dflash-loader -v serve` (debug already on) is debug whatever the configured level.

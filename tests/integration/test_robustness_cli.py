@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from test_robustness_daemon import one_line_error, run_cli
 
-from loader_server.cli import main
+from loader_server.cli.main import main
 
 
 def _serve(corpus: Path, tmp: Path, shm: Path, *extra: str) -> list[str]:

@@ -29,8 +29,9 @@ from trainer.model.verifier import greedy_generate
 from trainer.options import TargetOptions
 from trainer.run import run_meta
 from trainer.train.batches import ListSource
+from trainer.train.config import TrainConfig
 from trainer.train.distributed import local_env
-from trainer.train.loop import TrainConfig, Trainer
+from trainer.train.loop import Trainer
 
 B = 8
 

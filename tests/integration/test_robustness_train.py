@@ -44,9 +44,10 @@ from trainer.options import RunOptions, TargetOptions
 from trainer.run import eval_prompts, run_meta
 from trainer.train import checkpoint as ckpt
 from trainer.train.batches import ListSource
+from trainer.train.config import TrainConfig
 from trainer.train.distributed import local_env
 from trainer.train.guards import LoaderFailedError, TrainingError
-from trainer.train.loop import TrainConfig, Trainer
+from trainer.train.loop import Trainer
 from trainer.train.metrics import metrics_path, read_metrics
 
 pytestmark = pytest.mark.integration
@@ -242,7 +243,7 @@ def test_a_moved_target_resumes_with_a_warning(target, samples, tmp_path, caplog
     # The same weights under another path: a warning, and the run resumes.
     moved = make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=3, resume=True,
                          meta={**meta, "target": "/models/b"})  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="trainer.train.loop"):
+    with caplog.at_level(logging.WARNING, logger="trainer.train.guards"):
         assert moved.run()["resumed"]
     assert "target /models/a is now /models/b: the same weights" in caplog.text
     # Other weights under the same name: refused.

@@ -260,7 +260,7 @@ def test_a_job_resumes_on_fewer_then_more_ranks_with_a_continuous_schedule(daemo
     end = len(micro) - 1
     recs = records(run_dir)
     assert sorted(recs) == list(range(end + 1))
-    from trainer.train.loop import warmup_cosine
+    from trainer.train.clock import warmup_cosine
 
     factor = warmup_cosine(2, steps)
     for s in range(1, end + 1):

@@ -19,8 +19,9 @@ from trainer.options import RunOptions
 from trainer.run import resolve_mask_token
 from trainer.train import checkpoint as ckpt
 from trainer.train.batches import ListSource
+from trainer.train.config import TrainConfig
 from trainer.train.distributed import DistEnv, local_env
-from trainer.train.loop import TrainConfig, Trainer
+from trainer.train.loop import Trainer
 from trainer.train.metrics import metrics_path, read_metrics
 
 B = 8

@@ -8,7 +8,7 @@ import logging
 import pytest
 from click.testing import CliRunner
 
-from loader_server.cli import main
+from loader_server.cli.main import main
 from loader_server.service import daemon
 
 

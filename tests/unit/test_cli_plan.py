@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-from loader_server.cli import main
+from loader_server.cli.main import main
 from loader_server.cli.spec_flags import spec_from_options, spec_options
 from loader_server.data.synth import SynthSpec, synth_lengths, write_corpus
 from loader_server.planning.planner import plan_epoch

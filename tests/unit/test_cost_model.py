@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from loader_server.cli import main as loader_cli
+from loader_server.cli.main import main as loader_cli
 from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning import cost, metrics
 from loader_server.planning.planner import plan_epoch

@@ -48,7 +48,7 @@ PACKAGES = ("loader_server", "client", "trainer", "scripts", "benchmarks")
 #: Top-level folders a path in the docs may start with.
 TOP = (*PACKAGES, "tests", "docs", "systemd")
 CODE_SUFFIXES = (".py", ".pyi", ".c", ".h", ".sh")
-CLIS = {"dflash-loader": "loader_server.cli", "dflash-train": "trainer.cli"}
+CLIS = {"dflash-loader": "loader_server.cli.main", "dflash-train": "trainer.cli"}
 
 # Allow-lists: names of other projects the docs rightly mention.
 EXTERNAL_FILES = {

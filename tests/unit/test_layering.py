@@ -13,7 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "numpy", "pyarrow", "zmq")
 #: What the trainer (and tools built on it) may use of the daemon's package.
-PUBLIC = ("loader_server.wire", "loader_server.planning.cost", "loader_server.data.dataset")
+PUBLIC = (
+    "loader_server.wire",
+    "loader_server.planning.cost",
+    "loader_server.data.dataset",
+    "loader_server.cli.contract",  # the command-line contract both commands keep
+)
 
 
 def imports(package: str) -> dict[str, set[str]]:

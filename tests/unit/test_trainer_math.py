@@ -38,7 +38,8 @@ from trainer.model.target import (
 from trainer.options import RunOptions
 from trainer.run import loader_spec
 from trainer.train.batches import Batch
-from trainer.train.loop import TrainConfig, warmup_cosine
+from trainer.train.clock import warmup_cosine
+from trainer.train.config import TrainConfig
 
 
 def _chunk(ctx_len: int, anchors: list[int], b: int, docs=None, blk_docs=None) -> BlockChunk:
@@ -338,17 +339,16 @@ def test_a_checkpoint_from_before_the_anchor_rule_was_sent_resumes_in_its_plan()
     cost they are, and the request stays (the daemon then refuses the mismatch)."""
     from types import SimpleNamespace
 
-    from trainer.train.loop import Trainer
+    from trainer.train.resume import keep_saved_anchor_rule
 
     legacy = {"token_budget": 512, "block_size": 16, "anchors_per_doc": 512, "max_anchors": 2048}
     asked = {"block_size": 8, "anchors_per_doc": 4, "max_anchors": 2048}
-    t = SimpleNamespace(_checkpoint_spec=legacy, source=SimpleNamespace(spec=dict(asked)))
-    Trainer._ask_saved_anchor_rule(t)  # type: ignore[arg-type]
-    assert t.source.spec == {"block_size": 16, "anchors_per_doc": 512, "max_anchors": 2048}
-    t = SimpleNamespace(_checkpoint_spec={**legacy, "cost_slot": 1e-6},
-                        source=SimpleNamespace(spec=dict(asked)))  # fmt: skip
-    Trainer._ask_saved_anchor_rule(t)  # type: ignore[arg-type]
-    assert t.source.spec == asked
+    source = SimpleNamespace(spec=dict(asked))
+    keep_saved_anchor_rule(legacy, source)  # type: ignore[arg-type]
+    assert source.spec == {"block_size": 16, "anchors_per_doc": 512, "max_anchors": 2048}
+    source = SimpleNamespace(spec=dict(asked))
+    keep_saved_anchor_rule({**legacy, "cost_slot": 1e-6}, source)  # type: ignore[arg-type]
+    assert source.spec == asked
 
 
 def test_step_flops_counts_the_reference_recipe():

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 from click.core import ParameterSource
 
+from loader_server.cli.contract import stop_signals_raise
 from trainer.cli.flags import SectionedCommand, SectionedOption, options_from
 from trainer.data.server.spec import SERVER, ServerRegenSpec
 from trainer.options import IN_PROCESS, TARGET, RegenOptions, TargetOptions, TokenizeOptions
@@ -23,38 +20,6 @@ from trainer.options import IN_PROCESS, TARGET, RegenOptions, TargetOptions, Tok
 _NO_PROGRESS = click.option("--no-progress", is_flag=True, help="No progress bar.")
 #: regen --server's exit status when some rows failed (the corpus holds the others).
 EXIT_ROWS_FAILED = 3
-
-
-@contextmanager
-def stop_signals_raise() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the command as Ctrl-C does: an exception in the main thread,
-    so every cleanup runs (the output's private folder is removed, the tokenizer pool
-    stopped, the regen journal closed) before it exits 128 + the signal's number with one
-    line. A second signal during that cleanup is ignored; a signal already ignored (``nohup``)
-    stays so."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-
-    def handler(signum: int, frame: Any) -> None:
-        if caught:
-            return
-        caught.append(signum)
-        raise SystemExit(128 + signum)
-
-    # A signal ignored on purpose (nohup ignores SIGHUP) stays ignored.
-    mine = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) == signal.SIG_DFL]
-    old = {sig: signal.signal(sig, handler) for sig in mine}
-    try:
-        yield
-    except SystemExit:
-        if caught:
-            click.echo(f"Error: stopped by {signal.Signals(caught[0]).name}", err=True)
-        raise
-    finally:
-        for sig, previous in old.items():
-            signal.signal(sig, previous)
 
 
 @click.command(cls=SectionedCommand)

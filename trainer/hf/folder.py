@@ -140,6 +140,16 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
     if not file.is_file():
         raise FileNotFoundError(f"--init-drafter {path}: no config.json")
     folder = DrafterFolder(Path(path), json.loads(file.read_text()))
+    _check_kind(folder, file)
+    _check_layer_types(folder, file)
+    if folder.layer_types is not None:
+        _check_sliding(folder, file)
+    _check_shape_rules(folder, file)
+    return folder
+
+
+def _check_kind(folder: DrafterFolder, file: Path) -> None:
+    """A DFlash or DFlash2 drafter with its target layers, and nothing it cannot train."""
     arch = folder.config.get("architectures") or []
     if not set(ARCHITECTURES.values()) & set(arch):
         raise ValueError(
@@ -158,39 +168,48 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
         value = folder.value(key)
         if value not in (None, neutral, False, 0):
             raise ValueError(f"{file}: {key} = {value!r} is not supported by this drafter")
+
+
+def _check_layer_types(folder: DrafterFolder, file: Path) -> None:
     kinds = list(folder.config.get("layer_types") or [FULL_ATTENTION])
     unknown = sorted(set(kinds) - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"{file}: layer_types {unknown}: only {' and '.join(LAYER_TYPES)}")
-    if folder.layer_types is not None:
-        if len(kinds) != folder.config.get("num_hidden_layers"):
+    if folder.layer_types is not None and len(kinds) != folder.config.get("num_hidden_layers"):
+        raise ValueError(
+            f"{file}: layer_types has {len(kinds)} entries for num_hidden_layers "
+            f"{folder.config.get('num_hidden_layers')}"
+        )
+
+
+def _check_sliding(folder: DrafterFolder, file: Path) -> None:
+    """Sliding layers as Transformers, SGLang and vLLM read them."""
+    if folder.sliding_window is None or folder.sliding_window < 1:
+        raise ValueError(
+            f"{file}: sliding_attention layers but sliding_window is "
+            f"{folder.config.get('sliding_window')!r}"
+        )
+    if folder.config.get("use_sliding_window") is not True:
+        raise ValueError(
+            f"{file}: sliding_attention layers with use_sliding_window "
+            f"{folder.config.get('use_sliding_window')!r} (Transformers then drops "
+            "sliding_window, and vLLM refuses the folder): it must be true"
+        )
+    nested, top = folder.dflash.get("swa_window_size"), folder.config.get("sliding_window")
+    if nested is not None and top is not None and int(nested) != int(top):
+        raise ValueError(f"{file}: dflash_config.swa_window_size {nested} != sliding_window {top}")
+    for key in ("is_causal", "causal"):
+        if folder.value(key) not in (None, False):
             raise ValueError(
-                f"{file}: layer_types has {len(kinds)} entries for num_hidden_layers "
-                f"{folder.config.get('num_hidden_layers')}"
+                f"{file}: {key} = {folder.value(key)!r}: full layers are bidirectional "
+                "inside the block here; only false (bidirectional sliding layers) or "
+                "unset (the engines' default: sliding layers causal) is supported"
             )
-        if folder.sliding_window is None or folder.sliding_window < 1:
-            raise ValueError(
-                f"{file}: sliding_attention layers but sliding_window is "
-                f"{folder.config.get('sliding_window')!r}"
-            )
-        if folder.config.get("use_sliding_window") is not True:
-            raise ValueError(
-                f"{file}: sliding_attention layers with use_sliding_window "
-                f"{folder.config.get('use_sliding_window')!r} (Transformers then drops "
-                "sliding_window, and vLLM refuses the folder): it must be true"
-            )
-        nested, top = folder.dflash.get("swa_window_size"), folder.config.get("sliding_window")
-        if nested is not None and top is not None and int(nested) != int(top):
-            raise ValueError(
-                f"{file}: dflash_config.swa_window_size {nested} != sliding_window {top}"
-            )
-        for key in ("is_causal", "causal"):
-            if folder.value(key) not in (None, False):
-                raise ValueError(
-                    f"{file}: {key} = {folder.value(key)!r}: full layers are bidirectional "
-                    "inside the block here; only false (bidirectional sliding layers) or "
-                    "unset (the engines' default: sliding layers causal) is supported"
-                )
+
+
+def _check_shape_rules(folder: DrafterFolder, file: Path) -> None:
+    """Plain RoPE, SiLU without attention bias, and no dflash_config key this trainer
+    does not know."""
     rope = folder.config.get("rope_parameters") or folder.config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
@@ -201,7 +220,6 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
     extra = sorted(set(folder.dflash) - known)
     if extra:
         raise ValueError(f"{file}: unknown dflash_config keys {extra}")
-    return folder
 
 
 def _agree(flag: str, mine: Any, key: str, theirs: Any, file: Path) -> Any:
@@ -229,6 +247,29 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
     )
     block = folder.value("block_size")
     block_size = int(_agree("--block-size", opts.block_size, "block_size", block, file))
+    _agree_on_sliding(opts, folder, drafter_layers, file)
+    kinds = folder.layer_types
+    variant = _agree("--drafter", opts.drafter, "architectures", folder.variant, file)
+    dflash2 = _dflash2_options(opts, folder, file)
+    if opts.learned_mask:
+        raise ValueError(f"--learned-mask: {file} embeds a mask token id instead")
+    return replace(
+        opts,
+        layers=",".join(str(i) for i in ids),
+        drafter_layers=drafter_layers,
+        block_size=block_size,
+        mask_token_id=_mask_token(opts.mask_token_id, folder.mask_token_id, file),
+        layer_types=None if kinds is None else ",".join(kinds),
+        sliding_window=folder.sliding_window,
+        sliding_bidirectional=not folder.sliding_causal,
+        drafter=variant,
+        **dflash2,
+    )
+
+
+def _agree_on_sliding(opts: RunOptions, folder: DrafterFolder, layers: int, file: Path) -> None:
+    """``--sliding-window``, ``--layer-types`` and ``--sliding-bidirectional``, where given,
+    say what the folder's layers are."""
     window = folder.sliding_window
     if opts.sliding_window is not None and opts.sliding_window != window:
         raise ValueError(
@@ -236,21 +277,22 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
             f"{window}: drop --sliding-window"
         )
     if opts.layer_types is not None:
-        mine = layer_kinds(opts.layer_types, drafter_layers)
+        mine = layer_kinds(opts.layer_types, layers)
         if (mine if SLIDING in mine else None) != folder.layer_types:
             raise ValueError(
                 f"--layer-types {opts.layer_types} differs from {file}'s layer_types "
-                f"{list(folder.layer_types or [FULL_ATTENTION] * drafter_layers)}: drop "
+                f"{list(folder.layer_types or [FULL_ATTENTION] * layers)}: drop "
                 "--layer-types"
             )
-    theirs_causal = folder.sliding_causal
-    if opts.sliding_bidirectional and theirs_causal:
+    if opts.sliding_bidirectional and folder.sliding_causal:
         raise ValueError(
             f"--sliding-bidirectional: {file}'s sliding layers are causal (or it has none): "
             "drop --sliding-bidirectional"
         )
-    kinds = folder.layer_types
-    variant = _agree("--drafter", opts.drafter, "architectures", folder.variant, file)
+
+
+def _dflash2_options(opts: RunOptions, folder: DrafterFolder, file: Path) -> dict[str, Any]:
+    """The folder's DFlash2 fields, which the user's (where given) must equal."""
     dflash2 = {}
     for k, theirs in folder.dflash2.items():
         flag, mine = "--" + k.replace("_", "-"), getattr(opts, k)
@@ -258,26 +300,16 @@ def options_from_folder(opts: RunOptions, folder: DrafterFolder) -> RunOptions:
             raise ValueError(f"{flag} {mine} differs from {file}'s {k} (unset): drop {flag}")
         if theirs is not None:
             dflash2[k] = _agree(flag, mine, k, theirs, file)
-    if opts.learned_mask:
-        raise ValueError(f"--learned-mask: {file} embeds a mask token id instead")
-    mask = folder.mask_token_id
-    mask_token_id = opts.mask_token_id
-    if mask_token_id is None:
-        mask_token_id = mask
-    elif mask is not None and mask_token_id != mask:
-        log.warning("--mask-token-id %d overrides %s's mask_token_id %d", mask_token_id, file, mask)
-    return replace(
-        opts,
-        layers=",".join(str(i) for i in ids),
-        drafter_layers=drafter_layers,
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        layer_types=None if kinds is None else ",".join(kinds),
-        sliding_window=window,
-        sliding_bidirectional=not theirs_causal,
-        drafter=variant,
-        **dflash2,
-    )
+    return dflash2
+
+
+def _mask_token(mine: int | None, theirs: int | None, file: Path) -> int | None:
+    """The folder's MASK token, or the user's ``--mask-token-id`` over it (with a warning)."""
+    if mine is None:
+        return theirs
+    if theirs is not None and mine != theirs:
+        log.warning("--mask-token-id %d overrides %s's mask_token_id %d", mine, file, theirs)
+    return mine
 
 
 def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: Target) -> None:

@@ -47,29 +47,8 @@ def speculators_config(
     ``dflash`` (``trainer.hf.export.folder_config``); ``where`` names it in errors."""
     inner = dflash["dflash_config"]
     dflash2 = dflash["architectures"] == [ARCHITECTURES["dflash2"]]
-    for key, neutral in _NEUTRAL.items():
-        if inner.get(key, neutral) != neutral:
-            raise ValueError(
-                f"{where}: {key} {inner[key]!r}: speculators' DFlash2 config has no such "
-                "field, so a speculators folder would serve another model; export the "
-                "DFlash dialect (--format dflash)"
-            )
+    causal_sliding = _check_expressible(dflash, where)
     depth = int(dflash["num_target_layers"])
-    if depth - 1 in inner["target_layer_ids"]:
-        raise ValueError(
-            f"{where}: target layer {depth - 1} (the last) is one of the drafter's layers: "
-            "speculators' layout names layers by vLLM's numbering (+1) and has no id for it, "
-            "so its fc would lose those inputs; export the DFlash dialect (--format dflash)"
-        )
-    kinds = dflash.get("layer_types") or []
-    sliding = "sliding_attention" in kinds
-    causal_sliding = sliding and dflash.get("is_causal", True) is not False
-    if causal_sliding and "full_attention" in kinds:
-        raise ValueError(
-            f"{where}: causal sliding layers next to full ones: vLLM reads the speculators "
-            "layout's one sliding_window_non_causal flag for every layer, so the full "
-            "layers would be served causal; export the DFlash dialect (--format dflash)"
-        )
     transformer = {k: v for k, v in dflash.items() if k not in NON_TRANSFORMER}
     block = int(dflash["block_size"])
     return {
@@ -103,3 +82,32 @@ def speculators_config(
         },
         "transformer_layer_config": transformer,
     }
+
+
+def _check_expressible(dflash: dict[str, Any], where: str) -> bool:
+    """Refuse what the speculators layout cannot say (it would serve another model);
+    whether the sliding layers are causal."""
+    inner = dflash["dflash_config"]
+    for key, neutral in _NEUTRAL.items():
+        if inner.get(key, neutral) != neutral:
+            raise ValueError(
+                f"{where}: {key} {inner[key]!r}: speculators' DFlash2 config has no such "
+                "field, so a speculators folder would serve another model; export the "
+                "DFlash dialect (--format dflash)"
+            )
+    depth = int(dflash["num_target_layers"])
+    if depth - 1 in inner["target_layer_ids"]:
+        raise ValueError(
+            f"{where}: target layer {depth - 1} (the last) is one of the drafter's layers: "
+            "speculators' layout names layers by vLLM's numbering (+1) and has no id for it, "
+            "so its fc would lose those inputs; export the DFlash dialect (--format dflash)"
+        )
+    kinds = dflash.get("layer_types") or []
+    causal_sliding = "sliding_attention" in kinds and dflash.get("is_causal", True) is not False
+    if causal_sliding and "full_attention" in kinds:
+        raise ValueError(
+            f"{where}: causal sliding layers next to full ones: vLLM reads the speculators "
+            "layout's one sliding_window_non_causal flag for every layer, so the full "
+            "layers would be served causal; export the DFlash dialect (--format dflash)"
+        )
+    return causal_sliding

@@ -31,7 +31,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.utils.checkpoint import checkpoint
 
 from client.batch import Batch
-from trainer.model.blocks import LossConfig, draft_blocks, plan_blocks
+from trainer.model.blocks import BlockPlan, LossConfig, draft_blocks, plan_blocks
 from trainer.model.dflash2 import CandidateSelector, softcap_logits, training_candidates
 from trainer.model.docs import DocView
 from trainer.model.drafter import DFlashDrafter, DraftBlocks
@@ -307,20 +307,9 @@ def draft_loss(
         on_chunks(len(blocks.chunks))
     with phase("drafter"):
         hidden = drafter(target.embed_tokens, blocks, attention)
+    sel = plan.weights > 0
     with phase("head"):
-        sel = plan.weights > 0
-        labels = plan.labels[sel].to(device, non_blocking=True)
-        weights = plan.weights[sel].to(device, non_blocking=True)
-        selector = core.candidate_selector
-        out = head_loss(hidden, target.lm_head, labels, weights, chunk_size, logit_rule(core))
-        weighted, hits = out.ce, out.hits
-        if selector is not None:  # DFlash2: its served choice is the selector's
-            # The teacher-forced predecessor of offset k: the true token at k-1 (the anchor).
-            full = plan.labels.to(device, non_blocking=True)
-            prev = torch.cat([blocks.anchor_ids[:, None], full[:, :-1]], 1)
-            prev = prev[sel.to(device, non_blocking=True)]
-            sel_ce, hits = selector_loss(selector, hidden, prev, out, weights, chunk_size)
-            weighted = weighted + cfg.selector_alpha * sel_ce
+        weighted, hits, weights = _head(target, core, hidden, plan, blocks, cfg, chunk_size)
     weight_sum = weights.sum()
     k_idx = torch.arange(b - 1).expand_as(sel)[sel].to(device, non_blocking=True)
     return LossOutput(
@@ -333,6 +322,29 @@ def draft_loss(
         num_tokens=num_tokens,
         capped_blocks=plan.capped,
     )
+
+
+def _head(
+    target: Target, core: DFlashDrafter, hidden: torch.Tensor, plan: BlockPlan,
+    blocks: DraftBlocks, cfg: LossConfig, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The LM head over the supervised slots: the weighted CE sum (DFlash2: plus its
+    selector's), each slot's hit (the served choice) and the slots' weights."""
+    device = hidden.device
+    sel = plan.weights > 0
+    labels = plan.labels[sel].to(device, non_blocking=True)
+    weights = plan.weights[sel].to(device, non_blocking=True)
+    selector = core.candidate_selector
+    out = head_loss(hidden, target.lm_head, labels, weights, chunk_size, logit_rule(core))
+    weighted, hits = out.ce, out.hits
+    if selector is not None:  # DFlash2: its served choice is the selector's
+        # The teacher-forced predecessor of offset k: the true token at k-1 (the anchor).
+        full = plan.labels.to(device, non_blocking=True)
+        prev = torch.cat([blocks.anchor_ids[:, None], full[:, :-1]], 1)
+        prev = prev[sel.to(device, non_blocking=True)]
+        sel_ce, hits = selector_loss(selector, hidden, prev, out, weights, chunk_size)
+        weighted = weighted + cfg.selector_alpha * sel_ce
+    return weighted, hits, weights
 
 
 def _empty(block_size: int, num_tokens: int, device: torch.device) -> LossOutput:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainer.files import atomic_output, check_output
 from trainer.train.metrics import iter_series, metrics_path, read_metrics
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+    from matplotlib.axes import Axes
 
 
 def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
@@ -26,24 +27,27 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     out_dir = Path(out_dir) if out_dir else run_dir / "plots"
     check_output(out_dir, inputs=[metrics_path(run_dir)])
     written = []
-
-    def save(fig: Figure, name: str) -> None:
+    for name, draw in _FIGURES.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        draw(ax, records, run_dir.name)
         path = out_dir / name
         fig.tight_layout()
         with atomic_output(path, folder=False, force=True) as tmp:
             fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         written.append(path)
+    return written
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _loss(ax: Axes, records: list[dict[str, Any]], run: str) -> None:
     losses = list(iter_series(records, "loss"))
     if losses:
         ax.plot(*zip(*losses, strict=True), lw=1)
-    ax.set(xlabel="optimizer step", ylabel="weighted block CE", title=f"loss: {run_dir.name}")
+    ax.set(xlabel="optimizer step", ylabel="weighted block CE", title=f"loss: {run}")
     ax.grid(alpha=0.3)
-    save(fig, "loss.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _tau(ax: Axes, records: list[dict[str, Any]], run: str) -> None:
     for key, label in (("tau", "tau (per-prompt mean, as published)"), ("tau_pooled", "pooled")):
         taus = list(iter_series(records, key))
         if taus:
@@ -52,9 +56,9 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         ax.legend()
     ax.set(xlabel="optimizer step", ylabel="tau (tokens / step)", title="acceptance length")
     ax.grid(alpha=0.3)
-    save(fig, "tau.png")
 
-    fig, ax1 = plt.subplots(figsize=(7, 4))
+
+def _throughput(ax1: Axes, records: list[dict[str, Any]], run: str) -> None:
     tps = list(iter_series(records, "tokens_per_s"))
     if tps:
         ax1.plot(*zip(*tps, strict=True), lw=1, color="tab:blue")
@@ -65,14 +69,21 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         ax2.plot(*zip(*wait, strict=True), lw=1, color="tab:red")
     ax2.set_ylabel("data wait (% of step)", color="tab:red")
     ax1.set_title("throughput and data wait")
-    save(fig, "throughput.png")
 
+
+def _accuracy(ax: Axes, records: list[dict[str, Any]], run: str) -> None:
     last = next((r for r in reversed(records) if "acc_k" in r), None)
-    fig, ax = plt.subplots(figsize=(7, 4))
     if last is not None:
         ks = range(1, len(last["acc_k"]) + 1)
         ax.bar(ks, last["acc_k"])
         ax.set_title(f"accuracy by block offset (step {last['step']})")
     ax.set(xlabel="block offset k", ylabel="argmax accuracy")
-    save(fig, "acc_by_offset.png")
-    return written
+
+
+#: File name -> what draws it on one axes.
+_FIGURES: dict[str, Callable[[Axes, list[dict[str, Any]], str], None]] = {
+    "loss.png": _loss,
+    "tau.png": _tau,
+    "throughput.png": _throughput,
+    "acc_by_offset.png": _accuracy,
+}

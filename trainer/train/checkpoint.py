@@ -99,7 +99,7 @@ class CheckpointRecord:
     meta: dict[str, Any] = field(default_factory=dict)
     optimizer: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
-    #: The LR schedule's clock (``trainer.train.loop.Clock.to_dict``); None before it existed.
+    #: The LR schedule's clock (``trainer.train.clock.Clock.to_dict``); None before it existed.
     clock: dict[str, int] | None = None
 
     def to_shared(self) -> dict[str, Any]:
@@ -257,63 +257,75 @@ def save_checkpoint(
     rank 0 only. Returns the final folder. Refuses a non-finite drafter state (every rank
     holds the same replicated weights, so every rank refuses); a failed write on any rank
     raises ``CheckpointWriteError`` on every rank, leaving the older checkpoints intact."""
-    root = checkpoint_dir(run_dir)
-    final = root / f"step-{step:08d}"
-    tmp = root / f"step-{step:08d}.tmp"
+    save = _Save(checkpoint_dir(run_dir), step, env)
     tail = ": training diverged; not saved, the previous checkpoints are intact"
-    check_finite(record.drafter, f"checkpoint {final}", tail)
+    check_finite(record.drafter, f"checkpoint {save.final}", tail)
     need = _state_bytes(record.to_shared()) + env.world_size * _state_bytes(per_rank)
-
-    def attempt(fn: Any) -> None:
+    for phase in (
+        save.start if env.is_main else _nothing,
+        lambda: save.write(record, per_rank),
+        save.publish if env.is_main else _nothing,
+    ):
         err: OSError | None = None
         try:
-            fn()
+            phase()
         except OSError as e:
             err = e
-        _agree_or_raise(err, env, final, tmp, need)
-
-    def start() -> None:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-
-    entries: dict[str, dict[str, Any]] = {}
-    head = {"version": CHECKPOINT_VERSION, "step": step, "world_size": env.world_size}
-
-    def write() -> None:
-        name = f"rank-{env.rank:05d}.pt"
-        entries[name] = atomic_save({**head, "rank": env.rank, **per_rank}, tmp / name)
-        if env.is_main:
-            entries["model.pt"] = atomic_save({**head, **record.to_shared()}, tmp / "model.pt")
-
-    def publish() -> None:
-        for r in range(1, env.world_size):  # the other ranks' files: small, read back
-            name = f"rank-{r:05d}.pt"
-            entries[name] = file_digest(tmp / name)
-        manifest = {
-            "version": MANIFEST_VERSION,
-            "step": step,
-            "files": dict(sorted(entries.items())),
-        }
-        fsync_dir(tmp)
-        mpath = manifest_path(final)
-        mpath.parent.mkdir(exist_ok=True)
-        _write_json(mpath, manifest)
-        if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-
-    attempt(start if env.is_main else lambda: None)
-    attempt(write)
-    attempt(publish if env.is_main else lambda: None)
+        _agree_or_raise(err, env, save.final, save.tmp, need)
     if env.is_main:
         try:
-            _prune(root, keep, final)
+            _prune(save.root, keep, save.final)
         except OSError as e:  # the new checkpoint is complete: old ones linger, no harm
-            log.warning("could not remove old checkpoints in %s: %s", root, e)
+            log.warning("could not remove old checkpoints in %s: %s", save.root, e)
     barrier(env)
-    return final
+    return save.final
+
+
+def _nothing() -> None:
+    """A phase of the save that is rank 0's: the other ranks only agree on its outcome."""
+
+
+class _Save:
+    """One checkpoint being written: into ``tmp`` (rank 0 makes it, every rank writes its
+    part, rank 0 the shared record), then published as ``final`` with its manifest."""
+
+    def __init__(self, root: Path, step: int, env: DistEnv) -> None:
+        self.root, self.step, self.env = root, step, env
+        self.final = root / f"step-{step:08d}"
+        self.tmp = root / f"step-{step:08d}.tmp"
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.head = {"version": CHECKPOINT_VERSION, "step": step, "world_size": env.world_size}
+
+    def start(self) -> None:
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+
+    def write(self, record: CheckpointRecord, per_rank: dict[str, Any]) -> None:
+        env, head = self.env, self.head
+        name = f"rank-{env.rank:05d}.pt"
+        self.entries[name] = atomic_save({**head, "rank": env.rank, **per_rank}, self.tmp / name)
+        if env.is_main:
+            shared = {**head, **record.to_shared()}
+            self.entries["model.pt"] = atomic_save(shared, self.tmp / "model.pt")
+
+    def publish(self) -> None:
+        for r in range(1, self.env.world_size):  # the other ranks' files: small, read back
+            name = f"rank-{r:05d}.pt"
+            self.entries[name] = file_digest(self.tmp / name)
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "step": self.step,
+            "files": dict(sorted(self.entries.items())),
+        }
+        fsync_dir(self.tmp)
+        mpath = manifest_path(self.final)
+        mpath.parent.mkdir(exist_ok=True)
+        _write_json(mpath, manifest)
+        if self.final.exists():  # re-saving a step (e.g. after a resume): replace it whole
+            shutil.rmtree(self.final)
+        os.replace(self.tmp, self.final)
+        fsync_dir(self.root)
 
 
 def _agree_or_raise(err: OSError | None, env: DistEnv, final: Path, tmp: Path, need: int) -> None:
@@ -358,6 +370,12 @@ def write_error_message(
     if tail:
         msg += f"; {tail}"
     return msg
+
+
+def run_write_error(e: OSError, run_dir: Path) -> RunWriteError:
+    """A failed write into the run folder (no space, read-only...), as its one line."""
+    where = f"into the run folder {run_dir}"
+    return RunWriteError(write_error_message(e, where, None, path=run_dir))
 
 
 def _mb(n: int) -> str:

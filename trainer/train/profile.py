@@ -27,14 +27,21 @@ recompute are not counted), forward 2 FLOPs per multiply-add, backward twice the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.model.drafter import DrafterConfig
 from trainer.model.phases import PHASES, PREFIX
+from trainer.model.target import Target
+from trainer.train.distributed import DistEnv
+from trainer.train.step import StepResult
+
+log = logging.getLogger(__name__)
 
 #: Dense bf16 peak (TFLOP/s, without sparsity) by a substring of the CUDA device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
@@ -158,3 +165,65 @@ def _sig(x: float) -> float:
 
 def write(path: Path, rec: dict[str, Any]) -> None:
     path.write_text(json.dumps(rec, indent=2) + "\n")
+
+
+class StepProfiler:
+    """``--profile-step N``: step N runs under ``torch.profiler``; its phases, FLOPs and MFU
+    go to ``RUN_DIR/profile.json`` (rank 0). While it runs (``active``) the step adds its
+    documents and anchors to ``work`` (a host sync per micro-batch: only then)."""
+
+    def __init__(self, step: int, run_dir: Path, env: DistEnv, peak: float | None) -> None:
+        self.step, self.path, self.env, self.peak = step, run_dir / "profile.json", env, peak
+        self.active = False
+        self.work = StepWork([], 0, 0)
+
+    def run(
+        self, step: int, train: Callable[[], StepResult], flops: Callable[[StepWork], dict]
+    ) -> StepResult:
+        """Train step ``step`` (``train()``), profiled when it is the one asked for."""
+        self.work = StepWork([], 0, 0)
+        if step != self.step:
+            return train()
+        cuda = self.env.device.type == "cuda"
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.env.device)
+        self.active = True
+        try:
+            with torch.profiler.profile(activities=acts) as prof:
+                raw = train()
+                if cuda:
+                    torch.cuda.synchronize(self.env.device)
+        finally:
+            self.active = False
+        if self.env.is_main:
+            self._write(prof, float(raw.sums.step_time), flops(self.work), step)
+        return raw
+
+    def _write(self, prof: Any, step_s: float, flops: dict[str, float], step: int) -> None:
+        dev = self.env.device
+        times = phase_times(prof.key_averages(), dev.type == "cuda")
+        peak = peak_tflops(dev, self.peak)
+        rec = report(times, step_s, flops, peak, dev)
+        rec.update(step=step, rank=self.env.rank, world_size=self.env.world_size)
+        write(self.path, rec)
+        log.info(
+            "profiled step %d: %.3f s, %.1f TFLOP/s%s; %s", step, step_s,
+            rec["tflops_per_s"], f", MFU {rec['mfu']:.1%}" if rec["mfu"] else "", self.path,
+        )  # fmt: skip
+
+
+def trainer_flops(
+    work: StepWork, target: Target, drafter: DrafterConfig, block: int
+) -> dict[str, float]:
+    """``step_flops`` of a step of ``drafter`` trained on ``target``."""
+    shape = ModelShape(
+        drafter.hidden_size, drafter.intermediate_size, drafter.num_heads * drafter.head_dim,
+        drafter.num_kv_heads * drafter.head_dim, drafter.num_layers,
+    )  # fmt: skip
+    deepest = ModelShape.of(target.config, max(target.layer_ids) + 1)
+    return step_flops(
+        work, deepest, shape, features=len(target.layer_ids), block=block,
+        vocab=target.vocab_size,
+    )  # fmt: skip

@@ -1,16 +1,20 @@
 """One optimizer step's numbers: the sums every rank adds up (``StepSums``, one all-reduce),
-the values whose maximum over ranks is reported (``StepPeaks``, one max all-reduce), and what
-a step hands the loop to record (``StepResult``)."""
+the values whose maximum over ranks is reported (``StepPeaks``, one max all-reduce), what
+a step hands the loop to record (``StepResult``), and the metrics record made of them
+(``step_record``; its fields: ``trainer.train.metrics``)."""
 
 from __future__ import annotations
 
 import math
+import resource
+import time
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from trainer.model.loss import LossOutput
+from trainer.train.distributed import DistEnv, all_reduce
 
 _PER_OFFSET = {"per_offset": True}  # a StepSums field with one value per block offset 1..B-1
 
@@ -104,3 +108,57 @@ class StepPeaks(NamedTuple):
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> StepPeaks:
         return cls(*t.tolist())
+
+
+def step_record(raw: StepResult, env: DistEnv, *, step: int, epoch: int) -> dict[str, Any]:
+    """Combine the ranks' sums (one sum and one max all-reduce) into a metrics record."""
+    mine, n, offsets = raw.sums, env.world_size, int(raw.sums.correct.numel())
+    total = StepSums.from_tensor(all_reduce(mine.to_tensor(), env).cpu(), offsets)
+    peaks = StepPeaks(float(mine.step_time), float(mine.wait_frac), *_memory_peaks_gb(env.device))
+    mx = StepPeaks.from_tensor(all_reduce(peaks.to_tensor(env.device), env, op="max"))
+    ce, weight = float(total.ce), float(total.weight)
+    tokens, blocks = float(total.tokens), float(total.blocks)
+    correct, count = total.correct, total.count
+    loss, grad_norm = ce / weight if weight > 0 else None, float(raw.grad_norm)
+    rec = {
+        "step": step,
+        "epoch": epoch,
+        "loss": _finite_or_none(loss) if raw.skipped else loss,
+        "acc": float(correct.sum() / count.sum()) if count.sum() > 0 else None,
+        "acc_k": [round(float(c / max(k, 1)), 5) for c, k in zip(correct, count, strict=True)],
+        "lr": raw.lr,
+        "grad_norm": _finite_or_none(grad_norm) if raw.skipped else grad_norm,
+        "tokens": int(tokens),
+        "blocks": int(blocks),
+        "anchors_per_micro": blocks / max(float(total.micro), 1),
+        "anchors_capped": int(total.capped),
+        "step_time_s": float(total.step_time / n),  # the mean over ranks
+        "tokens_per_s": tokens / mx.step_time,
+        "anchors_per_s": blocks / mx.step_time,
+        "data_wait_s": float(total.wait / n),
+        "data_wait_frac": float(total.wait_frac / n),
+        "data_wait_frac_max": mx.wait_frac,
+        "rss_peak_gb": round(mx.rss_gb, 3),  # max over ranks, since the process began
+        "gpu_mem_peak_gb": round(mx.gpu_mem_gb, 3),  # max over ranks (0 on CPU)
+        "time": time.time(),
+    }
+    if raw.skipped:  # only then: the records of a healthy run are unchanged
+        rec["skipped_nonfinite"] = 1
+    return rec
+
+
+def autocast(device: torch.device) -> torch.autocast:
+    """bf16 autocast on CUDA; a no-op context on CPU."""
+    return torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+
+
+def _memory_peaks_gb(device: torch.device) -> tuple[float, float]:
+    """Peak resident memory of this process and peak CUDA memory allocated, in GiB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    gpu = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return rss, gpu
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    """``x``, or None for NaN and inf (JSON has no such numbers)."""
+    return x if x is not None and math.isfinite(x) else None
