@@ -84,9 +84,9 @@ def one(mode: str, src: Path, tok_dir: Path, out: Path) -> dict:
     """One measurement in this (fresh) process: ``baseline`` or ``workers=W``."""
     import transformers  # noqa: F401  (imported before the clock, for both modes)
 
-    from trainer.data.encoder import load_tokenizer
     from trainer.data.messages import to_messages
     from trainer.data.tokenize import tokenize_corpus
+    from trainer.data.tokenizer import load_tokenizer
     from trainer.options import TokenizeOptions
 
     rows = sum(1 for line in src.open("rb") if line.strip())

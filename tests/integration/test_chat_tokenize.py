@@ -15,10 +15,12 @@ from conftest import ROOT
 from loader_server.data.dataset import open_dataset
 from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 from trainer.data.corpus import HELDOUT_NAME, REPORT_NAME
-from trainer.data.encoder import ChatEncoder, token_mask
+from trainer.data.encoder import ChatEncoder
 from trainer.data.messages import MalformedRow, to_messages
 from trainer.data.sources import read_rows
+from trainer.data.token_spans import token_mask
 from trainer.data.tokenize import tokenize_corpus
+from trainer.data.tokenizer import offsets_encode
 from trainer.options import TokenizeOptions
 
 
@@ -217,9 +219,9 @@ def test_mask_matches_transformers_generation_mask(toks, rows):
         want = ref.apply_chat_template(conv, return_dict=True, return_assistant_tokens_mask=True)
         assert ids.tolist() == want["input_ids"]
         assert mask.tolist() == want["assistant_masks"], conv
-        text = ours._render(conv)
-        spans = ours._spans(text, conv)
-        by_offsets = token_mask(ours._offsets_encode([text])[0], spans, len(ids))
+        text = ours._template.render(conv)
+        spans = ours._finder.spans(text, conv)
+        by_offsets = token_mask(offsets_encode(ours.tokenizer, [text])[0], spans, len(ids))
         assert by_offsets.tolist() == want["assistant_masks"]
     assert ours.fallbacks == ours.offset_fallbacks == 0
 

@@ -21,7 +21,7 @@ from conftest import ROOT, chat_server
 from loader_server.data.dataset import open_dataset
 from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 from trainer.cli import main
-from trainer.data import encoder as encoder_module
+from trainer.data import token_spans
 from trainer.data.server.journal import journal_path
 from trainer.data.tokenize import tokenize_corpus
 from trainer.options import TokenizeOptions
@@ -157,7 +157,7 @@ def test_a_huge_row_under_max_length_is_cut_exactly(tok, tmp_path, monkeypatch, 
                                progress=False)  # fmt: skip
 
     fast = run(big, "fast")
-    monkeypatch.setattr(encoder_module, "PREFIX_CHARS_PER_TOKEN", False)  # tokenize whole
+    monkeypatch.setattr(token_spans, "PREFIX_CHARS_PER_TOKEN", False)  # tokenize whole
     slow = run(small, "slow")
     assert _corpus(tmp_path / "fast") == _corpus(tmp_path / "slow")
     want = (5, 1, 2) if overflow == "truncate" else (3, 3, 0)  # kept, too long, truncated

@@ -19,10 +19,10 @@ import pytest
 from scripts.qwen3_tokenizer import qwen3_tokenizer_dir
 from scripts.real_chats import long_set, write_jsonl
 from trainer.data.corpus import HELDOUT_NAME
-from trainer.data.encoder import load_tokenizer
 from trainer.data.messages import to_messages
 from trainer.data.sources import CHUNK_ROWS, expand_sources, input_bytes, read_chunks
 from trainer.data.tokenize import POOL_CHUNK_BYTES, chunk_bytes, tokenize_corpus
+from trainer.data.tokenizer import load_tokenizer
 from trainer.options import TokenizeOptions
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.data.encoder import _common_prefix, _common_suffix, mask_from_offsets
 from trainer.data.messages import MalformedRow, to_messages
+from trainer.data.spans import _common_prefix, _common_suffix
+from trainer.data.token_spans import mask_from_offsets
 
 
 def test_to_messages_shapes():
@@ -88,7 +89,7 @@ def test_tokenizer_arguments_that_look_like_paths_never_go_to_the_hub(tmp_path, 
     """A folder is a folder; a file, or a path that does not exist, is one error naming it
     (was: ~50 s of Hub retries, or "Repo id must be in the form ..."); only a bare
     ``name`` / ``namespace/name`` matching nothing here is a Hub id."""
-    from trainer.data.encoder import tokenizer_source
+    from trainer.data.tokenizer import tokenizer_source
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tok").mkdir()

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainer.data.corpus import HELDOUT_NAME, REPORT_NAME, HeldoutPrompt, ShardWriter, write_heldout
-from trainer.data.encoder import WARNED, ChatEncoder, Longer
+from trainer.data.encoder import WARNED, ChatEncoder
 from trainer.data.messages import MalformedRow, as_row, prompt_messages, to_messages
 from trainer.data.sources import (
     CHUNK_ROWS,
@@ -45,6 +45,7 @@ from trainer.data.sources import (
     payload_rows,
     read_chunks,
 )
+from trainer.data.token_spans import Longer
 from trainer.files import atomic_output
 from trainer.options import TokenizeOptions
 from trainer.progress import progress_bar
