@@ -203,3 +203,43 @@ def test_torch_free_parts_of_the_trainer_import_no_torch(module):
     # the command group, calibration, plots and tokenization start in well under a second
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ---- room sizes ------------------------------------------------------------------------------
+
+#: Trees whose modules and functions stay small enough to read whole (STYLE.md habit 3).
+SMALL_TREES = ("trainer",)
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 60
+
+
+def _sizes(tree: str) -> tuple[list[str], list[str]]:
+    """The modules of ``tree`` over ``MAX_MODULE_LINES`` and its functions over
+    ``MAX_FUNCTION_LINES`` (from the ``def`` line to the last, docstring included)."""
+    modules, functions = [], []
+    for path in sorted((ROOT / tree).rglob("*.py")):
+        src = path.read_text()
+        rel = path.relative_to(ROOT)
+        if src.count("\n") > MAX_MODULE_LINES:
+            modules.append(f"{rel}: {src.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(src, str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    functions.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
+    return modules, functions
+
+
+@pytest.mark.parametrize("tree", SMALL_TREES)
+def test_modules_and_functions_stay_small(tree):
+    modules, functions = _sizes(tree)
+    assert modules == [] and functions == []
+
+
+def test_the_size_rule_sees_long_code(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "t").mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "t" / "m.py").write_text(f"def f():\n{body}\n" + "\n" * MAX_MODULE_LINES)
+    modules, functions = _sizes("t")
+    assert len(modules) == 1 and functions == ["t/m.py:1 f: 61 lines"]
