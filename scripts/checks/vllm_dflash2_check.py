@@ -4,7 +4,7 @@ vLLM's CPU build cannot serve a DFlash2 drafter (its V1 model runner refuses "DF
 candidate-head drafts", and the V2 runner that serves them needs Triton). Its model class
 still builds and loads weights on CPU, and its CPU paths of the DFlash2 pieces run:
 
-    python scripts/vllm_dflash2_check.py TARGET EXPORT INPUTS OUTPUTS
+    python scripts/checks/vllm_dflash2_check.py TARGET EXPORT INPUTS OUTPUTS
 
 1. builds vLLM's engine config for TARGET with EXPORT as its DFlash speculator (with the
    V1 runner's refusal of candidate-head drafts skipped: no runner starts here), then

@@ -1,6 +1,6 @@
 """`make serve-check`: vLLM in the loop, before serving a drafter (docs/SERVING.md).
 
-Run by ``scripts/serve_check.sh`` (which makes the vLLM virtualenv once) with the
+Run by ``scripts/checks/serve_check.sh`` (which makes the vLLM virtualenv once) with the
 project's ``.venv``; vLLM runs in its own virtualenv (``--vllm-python``), as subprocesses:
 
 1. data: tiny chat conversations and a byte-level BPE tokenizer with Qwen3's template, and
@@ -8,7 +8,7 @@ project's ``.venv``; vLLM runs in its own virtualenv (``--vllm-python``), as sub
    demo;
 2. vLLM's OpenAI server serves the target: ``dflash-train regen --server`` regenerates every
    reply through it (the training corpus and the held-out prompts); the first rows again
-   through ``scripts/chat_server.py``, the stand-in the tests use, must give the same
+   through ``scripts/servers/chat_server.py``, the stand-in the tests use, must give the same
    replies; vLLM's plain greedy output on the held-out prompts is kept (token ids);
 3. a drafter trains on that corpus (the loader daemon and ``dflash-train train``, one
    process) and is exported (``dflash-train export``, bf16);
@@ -29,7 +29,7 @@ project's ``.venv``; vLLM runs in its own virtualenv (``--vllm-python``), as sub
 
 5. a table of the checks and of the time each phase took; exit status 1 naming what failed.
 
-``python -m scripts.serve_check --vllm-python VENV/bin/python [--work DIR]``: without
+``python -m scripts.checks.serve_check --vllm-python VENV/bin/python [--work DIR]``: without
 ``--work`` everything goes to a temporary folder, removed when every check passed.
 """
 
@@ -53,10 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scripts.chat_server import running
-from scripts.daemon_process import DaemonProcess
+from scripts.servers.chat_server import running
+from scripts.servers.daemon_process import DaemonProcess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 TRAIN = [PY, "-m", "trainer.cli"]
 SERVED = "target"  # --served-model-name
@@ -526,7 +526,7 @@ def speculators_parity(
 ) -> Check:
     """speculators' converter on the export (validated by it), then speculators' own
     DFlash forward on a held-out sequence against the trainer's drafter, slot for slot
-    (``scripts/speculators_check.py``, in the vLLM virtualenv)."""
+    (``scripts/checks/speculators_check.py``, in the vLLM virtualenv)."""
     import torch
 
     from trainer.model.drafter import DraftBlocks
@@ -542,9 +542,9 @@ def speculators_parity(
     torch.save({"features": feats, "input_ids": ids[None], "num_anchors": 6,
                 "loss_mask": torch.ones(1, ids.numel(), dtype=torch.long)}, inputs)  # fmt: skip
     try:
-        sh(args.vllm_python, str(ROOT / "scripts" / "speculators_check.py"), str(export),
-           str(target), str(work / f"speculators-{tag}"), str(inputs), str(outputs),
-           str(ours_dialect), log=work / f"speculators-{tag}.log")  # fmt: skip
+        sh(args.vllm_python, str(ROOT / "scripts" / "checks" / "speculators_check.py"),
+           str(export), str(target), str(work / f"speculators-{tag}"), str(inputs),
+           str(outputs), str(ours_dialect), log=work / f"speculators-{tag}.log")  # fmt: skip
     except RuntimeError as e:
         return Check(check, False, str(e)[-300:])
     theirs = torch.load(outputs)
@@ -612,7 +612,7 @@ def vllm_dflash2_parity(
 ) -> Check:  # fmt: skip
     """vLLM's ``DFlash2Qwen3ForCausalLM`` loads the export on CPU and its convolutions,
     candidate logits and selector edges equal the trainer's on the same inputs
-    (``scripts/vllm_dflash2_check.py``, in the vLLM virtualenv)."""
+    (``scripts/checks/vllm_dflash2_check.py``, in the vLLM virtualenv)."""
     import torch
 
     from trainer.model.dflash2 import softcap_logits
@@ -648,8 +648,9 @@ def vllm_dflash2_parity(
                 "anchor": ids[anchor : anchor + 1], "lm_head": tgt.lm_head.weight},
                inputs)  # fmt: skip
     try:
-        sh(args.vllm_python, str(ROOT / "scripts" / "vllm_dflash2_check.py"), str(target),
-           str(export), str(inputs), str(outputs), log=work / "vllm-dflash2.log")  # fmt: skip
+        sh(args.vllm_python, str(ROOT / "scripts" / "checks" / "vllm_dflash2_check.py"),
+           str(target), str(export), str(inputs), str(outputs),
+           log=work / "vllm-dflash2.log")  # fmt: skip
     except RuntimeError as e:
         return Check(check, False, str(e)[-300:])
     theirs = torch.load(outputs)
@@ -710,8 +711,8 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
     checks: list[Check] = []
     chat, target, corpus = work / "chat", work / "target", work / "corpus"
     with phases("data: conversations, tokenizer, tiny Qwen3 target"):
-        sh(PY, "-m", "scripts.tiny_chat", str(chat), "--conversations", str(args.conversations),
-           "--words", "40", "--template", "qwen3")  # fmt: skip
+        sh(PY, "-m", "scripts.fixtures.tiny_chat", str(chat), "--conversations",
+           str(args.conversations), "--words", "40", "--template", "qwen3")  # fmt: skip
         sh(*TRAIN, "save-target", str(target), "--tiny-vocab", "1024",
            "--tokenizer", str(chat / "tokenizer"))  # fmt: skip
     conversations = chat / "conversations.jsonl"
@@ -737,7 +738,7 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
         stops = [stop_token(o) for o in plain]
         plain_stop = [cut_at(o, s) for o, s in zip(plain, stops, strict=True)]
 
-    with phases("stand-in (scripts/chat_server.py) regen of the first rows"):
+    with phases("stand-in (scripts/servers/chat_server.py) regen of the first rows"):
         with stand_in_server(target, work / "chat-server.log") as url:
             regen(head, work / "corpus-stand-in", url, target, 0, work / "regen-stand-in.log")
         ours, theirs = journal_replies(corpus), journal_replies(work / "corpus-stand-in")
