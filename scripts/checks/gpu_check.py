@@ -289,7 +289,8 @@ def load_stage(work: Path) -> dict[str, object]:
     and ``.to(cuda)``: a 2 GB fp32 checkpoint loaded in bf16, each in a fresh process:
     host memory beyond the baseline, GPU peak, time, and the same weights."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from benchmarks.bench_target_load import measure, save_random
+    from scripts.checks.target_load import measure
+    from scripts.fixtures.random_qwen3 import save_random
 
     path = work / "target-fp32"
     if not (path / "config.json").is_file():
