@@ -38,7 +38,7 @@ soak: $(STAMP)
 # vLLM in the loop before serving (docs/SERVING.md): its CPU build in a virtualenv of its
 # own, made once and cached outside the clone ($${DFLASH_CACHE:-~/.cache/dflash-loader}).
 serve-check: $(STAMP)
-	PY=$(PY) PROJECT_PYTHON=$(BIN)/python bash scripts/serve_check.sh
+	PY=$(PY) PROJECT_PYTHON=$(BIN)/python bash scripts/checks/serve_check.sh
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_dataset.py

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # scripts/ and benchmarks/ are not installed
 
 from client import LoaderClient  # noqa: E402
-from scripts.daemon_process import DaemonProcess  # noqa: E402
+from scripts.servers.daemon_process import DaemonProcess  # noqa: E402
 
 
 @click.command()

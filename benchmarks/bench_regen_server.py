@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/bench_regen_server.py [--conversations 300] [--delay 0.05]
         [--capacity 32] [--concurrency 1,8,64] [--json]
 
-Starts ``scripts/chat_server.py --fixed-delay DELAY --max-concurrent CAPACITY`` (every
+Starts ``scripts/servers/chat_server.py --fixed-delay DELAY --max-concurrent CAPACITY`` (every
 request takes DELAY seconds, at most CAPACITY at once: ``CAPACITY / DELAY`` requests/s at
-best), writes generated conversations (``scripts/tiny_chat``: 1-3 turns each) and a tiny
+best), writes generated conversations (``scripts/fixtures/tiny_chat``: 1-3 turns each) and a tiny
 tokenizer, and regenerates them with each ``--concurrency``. Requests/s counts the
 regeneration phase only (the tokenization after it is the same for every run). Expected:
 about ``concurrency / DELAY`` up to the server's capacity, then flat at its ceiling.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 def start_server(delay: float, capacity: int) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable,
-        str(ROOT / "scripts" / "chat_server.py"),
+        str(ROOT / "scripts" / "servers" / "chat_server.py"),
         "--fixed-delay",
         str(delay),
         "--max-concurrent",
@@ -59,7 +59,7 @@ def run_one(url: str, src: Path, tok: Path, out: Path, concurrency: int) -> dict
 @click.option("--concurrency", default="1,8,64", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def main(conversations: int, delay: float, capacity: int, concurrency: str, as_json: bool) -> None:
-    from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
+    from scripts.fixtures.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 
     logging.basicConfig(level=logging.WARNING)
     levels = [int(c) for c in concurrency.split(",")]

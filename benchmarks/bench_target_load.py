@@ -7,83 +7,24 @@ the weights it ends with, for each (checkpoint dtype -> load dtype) a rank can a
 A random-weight Qwen3 of that shape is saved once in fp32 and in bf16 (in a temporary
 folder); every load runs in a fresh process, whose peak (VmHWM) is reset just before it.
 On CPU the weights' destination is host memory, so "beyond the weights" is what the
-loading itself costs: on a GPU rank, that is all the host memory it takes.
+loading itself costs: on a GPU rank, that is all the host memory it takes. The
+measurement is ``scripts/checks/target_load.py``'s (the GPU check's ``load`` stage runs it
+too), the checkpoint ``scripts/fixtures/random_qwen3.py``'s.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
-from typing import Any
 
 import click
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # scripts/ and benchmarks/ are not installed
 
-MEASURE = textwrap.dedent("""
-    import json, sys, time
-    sys.path.insert(0, sys.argv[4])
-    from pathlib import Path
-    import torch
-    from transformers import AutoModelForCausalLM
-    import transformers.models.qwen3.modeling_qwen3  # imported before the baseline
-    from trainer.model.weights import load_model
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    dtype, device = getattr(torch, sys.argv[3]), torch.device(sys.argv[5])
-    if device.type == "cuda":
-        torch.cuda.init()  # its host memory is the baseline's, not the load's
-    open("/proc/self/clear_refs", "w").write("5")  # VmHWM starts again from here
-    before, t = status("VmRSS"), time.perf_counter()
-    if sys.argv[2] == "plain":
-        m = AutoModelForCausalLM.from_pretrained(sys.argv[1], local_files_only=True, dtype=dtype)
-        m.to(device)
-    else:
-        m = load_model(Path(sys.argv[1]), device, dtype)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds, peak = time.perf_counter() - t, status("VmHWM")
-    gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    state = m.state_dict()
-    weights = sum(x.numel() * x.element_size() for x in state.values())
-    on_host = weights if device.type == "cpu" else 0  # the weights' own pages, if on the host
-    checksum = sum(float(x.double().sum()) for x in state.values())  # after the peak
-    print(json.dumps({"seconds": seconds, "extra": peak - before - on_host,
-                      "weights": weights, "checksum": checksum, "gpu_peak": gpu}))
-""")
-
-
-def measure(path: Path, mode: str, dtype: str, device: str = "cpu") -> dict[str, Any]:
-    """Load ``path`` onto ``device`` in a fresh process (``mode`` "plain" or "ours",
-    ``dtype`` a torch dtype name): seconds, bytes of the weights, peak host bytes beyond
-    the weights' own (all of the peak on a GPU), a checksum of the state, peak GPU bytes."""
-    cmd = [sys.executable, "-c", MEASURE, str(path), mode, dtype, str(ROOT), device]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def save_random(path: Path, dtype: str, hidden: int, layers: int, vocab: int) -> Path:
-    """A random-weight Qwen3 of this shape saved in ``dtype`` (built on the meta device)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
-                      head_dim=hidden // 16, tie_word_embeddings=False)  # fmt: skip
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
-    model = model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    for p in model.parameters():
-        p.data.normal_(0, 0.02, generator=gen)
-    model.to(getattr(torch, dtype)).save_pretrained(path)
-    return path
+from scripts.checks.target_load import measure  # noqa: E402
+from scripts.fixtures.random_qwen3 import save_random  # noqa: E402
 
 
 @click.command()

@@ -1,6 +1,6 @@
 """``dflash-train tokenize`` against a plain ``apply_chat_template`` loop, by default with the
-real Qwen3 tokenizer (``scripts/qwen3_tokenizer.py``, built offline) on real conversations
-(``scripts/real_chats.py``).
+real Qwen3 tokenizer (``scripts/fixtures/qwen3_tokenizer.py``, built offline) on real conversations
+(``scripts/fixtures/real_chats.py``).
 
 Sets (``--sets``, default ``pairs,long-all``):
 
@@ -10,7 +10,7 @@ Sets (``--sets``, default ``pairs,long-all``):
 * ``short`` / ``long``: the tests' 164 HumanEval / 144 stdlib rows (under a second of
   tokenizer work: the fixed costs, tokenizer load and pool start, weigh in);
 * ``toy``: ``--conversations`` synthetic rows of ~1K tokens with the 1,024-token byte-level
-  BPE of ``scripts/tiny_chat.py`` (``--template chatml|qwen3``), the benchmark's old mode.
+  BPE of ``scripts/fixtures/tiny_chat.py`` (``--template chatml|qwen3``), the benchmark's old mode.
 
 Every measurement is a fresh process, its imports done before its clock starts:
 
@@ -56,14 +56,14 @@ SETS = ("pairs", "long-all", "short", "long", "toy")
 
 def write_set(name: str, root: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     """The set's JSONL and its tokenizer folder."""
-    from scripts import real_chats, tiny_chat
+    from scripts.fixtures import real_chats, tiny_chat
 
     out = root / f"{name}.jsonl"
     if name == "toy":
         rows = tiny_chat.generate_conversations(args.conversations, seed=0, words=args.words)
         tiny_chat.write_jsonl(out, rows)
         return out, tiny_chat.build_tokenizer(root / "toy-tokenizer", template=args.template)
-    from scripts.qwen3_tokenizer import qwen3_tokenizer_dir
+    from scripts.fixtures.qwen3_tokenizer import qwen3_tokenizer_dir
 
     rows = {
         "pairs": lambda: real_chats.short_pairs(args.pairs_rows),

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # scripts/ and benchmarks/ are not installed
 
-from scripts.daemon_process import DaemonProcess  # noqa: E402
+from scripts.servers.daemon_process import DaemonProcess  # noqa: E402
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from scripts.chat_server import running
-from scripts.daemon_process import DaemonProcess
+from scripts.servers.chat_server import running
+from scripts.servers.daemon_process import DaemonProcess
 
 DEMO_DIR = Path("demo-run")
 PY = sys.executable
@@ -133,7 +133,7 @@ def summarize(run_dir: Path) -> None:
 def chat_server(model_dir: Path) -> Iterator[str]:
     """The target behind a local OpenAI-compatible server (as SGLang or vLLM would serve it)."""
     args = ["--model", str(model_dir), "--batch", "16", "--port", "0"]
-    print("$ python scripts/chat_server.py", " ".join(args), " (an SGLang/vLLM stand-in)")
+    print("$ python scripts/servers/chat_server.py", " ".join(args), " (an SGLang/vLLM stand-in)")
     try:
         with running(args, DEMO_DIR / "chat-server.log", python=PY) as url:
             yield url
@@ -144,7 +144,7 @@ def chat_server(model_dir: Path) -> Iterator[str]:
 def prepare_data(chat: Path, target: Path, corpus: Path) -> None:
     """Conversations -> tokenizer + target checkpoint -> tokenized and regenerated corpus."""
     if not (chat / "conversations.jsonl").exists():
-        sh(PY, "-m", "scripts.tiny_chat", str(chat), "--conversations", str(CONVERSATIONS),
+        sh(PY, "-m", "scripts.fixtures.tiny_chat", str(chat), "--conversations", str(CONVERSATIONS),
            "--words", "40", "--template", "qwen3")  # fmt: skip
     if not (target / "config.json").exists():
         sh(*TRAIN, "save-target", str(target), "--tiny-vocab", "1024",

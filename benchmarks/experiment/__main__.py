@@ -82,7 +82,7 @@ T, D, E = TargetRecipe, TextDataSpec, ExperimentConfig
     "--vllm-python",
     type=click.Path(dir_okay=False),
     default=None,
-    help="text: vLLM's CPU virtualenv Python (bash scripts/serve_check.sh --venv-only makes "
+    help="text: vLLM's CPU virtualenv Python (bash scripts/checks/serve_check.sh --venv-only makes "
     "it): vLLM regenerates the replies (when the data is made) and serves every final "
     "drafter, whose acceptance length is measured too.",
 )

@@ -58,7 +58,7 @@ from benchmarks.experiment.target import TargetRecipe
 from benchmarks.experiment.textdata import TextDataSpec
 
 if TYPE_CHECKING:
-    from scripts.daemon_process import DaemonProcess
+    from scripts.servers.daemon_process import DaemonProcess
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ def write_corpora(cfg: ExperimentConfig) -> tuple[Path, Path]:
 def loader_daemon(dataset: Path, endpoint: str, log_path: Path) -> Iterator[DaemonProcess]:
     """A real ``loader_server serve`` subprocess, ready when this yields; SIGTERM (then
     SIGKILL) on exit."""
-    from scripts.daemon_process import DaemonProcess
+    from scripts.servers.daemon_process import DaemonProcess
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     daemon = DaemonProcess(dataset, endpoint, log_path=log_path, ready_timeout_s=READY_TIMEOUT_S)

@@ -34,7 +34,7 @@ HELDOUT_NEW_TOKENS = 64
 
 def acceptance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """vLLM's acceptance over the requests between two reads of its counters
-    (``scripts.serve_check.spec_counters``): drafts, accepted tokens, accepted per draft
+    (``scripts.servers.vllm_client.spec_counters``): drafts, accepted tokens, accepted per draft
     position, and the mean acceptance length ``1 + accepted / drafts``."""
     drafts = round(after["drafts"] - before["drafts"])
     accepted = round(after["accepted"] - before["accepted"])
@@ -67,7 +67,7 @@ def serve_run(
 ) -> dict[str, Any]:
     """vLLM's acceptance for one run (cached in ``OUT_DIR/vllm/<name>.json``): on the tau
     ``prompts`` as the verifier measured them, and on every ``heldout`` prompt."""
-    from scripts.serve_check import complete, spec_counters, vllm_server
+    from scripts.servers.vllm_client import complete, spec_counters, vllm_server
 
     out = cfg.out_dir / "vllm" / f"{name}.json"
     if out.is_file():  # reused when measured on the same prompts
@@ -113,7 +113,10 @@ def serve_run(
 
 def check_interpreter(vllm_python: str) -> None:
     """Refuse, before anything trains, an interpreter that is missing or has no vLLM."""
-    hint = "`bash scripts/serve_check.sh --venv-only` makes vLLM's CPU virtualenv (docs/SERVING.md)"
+    hint = (
+        "`bash scripts/checks/serve_check.sh --venv-only` makes vLLM's CPU virtualenv "
+        "(docs/SERVING.md)"
+    )
     if not Path(vllm_python).is_file():
         raise FileNotFoundError(f"--vllm-python {vllm_python}: no such interpreter; {hint}")
     res = subprocess.run([vllm_python, "-c", "import vllm.entrypoints.openai.api_server"],

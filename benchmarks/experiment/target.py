@@ -15,7 +15,7 @@ length means something:
   ``chunk_chars`` piece of a module; assistant: the next piece; long). HumanEval problems are
   function tasks (prompt -> canonical solution).
 * **Tokenizer**: a byte-level BPE of ``vocab_size`` trained on the target split's text
-  (``scripts.tiny_chat.build_tokenizer``) with the ChatML template.
+  (``scripts.fixtures.tiny_chat.build_tokenizer``) with the ChatML template.
 * **Model**: a Qwen3 of ``layers`` x ``hidden`` (``trainer.model.target.build_tiny_model``,
   seeded), trained from scratch for ``steps`` AdamW steps of ``batch_rows`` x ``seq_len``
   tokens (chats rendered with the template, packed, EOS = ``<|im_end|>``), warmup then
@@ -119,7 +119,7 @@ def split_of(name: str, prompt_share: float) -> str:
 
 
 def _stdlib_texts() -> Iterator[tuple[str, str]]:
-    from scripts.real_chats import _stdlib_modules
+    from scripts.fixtures.real_chats import _stdlib_modules
 
     lib = Path(sysconfig.get_paths()["stdlib"])
     for path in _stdlib_modules(lib, packages=True):
@@ -176,7 +176,7 @@ def text_examples(recipe: TargetRecipe, split: str) -> list[tuple[str, Chat]]:
 @functools.cache
 def _examples(prompt_share: float, chunk_chars: int) -> dict[str, list[tuple[str, Chat]]]:
     """Both splits, read and parsed once per process (the sources do not change)."""
-    from scripts.real_chats import humaneval
+    from scripts.fixtures.real_chats import humaneval
 
     out: dict[str, list[tuple[str, Chat]]] = {"target": [], "prompts": []}
     for name, source in _stdlib_texts():
@@ -196,7 +196,7 @@ def _examples(prompt_share: float, chunk_chars: int) -> dict[str, list[tuple[str
 
 
 def cache_dir() -> Path:
-    from scripts.qwen3_tokenizer import cache_root
+    from scripts.fixtures.qwen3_tokenizer import cache_root
 
     return cache_root() / "experiment-target"
 
@@ -246,7 +246,7 @@ def _token_rows(tok: Any, chats: list[Chat], seq_len: int, limit: int | None) ->
 def _make(recipe: TargetRecipe, out: Path, *, progress: bool) -> None:
     import torch
 
-    from scripts.tiny_chat import build_tokenizer
+    from scripts.fixtures.tiny_chat import build_tokenizer
     from trainer.model.target import TinyTargetSpec, adopt_tokenizer, build_tiny_model
 
     t0 = time.perf_counter()

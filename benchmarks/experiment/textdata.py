@@ -11,7 +11,7 @@ target through ``dflash-train regen --server``, tokenized with its chat template
 * **Two disjoint sets**: ``train`` (the drafter's corpus) and ``heldout`` (held-out loss per
   length band; the prompts of its first ``tau`` samples are the verifier's).
 * **Regeneration**: an OpenAI-compatible server for the target, vLLM's (its CPU build, when
-  ``vllm_python`` names its virtualenv's Python) or else ``scripts/chat_server.py --model
+  ``vllm_python`` names its virtualenv's Python) or else ``scripts/servers/chat_server.py --model
   TARGET --batch B`` (the project's stand-in for SGLang/vLLM), and ``trainer.cli regen``
   against it, greedy, ``max_tokens`` per reply: ``train`` -> ``train/``, ``heldout`` ->
   ``heldout/``, whose first ``tau`` samples' prompts (tokens before the reply) go to
@@ -115,13 +115,13 @@ def regen_server(
     target: Path, threads: int, log_dir: Path, vllm_python: str | None = None
 ) -> AbstractContextManager[str]:
     """The server that regenerates the replies (its URL while the context is open): vLLM's
-    OpenAI server (fp32, ``scripts.serve_check.vllm_server``) with ``vllm_python``, else
-    the stand-in ``scripts/chat_server.py``."""
+    OpenAI server (fp32, ``scripts.servers.vllm_client.vllm_server``) with ``vllm_python``, else
+    the stand-in ``scripts/servers/chat_server.py``."""
     if vllm_python is not None:
-        from scripts.serve_check import vllm_server
+        from scripts.servers.vllm_client import vllm_server
 
         return vllm_server(vllm_python, target, log_dir / "vllm-regen.log")
-    from scripts.chat_server import running
+    from scripts.servers.chat_server import running
 
     args = ["--model", str(target), "--batch", str(SERVER_BATCH), "--port", "0",
             "--threads", str(threads)]  # fmt: skip

@@ -33,7 +33,7 @@ from loader_server.planning import metrics
 from loader_server.planning.planner import plan_epoch
 from loader_server.planning.spec import BatchSpec
 from loader_server.wire.ring import SHM_DIR_ENV
-from scripts.daemon_process import DaemonProcess
+from scripts.servers.daemon_process import DaemonProcess
 
 
 def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:

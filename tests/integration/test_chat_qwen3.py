@@ -4,7 +4,7 @@
   renders it the same: the reply's own markup is content, what the template inserts (the
   empty think block before a reply without reasoning) is not, and what it drops (the
   reasoning of turns before the last user query) is not there to supervise.
-* On real conversations (``scripts/real_chats.py``) our ids and masks equal an independent
+* On real conversations (``scripts/fixtures/real_chats.py``) our ids and masks equal an independent
   reference: ids from tiktoken over a plain jinja2 render of the template, masks from
   Transformers' ``{% generation %}`` markers in a copy of the template that mark the same rule.
 """
@@ -18,8 +18,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts.qwen3_tokenizer import ADDED, NUM_RANKS, PATTERN, TEMPLATE, load_ranks, ranks_file
-from scripts.real_chats import long_set, short_set
+from scripts.fixtures.qwen3_tokenizer import (
+    ADDED,
+    NUM_RANKS,
+    PATTERN,
+    TEMPLATE,
+    load_ranks,
+    ranks_file,
+)
+from scripts.fixtures.real_chats import long_set, short_set
 from trainer.data.encoder import WARNED, ChatEncoder
 from trainer.data.messages import MalformedRow, normalize, to_messages
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import ROOT
 
 from loader_server.data.dataset import open_dataset
-from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
+from scripts.fixtures.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 from trainer.data.corpus import HELDOUT_NAME, REPORT_NAME
 from trainer.data.encoder import ChatEncoder
 from trainer.data.messages import MalformedRow, to_messages

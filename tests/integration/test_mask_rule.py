@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
-from scripts.qwen3_tokenizer import QWEN3_8B_VOCAB, qwen3_tokenizer_dir
-from scripts.tiny_chat import build_tokenizer
+from scripts.fixtures.qwen3_tokenizer import QWEN3_8B_VOCAB, qwen3_tokenizer_dir
+from scripts.fixtures.tiny_chat import build_tokenizer
 from trainer.cli import main
 from trainer.model.target import load_target, mask_token_id, tokenizer_mask_id
 

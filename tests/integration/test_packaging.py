@@ -17,7 +17,7 @@ import pytest
 import tomllib
 from conftest import ROOT
 
-from scripts.daemon_process import DaemonProcess
+from scripts.servers.daemon_process import DaemonProcess
 
 
 def _names(requirements: list[str]) -> set[str]:

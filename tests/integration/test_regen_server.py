@@ -1,7 +1,7 @@
-"""`dflash-train regen --server`: real `scripts/chat_server.py` subprocesses on 127.0.0.1.
+"""`dflash-train regen --server`: real `scripts/servers/chat_server.py` subprocesses on 127.0.0.1.
 
 The tiny "checkpoint" is a seeded random Qwen3 (vocab 1024) saved next to a byte-level BPE
-tokenizer with the Qwen3 chat template (`scripts/tiny_chat.py`), served by the server's
+tokenizer with the Qwen3 chat template (`scripts/fixtures/tiny_chat.py`), served by the server's
 Transformers backend; the resume and retry tests use its fixed-delay backend.
 """
 
@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import ROOT, chat_server
 
-from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
+from scripts.fixtures.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 from trainer.cli import main
 from trainer.data.server.http import RowFailed, base_url, retry_after_s
 from trainer.data.server.journal import Journal, journal_path
@@ -183,7 +183,7 @@ def test_replies_are_cut_as_vllm_cuts_them(checkpoint):
     against vLLM's own ``FastIncrementalDetokenizer`` by ``make serve-check``)."""
     from transformers import AutoTokenizer
 
-    from scripts.chat_server import ChatRequest, ModelBackend, detokenize_like_vllm
+    from scripts.servers.chat_server import ChatRequest, ModelBackend, detokenize_like_vllm
 
     tok = AutoTokenizer.from_pretrained(checkpoint)
 

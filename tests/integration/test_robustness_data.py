@@ -2,7 +2,7 @@
 once and as they are, count every malformed row, cut a huge row before tokenizing it whole,
 report failed rows by their reason and exit non-zero, and leave no worker or partial output
 behind when they are killed. Real files, real ``python -m trainer.cli`` and
-``scripts/chat_server.py`` subprocesses (its fixed-delay backend)."""
+``scripts/servers/chat_server.py`` subprocesses (its fixed-delay backend)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from conftest import ROOT, chat_server
 
 from loader_server.data.dataset import open_dataset
-from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
+from scripts.fixtures.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 from trainer.cli import main
 from trainer.data import token_spans
 from trainer.data.server.journal import journal_path

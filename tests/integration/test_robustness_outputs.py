@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from conftest import ROOT
 
 from loader_server.data.synth import SynthSpec, write_corpus
-from scripts.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
+from scripts.fixtures.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
 from trainer.cli import main
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig

@@ -35,7 +35,7 @@ from click.testing import CliRunner
 
 from client import LoaderUnavailableError
 from loader_server.data.synth import SynthSpec, write_corpus
-from scripts.daemon_process import DaemonProcess
+from scripts.servers.daemon_process import DaemonProcess
 from trainer.cli import main
 from trainer.hf.export import export_drafter
 from trainer.model.blocks import LossConfig

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from benchmarks.bench_target_load import measure
+from scripts.checks.target_load import measure
 from trainer.model.target import load_target
 from trainer.model.weights import STAGING_BYTES, WeightsError, load_model
 

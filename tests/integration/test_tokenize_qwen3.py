@@ -1,5 +1,6 @@
-"""``dflash-train tokenize`` with the real Qwen3 tokenizer (``scripts/qwen3_tokenizer.py``) on
-the long real set (``scripts/real_chats.py``: 144 stdlib modules, 1.2K-9.4K tokens each).
+"""``dflash-train tokenize`` with the real Qwen3 tokenizer
+(``scripts/fixtures/qwen3_tokenizer.py``) on the long real set
+(``scripts/fixtures/real_chats.py``: 144 stdlib modules, 1.2K-9.4K tokens each).
 
 * Work goes to the workers in chunks of a bounded size, not a fixed row count: the 144 long
   rows (2.3 MB) make dozens of chunks, so two workers share them (they made one chunk of
@@ -16,8 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from scripts.qwen3_tokenizer import qwen3_tokenizer_dir
-from scripts.real_chats import long_set, write_jsonl
+from scripts.fixtures.qwen3_tokenizer import qwen3_tokenizer_dir
+from scripts.fixtures.real_chats import long_set, write_jsonl
 from trainer.data.corpus import HELDOUT_NAME
 from trainer.data.messages import to_messages
 from trainer.data.sources import CHUNK_ROWS, expand_sources, input_bytes, read_chunks

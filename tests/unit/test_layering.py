@@ -205,10 +205,63 @@ def test_torch_free_parts_of_the_trainer_import_no_torch(module):
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+# ---- scripts/ ------------------------------------------------------------------------------
+
+#: scripts room -> the rooms of scripts/ it must not import. The demo (``scripts/demo.py``)
+#: stands above them all; checks may use servers and fixtures, servers fixtures alone.
+SCRIPT_ROOMS = {
+    "scripts/fixtures": ("servers", "checks", "demo"),
+    "scripts/servers": ("checks", "demo"),
+    "scripts/checks": ("demo",),
+}
+#: Programs run by file path (``python scripts/servers/chat_server.py``: no repository root
+#: on ``sys.path``) or in vLLM's own virtualenv (the project is not installed there): they
+#: import nothing of this repository.
+STANDALONE = (
+    "scripts/servers/chat_server.py",
+    "scripts/checks/speculators_check.py",
+    "scripts/checks/vllm_dflash2_check.py",
+    "scripts/checks/vllm_weight_probe.py",
+)
+OURS = ("loader_server", "client", "trainer", "scripts", "benchmarks", "tests")
+
+
+def test_scripts_never_import_the_benchmarks_or_the_tests():
+    # benchmarks/ may import scripts/; the other way round would make a cycle of dev trees
+    assert offenders("scripts", lambda n: _under(n, "benchmarks", "tests")) == []
+
+
+def test_every_script_lies_in_a_room_or_is_the_demo_or_setup():
+    top = sorted(p.name for p in (ROOT / "scripts").iterdir() if p.is_file())
+    assert top == ["__init__.py", "demo.py", "setup_venv.sh"]
+    rooms = {str(p.relative_to(ROOT)) for p in (ROOT / "scripts").iterdir() if p.is_dir()}
+    assert rooms - {"scripts/__pycache__"} == set(SCRIPT_ROOMS)
+    for room in SCRIPT_ROOMS:  # each one a package: ``python -m scripts.checks.x``
+        assert (ROOT / room / "__init__.py").is_file(), room
+
+
+@pytest.mark.parametrize("room", sorted(SCRIPT_ROOMS))
+def test_script_rooms_import_only_the_rooms_below_them(room):
+    banned = tuple(f"scripts.{r}" for r in SCRIPT_ROOMS[room])
+    assert offenders(room, lambda n: _under(n, *banned)) == []
+
+
+@pytest.mark.parametrize("program", STANDALONE)
+def test_standalone_programs_import_nothing_of_the_repository(program):
+    assert [n for n in sorted(_file_imports(program)) if _under(n, *OURS)] == []
+
+
+def test_the_script_rules_see_real_imports():
+    names = imports("scripts/checks")["scripts/checks/serve_drafters.py"]
+    assert "scripts.servers.vllm_client" in names
+    assert offenders("scripts/checks", lambda n: _under(n, "scripts.servers")) != []
+    assert "trainer.model.drafter" in _file_imports("scripts/checks/serve_parity.py")
+
+
 # ---- room sizes ------------------------------------------------------------------------------
 
 #: Trees whose modules and functions stay small enough to read whole (STYLE.md habit 3).
-SMALL_TREES = ("trainer",)
+SMALL_TREES = ("trainer", "scripts")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60
 

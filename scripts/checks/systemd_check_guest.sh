@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The inside of scripts/systemd_check.sh: runs as root in the booted container. Installs the
+# The inside of scripts/checks/systemd_check.sh: runs as root in the booted container. Installs the
 # project with the commands of systemd/README.md (sections 1-4, 6), then checks each promise
 # and prints one PASS/FAIL/SKIP line for it. Progress goes to stderr, results to stdout.
 set -u

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # `make serve-check`: vLLM in the loop (docs/SERVING.md). Creates, once, a separate
 # virtualenv with the CPU build of vLLM, cached outside the clone so that reruns and CI
-# reuse it, then runs scripts/serve_check.py with the project's .venv: a tiny target and
+# reuse it, then runs scripts/checks/serve_check.py with the project's .venv: a tiny target and
 # drafter, `dflash-train regen --server` against vLLM's OpenAI server, and the exported
 # drafter served as vLLM's DFlash speculator (weights loaded, output, acceptance).
 #
-#   bash scripts/serve_check.sh [--venv-only] [serve_check.py options]
+#   bash scripts/checks/serve_check.sh [--venv-only] [serve_check.py options]
 #
 # Environment: DFLASH_CACHE (default ~/.cache/dflash-loader) holds the vLLM virtualenv;
 # VLLM_VENV overrides its path; PY is the base interpreter of a new one (default python3);
 # PROJECT_PYTHON runs serve_check.py (default .venv/bin/python, the project's).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 vllm_version=0.32.0
 torch_version=2.13.0
@@ -81,7 +81,7 @@ EOF
   # xgrammar pulls triton, a 1 GB CUDA build that vLLM's CPU backend does not use
   # ("Triton is installed, but doesn't include CPU backend")
   "${pip[@]}" uninstall -y triton >/dev/null 2>&1 || true
-  # vllm-project/speculators (its DFlash converter and model, scripts/speculators_check.py)
+  # vllm-project/speculators (its DFlash converter and model, scripts/checks/speculators_check.py)
   # without torchvision and torchaudio (CUDA builds from PyPI; its DFlash path needs
   # neither): the wheel alone, then what it imports that vLLM did not bring.
   "${pip[@]}" install --no-deps "speculators==$speculators_version" "hs-connectors==$speculators_version"
@@ -105,4 +105,4 @@ fi
 if [ "${1:-}" = "--venv-only" ]; then
   exit 0
 fi
-exec "${PROJECT_PYTHON:-.venv/bin/python}" -m scripts.serve_check --vllm-python "$venv/bin/python" "$@"
+exec "${PROJECT_PYTHON:-.venv/bin/python}" -m scripts.checks.serve_check --vllm-python "$venv/bin/python" "$@"

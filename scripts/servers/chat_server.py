@@ -3,12 +3,13 @@
 Two backends:
 
 * ``--model DIR``: a Hugging Face causal LM folder with its tokenizer (e.g. the tiny target
-  saved by ``dflash-train save-target`` next to ``scripts/tiny_chat.build_tokenizer``). Each
-  request is rendered with the chat template and the generation prompt
-  (``chat_template_kwargs`` such as ``{"enable_thinking": false}`` go to the template),
-  generated greedily (temperature 0; sampling otherwise) by one generation thread that
-  batches up to ``--batch`` waiting greedy requests (left-padded; default 1: one request at
-  a time, exactly an unbatched call), cut at the first EOS and decoded as vLLM decodes
+  saved by ``dflash-train save-target`` next to
+  ``scripts/fixtures/tiny_chat.build_tokenizer``). Each request is rendered with the chat
+  template and the generation prompt (``chat_template_kwargs`` such as
+  ``{"enable_thinking": false}`` go to the template), generated greedily (temperature 0;
+  sampling otherwise) by one generation thread that batches up to ``--batch`` waiting
+  greedy requests (left-padded; default 1: one request at a time, exactly an unbatched
+  call), cut at the first EOS and decoded as vLLM decodes
   (``skip_special_tokens``, no clean-up of spaces, and a reply whose text would end in an
   incomplete UTF-8 sequence, e.g. at the ``max_tokens`` cut, loses those trailing tokens
   instead of ending in U+FFFD: ``detokenize_like_vllm``).
@@ -33,7 +34,7 @@ number of messages and the status).
 a test) does, even when that one is killed -9 (Linux: ``PR_SET_PDEATHSIG``; elsewhere, and
 as a second check, a thread that watches the parent pid).
 
-``python scripts/chat_server.py --fixed-delay 0.05 --max-concurrent 32 --port 0`` prints one
+``python scripts/servers/chat_server.py --fixed-delay 0.05 --max-concurrent 32 --port 0`` prints one
 line ``READY http://127.0.0.1:PORT`` once it listens (port 0 picks a free port).
 """
 

@@ -1,4 +1,4 @@
-"""The trainer at real scale on one GPU (run by ``scripts/gpu_check.sh``).
+"""The trainer at real scale on one GPU (run by ``scripts/checks/gpu_check.sh``).
 
 Stages, each writing its figures to ``OUT/gpu_check.json`` as soon as it has them:
 
@@ -288,8 +288,9 @@ def load_stage(work: Path) -> dict[str, object]:
     """A local target onto the GPU (trainer/model/weights.py) against ``from_pretrained``
     and ``.to(cuda)``: a 2 GB fp32 checkpoint loaded in bf16, each in a fresh process:
     host memory beyond the baseline, GPU peak, time, and the same weights."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.bench_target_load import measure, save_random
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from scripts.checks.target_load import measure
+    from scripts.fixtures.random_qwen3 import save_random
 
     path = work / "target-fp32"
     if not (path / "config.json").is_file():

@@ -4,7 +4,7 @@
 # PASS/FAIL/SKIP line per promise the guide makes. Not part of `make test` (needs root,
 # minutes, and network for debootstrap and PyPI).
 #
-#   sudo scripts/systemd_check.sh            # as root; ~10 min with a warm cache
+#   sudo scripts/checks/systemd_check.sh            # as root; ~10 min with a warm cache
 #
 # Environment:
 #   DFLASH_CHECK_CACHE   rootfs and pip cache, kept between runs
@@ -23,7 +23,7 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/.." && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
 CACHE=${DFLASH_CHECK_CACHE:-/var/cache/dflash-systemd-check}
 MIRROR=${DFLASH_CHECK_MIRROR:-http://deb.debian.org/debian}
 # What the guide's install steps need (git, a compiler and headers for the C extensions,

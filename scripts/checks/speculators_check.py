@@ -1,9 +1,9 @@
 """Our DFlash export through vllm-project/speculators, in the serve-check virtualenv.
 
-Run by ``scripts/serve_check.py`` with the vLLM virtualenv's Python (speculators 0.9 wants
+Run by ``scripts/checks/serve_check.py`` with the vLLM virtualenv's Python (speculators 0.9 wants
 Transformers <= 5.19, which that virtualenv has; the project's does not):
 
-    python scripts/speculators_check.py EXPORT TARGET OUT INPUTS OUTPUTS [OURS]
+    python scripts/checks/speculators_check.py EXPORT TARGET OUT INPUTS OUTPUTS [OURS]
 
 1. speculators' own converter (``DFlashConverter``) turns the exported z-lab folder into a
    speculators checkpoint (``OUT``) and validates it (``from_pretrained``, no NaN);

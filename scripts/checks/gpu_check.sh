@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The trainer's GPU check: one CUDA GPU, about 5 minutes. From the repository root:
 #
-#   bash scripts/gpu_wheels.sh        # here, with network: wheels the GPU machine lacks (.whl/)
-#   bash scripts/gpu_check.sh [OUT] [--steps N] [--no-sdpa] [--no-dflash2]   # there: figures to stdout and
+#   bash scripts/checks/gpu_wheels.sh        # here, with network: wheels the GPU machine lacks (.whl/)
+#   bash scripts/checks/gpu_check.sh [OUT] [--steps N] [--no-sdpa] [--no-dflash2]   # there: figures to stdout and
 #                                     # OUT/gpu_check.json
 #
 # Needs python3 with torch (CUDA), transformers, pyarrow, msgpack, click and numpy; pyzmq is
@@ -10,7 +10,7 @@
 # compiled in place with the machine's C compiler. Every stage writes its figures as soon as
 # it has them, so a later failure keeps the earlier numbers.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT_DIR=${1:-${OUT:-gpu-check-out}}
 shift || true
 mkdir -p "$OUT_DIR"
@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 
 if ! python3 -c "import zmq" 2>/dev/null; then
   if ! ls .whl/*.whl >/dev/null 2>&1; then
-    echo "pyzmq is missing and .whl/ holds no wheels: run scripts/gpu_wheels.sh first" >&2
+    echo "pyzmq is missing and .whl/ holds no wheels: run scripts/checks/gpu_wheels.sh first" >&2
     exit 1
   fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -34,4 +34,4 @@ cc=${CC:-$(command -v gcc || command -v cc)}
 "$cc" -O2 -shared -fPIC -I"$inc" loader_server/wire/_ring.c -o "loader_server/wire/_ring$suffix" || exit 1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-timeout --signal=INT 460 python3 scripts/gpu_check.py --out "$OUT_DIR" "$@"
+timeout --signal=INT 460 python3 scripts/checks/gpu_check.py --out "$OUT_DIR" "$@"
