@@ -174,7 +174,9 @@ def command_lines() -> list[tuple[str, str]]:
 
 
 def py_files() -> list[Path]:
-    return [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py*"))]
+    # .py and .pyi (never the bytecode a machine that writes __pycache__ leaves)
+    found = (p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py*")))
+    return [p for p in found if p.suffix in (".py", ".pyi")]
 
 
 @cache
