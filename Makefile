@@ -23,13 +23,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Test files run side by side, one per core (pytest-xdist; a file's tests stay together so
+# its module fixtures are built once); `make test JOBS=0` runs them in one process.
+JOBS ?= auto
+XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
+
 # Unit and integration layers (tests/unit, tests/integration); the soak layer is `make soak`.
 test: lint typecheck
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The unit layer alone: pure code, no daemon or torchrun subprocesses (well under 30 s).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
 
 # Long fault-injection, fuzzing and load runs (minutes each).
 soak: $(STAMP)

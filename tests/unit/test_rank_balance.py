@@ -4,6 +4,7 @@ the threshold choice that keeps the step mix within the plan target."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -28,8 +29,15 @@ def max_loads(ranked: np.ndarray, costs: np.ndarray, world: int) -> np.ndarray:
 def brute_force(items: np.ndarray, world: int, grad_accum: int) -> int:
     """The least max rank load over every labelling of the items with ranks, each rank
     taking ``grad_accum`` of them (written out, independent of the planner's splits)."""
-    labels = set(itertools.permutations([r for r in range(world) for _ in range(grad_accum)]))
-    return min(max(int(items[np.array(lab) == r].sum()) for r in range(world)) for lab in labels)
+    labels = _labellings(world, grad_accum)  # [labellings, items]: the rank of each item
+    loads = np.stack([(np.where(labels == r, items, 0)).sum(axis=1) for r in range(world)])
+    return int(loads.max(axis=0).min())
+
+
+@functools.cache
+def _labellings(world: int, grad_accum: int) -> np.ndarray:
+    ranks = [r for r in range(world) for _ in range(grad_accum)]
+    return np.array(sorted(set(itertools.permutations(ranks))), dtype=np.int64)
 
 
 def check_counts(steps: np.ndarray, ranked: np.ndarray, grad_accum: int) -> None:
