@@ -35,6 +35,18 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "workers" / "consume.py"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files marked ``heavy(SECONDS)`` first, the longest first (a stable sort: files stay
+    whole): pytest-xdist's ``--dist loadfile`` hands files out in this order, and starting
+    the longest first lets the workers end together."""
+
+    def weight(item: pytest.Item) -> float:
+        mark = item.get_closest_marker("heavy")
+        return -float(mark.args[0]) if mark is not None else 0.0
+
+    items.sort(key=weight)
+
+
 @pytest.fixture(scope="session")
 def corpus_path(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "corpus"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from elastic_nodes import elastic_cycles
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(55)]
 
 
 def test_a_job_loses_a_node_continues_alone_and_grows_back(tmp_path):

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import zmq
 from procs import children
-from test_trainer_integration import RUN_TIMEOUT_S, daemon, env, records
+from trainer_jobs import RUN_TIMEOUT_S, daemon, env, records
 
 from client import LoaderClient, LoaderRequestError
 from loader_server.wire import protocol as P
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(45)]
 __all__ = ["daemon"]  # the fixture, re-used from the 2-rank integration tests
 
 TRAIN_FLAGS = (

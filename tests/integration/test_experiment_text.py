@@ -1,0 +1,66 @@
+"""A miniature of the batching experiment's learned-target part (``--corpus text``), end to
+end: a Qwen3 trained here, replies regenerated through the chat stand-in, three specs trained
+on it with tau and the forgetting probe."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from loader_server.planning.spec import REFERENCE_BUCKETS
+
+pytestmark = pytest.mark.heavy(85)  # seconds alone; scheduled first (tests/conftest.py)
+
+
+TEXT = [
+    "--corpus", "text", "--target-steps", "200", "--target-layers", "1", "--target-hidden", "64",
+    "--target-vocab", "512", "--target-seq-len", "256", "--target-lr", "0.01",
+    "--target-threads", "1", "--prompts", "60", "--heldout-prompts", "16", "--tau-prompts", "4",
+    "--max-reply-tokens", "32", "--steps", "6", "--grad-accum", "2", "--token-budget", "1024",
+    "--max-len", "512", "--eval-every", "3", "--eval-new-tokens", "16", "--ckpt-every", "2",
+    "--seeds", "5",
+]  # fmt: skip
+
+
+@pytest.mark.integration
+def test_text_experiment_end_to_end(tmp_path):
+    """A miniature of the learned-target experiment: the target trained here (into a cache
+    under tmp_path), prompts regenerated through the chat server, three specs trained on
+    the learned target with tau measured, the forgetting probe on every checkpoint."""
+    out = tmp_path / "exp"
+    env = {**os.environ, "DFLASH_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "benchmarks.experiment", str(out), *TEXT]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    (target,) = (tmp_path / "cache" / "experiment-target").iterdir()
+    facts = json.loads((target / "target.json").read_text())
+    assert facts["heldout_loss"] < facts["uniform_loss"] - 1.0  # it learned the text
+    assert (target / "tokenizer.json").is_file() and (target / "chat_template.jinja").is_file()
+    tau_prompts = (out / "data" / "tau.jsonl").read_text().splitlines()
+    assert len(tau_prompts) == 4 and all(json.loads(x)["prompt"] for x in tau_prompts)
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["summary"]) == {"sorted", "six", "stratified"}
+    for name, run in results["runs"].items():
+        assert run["tau"]["step"] == [0, 3, 6], name
+        assert all(1.0 <= t <= 8.0 for t in run["tau"]["tau"])  # 1 .. block size 8
+        assert len(run["tau"]["tau_served"]) == 3 and "vllm" not in run
+        f = run["forgetting"]
+        assert f["steps"] == [2, 4, 6] and len(f["delta"]) == 2
+        assert all(math.isfinite(x) and x > 0 for x in f["short_loss"])
+        assert all(0.0 <= x <= 1.0 for x in f["long_only"])
+        assert run["config"]["target"] == str(target)
+        assert run["config"]["loader_spec"]["seed"] == 5, name  # the run's seed plans too
+    six = results["runs"]["six-s5"]["config"]["loader_spec"]["buckets"]
+    assert six == [round(b * 512 / 8192) for b in REFERENCE_BUCKETS]  # scaled to max_len 512
+    assert results["corpus"]["train"]["samples"] >= 15  # empty replies are skipped
+    md = (out / "results.md").read_text()
+    assert "tau final" in md and "6 hand-set buckets + shuffled" in md
+    assert "served, vLLM" in md and "not run" in md  # no --vllm-python
+    for name in ("tau", "forgetting"):
+        assert (out / f"experiment-{name}.png").read_bytes()[:4] == b"\x89PNG"
