@@ -24,17 +24,20 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # Test files run side by side, one per core (pytest-xdist; a file's tests stay together so
-# its module fixtures are built once); `make test JOBS=0` runs them in one process.
+# its module fixtures are built once); `make test JOBS=0` runs them in one process. Side by
+# side, every process (workers, the daemons and trainers they start) uses one OpenMP thread:
+# teams of one per core would oversubscribe the machine and spin.
 JOBS ?= auto
 XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
+THREADS = $(if $(filter 0,$(JOBS)),,OMP_NUM_THREADS=1)
 
 # Unit and integration layers (tests/unit, tests/integration); the soak layer is `make soak`.
 test: lint typecheck
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(THREADS) $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The unit layer alone: pure code, no daemon or torchrun subprocesses (well under 30 s).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
+	$(THREADS) $(BIN)/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
 
 # Long fault-injection, fuzzing and load runs (minutes each).
 soak: $(STAMP)

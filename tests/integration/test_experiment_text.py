@@ -21,7 +21,7 @@ pytestmark = pytest.mark.heavy(85)  # seconds alone; scheduled first (tests/conf
 TEXT = [
     "--corpus", "text", "--target-steps", "200", "--target-layers", "1", "--target-hidden", "64",
     "--target-vocab", "512", "--target-seq-len", "256", "--target-lr", "0.01",
-    "--target-threads", "1", "--prompts", "60", "--heldout-prompts", "16", "--tau-prompts", "4",
+    "--target-threads", "1", "--prompts", "40", "--heldout-prompts", "16", "--tau-prompts", "4",
     "--max-reply-tokens", "32", "--steps", "6", "--grad-accum", "2", "--token-budget", "1024",
     "--max-len", "512", "--eval-every", "3", "--eval-new-tokens", "16", "--ckpt-every", "2",
     "--seeds", "5",
