@@ -58,7 +58,9 @@ class Node:
         self.agent: subprocess.Popen | None = None
         self.runs = 0
 
-    def start(self, run_dir: Path, steps: int) -> None:
+    def start(self, run_dir: Path, steps: int, *extra: str, max_restarts: int = 3) -> None:
+        """The daemon, then the agent training ``steps`` into ``run_dir``; ``extra`` flags
+        of ``train`` come last (they win)."""
         self.runs += 1
         self.daemon = DaemonProcess(
             self.corpus, f"ipc://{self.tmp}/{self.name}.sock", "--shm-dir", str(self.shm),
@@ -66,7 +68,7 @@ class Node:
         )  # fmt: skip
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-            "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
+            "--nproc-per-node", "1", "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "elastic-test",
             "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if self.is_host else 'false'}",
             "-m", "trainer.cli", "train", "--endpoint", self.daemon.endpoint, "--job", "nodes",
@@ -75,7 +77,7 @@ class Node:
             "--max-seq-len", "256", "--lr", "3e-3", "--warmup", "2", "--no-progress", "--resume",
             # an evaluation every step keeps one rank alone from finishing the run before
             # node B is back
-            "--num-eval-prompts", "2", "--eval-every", "1", "--eval-new-tokens", "8",
+            "--num-eval-prompts", "2", "--eval-every", "1", "--eval-new-tokens", "8", *extra,
         ]  # fmt: skip
         env = {
             **os.environ,

@@ -309,6 +309,18 @@ def _writing(write: Any, run_dir: Path) -> None:
         raise run_write_error(e, run_dir) from None
 
 
+def _warn_collective_timeout(opts: RunOptions, warn: bool) -> None:
+    """While one rank's client waits for its daemon (``--timeout-s``), the others wait in a
+    collective: a shorter collective timeout ends the job before the loader's own error."""
+    t = opts.collective_timeout_s
+    if warn and t is not None and t <= opts.timeout_s:
+        log.warning(
+            "--collective-timeout-s %g is not longer than --timeout-s %g: a rank whose loader "
+            "is away fails the job's collectives before its own loader error (and the final "
+            "checkpoint) can stop every rank together", t, opts.timeout_s,
+        )  # fmt: skip
+
+
 def run_training(opts: RunOptions) -> dict[str, Any] | None:
     """Run one rank; returns the summary on rank 0 (None elsewhere). SIGTERM stops it
     cleanly after the current step (``trainer.train.stop``)."""
@@ -318,6 +330,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
     cfg = train_config(opts)  # validates before anything is started
     spec = loader_spec(opts)
     env = init_distributed(opts.device, opts.collective_timeout_s)
+    _warn_collective_timeout(opts, env.is_main and env.distributed)
     client = None
     try:
         target = target_from_options(opts, env.device, parse_int_list(opts.layers))

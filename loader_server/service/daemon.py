@@ -30,6 +30,7 @@ from types import FrameType
 from typing import Any
 
 from loader_server.data.dataset import ArrowDataset, DatasetError, open_dataset
+from loader_server.planning.servable import why_unservable
 from loader_server.service.config import DaemonConfig
 from loader_server.service.endpoint import EndpointBusyError, check_endpoint, check_shm_dir
 from loader_server.service.prometheus import start_exporter
@@ -130,6 +131,7 @@ class Daemon:
             ds.fingerprint,
             time.perf_counter() - t,
         )
+        _check_servable(ds, c)
         self.server = LoaderServer(ds, c)
         self.server.bind()
         log.info(
@@ -180,6 +182,7 @@ class Daemon:
             fut, self._reloading = self._reloading, None
             try:
                 ds = fut.result()
+                _check_servable(ds, self.config)
             except (DatasetError, OSError) as e:
                 log.error("reload failed: %s; the daemon keeps what it served before", e)
                 return
@@ -207,6 +210,14 @@ class Daemon:
         if self.notifier.enabled and now >= self._next_status:
             self.notifier.status(self._status_line())
             self._next_status = now + STATUS_EVERY_S
+
+
+def _check_servable(ds: ArrowDataset, config: DaemonConfig) -> None:
+    """A corpus no session could train on is refused (before READY, or before a reload
+    swaps it in), naming why."""
+    why = why_unservable(ds.lengths, config.spec)
+    if why is not None:
+        raise DatasetError(f"{config.dataset}: cannot be served under the daemon's [spec]: {why}")
 
 
 def _raise_fd_limit() -> None:

@@ -172,3 +172,27 @@ def test_corrupt_metadata_is_one_line_for_inspect_and_serve(tmp_path, shm_dir):
     ):
         line = one_line_error(run_cli(*args))
         assert str(bad) in line and "corrupt" in line
+
+
+# --- corpora no session could train on -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lengths", "flags", "why"),
+    [
+        ([0] * 30, (), "all 30 samples are empty (0 tokens)"),
+        ([300] * 12 + [0] * 3, ("--max-seq-len", "128", "--overlong", "drop"),
+         "all 12 non-empty samples are longer than max_seq_len 128 and overlong = drop"),
+        ([40] * 5, ("--grad-accum", "8"), "fewer than one step of grad_accum 8 on one rank"),
+    ],
+)  # fmt: skip
+def test_an_unservable_corpus_is_refused_before_ready(tmp_path, shm_dir, lengths, flags, why):
+    ids = [list(range(1, n + 1)) for n in lengths]
+    path = _write(tmp_path / "c.arrow", ids, [[1] * n for n in lengths], pa.int32(), pa.int8())
+    ep = f"ipc://{tmp_path}/l.sock"
+    p = run_cli("serve", "--dataset", str(path), "--endpoint", ep, "--shm-dir", str(shm_dir),
+                *flags)  # fmt: skip
+    line = one_line_error(p)
+    assert f"{path}: cannot be served under the daemon's [spec]" in line and why in line, line
+    assert "READY" not in p.stderr + p.stdout
+    assert not (tmp_path / "l.sock").exists()

@@ -228,6 +228,36 @@ def test_a_spec_where_no_document_holds_a_block_stops_naming_the_fields(daemon, 
     assert ckpt.list_checkpoints(run_dir) == []  # no untrained drafter saved as a result
 
 
+def test_a_run_that_trains_no_block_fails_and_its_checkpoint_is_not_exported(daemon, shm,
+                                                                            tmp_path):  # fmt: skip
+    """Shorter than --max-empty-steps, the run still fails: it trained nothing; its final
+    checkpoint is marked so, and export refuses it."""
+    run_dir = tmp_path / "run"
+    res = train(daemon.endpoint, run_dir, shm, "--steps", "3", "--block-size", "200")
+    line = error_line(res)
+    assert "the run trained no block in its 3 step(s)" in line, line
+    for field in ("--block-size", "--max-seq-len", "--token-budget", "export refuses"):
+        assert field in line, line
+    (last,) = ckpt.list_checkpoints(run_dir)
+    assert assert_complete(last).meta["trained"] == {"steps": 3, "blocks": 0, "empty_steps": 3}
+    out = tmp_path / "export"
+    res = subprocess.run([sys.executable, "-m", "trainer.cli", "export", str(run_dir), str(out)],
+                         capture_output=True, text=True, env=env(shm), timeout=120)  # fmt: skip
+    line = error_line(res)
+    assert "trained no block in its 3 step(s)" in line and "nothing to export" in line, line
+    assert not out.exists()
+
+
+def test_a_run_of_mostly_empty_steps_warns_with_the_share(target, samples, tmp_path, caplog):
+    short = [(ids[:10], [0] * 4 + [1] * 6) for ids, _ in samples[:12]]  # no block of 8 fits
+    source = ListSource([*samples[:4], *short], rows=4)  # steps: one with blocks, three without
+    tr = make_trainer(target, source, tmp_path, steps=4)
+    with caplog.at_level(logging.WARNING, logger="trainer.train.guards"):
+        tr.run()
+    assert "3 of 4 steps (75%) trained no block" in caplog.text
+    assert tr.tally.blocks and tr.tally.empty_steps == 3
+
+
 def test_resume_refuses_another_target(daemon, shm, tmp_path):
     run_dir = tmp_path / "run"
     ok(train(daemon.endpoint, run_dir, shm, "--steps", "2"))

@@ -137,6 +137,13 @@ def _read_drafter(run_dir: Path, path: Path) -> TrainedDrafter:
     hint = f"; export an earlier one with --step N (have: {', '.join(others)})" if others else ""
     ckpt.check_finite(record.drafter, str(path), f": it cannot be exported{hint}")
     meta = record.meta
+    trained = meta.get("trained") or {}
+    if trained.get("blocks") == 0:
+        raise ValueError(
+            f"{path}: the run trained no block in its {trained.get('steps')} step(s) (the "
+            "drafter is its initialisation): nothing to export; the run's error says which "
+            "spec fields to change"
+        )
     if "layer_ids" not in meta:
         raise ValueError(f"{file}: the checkpoint records no target layer ids (meta.layer_ids)")
     target = meta.get("target_config") or _target_from_run_config(run_dir)

@@ -3,6 +3,9 @@
 ``torchrun`` exports ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and the rendezvous address);
 a plain ``python``/``dflash-train`` start has none of them and runs as a world of one
 without a process group. The backend is NCCL when the process has a GPU, gloo otherwise.
+Small decisions every rank takes together (how a batch fetch ended) go through
+``control_all_reduce`` on host tensors: under NCCL a gloo group of their own, so taking
+them never waits for the GPU.
 """
 
 from __future__ import annotations
@@ -46,10 +49,14 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        if timeout_s is None:
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        if timeout is None:
             dist.init_process_group(backend=backend)
         else:
-            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend=backend, timeout=timeout)
+        if backend == "nccl":
+            global _CONTROL
+            _CONTROL = dist.new_group(backend="gloo", timeout=timeout)
     return DistEnv(rank=rank, world_size=world, local_rank=local, device=dev)
 
 
@@ -62,6 +69,18 @@ def all_reduce(t: torch.Tensor, env: DistEnv, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce (a no-op in a world of one). ``op``: ``"sum"`` or ``"max"``."""
     if env.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t
+
+
+#: The host-side group of ``control_all_reduce`` (None: the default group is gloo already).
+_CONTROL: dist.ProcessGroup | None = None
+
+
+def control_all_reduce(t: torch.Tensor, env: DistEnv, op: str = "sum") -> torch.Tensor:
+    """``all_reduce`` of a small host tensor, without a device synchronisation."""
+    if env.distributed:
+        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        dist.all_reduce(t, op=reduce_op, group=_CONTROL)
     return t
 
 

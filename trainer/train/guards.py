@@ -71,18 +71,62 @@ class Stopper:
                 f"(--max-nonfinite-steps {cfg.max_nonfinite_steps})"
             )
         if cfg.max_empty_steps and self.empty_run >= cfg.max_empty_steps:
-            b = cfg.block_size
-            fields = ", ".join(
-                f"{k} {spec[k]}" for k in ("max_seq_len", "token_budget") if k in spec
-            )
             raise NoBlocksError(
                 f"no rank trained a single block for {self.empty_run} steps in a row (up to "
-                f"step {step}): a document needs {2 * b} supervised tokens (2 x "
-                f"--block-size {b}, loss mask 1) for a block, and none served has them"
-                f"{f' ({fields})' if fields else ''}: lower --block-size, raise --max-seq-len "
-                f"(and --token-budget), or check the corpus's loss mask "
+                f"step {step}): {no_blocks_hint(cfg.block_size, spec)} "
                 f"(--max-empty-steps {cfg.max_empty_steps})"
             )
+
+
+def no_blocks_hint(block_size: int, spec: dict[str, Any]) -> str:
+    """What a block needs and the spec fields to change when documents give none."""
+    b = block_size
+    fields = ", ".join(f"{k} {spec[k]}" for k in ("max_seq_len", "token_budget") if k in spec)
+    return (
+        f"a document needs {2 * b} supervised tokens (2 x --block-size {b}, loss mask 1) for "
+        f"a block, and none served has them{f' ({fields})' if fields else ''}: lower "
+        "--block-size, raise --max-seq-len (and --token-budget), or check the corpus's loss "
+        "mask"
+    )
+
+
+@dataclass
+class Tally:
+    """What a run has trained, over all its resumes (kept in every checkpoint's meta as
+    ``trained``): optimizer steps, supervised blocks, and steps in which no rank trained a
+    block. ``blocks`` is None for a run resumed from a checkpoint older than the tally."""
+
+    steps: int = 0
+    blocks: int | None = 0
+    empty_steps: int = 0
+
+    def add(self, blocks: int) -> None:
+        self.steps += 1
+        self.empty_steps += blocks == 0
+        if self.blocks is not None:
+            self.blocks += blocks
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], step: int) -> Tally:
+        d = meta.get("trained")
+        if not isinstance(d, dict):  # a checkpoint from before the tally
+            return cls(steps=step, blocks=None)
+        return cls(int(d["steps"]), None if d["blocks"] is None else int(d["blocks"]),
+                   int(d["empty_steps"]))  # fmt: skip
+
+    def check(self, block_size: int, spec: dict[str, Any]) -> None:
+        """At the end of a run: trained nothing is an error; mostly nothing, a warning."""
+        if self.steps and self.blocks == 0:
+            raise NoBlocksError(
+                f"the run trained no block in its {self.steps} step(s): "
+                f"{no_blocks_hint(block_size, spec)}; its checkpoints are marked untrained "
+                "(export refuses them)"
+            )
+        if self.steps and self.empty_steps > self.steps / 2:
+            log.warning(
+                "%d of %d steps (%.0f%%) trained no block: %s", self.empty_steps, self.steps,
+                100 * self.empty_steps / self.steps, no_blocks_hint(block_size, spec),
+            )  # fmt: skip
 
 
 def check_target(path: Path, meta: dict[str, Any], mine_meta: dict[str, Any]) -> None:

@@ -63,8 +63,10 @@ from trainer.train.guards import (
     LoaderFailedError,
     ServedSpecError,
     Stopper,
+    Tally,
     TrainingError,
 )
+from trainer.train.loader_failure import Fetch
 from trainer.train.metrics import MetricsWriter, metrics_path, read_metrics, summarize
 from trainer.train.profile import StepProfiler, trainer_flops
 from trainer.train.step import StepResult, StepSums, autocast, step_record
@@ -136,6 +138,7 @@ class Trainer:
         # loader failure in the middle of a step must hold the position before that step.
         self._step_start: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._last_batch = (0, 0, 0)  # (epoch, step, steps in its epoch) last trained
+        self.tally = Tally()  # what the run has trained, over all its resumes
 
     def _wrap(self, drafter: DFlashDrafter) -> torch.nn.Module:
         if not self.env.distributed:
@@ -158,7 +161,7 @@ class Trainer:
             drafter=self.drafter.state_dict(),
             drafter_config=self.drafter.config.to_dict(),
             loss_config=asdict(self.cfg.loss),
-            meta=self.meta,
+            meta={**self.meta, "trained": asdict(self.tally)},
             optimizer=self.optimizer.state_dict(),
             scheduler=self.scheduler.state_dict(),
             clock=self.clock.to_dict(),
@@ -189,6 +192,7 @@ class Trainer:
             env=self.env, seed=self.cfg.seed, grad_accum=self.grad_accum,
         )  # fmt: skip
         self.step, self.epoch = restored.step, restored.epoch
+        self.tally = Tally.from_meta(checkpoint.record.meta, self.step)
         self.metrics.truncate_after(self.step)
         log.info("rank %d resumed from %s at step %d", self.env.rank, checkpoint.path, self.step)
         return True
@@ -240,6 +244,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self._close()
+        self.tally.check(cfg.loss.block_size, self.meta.get("loader_spec") or {})
         return self._summary(end, resumed, time.perf_counter() - t_loop)
 
     def _first_record(self) -> None:
@@ -268,6 +273,7 @@ class Trainer:
             )
             if self.evaluator.due(self.step, final):
                 self.evaluator.add_to(rec)
+            self.tally.add(rec["blocks"])
             self.metrics.write(rec)  # before the checkpoint (trainer.train.cadence)
             self.stopper.check(rec, self.step, self.meta.get("loader_spec") or {})
             if self.cadence.due(self.step, final):
@@ -319,10 +325,10 @@ class Trainer:
         served spec, fix the step count and build the LR schedule; False when the loader
         has nothing left."""
         t0 = time.perf_counter()
-        try:
-            self._pending = (next(it), time.perf_counter() - t0)
-        except StopIteration:
+        batch, fetch = self._fetch(it)
+        if fetch is Fetch.EXHAUSTED or batch is None:
             return False
+        self._pending = (batch, time.perf_counter() - t0)
         self._adopt_loader_spec()
         self._build_schedule()
         resized = getattr(self.source, "resized", None)
@@ -411,20 +417,32 @@ class Trainer:
             yield batch, waited
 
     def _next_batch(self, it: Iterator[Batch], m: int) -> tuple[Batch, float]:
-        """Micro-batch ``m`` of the step (the peeked one first) and the wait for it."""
+        """Micro-batch ``m`` of the step (the peeked one first) and the wait for it; every
+        rank agrees on how the fetch ended before any collective (``loader_failure.agree``)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             return pending
         t0 = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
+        batch, fetch = self._fetch(it)
+        if fetch is Fetch.EXHAUSTED:
             if m == 0:
                 raise _LoaderDone from None
             raise ServedSpecError(
                 f"the loader ended inside a step, after {m} of its {self.grad_accum} micro-batches"
-            ) from None
+            )
+        assert batch is not None  # Fetch.GOT
         return batch, time.perf_counter() - t0
+
+    def _fetch(self, it: Iterator[Batch]) -> tuple[Batch | None, Fetch]:
+        """``next(it)`` and how it ended, as every rank agreed."""
+        batch, error, fetch = None, None, Fetch.GOT
+        try:
+            batch = next(it)
+        except StopIteration:
+            fetch = Fetch.EXHAUSTED
+        except LoaderError as e:
+            error, fetch = e, Fetch.FAILED
+        return batch, loader_failure.agree(fetch, self.env, error)
 
     def train_step(self, it: Iterator[Batch]) -> StepResult:
         """One optimizer step; returns this rank's sums."""
@@ -434,8 +452,10 @@ class Trainer:
         epoch_before = self.epoch
         # With several micro-batches the loader can fail after the first: keep where the
         # step began (the first step of a run saves nothing: its batch was peeked).
+        # Under several ranks a peer's failure stops this rank after its own fetch of the
+        # same micro-batch, so its client has moved too.
         start = None
-        if self.grad_accum > 1 and self._pending is None:
+        if (self.grad_accum > 1 or self.env.distributed) and self._pending is None:
             start = (self.source.state_dict(), ckpt.rng_state())
         self._step_start = None
         try:

@@ -62,7 +62,7 @@ def agreed(env: DistEnv) -> bool:
         return _requested.is_set()
     import torch
 
-    from trainer.train.distributed import all_reduce
+    from trainer.train.distributed import control_all_reduce
 
-    flag = torch.tensor([1.0 if _requested.is_set() else 0.0], device=env.device)
-    return bool(all_reduce(flag, env, op="max").item() > 0)
+    flag = torch.tensor([1.0 if _requested.is_set() else 0.0])  # host: no device sync
+    return bool(control_all_reduce(flag, env, op="max").item() > 0)
