@@ -49,8 +49,11 @@ def _free_port() -> int:
 class Node:
     """One "node": a daemon with its own endpoint and shm folder, and a torchrun agent."""
 
-    def __init__(self, name: str, corpus: Path, tmp: Path, port: int, is_host: bool) -> None:
+    def __init__(
+        self, name: str, corpus: Path, tmp: Path, port: int, is_host: bool, nproc: int = 1
+    ) -> None:
         self.name, self.corpus, self.tmp, self.port, self.is_host = name, corpus, tmp, port, is_host
+        self.nproc = nproc  # ranks on this node
         base = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp
         self.shm = base / f"dflash-node-{name}-{uuid.uuid4().hex[:6]}"
         self.shm.mkdir()
@@ -68,7 +71,8 @@ class Node:
         )  # fmt: skip
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-            "--nproc-per-node", "1", "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
+            "--nproc-per-node", str(self.nproc), "--max-restarts", str(max_restarts),
+            "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "elastic-test",
             "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if self.is_host else 'false'}",
             "-m", "trainer.cli", "train", "--endpoint", self.daemon.endpoint, "--job", "nodes",
@@ -115,6 +119,24 @@ class Node:
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
+def _epoch_end_alone(logs: str, corpus: Path, run_dir: Path, world: int) -> int:
+    """The step at which node A alone ends epoch 0, from the pure plan of what the
+    ``world``-rank leg it resumed after left (its step count read off the log)."""
+    import json
+
+    from loader_server.data.dataset import open_dataset
+    from loader_server.planning.elastic import plan_rest, shaped
+    from loader_server.planning.spec import BatchSpec
+    from loader_server.wire.protocol import Leg
+
+    line = logs.split(f"world_size {world} x grad_accum 1 -> 1 x 1 at epoch 0 step ")[1]
+    k = int(line.split()[0].rstrip(":;,"))
+    spec = BatchSpec.from_dict(json.loads((run_dir / "loader_spec.json").read_text()))
+    lengths = open_dataset(corpus).lengths
+    rest = plan_rest(lengths, shaped(spec, 1, 1), epoch=0, legs=[Leg(world, 1, k)])
+    return k + rest.num_steps
+
+
 def _sigterm_pending(pid: int) -> bool:
     """Whether SIGTERM waits in process ``pid`` (frozen, it cannot take it yet)."""
     try:
@@ -151,15 +173,24 @@ class Cycles:
     timings: list[tuple[float, float]]  # (lost -> first step alone, back -> first on two)
 
 
-def elastic_cycles(tmp_path: Path, *, cycles: int, steps: int, alone_steps: int = 3) -> Cycles:
-    """Train ``steps`` (of two ranks' data) on two nodes, losing and restoring node B
-    ``cycles`` times; every agent must end with 0."""
+def elastic_cycles(
+    tmp_path: Path, *, cycles: int, steps: int, alone_steps: int = 3, ranks_b: int = 1,
+    together_steps: int = 3, back_at_epoch_end: bool = False,
+) -> Cycles:  # fmt: skip
+    """Train ``steps`` (of all ranks' data) on two nodes, losing and restoring node B (with
+    ``ranks_b`` ranks) ``cycles`` times after ``together_steps`` steps on both; every agent
+    must end with 0. ``back_at_epoch_end``: node A alone trains until at most two of its
+    micro-batches are left in epoch 0 (it may finish one more step before it is frozen),
+    so node B returns in the epoch's last step, with too little left for one step of all
+    ranks."""
     corpus = tmp_path / "corpus.arrow"
     write_corpus(corpus, SynthSpec(num_samples=600, seed=3, median_len=96, max_len=256,
                                    vocab_size=512, content="learnable"))  # fmt: skip
     run_dir, port = tmp_path / "run", _free_port()
     a = Node("a", corpus, tmp_path, port, is_host=True)
-    b = Node("b", corpus, tmp_path, port, is_host=False)
+    b = Node("b", corpus, tmp_path, port, is_host=False, nproc=ranks_b)
+    world = 1 + ranks_b
+    back_line = f"-> {world} x 1 at epoch"  # the log line of node B's return
 
     def done() -> int:
         return max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0)
@@ -175,13 +206,17 @@ def elastic_cycles(tmp_path: Path, *, cycles: int, steps: int, alone_steps: int 
         b.start(run_dir, steps)
         mark = 0  # the step training on two nodes (re)started from
         for k in range(cycles):
-            _wait(lambda mark=mark: done() >= mark + 3, "steps on two nodes", (a, b))
+            _wait(lambda mark=mark: done() >= mark + together_steps, "steps on both", (a, b))
             lost, since = time.time(), done()
             b.lose()
             n = k + 1  # losses (and returns) so far, this one included
 
             def alone(n: int = n, since: int = since) -> bool:
-                return logs().count("-> 1 x 1 at epoch") >= n and done() >= since + alone_steps
+                if logs().count("-> 1 x 1 at epoch") < n:
+                    return False
+                if back_at_epoch_end:
+                    return done() >= _epoch_end_alone(logs(), corpus, run_dir, world) - 2
+                return done() >= since + alone_steps
 
             _wait(alone, "node A alone", (a,))
             frozen = a.rank()
@@ -194,7 +229,7 @@ def elastic_cycles(tmp_path: Path, *, cycles: int, steps: int, alone_steps: int 
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(frozen, signal.SIGCONT)
-            _wait(lambda n=n: logs().count("-> 2 x 1 at epoch") >= n, "node B back", (a, b))
+            _wait(lambda n=n: logs().count(back_line) >= n, "node B back", (a, b))
             mark = done()
         _wait(lambda: a.agent.poll() == 0 and b.agent.poll() == 0, "the end of the run", (a, b))
     finally:

@@ -23,13 +23,21 @@ RUN_TIMEOUT_S = 240.0
 
 
 class Daemon:
-    def __init__(self, dataset: Path, workdir: Path, shm_dir: Path, *flags: str) -> None:
-        self.endpoint = f"ipc://{workdir}/loader.sock"
+    def __init__(
+        self,
+        dataset: Path,
+        workdir: Path,
+        shm_dir: Path,
+        *flags: str,
+        env: dict[str, str] | None = None,
+        endpoint: str | None = None,
+    ) -> None:
+        self.endpoint = endpoint or f"ipc://{workdir}/loader.sock"
         self.log_path = workdir / "daemon.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         cmd = [sys.executable, "-m", "loader_server", "serve", "--dataset", str(dataset)]
         cmd += ["--endpoint", self.endpoint, "--shm-dir", str(shm_dir), *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while "READY endpoint=" not in self.log():
             if self.proc.poll() is not None or time.monotonic() > deadline:

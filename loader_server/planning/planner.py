@@ -180,6 +180,8 @@ def plan_epoch(
         batches = _bucketed_batches(ids, eff, spec, key)
     else:
         batches = _global_batches(ids, eff, spec, key)
+    if leg and 0 < batches.starts.size < spec.micro_per_step:
+        batches = _one_short_step(batches, spec)
     steps = _schedule(batches, spec, key)
     plan = _assemble(batches, steps, np.asarray(lengths), ok, spec, epoch)
     if keep is None:
@@ -337,6 +339,36 @@ def _empty_batches(
 ) -> _Batches:
     z = np.zeros(0, np.int64)
     return _Batches(seq, x, z, z, z.astype(np.float64), z, z.astype(np.int32), bounds, cut)
+
+
+def _one_short_step(b: _Batches, spec: BatchSpec) -> _Batches:
+    """The rest of an epoch that is too small for one step of the shape it resumes under,
+    as exactly one step: the micro-batch of most rows is split in halves until there are
+    ``world_size x grad_accum`` (a part never outgrows its micro-batch, so it keeps within
+    the token and cost budgets); with fewer samples than that, the last micro-batches are
+    empty (their rank trains nothing on them, and stays in step). So a node that returns
+    in an epoch's last steps is served the rest exactly once instead of being refused."""
+    k, n = spec.micro_per_step, int(b.seq.size)
+    starts, parent = b.starts.tolist(), list(range(b.starts.size))
+    while len(starts) < k:
+        rows = np.diff([*starts, n])
+        i = int(np.argmax(rows))
+        if rows[i] < 2:
+            break
+        starts.insert(i + 1, starts[i] + int(rows[i]) // 2)
+        parent.insert(i + 1, parent[i])
+    at = np.array(starts, np.int64)
+    x, layout = b.seq_lengths, spec.layout
+    tokens = np.add.reduceat(x, at)
+    lens = tokens if layout == "packed" else np.maximum.reduceat(x, at)
+    costs = _costs(x, at, spec, layout)
+    empty = k - at.size  # micro-batches of no sample, after the others
+    z = np.zeros(empty, np.int64)
+    return _Batches(
+        b.seq, x, np.append(at, np.full(empty, n, np.int64)), np.append(lens, z),
+        np.append(costs, z.astype(np.float64)), np.append(tokens, z),
+        np.append(b.buckets[parent], z.astype(b.buckets.dtype)), b.bounds, b.cut,
+    )  # fmt: skip
 
 
 def _schedule(batches: _Batches, spec: BatchSpec, key: _Seeds) -> np.ndarray:

@@ -129,10 +129,9 @@ def check_start(start: Position, plan: EpochPlan, num_samples: int) -> None:
     if plan.num_steps == 0 and plan.leg:
         left = plan.stats["served"] + plan.stats["dropped_leftover"]
         raise ValueError(
-            f"the rest of epoch {e} is {left} samples, too few for one step of world_size "
-            f"{spec.world_size} x grad_accum {spec.grad_accum} micro-batches under this spec: "
-            f"resume with fewer ranks (or a smaller grad_accum) to finish the epoch; the "
-            f"checkpoint is unchanged"
+            f"the rest of epoch {e} is {left} samples and none of them makes a micro-batch "
+            f"under this spec (world_size {spec.world_size} x grad_accum {spec.grad_accum}): "
+            f"a position saved under another corpus? The checkpoint is unchanged"
         )
     if plan.num_steps == 0:
         raise ValueError(

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from loader_server.faults import fault_point
 from loader_server.planning.elastic import plan_rest, shaped
 from loader_server.planning.planner import EpochPlan
 from loader_server.planning.spec import BatchSpec
@@ -69,6 +70,7 @@ class PlanCache:
         return fut
 
     def _plan(self, spec: BatchSpec, epoch: int, legs: tuple[Leg, ...]) -> EpochPlan:
+        fault_point("plan", epoch)
         t = time.perf_counter()
         plan = plan_rest(
             self._lengths, spec, epoch=epoch, legs=legs, prior=self._prior(spec, epoch, legs)

@@ -38,8 +38,16 @@ def free_port() -> int:
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:  # it answered, and refused: say what it said
+        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read()[:500]!r}") from e
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        # A server that died mid-check (kill -9, OOM): one failed check naming it, which
+        # serve-check reports with its logs folder, not a traceback.
+        reason = getattr(e, "reason", e)
+        raise RuntimeError(f"{url}: {reason} (did the vLLM server stop? see its log)") from e
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:

@@ -278,6 +278,60 @@ def test_resume_after_kill_requests_no_finished_row_again(checkpoint, tmp_path):
 # --------------------------------------------------------------------------- (d) failures
 
 
+def test_a_server_killed_mid_run_is_waited_for_and_the_run_finishes(checkpoint, tmp_path):
+    """kill -9 of the regeneration server mid-run, started again on its port (as systemd or
+    a cluster's supervisor does): the requests in flight are retried (connection errors back
+    off, ``--retries``), the run finishes in the same process, and its output is
+    byte-identical to an uninterrupted run's (the fault matrix, docs/TRAINER.md)."""
+    src = write_jsonl(tmp_path / "conv.jsonl", generate_conversations(30, seed=5, words=16))
+    out, whole = tmp_path / "killed", tmp_path / "whole"
+    flags = ["--tokenizer", str(checkpoint), "--holdout", "3", "--concurrency", "2",
+             "--max-tokens", "32"]  # fmt: skip
+    fixed = ["--fixed-delay", "0.1", "--max-concurrent", "2"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    def serve() -> subprocess.Popen:
+        server = subprocess.Popen(
+            [sys.executable, str(ROOT / "scripts/servers/chat_server.py"), *fixed,
+             "--port", str(port), "--parent-pid", str(os.getpid())],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        assert server.stdout is not None and server.stdout.readline().startswith("READY ")
+        return server
+
+    server = serve()
+    cmd = [sys.executable, "-m", "trainer.cli", "regen", str(src), str(out),
+           "--server", f"http://127.0.0.1:{port}", *flags, "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(journal_records(out) if journal_path(out).exists() else []) < 8:
+            assert proc.poll() is None and time.monotonic() < deadline, "regen did not start"
+            time.sleep(0.05)
+        server.kill()  # kill -9, requests in flight
+        server.wait()
+        time.sleep(0.5)
+        server = serve()
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, output.decode(errors="replace")[-3000:]
+    finally:
+        for p in (proc, server):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    summary = json.loads(output.decode().strip().splitlines()[-1])
+    assert summary["regenerated"] == 27 and summary["retries"] >= 1, summary
+    with chat_server(tmp_path, *fixed) as url:
+        code, text, _ = regen(str(src), str(whole), "--server", url, *flags)
+        assert code == 0, text
+    files = sorted(p.name for p in out.iterdir() if p.name != "tokenize_report.json")
+    assert files == sorted(p.name for p in whole.iterdir() if p.name != "tokenize_report.json")
+    for name in files:
+        assert (out / name).read_bytes() == (whole / name).read_bytes(), name
+
+
 def test_retries_then_failed_rows_are_counted_and_named(checkpoint, tmp_path):
     rows = list(generate_conversations(7, seed=9, words=12))
     rows[2]["messages"][-2]["content"] += " MAGIC"  # the server refuses it: permanent 400

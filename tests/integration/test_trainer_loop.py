@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from trainer.model.verifier import greedy_generate
 from trainer.options import RunOptions
 from trainer.run import resolve_mask_token
 from trainer.train import checkpoint as ckpt
-from trainer.train.batches import ListSource
+from trainer.train.batches import ListSource, pack_batch, pad_batch
 from trainer.train.config import TrainConfig
 from trainer.train.distributed import DistEnv, local_env
 from trainer.train.loop import Trainer
@@ -225,6 +226,24 @@ def test_packed_batches_and_batches_without_blocks(target, samples, tmp_path):
     recs = {r["step"]: r for r in read_metrics(metrics_path(tmp_path)) if "loss" in r}
     assert recs[1]["loss"] is None and recs[1]["blocks"] == 0  # only short samples
     assert recs[2]["loss"] is not None and recs[2]["blocks"] > 0
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_an_empty_micro_batch_of_a_short_last_step_trains_the_rest(
+    target, samples, tmp_path, layout
+):
+    # A short last step of an epoch may hand a rank a micro-batch of no sample ([0, 0], or
+    # [1, 0] packed): the step trains on the others and the run goes on.
+    src = ListSource(samples[:16], rows=4, grad_accum=2, layout=layout)
+    make = pack_batch if layout == "packed" else pad_batch
+    empty = make([], steps_per_epoch=src.steps_per_epoch)
+    src._micro_batches[1] = (empty, 0, 1)
+    tr = make_trainer(target, src, tmp_path, steps=2)
+    tr.run()
+    recs = {r["step"]: r for r in read_metrics(metrics_path(tmp_path)) if "loss" in r}
+    assert empty.num_tokens == 0 and empty.input_ids.shape[-1] == 0
+    assert recs[1]["blocks"] > 0 and math.isfinite(recs[1]["loss"])
+    assert recs[2]["blocks"] > 0 and src.position == 4
 
 
 def test_plot_command(target, samples, tmp_path):

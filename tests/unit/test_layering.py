@@ -18,6 +18,7 @@ PUBLIC = (
     "loader_server.planning.cost",
     "loader_server.data.dataset",
     "loader_server.cli.contract",  # the command-line contract both commands keep
+    "loader_server.faults",  # the fault points of the fault matrix, in both processes
 )
 
 

@@ -66,9 +66,10 @@ def pad_batch(
     samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: Unpack[Position]
 ) -> Batch:
     """A padded batch from ``(input_ids, loss_mask)`` pairs (right padding with ``PAD_ID``);
-    ``position``: ``Batch``'s int fields (``epoch=``, ``step=``, ...)."""
+    ``position``: ``Batch``'s int fields (``epoch=``, ``step=``, ...). No samples: ``[0, 0]``,
+    as the daemon serves an empty micro-batch of a short last step."""
     lengths = [len(ids) for ids, _ in samples]
-    width = max(lengths)
+    width = max(lengths, default=0)
     ids = torch.full((len(samples), width), PAD_ID, dtype=torch.int32)
     mask = torch.zeros((len(samples), width), dtype=torch.uint8)
     for r, (s_ids, s_mask) in enumerate(samples):
@@ -88,11 +89,14 @@ def pad_batch(
 def pack_batch(
     samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: Unpack[Position]
 ) -> Batch:
-    """A packed batch: one row of concatenated documents with per-document positions."""
+    """A packed batch: one row of concatenated documents with per-document positions (no
+    samples: ``[1, 0]``)."""
     lengths = [len(ids) for ids, _ in samples]
-    ids = torch.cat([torch.as_tensor(s, dtype=torch.int32) for s, _ in samples])[None]
-    mask = torch.cat([torch.as_tensor(m, dtype=torch.uint8) for _, m in samples])[None]
-    pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])[None]
+    none = torch.zeros(0, dtype=torch.int32)
+    ids = torch.cat([none, *(torch.as_tensor(s, dtype=torch.int32) for s, _ in samples)])[None]
+    mask = torch.cat([none.byte(), *(torch.as_tensor(m, dtype=torch.uint8) for _, m in samples)])
+    mask = mask[None]
+    pos = torch.cat([none, *(torch.arange(n, dtype=torch.int32) for n in lengths)])[None]
     cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     return Batch(
@@ -100,7 +104,7 @@ def pack_batch(
         loss_mask=mask,
         lengths=torch.tensor(lengths, dtype=torch.int32),
         sample_ids=torch.arange(len(samples), dtype=torch.int64),
-        max_seqlen=max(lengths),
+        max_seqlen=max(lengths, default=0),
         num_tokens=sum(lengths),
         layout="packed",
         position_ids=pos,

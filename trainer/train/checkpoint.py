@@ -48,6 +48,7 @@ from typing import IO, Any, cast
 
 import torch
 
+from loader_server.faults import fault_point
 from trainer.files import fsync_dir
 from trainer.model.blocks import LossConfig
 from trainer.options import RENAMED
@@ -305,6 +306,7 @@ class _Save:
         env, head = self.env, self.head
         name = f"rank-{env.rank:05d}.pt"
         self.entries[name] = atomic_save({**head, "rank": env.rank, **per_rank}, self.tmp / name)
+        fault_point("checkpoint.write", self.step)
         if env.is_main:
             shared = {**head, **record.to_shared()}
             self.entries["model.pt"] = atomic_save(shared, self.tmp / "model.pt")
@@ -322,6 +324,7 @@ class _Save:
         mpath = manifest_path(self.final)
         mpath.parent.mkdir(exist_ok=True)
         _write_json(mpath, manifest)
+        fault_point("checkpoint.publish", self.step)
         if self.final.exists():  # re-saving a step (e.g. after a resume): replace it whole
             shutil.rmtree(self.final)
         os.replace(self.tmp, self.final)

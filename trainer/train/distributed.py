@@ -10,12 +10,19 @@ them never waits for the GPU.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,8 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
     ``timeout_s``: how long a collective waits for a rank before it fails (None: torch's
     default, 10 min for NCCL and 30 for gloo); an elastic job notices a frozen node only
     then."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -58,6 +67,26 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
             global _CONTROL
             _CONTROL = dist.new_group(backend="gloo", timeout=timeout)
     return DistEnv(rank=rank, world_size=world, local_rank=local, device=dev)
+
+
+def die_with_parent() -> None:
+    """Under torchrun: this rank is SIGKILLed when its agent dies (Linux ``PR_SET_PDEATHSIG``).
+    Without it a ``kill -9`` of the agent left its ranks training on as orphans, and the
+    agent torchrun restarts (or the survivors' restart) then ran a second set of ranks on
+    the same run folder; now an agent's death is its node's loss, which the elastic job
+    already survives (docs/TRAINER.md, "What survives what")."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    except (OSError, AttributeError) as e:  # a libc without prctl: run on, as before
+        log.warning("cannot tie this rank to its torchrun agent: %s", e)
+        return
+    if os.getppid() != parent:  # the agent died while the tie was being made
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def local_env(device: str = "cpu") -> DistEnv:

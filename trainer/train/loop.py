@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
+from loader_server.faults import fault_point
 from loader_server.wire.protocol import LoaderError
 from trainer.model.attention import resolve_backend
 from trainer.model.blocks import anchor_generator
@@ -263,6 +264,7 @@ class Trainer:
         while not final:
             if stop.agreed(self.env):  # SIGTERM on any rank: all stop before this step
                 return "stopped"
+            fault_point("step", self.step + 1)
             try:
                 rec = self._record(self._train_or_profile(it))
             except _LoaderDone:  # the loader ended first (the step was not begun)
