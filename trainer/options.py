@@ -31,7 +31,8 @@ CONFIG_FILE = "config.json"
 RUN_FACTS = ("requested_loader_spec", "world_size")
 #: Options that runs written before they existed lack, with the value those runs had.
 ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_intermediate": None,
-                               "max_nonfinite_steps": 0, "max_empty_steps": 0}  # fmt: skip
+                               "max_nonfinite_steps": 0, "max_empty_steps": 0,
+                               "log_every_s": 60.0}  # fmt: skip
 #: Options renamed since: old key -> new key (both spellings are read).
 RENAMED = {"num_anchors": "anchors_per_doc"}
 
@@ -143,7 +144,7 @@ RUN_LIMITS: dict[str, tuple[float, bool]] = {
     "num_eval_prompts": (0, True), "eval_new_tokens": (1, True), "ckpt_every": (0, True),
     "keep_checkpoints": (1, True), "timeout_s": (0, False), "profile_step": (0, True),
     "collective_timeout_s": (0, False),
-    "peak_tflops": (0, False),
+    "peak_tflops": (0, False), "log_every_s": (0, True),
 }  # fmt: skip
 
 
@@ -356,6 +357,12 @@ class RunOptions(TargetOptions):
         None, "Default: cuda:LOCAL_RANK when a GPU is present, else cpu.", section=EVAL
     )
     no_progress: bool = opt(False, "No progress bar.", section=EVAL)
+    log_every_s: float = opt(
+        60.0,
+        "Without a terminal (systemd's journal, a log file), or with --no-progress: one "
+        "progress line every N seconds (step, loss, tau, tokens/s, ETA); 0: none.",
+        section=EVAL,
+    )
 
     def __post_init__(self) -> None:
         """Types (``Options``), then every count and rate in range; errors name the flag."""
@@ -533,6 +540,16 @@ def parse_layer_types(
             f"--sliding-window {sliding_window}: --layer-types {value!r} has no sliding layer"
         )
     return None if "sliding_attention" not in kinds else kinds
+
+
+def field_value(cls: type[Options], name: str, value: Any) -> Any:
+    """A JSON or TOML value for option ``name`` of ``cls``, in its declared form (a path, a
+    tuple); ValueError when it has another type."""
+    hint = typing.get_type_hints(cls)[name]
+    out = _from_json(value, hint)
+    if not _has_type(out, hint):
+        raise ValueError(f"must be {_type_name(hint)}, got {value!r}")
+    return float(out) if float in _kinds(hint) and isinstance(out, int) else out
 
 
 def _to_json(value: Any) -> Any:

@@ -195,6 +195,7 @@ def train_config(opts: RunOptions) -> TrainConfig:
         keep_checkpoints=opts.keep_checkpoints,
         resume=opts.resume,
         progress=not opts.no_progress,
+        log_every_s=opts.log_every_s,
         cost_samples=opts.cost_samples,
         profile_step=opts.profile_step,
         peak_tflops=opts.peak_tflops,

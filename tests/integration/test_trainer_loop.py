@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -97,9 +98,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(metrics_path(run_dir)) if "loss" in r}
 
 
-def test_loss_decreases_and_tau_is_reported(target, samples, tmp_path):
+def test_loss_decreases_and_tau_is_reported(target, samples, tmp_path, caplog):
     src = ListSource(samples, rows=4)
-    tr = make_trainer(target, src, tmp_path, steps=30, eval_every=15)
+    # log_every_s: no terminal here, so progress lines (every step at this rate)
+    tr = make_trainer(target, src, tmp_path, steps=30, eval_every=15, log_every_s=1e-9)
+    caplog.set_level(logging.INFO, logger="dflash-train")
     embedding = target.embed_tokens.weight.clone()
     summary = tr.run()
     # The MASK slot is the target's frozen row 511: no drafter parameter, target untouched.
@@ -122,6 +125,10 @@ def test_loss_decreases_and_tau_is_reported(target, samples, tmp_path):
     assert rec["tokens"] == 4 * 48 and rec["tokens_per_s"] > 0
     assert 0 <= rec["data_wait_frac"] < 1
     assert summary["last_loss"] == rec["loss"] and summary["steps"] == 30
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines[0].startswith("step 1/30 (3.3%) loss ") and " ETA " in lines[0], lines[0]
+    assert lines[-1].startswith("step 30/30 (100.0%)") and "tau" in lines[-1], lines[-1]
+    assert "tokens/s" in lines[-1] and " ETA " not in lines[-1]
 
 
 def test_resume_matches_uninterrupted_run(target, samples, tmp_path):

@@ -36,6 +36,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool = False
     progress: bool = True
+    log_every_s: float = 60.0  # progress lines without a terminal (trainer.progress; 0: none)
     cost_samples: int = 2000  # micro-batches per rank timed for calibration (trainer.train.costlog)
     max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row (0: never)
     max_empty_steps: int = 10  # stop after this many steps in a row without a block (0: never)

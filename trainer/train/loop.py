@@ -49,7 +49,7 @@ from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import draft_loss, zero_loss
 from trainer.model.phases import phase
 from trainer.model.target import Target
-from trainer.progress import progress_bar
+from trainer.progress import StepProgress
 from trainer.train import checkpoint as ckpt
 from trainer.train import hostmem, loader_failure, resume, served_spec, stop
 from trainer.train.batches import Batch, BatchSource
@@ -74,7 +74,6 @@ from trainer.train.step import StepResult, StepSums, autocast, step_record
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
-    from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +255,7 @@ class Trainer:
         self.evaluator.add_to(rec)
         self.metrics.write(rec)
 
-    def _steps(self, it: Iterator[Batch], bar: tqdm[Any] | None) -> End:
+    def _steps(self, it: Iterator[Batch], bar: StepProgress | None) -> End:
         """The step loop. ``--epochs``: to the last step of the last epoch (the loader's
         end), wherever the estimate put it; ``--steps``: to the data of that many steps."""
         total = cast(int, self.total_micro)  # _begin fixed it
@@ -283,8 +282,7 @@ class Trainer:
                 path = self.save()
                 log.debug("checkpoint %s in %.3fs", path, time.perf_counter() - t0)
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(_postfix(rec), refresh=False)
+                bar.update(self.step, rec)
         return "done"
 
     def _summary(self, end: End, resumed: bool, wall: float) -> dict[str, Any]:
@@ -379,12 +377,14 @@ class Trainer:
         self.meta["loader_spec"] = spec
         served_spec.record_spec(spec, self.cfg.run_dir, self.env)
 
-    def _progress(self) -> tqdm[Any] | None:
-        if not (self.cfg.progress and self.env.is_main) or self.total_micro is None:
+    def _progress(self) -> StepProgress | None:
+        """Rank 0's bar on a terminal, else its progress lines (``--log-every-s``)."""
+        if not self.env.is_main or self.total_micro is None:
             return None
         per_step = self.env.world_size * self.grad_accum  # steps left, in this shape's steps
         left = -(-(self.total_micro - self.clock.micro) // per_step)
-        return progress_bar(self.step + max(left, 0), "train", initial=self.step)
+        return StepProgress(self.step + max(left, 0), self.step, bar=self.cfg.progress,
+                            every_s=self.cfg.log_every_s)  # fmt: skip
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -566,12 +566,3 @@ class Trainer:
         bad = (~torch.isfinite(grad_norm)) | (~torch.isfinite(ce))
         flag = bad.to(torch.float64).reshape(1)
         return bool(all_reduce(flag, self.env, op="max").item() == 0)
-
-
-def _postfix(rec: dict[str, Any]) -> dict[str, str]:
-    out = {"loss": f"{rec['loss']:.3f}" if rec["loss"] is not None else "-"}
-    if "tau" in rec:
-        out["tau"] = f"{rec['tau']:.2f}"
-    out["tok/s"] = f"{rec['tokens_per_s']:.0f}"
-    out["wait"] = f"{100 * rec['data_wait_frac']:.1f}%"
-    return out
