@@ -233,7 +233,7 @@ class RunOptions(TargetOptions):
     )  # fmt: skip
     init_drafter: Path | None = opt(
         None,
-        "Start from a DFlash drafter folder (an export, or a released one): its weights, "
+        "Start from a DFlash drafter folder (z-lab's or speculators' layout): its weights, "
         "and its layer ids, depth, block size and MASK token where not given. A checkpoint "
         "found by --resume wins.",
         path={"exists": True, "file_okay": False},

@@ -11,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py")
+#: The folder architecture of each drafter generation (``DrafterConfig.variant``), in both
+#: dialects of a drafter folder (``trainer.hf.folder``, ``trainer.hf.speculators``).
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 
 
 def remote_code_paths() -> list[Path]:

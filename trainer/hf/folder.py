@@ -1,6 +1,8 @@
 """Reading a DFlash drafter folder (``--init-drafter``): its ``config.json`` checked for what
 this drafter can express, its options filled in, its weights loaded. ``export`` writes the
-same format (``trainer.hf.export``).
+same formats (``trainer.hf.export``): the DFlash dialect (z-lab's, Transformers') as it is,
+and speculators' (``speculators_model_type``), read through ``trainer.hf.speculators``'s
+mapping into the DFlash dialect first, so both meet the same checks.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.hf import ARCHITECTURES
 from trainer.hf.configuration_dflash import DFLASH_KEYS
+from trainer.hf.speculators import SPECULATORS_KEY, dflash_from_speculators
 from trainer.model.drafter import (
     FULL_ATTENTION,
     LAYER_TYPES,
@@ -30,9 +34,6 @@ log = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-ARCHITECTURE = "DFlashDraftModel"
-#: The folder architecture of each drafter generation (``DrafterConfig.variant``).
-ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
 #: DFlash2's ``dflash_config`` keys every engine needs (vLLM reads them without a default).
 DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -48,7 +49,8 @@ class DrafterFolder:
     """A DFlash drafter folder's ``config.json`` (checked for what this drafter can express)."""
 
     path: Path
-    config: dict[str, Any]
+    config: dict[str, Any]  # in the DFlash dialect (a speculators config mapped to it)
+    dialect: str = "dflash"  # or "speculators": the layout of the folder's config.json
 
     @property
     def dflash(self) -> dict[str, Any]:
@@ -139,7 +141,11 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"--init-drafter {path}: no config.json")
-    folder = DrafterFolder(Path(path), json.loads(file.read_text()))
+    config = json.loads(file.read_text())
+    if isinstance(config, dict) and SPECULATORS_KEY in config:
+        folder = DrafterFolder(Path(path), dflash_from_speculators(config, file), "speculators")
+    else:
+        folder = DrafterFolder(Path(path), config)
     _check_kind(folder, file)
     _check_layer_types(folder, file)
     if folder.layer_types is not None:
@@ -403,4 +409,4 @@ def init_drafter(drafter: DFlashDrafter, folder: DrafterFolder, target: Target) 
     if drafter.mask_embedding is not None:
         raise ValueError(f"{folder.path}: a learned MASK vector cannot be initialised from it")
     load_folder_weights(folder, drafter)
-    log.info("drafter initialised from %s", folder.path)
+    log.info("drafter initialised from %s (%s dialect)", folder.path, folder.dialect)
