@@ -31,7 +31,8 @@ CONFIG_FILE = "config.json"
 RUN_FACTS = ("requested_loader_spec", "world_size")
 #: Options that runs written before they existed lack, with the value those runs had.
 ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_intermediate": None,
-                               "max_nonfinite_steps": 0, "max_empty_steps": 0}  # fmt: skip
+                               "max_nonfinite_steps": 0, "max_empty_steps": 0,
+                               "report_to": ()}  # fmt: skip
 #: Options renamed since: old key -> new key (both spellings are read).
 RENAMED = {"num_anchors": "anchors_per_doc"}
 
@@ -356,6 +357,14 @@ class RunOptions(TargetOptions):
         None, "Default: cuda:LOCAL_RANK when a GPU is present, else cpu.", section=EVAL
     )
     no_progress: bool = opt(False, "No progress bar.", section=EVAL)
+    report_to: tuple[str, ...] = opt(
+        (),
+        "Dashboards, comma-separated or repeated: tensorboard (RUN_DIR/tensorboard), wandb "
+        "(offline, RUN_DIR/wandb), mlflow (RUN_DIR/mlruns unless MLFLOW_TRACKING_URI); "
+        "rank 0 logs each step's metrics and the options. One that fails is dropped, warned.",
+        show_default=False,
+        section=EVAL,
+    )
 
     def __post_init__(self) -> None:
         """Types (``Options``), then every count and rate in range; errors name the flag."""
