@@ -32,7 +32,7 @@ RUN_FACTS = ("requested_loader_spec", "world_size")
 #: Options that runs written before they existed lack, with the value those runs had.
 ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_intermediate": None,
                                "max_nonfinite_steps": 0, "max_empty_steps": 0,
-                               "log_every_s": 60.0}  # fmt: skip
+                               "log_every_s": 60.0, "report_to": ()}  # fmt: skip
 #: Options renamed since: old key -> new key (both spellings are read).
 RENAMED = {"num_anchors": "anchors_per_doc"}
 
@@ -361,6 +361,14 @@ class RunOptions(TargetOptions):
         60.0,
         "Without a terminal (systemd's journal, a log file), or with --no-progress: one "
         "progress line every N seconds (step, loss, tau, tokens/s, ETA); 0: none.",
+        section=EVAL,
+    )
+    report_to: tuple[str, ...] = opt(
+        (),
+        "Dashboards, comma-separated or repeated: tensorboard (RUN_DIR/tensorboard), wandb "
+        "(offline, RUN_DIR/wandb), mlflow (RUN_DIR/mlruns unless MLFLOW_TRACKING_URI); "
+        "rank 0 logs each step's metrics and the options. One that fails is dropped, warned.",
+        show_default=False,
         section=EVAL,
     )
 

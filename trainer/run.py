@@ -199,6 +199,7 @@ def train_config(opts: RunOptions) -> TrainConfig:
         cost_samples=opts.cost_samples,
         profile_step=opts.profile_step,
         peak_tflops=opts.peak_tflops,
+        report_to=opts.report_to,
         max_nonfinite_steps=opts.max_nonfinite_steps,
         max_empty_steps=opts.max_empty_steps,
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 from trainer.model.attention import BACKENDS
 from trainer.model.blocks import LossConfig
 from trainer.model.loss import DEFAULT_CHUNK_SIZE
+from trainer.train.trackers import parse_names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +43,7 @@ class TrainConfig:
     max_empty_steps: int = 10  # stop after this many steps in a row without a block (0: never)
     profile_step: int = 0  # profile this step (trainer.train.profile; 0: off)
     peak_tflops: float | None = None  # the chip's bf16 peak for MFU (None: by device name)
+    report_to: tuple[str, ...] = ()  # dashboards (trainer.train.trackers; rank 0 only)
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.epochs is None):
@@ -64,6 +66,7 @@ class TrainConfig:
             raise ValueError("eval_every and ckpt_every must be >= 0, keep_checkpoints >= 1")
         if self.max_nonfinite_steps < 0 or self.max_empty_steps < 0:
             raise ValueError("max_nonfinite_steps and max_empty_steps must be >= 0 (0: never stop)")
+        parse_names(self.report_to)  # an unknown tracker is refused before the run starts
 
     def total_steps(self, steps_per_epoch: int | None) -> int:
         if self.steps is not None:

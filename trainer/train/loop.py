@@ -71,6 +71,7 @@ from trainer.train.loader_failure import Fetch
 from trainer.train.metrics import MetricsWriter, metrics_path, read_metrics, summarize
 from trainer.train.profile import StepProfiler, trainer_flops
 from trainer.train.step import StepResult, StepSums, autocast, step_record
+from trainer.train.trackers import Trackers
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -114,6 +115,7 @@ class Trainer:
         self.cadence = Cadence(cfg.ckpt_every)
         self.profiler = StepProfiler(cfg.profile_step, cfg.run_dir, env, cfg.peak_tflops)
         self.metrics = MetricsWriter(metrics_path(cfg.run_dir), enabled=env.is_main)
+        self.trackers = Trackers(cfg.report_to, cfg.run_dir, env.is_main, asdict(cfg))
         rule = (cfg.loss.block_size, cfg.loss.anchors_per_doc, cfg.loss.max_anchors)
         self.costs = CostLog(cfg.run_dir, env.rank, cfg.cost_samples, rule, env.device)
         self.stopper = Stopper(
@@ -254,6 +256,7 @@ class Trainer:
         rec: dict[str, Any] = {"step": 0}
         self.evaluator.add_to(rec)
         self.metrics.write(rec)
+        self.trackers.log(0, rec)
 
     def _steps(self, it: Iterator[Batch], bar: StepProgress | None) -> End:
         """The step loop. ``--epochs``: to the last step of the last epoch (the loader's
@@ -276,6 +279,7 @@ class Trainer:
                 self.evaluator.add_to(rec)
             self.tally.add(rec["blocks"])
             self.metrics.write(rec)  # before the checkpoint (trainer.train.cadence)
+            self.trackers.log(self.step, rec)
             self.stopper.check(rec, self.step, self.meta.get("loader_spec") or {})
             if self.cadence.due(self.step, final):
                 t0 = time.perf_counter()
@@ -300,6 +304,7 @@ class Trainer:
 
     def _close(self) -> None:
         self.metrics.close()
+        self.trackers.close()
         self.costs.close()
 
     def _last_epoch_done(self) -> bool:
