@@ -33,7 +33,7 @@ THREADS = $(if $(filter 0,$(JOBS)),,OMP_NUM_THREADS=1)
 
 # Unit and integration layers (tests/unit, tests/integration); the soak layer is `make soak`.
 test: lint typecheck
-	$(THREADS) $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(THREADS) $(BIN)/python -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # The unit layer alone: pure code, no daemon or torchrun subprocesses (well under 30 s).
 test-fast: $(STAMP)

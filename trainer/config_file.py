@@ -25,6 +25,7 @@ from typing import Any
 
 import tomllib
 
+from trainer.option_values import field_value
 from trainer.options import (
     DRAFTER,
     EVAL,
@@ -34,7 +35,6 @@ from trainer.options import (
     SPEC,
     TARGET,
     RunOptions,
-    field_value,
 )
 
 #: ``--help`` section -> TOML table ("" and None: the top, the run's own options).

@@ -9,19 +9,21 @@ training run writes its options to ``config.json`` and reads them back from it.
 ``regen --server``, which tokenizes what it regenerated. Reading a ``config.json`` names every
 unknown and missing key and every value of the wrong type instead of failing later on one.
 
-This module is the trainer's foundation: it imports nothing of the trainer and no torch.
+This module is the trainer's foundation: it imports nothing of the trainer but
+``trainer.option_values`` (how a value is checked and read), and no torch.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from trainer.option_values import from_json, has_type, to_json, type_name
 
 if TYPE_CHECKING:
     from dataclasses import Field
@@ -70,8 +72,8 @@ class Options:
     def __post_init__(self) -> None:
         for name, hint in typing.get_type_hints(type(self)).items():
             value = getattr(self, name)
-            if not _has_type(value, hint):
-                raise ValueError(f"option {name} must be {_type_name(hint)}, got {value!r}")
+            if not has_type(value, hint):
+                raise ValueError(f"option {name} must be {type_name(hint)}, got {value!r}")
 
     @classmethod
     def pick(cls: type[_Options], kwargs: Mapping[str, Any]) -> _Options:
@@ -89,7 +91,7 @@ class Options:
         if missing:
             raise ValueError(f"{source}: missing option(s) {', '.join(missing)}")
         hints = typing.get_type_hints(cls)
-        values = {k: _from_json(record[k], hints[k]) for k in names if k in record}
+        values = {k: from_json(record[k], hints[k]) for k in names if k in record}
         try:
             return cls(**{**{k: ADDED_LATER[k] for k in names if k in ADDED_LATER}, **values})
         except (ValueError, TypeError) as e:
@@ -97,7 +99,7 @@ class Options:
 
     def to_record(self) -> dict[str, Any]:
         """A JSON-ready dict: paths as strings, tuples as lists."""
-        return {f.name: _to_json(getattr(self, f.name)) for f in fields(self)}
+        return {f.name: to_json(getattr(self, f.name)) for f in fields(self)}
 
 
 TARGET = "Target (tiny: a seeded random Qwen3)"
@@ -548,58 +550,3 @@ def parse_layer_types(
             f"--sliding-window {sliding_window}: --layer-types {value!r} has no sliding layer"
         )
     return None if "sliding_attention" not in kinds else kinds
-
-
-def field_value(cls: type[Options], name: str, value: Any) -> Any:
-    """A JSON or TOML value for option ``name`` of ``cls``, in its declared form (a path, a
-    tuple); ValueError when it has another type."""
-    hint = typing.get_type_hints(cls)[name]
-    out = _from_json(value, hint)
-    if not _has_type(out, hint):
-        raise ValueError(f"must be {_type_name(hint)}, got {value!r}")
-    return float(out) if float in _kinds(hint) and isinstance(out, int) else out
-
-
-def _to_json(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-def _from_json(value: Any, hint: Any) -> Any:
-    """``value`` as read from JSON, in the form ``hint`` declares (a path, a tuple)."""
-    kinds = _kinds(hint)
-    if Path in kinds and isinstance(value, str):
-        return Path(value)
-    if any(typing.get_origin(k) is tuple for k in kinds) and isinstance(value, list):
-        return tuple(value)
-    return value
-
-
-def _kinds(hint: Any) -> tuple[Any, ...]:
-    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-
-
-def _has_type(value: Any, hint: Any) -> bool:
-    return any(_is(value, kind) for kind in _kinds(hint))
-
-
-def _is(value: Any, kind: Any) -> bool:
-    if kind is type(None):
-        return value is None
-    if isinstance(value, bool) and kind is not bool:  # bool is an int to Python, not to us
-        return False
-    if kind is float:  # JSON and users write 1 for 1.0
-        return isinstance(value, int | float)
-    if typing.get_origin(kind) is tuple:
-        item = typing.get_args(kind)[0]
-        return isinstance(value, tuple) and all(isinstance(v, item) for v in value)
-    return isinstance(value, kind)
-
-
-def _type_name(hint: Any) -> str:
-    return " or ".join(
-        "null" if k is type(None) else getattr(k, "__name__", str(k)) for k in _kinds(hint)
-    )
