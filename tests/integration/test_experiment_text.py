@@ -15,11 +15,11 @@ from conftest import ROOT
 
 from loader_server.planning.spec import REFERENCE_BUCKETS
 
-pytestmark = pytest.mark.heavy(85)  # seconds alone; scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.heavy(70)  # seconds alone; scheduled first (tests/conftest.py)
 
 
 TEXT = [
-    "--corpus", "text", "--target-steps", "200", "--target-layers", "1", "--target-hidden", "64",
+    "--corpus", "text", "--target-steps", "100", "--target-layers", "1", "--target-hidden", "64",
     "--target-vocab", "512", "--target-seq-len", "256", "--target-lr", "0.01",
     "--target-threads", "1", "--prompts", "40", "--heldout-prompts", "16", "--tau-prompts", "4",
     "--max-reply-tokens", "32", "--steps", "6", "--grad-accum", "2", "--token-budget", "1024",
