@@ -77,12 +77,19 @@ def small_daemon(tmp_path, monkeypatch):
     yield from _serve(spec, tmp_path, monkeypatch)
 
 
+def private_shm(fallback: Path, prefix: str = "dflash-trainer-test") -> Path:
+    """A fresh shm folder of the test's own (under /dev/shm, else under ``fallback``), so
+    no two tests' daemons share rings; the caller removes it."""
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else fallback
+    shm = base / f"{prefix}-{uuid.uuid4().hex[:8]}"
+    shm.mkdir()
+    return shm
+
+
 def _serve(spec: SynthSpec, tmp_path: Path, monkeypatch):
     corpus = tmp_path / "corpus.arrow"
     write_corpus(corpus, spec)
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp_path
-    shm = base / f"dflash-trainer-test-{uuid.uuid4().hex[:8]}"
-    shm.mkdir()
+    shm = private_shm(tmp_path)
     monkeypatch.setenv("DFLASH_LOADER_SHM_DIR", str(shm))  # the trainers' clients map there
     d = Daemon(corpus, tmp_path, shm)
     yield d

@@ -20,6 +20,7 @@ import json
 import re
 import typing
 from dataclasses import Field, fields
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ def _key(f: Field[Any]) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
+@cache
 def _fields() -> dict[str, Field[Any]]:
     """Key -> field, for every option with a flag (aliases and renamed keys included)."""
     out: dict[str, Field[Any]] = {}

@@ -21,13 +21,12 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from procs import children, kill_tree
-from trainer_jobs import RUN_TIMEOUT_S, Daemon, env, records
+from trainer_jobs import RUN_TIMEOUT_S, Daemon, env, private_shm, records
 
 from loader_server.data.synth import SynthSpec, write_corpus
 from loader_server.faults import ENV
@@ -56,9 +55,8 @@ class Supervised:
         extra = {ENV: fault} if fault else {}
         log_dir = self.workdir / f"daemon-{self.starts}"
         log_dir.mkdir()
-        d = Daemon(self.corpus, log_dir, self.shm, env={**os.environ, **extra},
-                   endpoint=f"ipc://{self.workdir}/loader.sock")  # fmt: skip
-        return d
+        return Daemon(self.corpus, log_dir, self.shm, env={**os.environ, **extra},
+                      endpoint=f"ipc://{self.workdir}/loader.sock")  # fmt: skip
 
     def _supervise(self) -> None:
         while not self._stop.wait(0.05):
@@ -88,9 +86,7 @@ def job(tmp_path_factory) -> Iterator[dict]:
     corpus = root / "corpus.arrow"
     write_corpus(corpus, SynthSpec(num_samples=120, seed=5, median_len=96, max_len=256,
                                    vocab_size=512, content="learnable"))  # fmt: skip
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else root
-    shm = base / f"dflash-matrix-{uuid.uuid4().hex[:8]}"
-    shm.mkdir()
+    shm = private_shm(root, "dflash-matrix")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_LOADER_SHM_DIR", str(shm))
         (root / "ref").mkdir()

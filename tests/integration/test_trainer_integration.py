@@ -15,12 +15,10 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 from procs import children
-from trainer_jobs import RUN_TIMEOUT_S, Daemon, daemon, env, records, run, train_cmd
+from trainer_jobs import RUN_TIMEOUT_S, Daemon, daemon, env, private_shm, records, run, train_cmd
 
 from loader_server.data.synth import SynthSpec, write_corpus
 
@@ -96,9 +94,7 @@ def test_trainer_follows_the_daemons_spec(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.arrow"
     write_corpus(corpus, SynthSpec(num_samples=300, seed=5, median_len=150, max_len=400,
                                    vocab_size=512, content="learnable"))  # fmt: skip
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp_path
-    shm = base / f"dflash-trainer-test-{uuid.uuid4().hex[:8]}"
-    shm.mkdir()
+    shm = private_shm(tmp_path)
     monkeypatch.setenv("DFLASH_LOADER_SHM_DIR", str(shm))
     flags = ("--token-budget", "512", "--max-seq-len", "128", "--grad-accum", "2")
     d = Daemon(corpus, tmp_path, shm, *flags)
