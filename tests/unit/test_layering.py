@@ -121,6 +121,7 @@ TRAINER_ROOMS = {
     "trainer/train": ("data", "hf", "ops", "cli", "run"),
     "trainer/hf": ("data", "ops", "cli", "run"),
     "trainer/ops": ("model", "data", "hf", "cli", "run"),
+    "trainer/eval": ("train", "cli", "run"),
     "trainer/run.py": ("cli",),
 }
 FOUNDATION = (
