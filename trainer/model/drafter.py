@@ -379,6 +379,10 @@ def plan_chunks(
 KEEP_CHUNKS = 2  # chunks per micro-batch drafted without activation checkpointing
 
 
+#: Per drafter layer, the context's keys and values ``[1, kv_heads, S, d]``.
+ContextKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
 class DFlashDrafter(nn.Module):
     """Projection of target features, K decoder layers, final norm (and, opt-in, a learned
     MASK vector). A dflash2 drafter also holds its ``candidate_selector``, which the head
@@ -419,23 +423,41 @@ class DFlashDrafter(nn.Module):
         scale = self.config.input_embedding_scale
         return x * scale if scale != 1.0 else x
 
-    def forward(self, embed: nn.Module, blocks: DraftBlocks, backend: str = "sdpa") -> torch.Tensor:
+    def _project(self, feats: torch.Tensor) -> torch.Tensor:
+        """The context's drafter inputs: the normed projection of target features ``[..., F]``
+        (under autocast the projection casts; else the features match the weights)."""
+        if not torch.is_autocast_enabled(feats.device.type):
+            feats = feats.to(self.fc.weight.dtype)
+        return cast(torch.Tensor, self.hidden_norm(self.fc(feats)))
+
+    def _keys_values(self, ctx: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+        rope = rotary(positions, self.config.head_dim, self.config.rope_theta)
+        return [cast(DrafterLayer, layer).self_attn.keys_values(ctx, rope) for layer in self.layers]
+
+    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+        """Every layer's context keys and values ``[1, kv_heads, S, d]`` for target features
+        ``feats [S, F]`` at ``positions [S]``: a function of each position alone, so a
+        verifier caches them and computes only the newly committed positions' each step."""
+        return self._keys_values(self._project(feats), positions)
+
+    def forward(
+        self,
+        embed: nn.Module,
+        blocks: DraftBlocks,
+        backend: str = "sdpa",
+        ctx_kv: ContextKV | None = None,
+    ) -> torch.Tensor:
         """Hidden states (after the final norm) of every block slot, ``[N*B, H]``, or of the
         slots ``blocks.keep`` selects, in block-major order.
 
-        ``embed`` is the target's frozen embedding. Chunks run under activation
-        checkpointing when there are more than ``KEEP_CHUNKS`` (recomputed in backward).
+        ``embed`` is the target's frozen embedding. ``ctx_kv``: the packed context's keys
+        and values (``context_kv``) when the caller has them; ``blocks.feats`` is then not
+        read. Chunks run under activation checkpointing when there are more than
+        ``KEEP_CHUNKS`` (recomputed in backward).
         """
-        feats = blocks.feats  # under autocast the projection casts; else match the weights
-        if not torch.is_autocast_enabled(feats.device.type):
-            feats = feats.to(self.fc.weight.dtype)
-        ctx = self.hidden_norm(self.fc(feats))
-        ctx = ctx[blocks.ctx_row, blocks.ctx_col]
-        cfg = self.config
-        rope = rotary(blocks.ctx_pos, cfg.head_dim, cfg.rope_theta)
-        ctx_kv = [
-            cast(DrafterLayer, layer).self_attn.keys_values(ctx, rope) for layer in self.layers
-        ]
+        if ctx_kv is None:
+            ctx = self._project(blocks.feats)[blocks.ctx_row, blocks.ctx_col]
+            ctx_kv = self._keys_values(ctx, blocks.ctx_pos)
         # Up to KEEP_CHUNKS chunks keep their activations (memory still bounded by the chunk
         # size); more are recomputed in backward.
         checkpointed = len(blocks.chunks) > KEEP_CHUNKS and torch.is_grad_enabled()
@@ -454,7 +476,7 @@ class DFlashDrafter(nn.Module):
         self,
         embed: nn.Module,
         blocks: DraftBlocks,
-        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx_kv: ContextKV,
         chunk: tuple[int, int, int, int],
         backend: str,
     ) -> torch.Tensor:

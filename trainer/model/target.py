@@ -179,11 +179,16 @@ class Target:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         cache: DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(features [R, T, n*H], last_hidden [R, T, H])`` for ``input_ids [R, T]``: the
         whole decoder stack (verification). With a ``cache`` (``new_cache()``) the ids
-        continue the cached sequence, and the cache is extended in place."""
-        feats, out = self._run(input_ids, position_ids, cache, stop_early=False)
+        continue the cached sequence, and the cache is extended in place.
+        ``attention_mask [R, cached + T]`` (1: a real slot): the slots each row may attend
+        to, for rows of different lengths in one batch (``trainer.model.speculate``)."""
+        feats, out = self._run(
+            input_ids, position_ids, cache, stop_early=False, mask=attention_mask
+        )
         return feats, out.last_hidden_state
 
     @torch.no_grad()
@@ -201,6 +206,7 @@ class Target:
         cache: DynamicCache | None,
         *,
         stop_early: bool,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """Rows are right-padded (causal attention keeps padding out of real positions) or
         packed (``position_ids`` restart at 0 per document). Forward hooks on the chosen
@@ -219,7 +225,9 @@ class Target:
             return grab
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in set(self.layer_ids)]
-        kwargs: dict[str, DynamicCache] = {} if cache is None else {self._cache_kwarg: cache}
+        kwargs: dict[str, Any] = {} if cache is None else {self._cache_kwarg: cache}
+        if mask is not None:
+            kwargs["attention_mask"] = mask.long()
         out = None
         try:
             out = self.base(

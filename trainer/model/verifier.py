@@ -132,7 +132,7 @@ def eos_ids(config: PretrainedConfig | GenerationConfig | None) -> tuple[int, ..
     return tuple(dict.fromkeys(int(e) for e in eos))
 
 
-def _first_eos(tokens: torch.Tensor, eos_token_ids: Sequence[int]) -> int | None:
+def first_eos(tokens: torch.Tensor, eos_token_ids: Sequence[int]) -> int | None:
     """Index of the first token of ``tokens [n]`` in ``eos_token_ids``, or None."""
     if not eos_token_ids:
         return None
@@ -205,7 +205,7 @@ def speculative_generate(
     lengths: list[int] = []
     served: int | None = None  # steps run when a serving engine stopped
     useful: list[int] = []  # each step's output tokens, up to the first EOS
-    eos_at = 0 if _first_eos(committed[-1:], eos_token_ids) is not None else None
+    eos_at = 0 if first_eos(committed[-1:], eos_token_ids) is not None else None
     while True:
         generated = committed.numel() - prompt.numel()
         if served is None and (eos_at is not None or generated >= max_new_tokens):
@@ -224,7 +224,7 @@ def speculative_generate(
         j = int((drafts == greedy[:-1]).long().cumprod(0).sum())
         new = torch.cat([drafts[:j], greedy[j : j + 1]])
         lengths.append(j + 1)  # the whole step, even past an EOS in it (z-lab, vLLM)
-        stop = _first_eos(new, eos_token_ids) if eos_at is None else None
+        stop = first_eos(new, eos_token_ids) if eos_at is None else None
         useful.append(0 if eos_at is not None else new.numel() if stop is None else stop + 1)
         if stop is not None:
             eos_at = generated + stop
