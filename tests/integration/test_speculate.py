@@ -52,17 +52,10 @@ def prompts(samples) -> list[torch.Tensor]:
 
 def reference(target, drafter, ps, max_new, eos):
     proposer = DrafterProposer(target, drafter)
-    return [
-        speculative_generate(
-            target,
-            proposer,
-            p,
-            block_size=drafter.config.block_size,
-            max_new_tokens=max_new,
-            eos_token_ids=eos,
-        )  # fmt: skip
-        for p in ps
-    ]
+    b = drafter.config.block_size
+    run = speculative_generate
+    return [run(target, proposer, p, block_size=b, max_new_tokens=max_new, eos_token_ids=eos)
+            for p in ps]  # fmt: skip
 
 
 def assert_same(got, want):
