@@ -11,7 +11,8 @@ Typical use (tiny CPU setup)::
     dflash-train plot runs/tiny
 
 The commands live by what they work on: ``data`` (tokenize, regen), ``train`` (train),
-``tools`` (export, save-target, calibrate, plot). Each imports what it runs only when it
+``eval`` (acceptance-length tables on the public prompt sets), ``tools`` (export, save-target,
+calibrate, plot). Each imports what it runs only when it
 runs, so ``--help`` and the torch-free commands start fast.
 """
 
@@ -23,6 +24,7 @@ import click
 
 from loader_server.cli.contract import OneLineGroup, setup_logging
 from trainer.cli import data, tools, train
+from trainer.cli.eval import eval_command
 
 
 class _Group(OneLineGroup):
@@ -44,5 +46,5 @@ def main(verbose: bool, debug: bool) -> None:
     setup_logging(verbose or debug, prefix=f"[rank {rank}] " if rank is not None else "")
 
 
-for _command in (train.train, data.regen, data.tokenize, *tools.COMMANDS):
+for _command in (train.train, data.regen, data.tokenize, eval_command, *tools.COMMANDS):
     main.add_command(_command)
