@@ -36,8 +36,9 @@ def made(tmp_path_factory) -> dict[str, Path]:
                                   "--tiny-layers", "2", "--tokenizer", str(tok)])  # fmt: skip
     assert r.exit_code == 0, r.output
     target = load_target(str(target_dir))
-    cfg = DrafterConfig.from_target(target.config, num_target_layers=len(target.layer_ids),
-                                    block_size=B, mask_token_id=target.config.mask_token_id)  # fmt: skip
+    n_layers, mask = len(target.layer_ids), target.config.mask_token_id
+    cfg = DrafterConfig.from_target(target.config, num_target_layers=n_layers, block_size=B,
+                                    mask_token_id=mask)  # fmt: skip
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     samples = [(torch.randint(1, 500, (48,), generator=g).tolist(), [1] * 48) for _ in range(8)]
@@ -48,8 +49,10 @@ def made(tmp_path_factory) -> dict[str, Path]:
     out["speculators"] = export_drafter(run, tmp / "spec", dtype="fp32", fmt="speculators")
     sets = tmp / "sets"
     sets.mkdir()
-    write(sets / "gsm8k.jsonl", [{"question": "Tom has 3 apples and eats one. How many?",
-                                  "answer": "2"}, {"question": "What is 4 + 5?", "answer": "9"}])  # fmt: skip
+    write(sets / "gsm8k.jsonl", [
+        {"question": "Tom has 3 apples and eats one. How many?", "answer": "2"},
+        {"question": "What is 4 + 5?", "answer": "9"},
+    ])  # fmt: skip
     write(sets / "question.jsonl", [
         {"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Now a limerick."]},
         {"question_id": 82, "category": "math", "turns": ["What is 2+2?", "And times 3?"]},
@@ -65,7 +68,8 @@ def write(path: Path, rows: list[dict]) -> None:
 def run_eval(made, out: Path, *drafters: str, extra: tuple[str, ...] = ()) -> dict:
     args = ["eval", *(str(made[d]) for d in drafters), "--target", str(made["target"]),
             "--sets", f"gsm8k={made['gsm8k']},mt-bench={made['mt-bench']}", "--sets",
-            "humaneval", "--limit", "2", "--max-new-tokens", "12", "--out", str(out), *extra]  # fmt: skip
+            "humaneval", "--limit", "2", "--max-new-tokens", "12", "--out", str(out),
+            *extra]  # fmt: skip
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     assert "| Drafter | gsm8k | mt-bench | humaneval | Mean |" in r.output

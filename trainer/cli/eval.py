@@ -61,6 +61,14 @@ def _sets(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) ->
     help="Prompts per verification forward.",
 )  # fmt: skip
 @click.option(
+    "--device", default="auto", show_default=True,
+    help="Where target and drafter run: auto (cuda when there is one), cpu, cuda, cuda:N.",
+)  # fmt: skip
+@click.option(
+    "--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
+    help="auto: bf16 on a GPU, fp32 on the CPU.",
+)  # fmt: skip
+@click.option(
     "--engine", type=click.Choice(["ours", "vllm", "both"]), default="ours", show_default=True,
     help="ours: our verifier (every protocol); vllm: vLLM serving target and drafter, read "
     "off its /metrics; both: side by side.",
@@ -72,8 +80,8 @@ def _sets(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) ->
 def eval_command(
     drafters: tuple[Path, ...], target: Path, sets: list[str], out: Path, force: bool,
     thinking: str, wrap: str, limit: int | None, max_new_tokens: int, temperature: float,
-    top_p: float, top_k: int, seed: int, batch_size: int, engine: str,
-    vllm_python: Path | None,
+    top_p: float, top_k: int, seed: int, batch_size: int, device: str, dtype: str,
+    engine: str, vllm_python: Path | None,
 ) -> None:  # fmt: skip
     """Measure DRAFTERS' acceptance length (tau) on public prompt sets.
 
@@ -103,7 +111,14 @@ def eval_command(
         raise click.UsageError(f"--sets names a set twice: {', '.join(names)}")
     for p in prompt_sets:
         click.echo(p.describe())
-    base, tokenizer, eos = load_base_target(target)
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "fp32" if device == "cpu" else "bf16"
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    base, tokenizer, eos = load_base_target(target, device, torch_dtype)
     loaded = [load_drafter(d, base) for d in drafters]
     with atomic_output(out, folder=True, force=force, inputs=[*drafters, target]) as tmp:
         measurements = evaluate(loaded, prompt_sets, tokenizer, eos, settings, tmp,

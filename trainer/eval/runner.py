@@ -112,19 +112,28 @@ def load_drafter(path: Path, base: Target, *, label: str | None = None) -> Loade
         target = Target(base.model, src.layer_ids)
         drafter = DFlashDrafter(src.config)
         drafter.load_state_dict(src.weights)
-        return LoadedDrafter(f"{label}@{src.step}", path, drafter.eval(), target, None)
+        return LoadedDrafter(f"{label}@{src.step}", path, _on(drafter, base), target, None)
     folder = read_drafter_folder(path)
     target = Target(base.model, folder.target_layer_ids)
     drafter = DFlashDrafter(config_from_folder(folder, target))
     init_drafter(drafter, folder, target)
-    return LoadedDrafter(label, path, drafter.eval(), target, path)
+    return LoadedDrafter(label, path, _on(drafter, base), target, path)
 
 
-def load_base_target(path: Path) -> tuple[Target, Any, tuple[int, ...]]:
-    """The target model, its tokenizer (with a chat template) and its EOS ids."""
+def _on(drafter: DFlashDrafter, base: Target) -> DFlashDrafter:
+    """The drafter in eval mode on the target's device, in its dtype."""
+    weight = base.embed_tokens.weight
+    return drafter.to(weight.device, weight.dtype).eval()
+
+
+def load_base_target(
+    path: Path, device: str = "cpu", dtype: torch.dtype | None = None
+) -> tuple[Target, Any, tuple[int, ...]]:
+    """The target model (on ``device`` in ``dtype``), its tokenizer (with a chat template)
+    and its EOS ids."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    target = load_target(str(path))
+    target = load_target(str(path), device=device, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(path)
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{path}: the target's tokenizer has no chat template to render with")
