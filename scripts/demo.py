@@ -14,7 +14,9 @@ drafter that Transformers reloads and drafts with.
 7. export the drafter as a Hugging Face folder (`dflash-train export`), reload it with
    Transformers and run Transformers' own DFlash speculative decoding on the held-out
    prompts: the output equals the target's greedy output, and tau is printed;
-8. stop the daemon (SIGTERM: clients told, shared memory unlinked).
+8. stop the daemon (SIGTERM: clients told, shared memory unlinked);
+9. measure the drafter as the field reports it (`dflash-train eval`): the built-in HumanEval,
+   rendered with the target's chat template, every protocol's tau in one table.
 
 Everything lands in demo-run/ (delete it to start over).
 """
@@ -242,6 +244,9 @@ def main() -> None:
     drafter = DEMO_DIR / "drafter"
     sh(*TRAIN, "export", str(run_dir), str(drafter), "--force")
     reload_and_draft(target, drafter, heldout)
+    sh(*TRAIN, "eval", str(drafter), "--target", str(target), "--sets", "humaneval",
+       "--limit", "16", "--max-new-tokens", "64", "--out", str(DEMO_DIR / "eval"),
+       "--force")  # fmt: skip
 
 
 if __name__ == "__main__":
