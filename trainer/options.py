@@ -372,8 +372,8 @@ class RunOptions(TargetOptions):
     )  # fmt: skip
     eval_batch: int = opt(
         16,
-        "Prompts per verification forward when measuring tau (a rank's share of each set "
-        "runs in batches of N): memory grows with N x the longest prompt.",
+        "Prompts per verification forward when measuring tau (a rank's share of the held-out "
+        "prompts and of each set runs in batches of N): memory grows with N x the longest.",
         section=EVAL,
     )
     ckpt_every: int = opt(0, "Checkpoint every N steps; 0: at the end.", section=EVAL)
