@@ -34,7 +34,9 @@ RUN_FACTS = ("requested_loader_spec", "world_size")
 #: Options that runs written before they existed lack, with the value those runs had.
 ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_intermediate": None,
                                "max_nonfinite_steps": 0, "max_empty_steps": 0,
-                               "log_every_s": 60.0, "report_to": ()}  # fmt: skip
+                               "log_every_s": 60.0, "report_to": (), "eval_sets": (),
+                               "eval_set_limit": 32, "eval_thinking": "off",
+                               "eval_batch": 16}  # fmt: skip
 #: Options renamed since: old key -> new key (both spellings are read).
 RENAMED = {"num_anchors": "anchors_per_doc"}
 
@@ -144,6 +146,7 @@ RUN_LIMITS: dict[str, tuple[float, bool]] = {
     "grad_accum": (1, True), "token_budget": (1, True), "max_batch_size": (1, True),
     "max_seq_len": (1, True), "cost_samples": (0, True), "eval_every": (0, True),
     "num_eval_prompts": (0, True), "eval_new_tokens": (1, True), "ckpt_every": (0, True),
+    "eval_set_limit": (1, True), "eval_batch": (1, True),
     "keep_checkpoints": (1, True), "timeout_s": (0, False), "profile_step": (0, True),
     "collective_timeout_s": (0, False),
     "peak_tflops": (0, False), "log_every_s": (0, True),
@@ -352,6 +355,27 @@ class RunOptions(TargetOptions):
     )  # fmt: skip
     num_eval_prompts: int = opt(16, "Prompts tau is measured on.", section=EVAL)
     eval_new_tokens: int = opt(64, "Tokens generated per prompt when measuring tau.", section=EVAL)
+    eval_sets: tuple[str, ...] = opt(
+        (),
+        "Prompt sets tau is also measured on at every evaluation, NAME=PATH (gsm8k, "
+        "math500, mbpp, mt-bench, alpaca... or a label of yours: the format is detected) or "
+        "humaneval (built in), comma-separated or repeated; records get tau/NAME and "
+        "tau_pooled/NAME. Each set's first --eval-set-limit prompts, rendered with the target "
+        "folder's tokenizer and chat template; multi-turn sets (MT-Bench): the first turn only.",
+        show_default=False,
+        section=EVAL,
+    )
+    eval_set_limit: int = opt(32, "Prompts of each --eval-sets set (its first N).", section=EVAL)
+    eval_thinking: str = opt(
+        "off", "The chat template's enable_thinking for --eval-sets prompts.",
+        choices=("off", "on"), section=EVAL,
+    )  # fmt: skip
+    eval_batch: int = opt(
+        16,
+        "Prompts per verification forward when measuring tau (a rank's share of the held-out "
+        "prompts and of each set runs in batches of N): memory grows with N x the longest.",
+        section=EVAL,
+    )
     ckpt_every: int = opt(0, "Checkpoint every N steps; 0: at the end.", section=EVAL)
     keep_checkpoints: int = opt(3, "Newest checkpoints kept.", section=EVAL)
     timeout_s: float = opt(60.0, "How long to wait for the loader daemon.", section=EVAL)

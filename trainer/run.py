@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 from dataclasses import fields, replace
 from pathlib import Path
@@ -20,6 +21,8 @@ import torch
 
 from loader_server.planning.cost import ANCHOR_RULE, profile_fields
 from trainer.data.regen import load_prompts
+from trainer.data.tokenizer import load_tokenizer
+from trainer.eval.sets import BUILTIN, conversation, load_set, parse_set, render
 from trainer.files import check_output
 from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, read_drafter_folder
 from trainer.model.blocks import LossConfig
@@ -167,6 +170,91 @@ def eval_prompts(opts: RunOptions, vocab_size: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab_size, (16,), generator=g) for _ in range(opts.num_eval_prompts)]
 
 
+#: A comma that begins another set (``NAME=`` or the built-in ``humaneval``), so that a path
+#: holding a comma stays whole.
+_NEXT_SET = re.compile(rf",\s*(?=[A-Za-z0-9][\w.-]*\s*=|{BUILTIN}\s*(?:,|$))")
+
+
+def parse_eval_sets(values: tuple[str, ...]) -> list[tuple[str, Path | None]]:
+    """``--eval-sets`` (repeated, comma-separated) as ``(NAME, PATH)`` pairs
+    (``trainer.eval.sets.parse_set``), each name once."""
+    out: dict[str, Path | None] = {}
+    for value in values:
+        for text in _NEXT_SET.split(value):
+            if not text.strip():
+                continue
+            try:
+                name, path = parse_set(text)
+            except ValueError as e:
+                raise ValueError(f"--eval-sets {e}") from None
+            if name in out:
+                raise ValueError(f"--eval-sets: the set {name!r} is named twice")
+            out[name] = path
+    return list(out.items())
+
+
+def eval_tokenizer(opts: RunOptions) -> Any:
+    """The target folder's tokenizer, which renders ``--eval-sets`` with its chat template;
+    one line naming the option when the target has no tokenizer or no chat template."""
+    why = "--eval-sets renders its prompts with the target's tokenizer and chat template"
+    if opts.target == TINY:
+        raise ValueError(
+            f"{why}: --target tiny has neither; give --target DIR, a model folder with a "
+            "tokenizer (dflash-train save-target DIR --tokenizer TOK writes the tiny one)"
+        )
+    folder = Path(opts.target)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"{why}: the target folder {folder} has no tokenizer")
+    try:
+        tok = load_tokenizer(folder)
+    except ValueError as e:
+        raise ValueError(f"{why}: {e}") from None
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"{why}: the tokenizer in {folder} has no chat template")
+    return tok
+
+
+def eval_set_prompts(opts: RunOptions, tokenizer: Any) -> dict[str, list[list[int]]]:
+    """Each ``--eval-sets`` set's first ``--eval-set-limit`` prompts as token ids: the first
+    user turn (in training a multi-turn set, MT-Bench, is measured on its first turn only)
+    rendered with the chat template, ``enable_thinking`` as ``--eval-thinking`` says."""
+    thinking = opts.eval_thinking == "on"
+    out: dict[str, list[list[int]]] = {}
+    for name, path in parse_eval_sets(opts.eval_sets):
+        found = load_set(name, path, limit=opts.eval_set_limit)
+        more = [p for p in found.prompts if len(p.turns) > 1]
+        log.info("eval set %s%s", found.describe(), "; the first turn only" if more else "")
+        out[name] = [
+            render(tokenizer, conversation(p, 0, []), thinking=thinking) for p in found.prompts
+        ]
+    return out
+
+
+def fitting_prompts(
+    sets: dict[str, list[list[int]]], max_positions: int, opts: RunOptions
+) -> dict[str, list[torch.Tensor]]:
+    """The prompts of each set that leave room in the target's ``max_positions`` for
+    ``--eval-new-tokens`` and a verification block (the last step may run past the new
+    tokens by up to a block); the others are skipped, warned with the set and count."""
+    assert opts.block_size is not None  # resolve_init_drafter
+    longest = max_positions - opts.eval_new_tokens - opts.block_size
+    out: dict[str, list[torch.Tensor]] = {}
+    for name, prompts in sets.items():
+        kept = [torch.tensor(ids) for ids in prompts if len(ids) <= longest]
+        skipped = len(prompts) - len(kept)
+        why = (
+            f"longer than {longest} tokens (the target's {max_positions} positions less "
+            f"--eval-new-tokens {opts.eval_new_tokens} and a block of {opts.block_size})"
+        )
+        if not kept:
+            raise ValueError(f"--eval-sets {name}: all its {len(prompts)} prompts are {why}")
+        if skipped:
+            log.warning("--eval-sets %s: %d of its %d prompts are %s: skipped", name, skipped,
+                        len(prompts), why)  # fmt: skip
+        out[name] = kept
+    return out
+
+
 def train_config(opts: RunOptions) -> TrainConfig:
     if opts.block_size is None:
         raise ValueError("block_size is unresolved: see resolve_init_drafter")
@@ -191,6 +279,7 @@ def train_config(opts: RunOptions) -> TrainConfig:
         seed=opts.seed,
         eval_every=opts.eval_every,
         eval_new_tokens=opts.eval_new_tokens,
+        eval_batch=opts.eval_batch,
         ckpt_every=opts.ckpt_every,
         keep_checkpoints=opts.keep_checkpoints,
         resume=opts.resume,
@@ -275,8 +364,10 @@ def run_meta(opts: TargetOptions, target: Target) -> dict[str, Any]:
 
 def check_run_dir(opts: RunOptions) -> None:
     """The run folder is the run's own: it must not be, contain or lie inside what the
-    run reads (the target, ``--init-drafter``, ``--eval-prompts``, ``--cost-profile``)."""
+    run reads (the target, ``--init-drafter``, ``--eval-prompts``, ``--eval-sets``,
+    ``--cost-profile``)."""
     inputs = [opts.init_drafter, opts.eval_prompts, opts.cost_profile]
+    inputs += [path for _, path in parse_eval_sets(opts.eval_sets)]
     if opts.target != TINY:
         inputs.append(Path(opts.target))
     check_output(opts.run_dir, inputs=[p for p in inputs if p is not None])
@@ -331,6 +422,8 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
     opts, folder = resolve_init_drafter(opts)
     cfg = train_config(opts)  # validates before anything is started
     spec = loader_spec(opts)
+    named = parse_eval_sets(opts.eval_sets)
+    sets = eval_set_prompts(opts, eval_tokenizer(opts)) if named else {}  # before the target
     env = init_distributed(opts.device, opts.collective_timeout_s)
     _warn_collective_timeout(opts, env.is_main and env.distributed)
     client = None
@@ -360,6 +453,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
             source=client,
             env=env,
             eval_prompts=eval_prompts(opts, target.vocab_size),
+            eval_sets=fitting_prompts(sets, target.config.max_position_embeddings, opts),
             meta=meta,
         )
         summary = trainer.run()

@@ -52,6 +52,11 @@ def plot(run_dir: Path, out: Path | None) -> None:
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--step", type=int, help="Checkpoint step [the newest].")
+@click.option(
+    "--best", metavar="SET",
+    help="The kept checkpoint with the highest tau/SET in RUN_DIR/metrics.jsonl (a set of "
+    "train --eval-sets; ties: the later step). Excludes --step.",
+)  # fmt: skip
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
 @click.option(
@@ -61,13 +66,19 @@ def plot(run_dir: Path, out: Path | None) -> None:
     "SGLang, vLLM, Transformers) or speculators (vllm-project/speculators' checkpoint "
     "layout; vLLM reads it too). Same weights either way.",
 )  # fmt: skip
-def export(run_dir: Path, out: Path, step: int | None, dtype: str, force: bool, fmt: str) -> None:
+def export(
+    run_dir: Path, out: Path, step: int | None, best: str | None, dtype: str, force: bool,
+    fmt: str,
+) -> None:  # fmt: skip
     """Write RUN_DIR's drafter as a Hugging Face folder OUT that SGLang, vLLM and
     Transformers load (DFlashDraftModel, or DFlash2DraftModel for a --drafter dflash2 run),
     or in speculators' layout (--format speculators)."""
+    if best is not None and step is not None:
+        raise click.UsageError("--best and --step exclude each other")
     from trainer.hf.export import export_drafter
 
-    click.echo(str(export_drafter(run_dir, out, step=step, dtype=dtype, force=force, fmt=fmt)))
+    path = export_drafter(run_dir, out, step=step, best=best, dtype=dtype, force=force, fmt=fmt)
+    click.echo(str(path))
 
 
 @click.command("save-target")

@@ -12,7 +12,8 @@ The folder is the z-lab ``DFlashDraftModel`` format that SGLang, vLLM and Transf
 * ``model.safetensors``: ``fc``, ``hidden_norm``, ``layers.*`` and ``norm`` weights under the
   drafter's own names (they are Qwen3's), no embedding and no LM head;
 * ``configuration_dflash.py`` + ``modeling_dflash.py`` (``trust_remote_code``);
-* ``README.md`` and ``dflash_export.json``: where it came from (run, step, target, layers).
+* ``README.md`` and ``dflash_export.json``: where it came from (run, step, target, layers;
+  with ``--best SET``, why that step: ``best tau/SET = 2.41 at step 300``).
 
 What the export needs from the target (its vocabulary, depth, RoPE and context length) is
 recorded in the checkpoint's ``meta["target_config"]`` at save time (``target_record``);
@@ -39,6 +40,8 @@ from trainer.model.drafter import FULL_ATTENTION, DFlashDrafter, DrafterConfig
 from trainer.model.target import target_from_options, target_record
 from trainer.options import CONFIG_FILE, DFLASH2_DEFAULTS, TargetOptions
 from trainer.train import checkpoint as ckpt
+from trainer.train.evaluation import set_key
+from trainer.train.metrics import metrics_path, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +159,69 @@ def _read_drafter(run_dir: Path, path: Path) -> TrainedDrafter:
         target=target,
         layer_ids=[int(i) for i in meta["layer_ids"]],
     )
+
+
+# ---- choosing a checkpoint by tau (--best) -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class BestStep:
+    """The checkpoint ``export --best`` chose: its step and the measurement that won."""
+
+    step: int
+    key: str  # the record key compared, tau/NAME
+    value: float
+
+    def reason(self) -> str:
+        return f"best {self.key} = {self.value:.4g} at step {self.step}"
+
+
+def _step_list(steps: list[int], most: int = 8) -> str:
+    """``0, 100, 200`` (a long list: its first and last few and the count)."""
+    if len(steps) <= most:
+        return ", ".join(map(str, steps)) or "none"
+    head, tail = steps[: most // 2], steps[-(most // 2) :]
+    return f"{', '.join(map(str, head))}, ..., {', '.join(map(str, tail))} ({len(steps)} steps)"
+
+
+def best_step(records: list[dict[str, Any]], kept: list[int], name: str, source: str) -> BestStep:
+    """Among the checkpoint steps ``kept``, the one whose record in ``records`` (a run's
+    metrics) has the highest ``tau/NAME`` (ties: the later step). Raises ``ValueError``
+    naming the set and what was measured when the set never was (``source`` names the
+    metrics file), or when no kept checkpoint was measured (the steps of both)."""
+    key = set_key("tau", name)
+    measured = {
+        int(r["step"]): float(r[key])
+        for r in records
+        if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)
+    }
+    if not measured:
+        names = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("tau/")})
+        have = (
+            f"the sets measured: {', '.join(names)}"
+            if names
+            else "no evaluation set was measured (train with --eval-sets NAME=PATH)"
+        )
+        raise ValueError(f"--best {name}: {source} holds no {key}; {have}")
+    candidates = [s for s in kept if s in measured]
+    if not candidates:
+        raise ValueError(
+            f"--best {name}: no kept checkpoint has a {key} measurement ({key} measured at "
+            f"steps {_step_list(sorted(measured))}; checkpoints kept at steps "
+            f"{_step_list(sorted(kept))}): checkpoint at evaluated steps (--ckpt-every a "
+            "multiple of --eval-every)"
+        )
+    step = max(candidates, key=lambda s: (measured[s], s))
+    return BestStep(step=step, key=key, value=measured[step])
+
+
+def choose_best(run_dir: Path, name: str) -> BestStep:
+    """``best_step`` over ``run_dir``'s metrics and the checkpoints still on disk."""
+    kept = [int(p.name.removeprefix("step-")) for p in ckpt.list_checkpoints(run_dir)]
+    if not kept:
+        raise FileNotFoundError(f"no checkpoint in {ckpt.checkpoint_dir(run_dir)}")
+    path = metrics_path(run_dir)
+    return best_step(read_metrics(path), kept, name, str(path))
 
 
 # ---- writing the folder ----------------------------------------------------------------
@@ -277,8 +343,11 @@ def _state_for_export(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, torc
     return {k: src.weights[k].to(dtype).contiguous() for k in sorted(expected)}
 
 
-def _info(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, Any]:
+def _info(src: TrainedDrafter, dtype: torch.dtype, best: BestStep | None) -> dict[str, Any]:
     dflash2 = src.config.variant == "dflash2"
+    chosen = {} if best is None else {
+        "chosen": {"by": best.key, "value": best.value, "reason": best.reason()}
+    }  # fmt: skip
     return {
         "format": "DFlash2DraftModel (z-lab dflash; SGLang, vLLM)"
         if dflash2
@@ -293,6 +362,7 @@ def _info(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, Any]:
         "block_size": src.config.block_size,
         "drafter_layers": src.config.num_layers,
         "dtype": _DTYPE_NAMES[dtype],
+        **chosen,
     }
 
 
@@ -306,6 +376,7 @@ def _readme(info: dict[str, Any]) -> str:
         'DRAFT, trust_remote_code=True, dtype=target.dtype), speculation_type="dflash", '
         "do_sample=False)`."
     )
+    chosen = f": {info['chosen']['reason']}" if "chosen" in info else ""
     return f"""# {"DFlash2" if dflash2 else "DFlash"} drafter
 
 Trained by dflash-loader's trainer (`dflash-train export`).
@@ -315,7 +386,7 @@ Trained by dflash-loader's trainer (`dflash-train export`).
 * target layer ids: {info["target_layer_ids"]}; MASK token id: {info["mask_token_id"]}
 * block size: {info["block_size"]}; drafter layers: {info["drafter_layers"]}; \
 weights: {info["dtype"]}
-* from: `{info["checkpoint"]}` (step {info["step"]})
+* from: `{info["checkpoint"]}` (step {info["step"]}{chosen})
 
 Serve it next to its target (DRAFT = this folder):
 
@@ -341,7 +412,9 @@ def _verifier_architectures(src: TrainedDrafter) -> list[str]:
     return [f"{src.target['model_type'].capitalize()}ForCausalLM"]
 
 
-def _write_folder(folder: Path, src: TrainedDrafter, dtype: torch.dtype, fmt: str) -> None:
+def _write_folder(
+    folder: Path, src: TrainedDrafter, dtype: torch.dtype, fmt: str, best: BestStep | None
+) -> None:
     from safetensors.torch import save_file
 
     config = folder_config(src, dtype)
@@ -361,7 +434,7 @@ def _write_folder(folder: Path, src: TrainedDrafter, dtype: torch.dtype, fmt: st
     save_file(_state_for_export(src, dtype), str(folder / WEIGHTS), metadata={"format": "pt"})
     for path in remote_code_paths() if (src.config.variant, fmt) == ("dflash", "dflash") else ():
         shutil.copyfile(path, folder / path.name)
-    info = {**_info(src, dtype), "dialect": fmt}
+    info = {**_info(src, dtype, best), "dialect": fmt}
     (folder / INFO).write_text(json.dumps(info, indent=2) + "\n")
     (folder / "README.md").write_text(_readme(info))
     for file in folder.iterdir():
@@ -377,11 +450,13 @@ def export_drafter(
     out: Path,
     *,
     step: int | None = None,
+    best: str | None = None,
     dtype: str = "bf16",
     force: bool = False,
     fmt: str = "dflash",
 ) -> Path:
-    """Write ``run_dir``'s drafter (newest checkpoint, or ``step``) to ``out``, atomically
+    """Write ``run_dir``'s drafter (newest checkpoint, or ``step``, or with ``best`` the kept
+    checkpoint with the highest ``tau/BEST``: ``choose_best``) to ``out``, atomically
     (``trainer.files.atomic_output``), in the DFlash dialect (z-lab's; SGLang, vLLM,
     Transformers) or, ``fmt="speculators"``, speculators' (``trainer.hf.speculators``). An
     existing non-empty ``out`` needs ``force``; an ``out`` that is, contains or lies inside
@@ -390,13 +465,17 @@ def export_drafter(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if best is not None and step is not None:
+        raise ValueError("--best and --step exclude each other")
     out = Path(out)
     check_output(out, inputs=[Path(run_dir) / CONFIG_FILE], force=force)  # before reading
-    src = read_trained_drafter(Path(run_dir), step)
+    chosen = choose_best(Path(run_dir), best) if best is not None else None
+    src = read_trained_drafter(Path(run_dir), chosen.step if chosen else step)
     check_servable(src)
     inputs = [src.checkpoint, Path(run_dir) / CONFIG_FILE]
     # --force: the old export goes only once the new one is in place
     with atomic_output(out, folder=True, force=force, inputs=inputs) as tmp:
-        _write_folder(tmp, src, DTYPES[dtype], fmt)
-    log.info("exported %s (step %d) to %s", src.checkpoint, src.step, out)
+        _write_folder(tmp, src, DTYPES[dtype], fmt, chosen)
+    log.info("exported %s (step %d%s) to %s", src.checkpoint, src.step,
+             f": {chosen.reason()}" if chosen else "", out)  # fmt: skip
     return out

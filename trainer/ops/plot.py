@@ -1,4 +1,6 @@
-"""``dflash-train plot RUN_DIR``: PNG curves from ``metrics.jsonl`` (matplotlib, Agg)."""
+"""``dflash-train plot RUN_DIR``: PNG curves from ``metrics.jsonl`` (matplotlib, Agg); the
+tau plot has the held-out prompts' ``tau`` and ``tau_pooled`` and each evaluation set's
+``tau/NAME``."""
 
 from __future__ import annotations
 
@@ -48,7 +50,10 @@ def _loss(ax: Axes, records: list[dict[str, Any]], run: str) -> None:
 
 
 def _tau(ax: Axes, records: list[dict[str, Any]], run: str) -> None:
-    for key, label in (("tau", "tau (per-prompt mean, as published)"), ("tau_pooled", "pooled")):
+    lines = [("tau", "tau (per-prompt mean, as published)"), ("tau_pooled", "pooled")]
+    sets = dict.fromkeys(k for r in records for k in r if k.startswith("tau/"))
+    lines += [(key, f"tau: {key.removeprefix('tau/')}") for key in sets]  # --eval-sets
+    for key, label in lines:
         taus = list(iter_series(records, key))
         if taus:
             ax.plot(*zip(*taus, strict=True), marker="o", label=label)

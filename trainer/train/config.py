@@ -33,6 +33,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 0  # 0: only before the first and after the last step
     eval_new_tokens: int = 64
+    eval_batch: int = 16  # prompts per verification forward (trainer.train.evaluation)
     ckpt_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 3
     resume: bool = False
@@ -64,6 +65,8 @@ class TrainConfig:
             raise ValueError(f"cost_samples must be >= 0 (0: off), got {self.cost_samples}")
         if self.eval_every < 0 or self.ckpt_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("eval_every and ckpt_every must be >= 0, keep_checkpoints >= 1")
+        if self.eval_batch < 1:
+            raise ValueError(f"eval_batch must be >= 1, got {self.eval_batch}")
         if self.max_nonfinite_steps < 0 or self.max_empty_steps < 0:
             raise ValueError("max_nonfinite_steps and max_empty_steps must be >= 0 (0: never stop)")
         parse_names(self.report_to)  # an unknown tracker is refused before the run starts

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -98,6 +98,7 @@ class Trainer:
         source: BatchSource,
         env: DistEnv,
         eval_prompts: Sequence[torch.Tensor] = (),
+        eval_sets: Mapping[str, Sequence[torch.Tensor]] | None = None,
         meta: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.env = cfg, env
@@ -109,8 +110,8 @@ class Trainer:
         )
         self.attention = resolve_backend(cfg.attention, env.device)
         self.evaluator = Evaluator(
-            target, drafter, eval_prompts, env=env, block_size=cfg.loss.block_size,
-            max_new_tokens=cfg.eval_new_tokens, every=cfg.eval_every,
+            target, drafter, eval_prompts, env=env, max_new_tokens=cfg.eval_new_tokens,
+            every=cfg.eval_every, sets=eval_sets, batch=cfg.eval_batch,
         )  # fmt: skip
         self.cadence = Cadence(cfg.ckpt_every)
         self.profiler = StepProfiler(cfg.profile_step, cfg.run_dir, env, cfg.peak_tflops)
@@ -202,7 +203,8 @@ class Trainer:
     # ---- evaluation --------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float] | None:
-        """tau over the held-out prompts, all ranks (``trainer.train.evaluation``)."""
+        """tau over the held-out prompts and the evaluation sets, all ranks
+        (``trainer.train.evaluation``)."""
         return self.evaluator.evaluate()
 
     # ---- the run -----------------------------------------------------------------------

@@ -8,11 +8,12 @@ batches), ``acc`` / ``acc_k`` (argmax accuracy overall / per block offset k = 1.
 step time, mean over ranks) and ``data_wait_frac_max`` (worst rank), ``anchors_per_micro``,
 ``anchors_capped``, ``anchors_per_s``, ``rss_peak_gb`` / ``gpu_mem_peak_gb`` (largest over
 ranks); ``tau`` (mean over prompts of each prompt's tokens per step, as published),
-``tau_pooled`` (all prompts' tokens over all their steps) and ``eval_s`` on steps where the
-verifier ran (step 0 is the untrained drafter). A step whose loss or gradients were not
-finite on some rank was not applied: its record has ``skipped_nonfinite: 1`` (and ``loss`` /
-``grad_norm`` null where they were NaN or inf); records of normal steps lack the key. Only
-rank 0 writes.
+``tau_pooled`` (all prompts' tokens over all their steps), ``tau_served``, ``tau_committed``
+and ``eval_s`` on steps where the verifier ran (step 0 is the untrained drafter), with
+``tau/NAME`` and ``tau_pooled/NAME`` for each ``--eval-sets`` set. A step whose loss or
+gradients were not finite on some rank was not applied: its record has
+``skipped_nonfinite: 1`` (and ``loss`` / ``grad_norm`` null where they were NaN or inf);
+records of normal steps lack the key. Only rank 0 writes.
 
 On resume the file is cut back to the checkpoint's step (atomically), so a run that was
 killed after its last checkpoint does not list the replayed steps twice.
@@ -100,6 +101,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         out.update(first_tau=taus[0]["tau"], last_tau=taus[-1]["tau"])
         if "tau_pooled" in taus[-1]:
             out.update(last_tau_pooled=taus[-1]["tau_pooled"])
+    for r in records:  # each evaluation set's last tau (--eval-sets), as last_tau/NAME
+        out.update({f"last_{k}": v for k, v in r.items() if k.startswith("tau/")})
     return out
 
 

@@ -9,11 +9,12 @@ uploads it later; ``WANDB_MODE`` set by the user wins); MLflow to a file store a
 
 What is logged is what the record holds (``trainer.train.metrics``), never more: each
 number under a group (``train/loss``, ``perf/tokens_per_s``, ``memory/rss_peak_gb``,
-``eval/tau``, ...), a list per block offset as ``train/acc_k/1`` .. ``train/acc_k/B-1``, a
-nested mapping (one value per evaluation set) as ``eval/tau/NAME``. The trackers start,
-log and close on a thread of their own: the step loop only queues a record's numbers. A
-tracker that fails (library missing, a folder it cannot write, any exception at start, log
-or close) is one warning naming it and why; it is dropped and the run goes on without it.
+``eval/tau``, ...; an evaluation set's ``tau/NAME`` as ``eval/tau/NAME``), a list per block
+offset as ``train/acc_k/1`` .. ``train/acc_k/B-1``, a nested mapping as ``group/key/NAME``.
+The trackers start, log and close on a thread of their own: the step loop only queues a
+record's numbers. A tracker that fails (library missing, a folder it cannot write, any
+exception at start, log or close) is one warning naming it and why; it is dropped and the
+run goes on without it.
 The libraries are imported inside their classes, so a run without ``--report-to`` imports
 none of them.
 """
