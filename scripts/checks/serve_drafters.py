@@ -6,7 +6,8 @@ For each DFlash drafter of ``DRAFTERS``: vLLM loaded every weight (``serve_weigh
 speculative greedy output equals plain greedy and the trainer's verifier, its spec-decode
 counters equal the verifier's acceptance, which is above 1, and speculators converts the
 export and drafts alike (``serve_parity``); the ``SPECULATORS_SERVED`` ones are served from
-their ``--format speculators`` export too.
+their ``--format speculators`` export too, and the ``ENGINE_SERVED`` ones by the evaluation's
+engine (``serve_engine``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.checks.serve_common import BLOCK, COMPARISON, TRAIN, Check, Phases, Verifier, sh
+from scripts.checks.serve_engine import ENGINE_SERVED, engine_checks
 from scripts.checks.serve_parity import speculators_parity, vllm_dflash2_parity
 from scripts.checks.serve_weights import check_weights, probe_env
 from scripts.servers.daemon_process import DaemonProcess
@@ -129,6 +131,10 @@ def drafter_checks(
         with phases(f"{name}: vLLM serves its --format speculators export"):
             checks.append(speculators_served(args, work, name, tag, run_dir, target, prompts,
                                              spec, counters[:2]))  # fmt: skip
+    if name in ENGINE_SERVED:
+        with phases(f"{name}: the eval engine (VllmEngine) serves it"):
+            checks += engine_checks(args, work, name, tag, target, export, prompts, spec,
+                                    counters[1].minus(counters[0]))  # fmt: skip
     return checks + _served_checks(args, name, flags, compared, stops, summary, rss)
 
 
