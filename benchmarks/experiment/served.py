@@ -34,7 +34,7 @@ HELDOUT_NEW_TOKENS = 64
 
 def acceptance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """vLLM's acceptance over the requests between two reads of its counters
-    (``scripts.servers.vllm_client.spec_counters``): drafts, accepted tokens, accepted per draft
+    (``trainer.eval.engine.spec_counters``): drafts, accepted tokens, accepted per draft
     position, and the mean acceptance length ``1 + accepted / drafts``."""
     drafts = round(after["drafts"] - before["drafts"])
     accepted = round(after["accepted"] - before["accepted"])
@@ -67,7 +67,7 @@ def serve_run(
 ) -> dict[str, Any]:
     """vLLM's acceptance for one run (cached in ``OUT_DIR/vllm/<name>.json``): on the tau
     ``prompts`` as the verifier measured them, and on every ``heldout`` prompt."""
-    from scripts.servers.vllm_client import complete, spec_counters, vllm_server
+    from trainer.eval.engine import complete, spec_counters, vllm_server
 
     out = cfg.out_dir / "vllm" / f"{name}.json"
     if out.is_file():  # reused when measured on the same prompts

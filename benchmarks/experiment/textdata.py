@@ -115,10 +115,10 @@ def regen_server(
     target: Path, threads: int, log_dir: Path, vllm_python: str | None = None
 ) -> AbstractContextManager[str]:
     """The server that regenerates the replies (its URL while the context is open): vLLM's
-    OpenAI server (fp32, ``scripts.servers.vllm_client.vllm_server``) with ``vllm_python``, else
+    OpenAI server (fp32, ``trainer.eval.engine.vllm_server``) with ``vllm_python``, else
     the stand-in ``scripts/servers/chat_server.py``."""
     if vllm_python is not None:
-        from scripts.servers.vllm_client import vllm_server
+        from trainer.eval.engine import vllm_server
 
         return vllm_server(vllm_python, target, log_dir / "vllm-regen.log")
     from scripts.servers.chat_server import running

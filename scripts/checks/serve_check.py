@@ -34,8 +34,9 @@ project's ``.venv``; vLLM runs in its own virtualenv (``--vllm-python``), as sub
 This module is the flow; the parts: ``serve_common`` (checks, phases, commands, the
 trainer's verifier), ``serve_drafters`` (each drafter trained, served and compared),
 ``serve_weights`` (the weight probe), ``serve_parity`` (speculators' and vLLM's DFlash code
-against the trainer's drafter); vLLM's server and the calls to it are
-``scripts/servers/vllm_client.py``, shared with the batching experiment.
+against the trainer's drafter), ``serve_engine`` (the evaluation's vLLM engine against
+serve-check's own requests); vLLM's server and the calls to it are ``trainer.eval.engine``,
+shared with the batching experiment and ``dflash-train eval``.
 
 ``python -m scripts.checks.serve_check --vllm-python VENV/bin/python [--work DIR]``: without
 ``--work`` everything goes to a temporary folder, removed when every check passed.
@@ -57,7 +58,7 @@ from typing import Any
 from scripts.checks.serve_common import COMPARISON, PY, TRAIN, Check, Phases, sh
 from scripts.checks.serve_drafters import DRAFTERS, dflash2_checks, drafter_checks
 from scripts.servers.chat_server import running
-from scripts.servers.vllm_client import complete, vllm_server
+from trainer.eval.engine import complete, vllm_server
 
 
 def journal_replies(out: Path) -> dict[int, list[dict[str, str]]]:

@@ -6,7 +6,8 @@ For each DFlash drafter of ``DRAFTERS``: vLLM loaded every weight (``serve_weigh
 speculative greedy output equals plain greedy and the trainer's verifier, its spec-decode
 counters equal the verifier's acceptance, which is above 1, and speculators converts the
 export and drafts alike (``serve_parity``); the ``SPECULATORS_SERVED`` ones are served from
-their ``--format speculators`` export too.
+their ``--format speculators`` export too, and the ``ENGINE_SERVED`` ones by the evaluation's
+engine (``serve_engine``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from scripts.checks.serve_common import BLOCK, COMPARISON, TRAIN, Check, Phases, Verifier, sh
+from scripts.checks.serve_engine import ENGINE_SERVED, engine_checks
 from scripts.checks.serve_parity import speculators_parity, vllm_dflash2_parity
 from scripts.checks.serve_weights import check_weights, probe_env
 from scripts.servers.daemon_process import DaemonProcess
-from scripts.servers.vllm_client import complete, spec_counters, tail, vllm_server
+from trainer.eval.engine import SpecCounters, complete, read_counters, tail, vllm_server
 
 SLIDING_WINDOW = 16  # the sliding drafter's window: shorter than most prompts
 
@@ -102,11 +104,11 @@ def drafter_checks(
         with vllm_server(args.vllm_python, target, work / f"vllm-dflash-{tag}.log", export,
                          num_speculative_tokens=BLOCK - 1,
                          **probe_env(work, report)) as url:  # fmt: skip
-            counters = [spec_counters(url)]
+            counters = [read_counters(url)]
             spec = complete(url, prompts, args.max_tokens)
-            counters.append(spec_counters(url))
+            counters.append(read_counters(url))
             spec_stop = complete(url, prompts, args.max_tokens, stops)
-            counters.append(spec_counters(url))
+            counters.append(read_counters(url))
         checks = [check_weights(report, export, name)]
 
     with phases(f"{name}: the trainer's verifier on the same prompts"):
@@ -129,6 +131,10 @@ def drafter_checks(
         with phases(f"{name}: vLLM serves its --format speculators export"):
             checks.append(speculators_served(args, work, name, tag, run_dir, target, prompts,
                                              spec, counters[:2]))  # fmt: skip
+    if name in ENGINE_SERVED:
+        with phases(f"{name}: the eval engine (VllmEngine) serves it"):
+            checks += engine_checks(args, work, name, tag, target, export, prompts, spec,
+                                    counters[1].minus(counters[0]))  # fmt: skip
     return checks + _served_checks(args, name, flags, compared, stops, summary, rss)
 
 
@@ -148,8 +154,8 @@ class Pass:
 
 def _compare_pass(
     label: str, served: list[list[int]], greedy: list[list[int]], rep: Any,
-    verified: list[list[int]], per_pos: dict[int, int], before: dict[str, Any],
-    after: dict[str, Any],
+    verified: list[list[int]], per_pos: dict[int, int], before: SpecCounters,
+    after: SpecCounters,
 ) -> Pass:  # fmt: skip
     """vLLM's speculative output against plain greedy and the verifier's, and vLLM's
     spec-decode counters between ``before`` and ``after`` against the verifier's report."""
@@ -159,13 +165,12 @@ def _compare_pass(
     outputs = f"{label}: {len(same)}/{n} prompts ({sum(map(len, served))} tokens)" + (
         f", differ: {differ[:10]}" if differ else ""
     )
-    drafts = round(after["drafts"] - before["drafts"])
-    accepted = round(after["accepted"] - before["accepted"])
-    v_pos = {p: round(v - before["per_pos"].get(p, 0.0)) for p, v in after["per_pos"].items()}
-    v_pos = {p: v for p, v in v_pos.items() if v}
+    seen = after.minus(before)
+    drafts, accepted = seen.drafts, seen.accepted
+    v_pos = {p: v for p, v in enumerate(seen.per_position) if v}
     ours_acc = rep.served_accepted - rep.served_steps
     same_acc = (drafts, accepted) == (rep.served_steps, ours_acc) and v_pos == per_pos
-    tau_vllm = 1 + accepted / drafts if drafts else 0.0
+    tau_vllm = seen.tau if drafts else 0.0
     acceptance = (
         f"{label}: drafts {drafts}/{rep.served_steps}, accepted {accepted}/{ours_acc}, "
         f"per position {'equal' if v_pos == per_pos else f'{v_pos} vs {per_pos}'}, "
@@ -212,7 +217,7 @@ def _served_checks(
 
 def speculators_served(
     args: argparse.Namespace, work: Path, name: str, tag: str, run_dir: Path, target: Path,
-    prompts: list[list[int]], spec: list[list[int]], counters: list[dict[str, Any]],
+    prompts: list[list[int]], spec: list[list[int]], counters: list[SpecCounters],
 ) -> Check:  # fmt: skip
     """vLLM serves the speculators-dialect export of the same drafter (bf16, as the DFlash
     one): its output and spec-decode counters equal the DFlash dialect's."""
@@ -220,18 +225,17 @@ def speculators_served(
     sh(*TRAIN, "export", str(run_dir), str(folder), "--format", "speculators")
     with vllm_server(args.vllm_python, target, work / f"vllm-speculators-{tag}.log", folder,
                      speculators=True, num_speculative_tokens=BLOCK - 1) as url:  # fmt: skip
-        before = spec_counters(url)
+        before = read_counters(url)
         out = complete(url, prompts, args.max_tokens)
-        after = spec_counters(url)
-    theirs = {k: round(after[k] - before[k]) for k in ("drafts", "accepted")}
-    ours = {k: round(counters[1][k] - counters[0][k]) for k in ("drafts", "accepted")}
+        after = read_counters(url)
+    theirs, ours = after.minus(before), counters[1].minus(counters[0])
     same = sum(1 for a, b in zip(out, spec, strict=True) if a == b)
     return Check(
         f"{name}: vLLM serves the --format speculators export alike",
-        same == len(prompts) and theirs == ours,
+        same == len(prompts) and (theirs.drafts, theirs.accepted) == (ours.drafts, ours.accepted),
         f"vllm serve SPECULATORS_FOLDER (the verifier from its config): {same}/{len(prompts)} "
-        f"outputs equal the DFlash folder's; drafts {theirs['drafts']}/{ours['drafts']}, "
-        f"accepted {theirs['accepted']}/{ours['accepted']}",
+        f"outputs equal the DFlash folder's; drafts {theirs.drafts}/{ours.drafts}, "
+        f"accepted {theirs.accepted}/{ours.accepted}",
     )  # fmt: skip
 
 

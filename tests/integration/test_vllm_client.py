@@ -1,20 +1,28 @@
-"""What serve-check and the batching experiment do when their vLLM server dies (the fault
+"""``trainer.eval.engine`` against real server processes on 127.0.0.1, without vLLM.
+
+What serve-check and the batching experiment do when their vLLM server dies (the fault
 matrix, docs/TRAINER.md): a server killed while starting, or mid-check, is one error naming
 it (serve-check reports it as a failed check with its logs folder), never a hang or a
-traceback. The server here is the OpenAI-compatible stand-in, a real process on 127.0.0.1."""
+traceback; the server there is the OpenAI-compatible stand-in. And ``VllmEngine``'s life
+and requests, with ``tests/data/fake_vllm.py`` standing in for vLLM's OpenAI server: it
+starts the server with the drafter, sends a call's prompts concurrently and returns them in
+order, reads the counters, and stops the server's whole process group.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
 
-from scripts.servers.vllm_client import free_port, http_json, wait_http
+from trainer.eval.engine import SpecCounters, VllmEngine, free_port, http_json, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -52,3 +60,74 @@ def test_a_server_killed_mid_check_is_one_error_naming_its_url(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- VllmEngine, with a stand-in for vLLM ------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited (PID 1 here may never reap it)
+
+
+def _engine(tmp_path: Path, monkeypatch, **over) -> VllmEngine:
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nexec {sys.executable} {ROOT}/tests/data/fake_vllm.py "$@"\n')
+    fake.chmod(0o755)
+    for name in ("target", "drafter"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    monkeypatch.setenv("FAKE_VLLM_DIR", str(tmp_path))
+    kw = dict(target=tmp_path / "target", drafter=tmp_path / "drafter", vllm_python=fake,
+              num_speculative_tokens=3, max_model_len=256, log=tmp_path / "vllm.log",
+              startup_timeout_s=60)  # fmt: skip
+    return VllmEngine(**{**kw, **over})
+
+
+def test_the_engine_serves_the_drafter_and_answers_concurrently_in_prompt_order(
+    tmp_path, monkeypatch
+):
+    prompts = [[k, 10 * k] for k in range(8)]  # the stand-in answers 11k, 11k + 1, ...
+    with _engine(tmp_path, monkeypatch, concurrency=4) as engine:
+        before = engine.counters()
+        greedy = engine.generate(prompts, max_new_tokens=5, stop_token_ids=[24])
+        sampled = engine.generate(prompts[:2], max_new_tokens=3, temperature=1.0, seed=1)
+        seen = engine.counters().minus(before)
+    want = [[11 * k + i for i in range(5)] for k in range(8)]
+    want[2] = [22, 23, 24]  # ended at its stop token, the token kept
+    assert greedy == want
+    assert sampled == [[0, 1, 2], [12, 13, 14]]  # seeds 1_000_000 and 1_000_001 added
+    assert json.loads((tmp_path / "record.json").read_text())["max_in_flight"] >= 2
+    # the stand-in counts max_tokens drafts of 3 tokens a request, position 0 accepted
+    assert seen == SpecCounters(drafts=46, draft_tokens=138, accepted=46,
+                                per_position=(46, 0, 0))  # fmt: skip
+    bodies = [json.loads(x) for x in (tmp_path / "bodies.jsonl").read_text().splitlines()]
+    seeded = sorted((b["seed"], b["temperature"], b["top_p"], b["top_k"]) for b in bodies[8:])
+    assert seeded == [(1_000_000, 1.0, 1.0, -1), (1_000_001, 1.0, 1.0, -1)]
+    assert all("seed" not in b and b["temperature"] == 0 for b in bodies[:8])
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": str(tmp_path / "drafter"),
+                    "num_speculative_tokens": 3}  # fmt: skip
+    assert argv[argv.index("--max-model-len") + 1] == "256"
+    assert argv[-2:] == ["--generation-config", "vllm"]  # vLLM's neutral sampling defaults
+
+
+def test_the_engine_stops_its_server_s_process_group(tmp_path, monkeypatch):
+    with _engine(tmp_path, monkeypatch) as engine:
+        url = engine.url
+        pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+        assert all(_alive(p) for p in pids)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)  # the server and its child
+    with pytest.raises(RuntimeError, match="not running"):
+        _ = engine.url
+    with pytest.raises(RuntimeError, match=f"{url}/metrics: .*vLLM server stop"):
+        from trainer.eval.engine import read_counters
+
+        read_counters(url)

@@ -104,6 +104,11 @@ EXTERNAL_FLAGS = {
     "--max-num-seqs",
     "--dp",
     "--reasoning-parser",
+    "--enforce-eager",
+    "--kv-cache-memory-bytes",
+    "--generation-config",
+    "--no-async-scheduling",
+    "--no-enable-prefix-caching",
     # docker run, systemd-nspawn
     "--shm-size",
     "--ipc",

@@ -262,7 +262,7 @@ def test_standalone_programs_import_nothing_of_the_repository(program):
 
 def test_the_script_rules_see_real_imports():
     names = imports("scripts/checks")["scripts/checks/serve_drafters.py"]
-    assert "scripts.servers.vllm_client" in names
+    assert "scripts.servers.daemon_process" in names
     assert offenders("scripts/checks", lambda n: _under(n, "scripts.servers")) != []
     assert "trainer.model.drafter" in _file_imports("scripts/checks/serve_parity.py")
 
