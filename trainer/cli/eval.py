@@ -75,7 +75,8 @@ def _sets(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) ->
 )  # fmt: skip
 @click.option(
     "--vllm-python", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The interpreter of a virtualenv with vLLM (serve-check makes one; docs/SERVING.md).",
+    help="The interpreter of a virtualenv with vLLM (serve-check makes one; docs/SERVING.md). "
+    "Its server logs go to OUT.logs/.",
 )  # fmt: skip
 def eval_command(
     drafters: tuple[Path, ...], target: Path, sets: list[str], out: Path, force: bool,
@@ -121,8 +122,11 @@ def eval_command(
     base, tokenizer, eos = load_base_target(target, device, torch_dtype)
     loaded = [load_drafter(d, base) for d in drafters]
     with atomic_output(out, folder=True, force=force, inputs=[*drafters, target]) as tmp:
+        logs = out.with_name(out.name + ".logs")  # the engine's server logs, kept on failure
+        if engine != "ours":
+            logs.mkdir(parents=True, exist_ok=True)
         measurements = evaluate(loaded, prompt_sets, tokenizer, eos, settings, tmp,
-                                target_dir=target)  # fmt: skip
+                                target_dir=target, logs=logs)  # fmt: skip
         write_report(tmp, measurements, settings, {p.name: p.describe() for p in prompt_sets})
     click.echo((out / "eval.md").read_text())
     click.echo(f"wrote {out}/eval.json, eval.md and positions.png")

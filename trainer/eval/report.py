@@ -33,12 +33,6 @@ def write_report(
     return paths
 
 
-def _tau(m: Measurement) -> float | None:
-    if m.stats is not None:
-        return m.stats.tau
-    return m.engine_tau
-
-
 def markdown(
     measurements: Sequence[Measurement], settings: EvalSettings, sets: dict[str, str]
 ) -> str:
@@ -59,6 +53,9 @@ def markdown(
     for thinking in sorted({m.thinking for m in measurements}):
         lines += ["", f"## Thinking {'on' if thinking else 'off'}", ""]
         lines += _main_table([m for m in measurements if m.thinking == thinking], names)
+    agree = agreement(measurements, s.greedy)
+    if agree:
+        lines += ["", "## vLLM against our served tau", "", *agree]
     lines += ["", "## Every protocol", "", *_protocol_table(measurements)]
     lines += ["", _LEGEND]
     return "\n".join(lines) + "\n"
@@ -75,21 +72,47 @@ _LEGEND = (
 
 
 def _main_table(ms: Sequence[Measurement], names: list[str]) -> list[str]:
-    rows: dict[tuple[str, str], dict[str, Measurement]] = {}
+    """Rows: each drafter by our ``tau`` (z-lab's protocol); where vLLM measured it too, our
+    served tau and vLLM's (the protocol an engine reports) beside it."""
+    engine = any(m.engine == "vllm" for m in ms)
+    rows: dict[str, dict[str, float | None]] = {}
     for m in ms:
-        rows.setdefault((m.drafter, m.engine), {})[m.set] = m
+        if m.stats is not None:
+            rows.setdefault(f"{m.drafter} (ours)", {})[m.set] = m.stats.tau
+            if engine:
+                rows.setdefault(f"{m.drafter} (ours, served)", {})[m.set] = m.stats.tau_served
+        else:
+            rows.setdefault(f"{m.drafter} (vLLM, served)", {})[m.set] = m.engine_tau
     out = ["| Drafter | " + " | ".join(names) + " | Mean |", "|---" * (len(names) + 2) + "|"]
-    for (drafter, engine), by_set in rows.items():
-        cells, vals = [], []
-        for n in names:
-            cell = by_set.get(n)
-            tau = None if cell is None else _tau(cell)
-            cells.append("-" if tau is None else f"{tau:.2f}")
-            if tau is not None:
-                vals.append(tau)
-        mean = f"{sum(vals) / len(vals):.2f}" if vals else "-"
-        label = f"{drafter} ({'vLLM, served' if engine == 'vllm' else 'ours'})"
+    for label, by_set in rows.items():
+        vals = [by_set.get(n) for n in names]
+        cells = ["-" if v is None else f"{v:.2f}" for v in vals]
+        got = [v for v in vals if v is not None]
+        mean = f"{sum(got) / len(got):.2f}" if got else "-"
         out.append(f"| {label} | " + " | ".join(cells) + f" | {mean} |")
+    return out
+
+
+def agreement(ms: Sequence[Measurement], greedy: bool) -> list[str]:
+    """vLLM against our served tau, per set: equal at temperature 0 (to 1e-9), else inside
+    our 95% interval."""
+    ours = {(m.drafter, m.set, m.thinking): m.stats for m in ms if m.stats is not None}
+    out = []
+    for m in ms:
+        st = ours.get((m.drafter, m.set, m.thinking))
+        if m.engine != "vllm" or m.engine_tau is None or st is None:
+            continue
+        if greedy:
+            ok = abs(m.engine_tau - st.tau_served) <= 1e-9
+            how = "equal" if ok else "NOT equal"
+            out.append(f"- {m.drafter} on {m.set}: vLLM {m.engine_tau:.4f}, ours "
+                       f"{st.tau_served:.4f}: {how}")  # fmt: skip
+        else:
+            lo, hi = st.tau_served_ci
+            ok = lo <= m.engine_tau <= hi
+            how = "inside" if ok else "OUTSIDE"
+            out.append(f"- {m.drafter} on {m.set}: vLLM {m.engine_tau:.4f} {how} our "
+                       f"[{lo:.4f}, {hi:.4f}]")  # fmt: skip
     return out
 
 

@@ -202,9 +202,11 @@ def evaluate(
     drafters: Sequence[LoadedDrafter], sets: Sequence[PromptSet], tokenizer: Any,
     eos: Sequence[int], settings: EvalSettings, work: Path,
     progress: Callable[[str], None] = print, target_dir: Path | None = None,
+    logs: Path | None = None,
 ) -> list[Measurement]:  # fmt: skip
     """Every drafter on every set in every thinking mode, by the engines asked for
-    (``target_dir``: the target's folder, which an engine serves)."""
+    (``target_dir``: the target's folder, which an engine serves; ``logs``: where its
+    server logs go, kept whatever happens; default ``work``)."""
     out: list[Measurement] = []
     for d in drafters:
         max_prompt = _max_positions(d.target) - settings.max_new_tokens - d.block_size
@@ -215,7 +217,7 @@ def evaluate(
             if target_dir is None:
                 raise ValueError("an engine serves the target's folder: give target_dir")
             out.extend(_engine_cells(d, sets, tokenizer, eos, settings, work, max_prompt,
-                                     progress, target_dir))  # fmt: skip
+                                     progress, target_dir, logs or work))  # fmt: skip
     return out
 
 
@@ -280,7 +282,7 @@ def _line(m: Measurement) -> str:
 def _engine_cells(
     d: LoadedDrafter, sets: Sequence[PromptSet], tokenizer: Any, eos: Sequence[int],
     settings: EvalSettings, work: Path, max_prompt: int, progress: Callable[[str], None],
-    target_dir: Path,
+    target_dir: Path, logs: Path,
 ) -> list[Measurement]:  # fmt: skip
     from trainer.eval.engine import VllmEngine
 
@@ -292,7 +294,7 @@ def _engine_cells(
         engine = stack.enter_context(VllmEngine(
             target=target_dir, drafter=export,
             vllm_python=settings.vllm_python, num_speculative_tokens=d.block_size - 1,
-            max_model_len=_max_positions(d.target), log=work / f"vllm-{d.label}.log",
+            max_model_len=_max_positions(d.target), log=logs / f"vllm-{d.label}.log",
         ))  # fmt: skip
         for m in _cells(d, sets, settings, "vllm"):
             out.append(_engine_cell(engine, m, sets, tokenizer, eos, settings, max_prompt,
@@ -308,9 +310,12 @@ def _engine_cell(
     s, before = settings.sampling, engine.counters()
 
     def gen(ids: list[list[int]], keys: list[int]) -> list[list[int]]:
+        # No per-request seed: vLLM's output with a DFlash drafter does not repeat by seed
+        # anyway (docs/SERVING.md), and its CPU build fails a seeded request whose prefill
+        # is chunked ("CPU Generator does not use offset"); its server is seeded once.
         return list(engine.generate(
             ids, max_new_tokens=settings.max_new_tokens, temperature=s.temperature,
-            top_p=s.top_p, top_k=s.top_k or -1, seed=s.seed, stop_token_ids=list(eos),
+            top_p=s.top_p, top_k=s.top_k or -1, seed=None, stop_token_ids=list(eos),
         ))  # fmt: skip
 
     def finish() -> tuple[float, tuple[float, ...]]:
