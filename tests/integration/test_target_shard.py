@@ -2,7 +2,8 @@
 whole target: features, loss, gradients and tau equal, for a dense Qwen3, a Qwen3-MoE
 (one checkpoint tensor per expert) and a GPT-OSS (experts stacked, sliding layers),
 padded and packed, with 2 gloo ranks on CPU; each rank holds half the decoder layers. Also
-the per-expert reader unsharded, what a sharded load refuses, and ``auto``'s rule."""
+the per-expert reader unsharded, what a sharded load refuses, ``auto``'s rule, and
+``dflash-train train --target-shard fsdp`` against a daemon, resumed on one rank."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_jobs import daemon, records, run, train_cmd
 from transformers import (
     AutoModelForCausalLM,
     GptOssConfig,
@@ -25,9 +27,12 @@ from transformers import (
 
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.sharding import drafter_params_estimate, shard_needed
+from trainer.model.target import target_from_options
 from trainer.model.weights import WeightsError, load_model
+from trainer.options import TargetOptions
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(30)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(55)]
+__all__ = ["daemon"]  # the fixture (trainer_jobs)
 WORKER = Path(__file__).parents[1] / "workers" / "sharded_target.py"
 ROOT = Path(__file__).parents[2]
 SHAPE = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -131,3 +136,34 @@ def test_auto_shards_only_what_does_not_fit_next_to_the_drafter():
     real = DFlashDrafter(DrafterConfig.from_target(cfg, num_target_layers=5, num_layers=1))
     count = sum(p.numel() for p in real.parameters())
     assert drafter_params_estimate(cfg, 1, 5) == pytest.approx(count, rel=0.05)
+
+
+def test_train_with_a_sharded_target_then_resume_on_one_rank(daemon, tmp_path):
+    """``dflash-train train --target-shard fsdp`` on 2 ranks against the daemon: it trains
+    (tau measured at the start and the end), each rank holding half the
+    decoder layers (the summary says so per rank); ``--resume`` on 1 rank (``auto``: the
+    target whole) continues from its checkpoint (the target's fingerprint is the same
+    sharded or whole)."""
+    target = tmp_path / "target"
+    target_from_options(TargetOptions(), "cpu").model.save_pretrained(target)
+    steps, run_dir = 6, tmp_path / "run"
+    two = train_cmd(daemon.endpoint, run_dir, "shard", steps, "--target", str(target))
+    run([*two, "--target-shard", "fsdp"], tmp_path / "two.log")
+    recs = records(run_dir)
+    assert sorted(recs) == list(range(steps + 1))
+    assert 1.0 <= recs[0]["tau"] <= 8.0 and 1.0 <= recs[steps]["tau"] <= 8.0
+    assert all(0 < recs[s]["loss"] < 10 for s in range(1, steps + 1))
+    memory = json.loads((run_dir / "summary.json").read_text())["target_memory"]
+    assert memory["sharded"] and len(memory["ranks"]) == 2
+    for rank in memory["ranks"]:
+        assert rank["layers_local_mib"] == pytest.approx(rank["layers_total_mib"] / 2, rel=0.01)
+    one = [*two[:4], "--nproc-per-node", "1", *two[6:]]
+    one[one.index("--steps") + 1] = str(steps + 2)  # 2 more steps of the first shape
+    run([*one, "--target-shard", "auto", "--resume"], tmp_path / "one.log")
+    log = (tmp_path / "one.log").read_text()
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{steps:08d}'}" in log
+    assert "world_size 2 x grad_accum 1 -> 1 x 1" in log
+    after = records(run_dir)
+    assert max(after) > steps and "tau" in after[max(after)]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 1 and not summary["target_memory"]["sharded"]

@@ -46,7 +46,8 @@ class Evaluator:
         if not self.prompts and not self.env.distributed:
             return None
         proposer = DrafterProposer(self.target, self.drafter)
-        with torch.no_grad(), autocast(self.env.device):
+        # lockstep: a sharded target's ranks run their different numbers of forwards together
+        with torch.no_grad(), autocast(self.env.device), self.target.lockstep():
             rep = evaluate_tau(
                 self.target,
                 proposer,
