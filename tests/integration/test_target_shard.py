@@ -74,7 +74,7 @@ def test_a_sharded_target_is_the_whole_one(models, tmp_path):
             where = f"{name} rank {rank}"
             assert r["sharded"], where
             for key in ("features", "train_padded", "train_packed", "grad_padded",
-                        "grad_packed"):  # fmt: skip
+                        "grad_packed", "prefetch"):  # fmt: skip
                 assert r[key] <= 1e-6, (where, key, r[key])
             for key in ("loss_padded", "loss_packed"):
                 assert r[key][0] == pytest.approx(r[key][1], rel=1e-6, abs=1e-7), (where, key)

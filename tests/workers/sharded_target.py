@@ -114,6 +114,12 @@ def check(path: Path, rank: int) -> dict:
     }
     docs = samples(whole.vocab_size, seed=0)  # the same batch on both ranks
     out.update(features(whole, shard, docs))
+    # The next layer's all-gather issued as a layer starts (what a GPU does; off on CPU,
+    # where it is slower): the same features, stopped early or not, twice over.
+    ahead = load_target(str(path), layer_ids=LAYERS, dtype=torch.float32,
+                        shard=sharder(torch.device("cpu"), prefetch=True))  # fmt: skip
+    twice = [features(whole, ahead, docs) for _ in range(2)]
+    out["prefetch"] = max(v for r in twice for v in r.values())
     out.update(losses(whole, shard, docs, rank))
     return out
 

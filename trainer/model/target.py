@@ -264,7 +264,7 @@ class Target:
         out = None
         sharded_stop = self.sharded and stop
         try:
-            with stopping_after(self.layers, deepest) if sharded_stop else contextlib.nullcontext():
+            with stopping_after(self.base, deepest) if sharded_stop else contextlib.nullcontext():
                 out = self.base(
                     input_ids=input_ids.long(),
                     position_ids=None if position_ids is None else position_ids.long(),
