@@ -24,7 +24,7 @@ from trainer.files import check_output
 from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, read_drafter_folder
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
-from trainer.model.sharding import whole
+from trainer.model.sharding import flat_values
 from trainer.model.target import TINY, Target, mask_token_id, target_record
 from trainer.options import (
     RunOptions,
@@ -244,17 +244,17 @@ def init_from_folder(
 def weights_fingerprint(model: torch.nn.Module, samples: int = 64) -> str:
     """A short digest of a model's weights that identifies it wherever it lies: every
     tensor's name and shape and ``samples`` values spread over it, rounded to bf16 (so a
-    target loaded in fp32 on CPU and in bf16 on a GPU agree, whole or sharded). Cheap: no
-    full pass (a sharded tensor is all-gathered, one at a time: every rank calls this)."""
+    target loaded in fp32 on CPU and in bf16 on a GPU agree, whole or sharded: a sharded
+    tensor's values come from the ranks holding them, so every rank calls this). Cheap: no
+    full pass."""
     h = hashlib.blake2b(digest_size=8)
     picked = []
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}{tuple(t.shape)};".encode())
         if t.is_floating_point() and t.numel():
-            flat = whole(t).detach().reshape(-1)
-            k = min(samples, flat.numel())
-            idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
-            picked.append(flat[idx].to(torch.bfloat16).float())
+            k = min(samples, t.numel())
+            idx = torch.arange(k) * (t.numel() - 1) // max(k - 1, 1)
+            picked.append(flat_values(t.detach(), idx).to(torch.bfloat16).float())
     if picked:
         h.update(torch.cat(picked).cpu().numpy().tobytes())
     return h.hexdigest()

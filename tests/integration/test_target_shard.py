@@ -48,7 +48,8 @@ def _save(model: torch.nn.Module, path: Path) -> Path:
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("targets")
     torch.manual_seed(0)
-    dense = Qwen3ForCausalLM(Qwen3Config(**SHAPE, intermediate_size=128, num_hidden_layers=4))
+    # an odd MLP width: ranks hold 65 and 64 rows of gate_proj and up_proj (torch.chunk's)
+    dense = Qwen3ForCausalLM(Qwen3Config(**SHAPE, intermediate_size=129, num_hidden_layers=4))
     moe = Qwen3MoeForCausalLM(
         Qwen3MoeConfig(**SHAPE, intermediate_size=128, moe_intermediate_size=32,
                        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2)
@@ -69,10 +70,14 @@ def test_a_sharded_target_is_the_whole_one(models, tmp_path):
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    for name in models:  # every row on exactly one rank
+        local = sum(r[name]["bytes_sharded"]["layers_local"] for r in ranks)
+        assert local == ranks[0][name]["bytes_whole"]["layers_total"], name
     for rank in (0, 1):
-        for name, r in json.loads((tmp_path / f"rank-{rank}.json").read_text()).items():
+        for name, r in ranks[rank].items():
             where = f"{name} rank {rank}"
-            assert r["sharded"], where
+            assert r["sharded"] and r["same_fingerprint"], where
             for key in ("features", "train_padded", "train_packed", "grad_padded",
                         "grad_packed", "prefetch"):  # fmt: skip
                 assert r[key] <= 1e-6, (where, key, r[key])

@@ -27,6 +27,7 @@ from trainer.model.sharding import param_bytes, sharder
 from trainer.model.speculate import BatchedVerifier
 from trainer.model.target import Target, load_target
 from trainer.model.verifier import DrafterProposer, evaluate_tau
+from trainer.run import weights_fingerprint
 from trainer.train.batches import pack_batch, pad_batch
 
 LAYERS = [0, 1]
@@ -109,6 +110,7 @@ def check(path: Path, rank: int) -> dict:
                         shard=sharder(torch.device("cpu")))  # fmt: skip
     out = {
         "sharded": shard.sharded and not whole.sharded,
+        "same_fingerprint": weights_fingerprint(shard.model) == weights_fingerprint(whole.model),
         "bytes_whole": asdict(param_bytes(whole.model)),
         "bytes_sharded": asdict(param_bytes(shard.model)),
     }

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -171,11 +172,21 @@ class Lockstep:
             idle(stop)
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """``t`` whole: a sharded tensor all-gathered (every rank must call it), else ``t``."""
+def flat_values(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t.reshape(-1)[idx]`` (``idx`` on the host), also of a tensor sharded on dim 0: each
+    rank puts in the values of its rows and one all-reduce adds them up (every rank must
+    call it), so no rank gathers the tensor."""
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t.reshape(-1)[idx.to(t.device)]
+    local, first = local_part(t)
+    lo = first * math.prod(t.shape[1:])
+    mine = (idx >= lo) & (idx < lo + local.numel())
+    out = torch.zeros(idx.numel(), dtype=local.dtype, device=local.device)
+    out[mine.to(local.device)] = local.reshape(-1)[(idx[mine] - lo).to(local.device)]
+    dist.all_reduce(out, group=t.device_mesh.get_group())
+    return out
 
 
 @dataclass(frozen=True)
