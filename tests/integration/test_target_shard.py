@@ -79,7 +79,7 @@ def test_a_sharded_target_is_the_whole_one(models, tmp_path):
             where = f"{name} rank {rank}"
             assert r["sharded"] and r["same_fingerprint"], where
             for key in ("features", "train_padded", "train_packed", "grad_padded",
-                        "grad_packed", "prefetch"):  # fmt: skip
+                        "grad_packed", "prefetch", "hsdp"):  # fmt: skip
                 assert r[key] <= 1e-6, (where, key, r[key])
             for key in ("loss_padded", "loss_packed"):
                 assert r[key][0] == pytest.approx(r[key][1], rel=1e-6, abs=1e-7), (where, key)
@@ -88,6 +88,7 @@ def test_a_sharded_target_is_the_whole_one(models, tmp_path):
             half = whole["layers_total"] / 2  # on each rank, to a row of a tensor
             assert abs(sharded["layers_local"] - half) <= 0.01 * half, where
             assert sharded["other"] == whole["other"]  # embedding, norm, head: whole on each
+            assert r["hsdp_bytes"] == whole and r["hsdp_fingerprint"], where  # a node's all
             # rank 1 had nothing to train and still ran its forward with rank 0's
             assert (r["empty_micro_loss"] is None) == (rank == 1), where
             assert r["prompts"] == (3 if rank == 0 else 1)

@@ -7,6 +7,7 @@ For each model folder, the target whole and with its decoder layers sharded over
 (``trainer.model.sharding``), on the same inputs: the features of a padded and a packed
 batch (all layers, and stopped after the deepest chosen one), the DFlash loss and the
 drafter's gradients, a micro-batch with nothing to train on rank 1 only (rank 0 trains),
+the same with the next layer prefetched and with two one-rank "nodes" (HSDP),
 tau over 3 prompts on rank 0 and 1 on rank 1 (the one-prompt verifier and the batched one,
 in lockstep), and the parameter bytes each rank holds. Writes ``OUT/rank-R.json``.
 """
@@ -122,6 +123,12 @@ def check(path: Path, rank: int) -> dict:
                         shard=sharder(torch.device("cpu"), prefetch=True))  # fmt: skip
     twice = [features(whole, ahead, docs) for _ in range(2)]
     out["prefetch"] = max(v for r in twice for v in r.values())
+    # Two nodes of one rank each (HSDP): each holds a whole replica of the decoder.
+    nodes = load_target(str(path), layer_ids=LAYERS, dtype=torch.float32,
+                        shard=sharder(torch.device("cpu"), local_world=1))  # fmt: skip
+    out["hsdp"] = max(features(whole, nodes, docs).values())
+    out["hsdp_bytes"] = asdict(param_bytes(nodes.model))
+    out["hsdp_fingerprint"] = weights_fingerprint(nodes.model) == weights_fingerprint(whole.model)
     out.update(losses(whole, shard, docs, rank))
     return out
 

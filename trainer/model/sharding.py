@@ -1,6 +1,8 @@
 """A target bigger than one GPU: its decoder layers sharded over the ranks with FSDP2.
 
-Each decoder layer is one FSDP2 unit (``fully_shard``, ``reshard_after_forward=True``): a
+The decoder is sharded over the ranks of a node; with several nodes each node holds one
+replica of it (HSDP: a layer's all-gather never leaves its node, ``decoder_mesh``). Each
+decoder layer is one FSDP2 unit (``fully_shard``, ``reshard_after_forward=True``): a
 rank keeps a dim-0 shard of each of its tensors (1/world of the layer), the layer's
 tensors are all-gathered just before it runs and freed right after, and on a GPU a layer
 starting issues the next one's all-gather (forward prefetch), which then runs on FSDP's
@@ -43,6 +45,7 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -51,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.model.weights import local_part
+from trainer.model.weights import local_part, shard_dim
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -60,6 +63,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHARD_MODES = ("none", "fsdp", "auto")
+#: The dimensions of a several-node mesh: nodes (replicas), then a node's ranks (shards).
+MESH_DIMS = ("node", "local")
 #: Bytes per drafter parameter a rank holds while training (fp32 weight, gradient and
 #: AdamW's two moments).
 DRAFTER_BYTES_PER_PARAM = 16
@@ -68,13 +73,20 @@ DRAFTER_BYTES_PER_PARAM = 16
 ACTIVATION_SHARE = 0.25
 
 
-def decoder_mesh(device: torch.device) -> DeviceMesh:
-    """A 1-D mesh over every rank of the (started) process group."""
+def decoder_mesh(device: torch.device, local_world: int | None = None) -> DeviceMesh:
+    """The mesh the decoder is sharded over: the ranks of one node (``local_world``,
+    default torchrun's ``LOCAL_WORLD_SIZE``), each node holding a replica when there are
+    several (HSDP: a layer's all-gather never leaves the node); over every rank when the
+    nodes do not have the same number of ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
         raise RuntimeError("a sharded target needs the process group (torchrun) started first")
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    local = local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local >= world or world % local:
+        return init_device_mesh(device.type, (world,))
+    return init_device_mesh(device.type, (world // local, local), mesh_dim_names=MESH_DIMS)
 
 
 def prefetches(device: torch.device) -> bool:
@@ -107,10 +119,12 @@ def shard_decoder(model: nn.Module, mesh: DeviceMesh, prefetch: bool | None = No
             cast("FSDPModule", layer).set_modules_to_forward_prefetch([cast("FSDPModule", after)])
 
 
-def sharder(device: torch.device, prefetch: bool | None = None) -> Callable[[nn.Module], None]:
-    """What shards a model over all ranks (``trainer.model.weights.load_model``'s
+def sharder(
+    device: torch.device, prefetch: bool | None = None, local_world: int | None = None
+) -> Callable[[nn.Module], None]:
+    """What shards a model over ``decoder_mesh`` (``trainer.model.weights.load_model``'s
     ``shard``); ``prefetch``: as ``shard_decoder``'s."""
-    mesh = decoder_mesh(device)
+    mesh = decoder_mesh(device, local_world)
     return lambda model: shard_decoder(model, mesh, prefetch)
 
 
@@ -185,7 +199,7 @@ def flat_values(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     mine = (idx >= lo) & (idx < lo + local.numel())
     out = torch.zeros(idx.numel(), dtype=local.dtype, device=local.device)
     out[mine.to(local.device)] = local.reshape(-1)[(idx[mine] - lo).to(local.device)]
-    dist.all_reduce(out, group=t.device_mesh.get_group())
+    dist.all_reduce(out, group=t.device_mesh.get_group(shard_dim(t)))  # not the replicas
     return out
 
 

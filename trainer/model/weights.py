@@ -367,16 +367,15 @@ def _local_span(piece: Piece, dest: torch.Tensor) -> tuple[int, int, torch.Tenso
 
 def local_part(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``(this rank's tensor, the global index of its first row)``: a DTensor sharded on
-    dim 0 holds the rows ``torch.chunk`` gives its rank (FSDP2's layout); any other
+    dim 0 (over one dimension of its mesh, replicated over any other: FSDP2's and HSDP's
+    layouts) holds the rows ``torch.chunk`` gives its place on that dimension; any other
     tensor is all there."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
         return t, 0
-    placements = tuple(t.placements)
-    if placements != (Shard(0),):
-        raise WeightsError(f"a parameter sharded as {placements}: only Shard(0) is read")
-    rank, world = t.device_mesh.get_local_rank(), t.device_mesh.size()
+    dim = shard_dim(t)
+    rank, world = t.device_mesh.get_local_rank(dim), t.device_mesh.size(dim)
     per = -(-t.shape[0] // world)  # torch.chunk's chunk size
     first = min(rank * per, t.shape[0])
     local = t.to_local()
@@ -385,6 +384,17 @@ def local_part(t: torch.Tensor) -> tuple[torch.Tensor, int]:
             f"rank {rank} holds {local.shape[0]} rows of {t.shape[0]}, not chunk {per}"
         )
     return local, first
+
+
+def shard_dim(t: Any) -> int:
+    """The mesh dimension a DTensor is sharded over on its dim 0 (the others replicate)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(t.placements)
+    found = [i for i, p in enumerate(placements) if p == Shard(0)]
+    if len(found) != 1 or any(p != Replicate() for i, p in enumerate(placements) if i != found[0]):
+        raise WeightsError(f"a parameter sharded as {placements}: only Shard(0) is read")
+    return found[0]
 
 
 def _copy(
