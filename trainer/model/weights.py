@@ -19,7 +19,7 @@ sharded on dim 0 (FSDP2's ``Shard(0)``) is read as the rows this rank owns, one
 contiguous byte range of the file, so no rank ever holds, reads or converts the rest.
 
 Mixture-of-experts checkpoints keep one tensor per expert (``mlp.experts.3.gate_proj.
-weight``: Qwen2/3-MoE, DeepSeek, GLM-MoE, OLMoE) where transformers 5 models hold the
+weight``, Qwen2/3-MoE's naming; tested with Qwen3-MoE) where transformers 5 models hold the
 experts stacked (``mlp.experts.gate_up_proj [E, 2I, H]``, gate then up; ``down_proj [E, H,
 I]``): each expert's tensors are read into their rows of the stacked one (on a rank that
 owns them, when sharded), as transformers' own conversion does.
