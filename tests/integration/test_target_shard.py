@@ -8,12 +8,14 @@ the per-expert reader unsharded, what a sharded load refuses, ``auto``'s rule, a
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from trainer_jobs import daemon, records, run, train_cmd
 from transformers import (
     AutoModelForCausalLM,
@@ -96,7 +98,9 @@ def test_a_sharded_target_is_the_whole_one(models, tmp_path):
             assert r["batched_same"], where
 
 
-def test_a_moe_checkpoint_of_per_expert_tensors_is_read_into_the_stacked_experts(models, caplog):
+def test_a_moe_checkpoint_of_per_expert_tensors_is_read_into_the_stacked_experts(
+    models, caplog, tmp_path
+):
     """Qwen3-MoE checkpoints keep one tensor per expert, the model one stacked tensor: the
     reader fills its rows (no ``from_pretrained`` fallback) and equals a plain load."""
     with caplog.at_level("INFO", logger="trainer.model.weights"):
@@ -107,6 +111,14 @@ def test_a_moe_checkpoint_of_per_expert_tensors_is_read_into_the_stacked_experts
     assert mine.keys() == theirs.keys()
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
     assert mine["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    # one expert's up_proj missing: the stacked tensor is not filled, named in one line
+    part = tmp_path / "part"
+    shutil.copytree(models["moe"], part)
+    state = load_file(part / "model.safetensors")
+    del state["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(state, part / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightsError, match=r"has no model.layers.1.mlp.experts.gate_up_proj"):
+        load_model(part, "cpu", torch.float32)
 
 
 def test_a_sharded_load_refuses_what_it_cannot_read_in_shards(models, tmp_path):
@@ -120,8 +132,6 @@ def test_a_sharded_load_refuses_what_it_cannot_read_in_shards(models, tmp_path):
     renamed = tmp_path / "renamed"
     renamed.mkdir()
     (renamed / "config.json").write_text((models["dense"] / "config.json").read_text())
-    from safetensors.torch import load_file, save_file
-
     state = load_file(models["dense"] / "model.safetensors")
     state["model.extra.weight"] = torch.zeros(2)
     save_file(state, renamed / "model.safetensors", metadata={"format": "pt"})

@@ -252,6 +252,7 @@ class Piece:
     shape: tuple[int, ...]
     expert: int | None = None
     cols: tuple[int, int] | None = None
+    parts: int = 1  # tensors concatenated in an expert's row
 
 
 def _plan_reads(path: Path, files: list[Path], skeleton: torch.nn.Module) -> list[Piece]:
@@ -283,43 +284,44 @@ def _placed(piece: Piece, wanted: dict[str, torch.Tensor], path: Path) -> Piece:
                 f"built from {path / 'config.json'} has {list(dest.shape)}"
             )
         return piece
-    m = EXPERT.match(piece.name)
-    stacked = STACKED[m["proj"]] if m else None
-    name = f"{m['base']}.{stacked[0]}" if m and stacked else None
-    if m is None or stacked is None or name not in wanted:
+    slot = _expert_slot(piece.name)
+    if slot is None or slot[0] not in wanted:
         raise _Unsupported(f"{piece.file.name} holds {piece.name!r}, which the model does not have")
-    _, part, parts = stacked
-    expert, full = int(m["e"]), tuple(wanted[name].shape)
-    rows = shape[0] if shape else 0
-    if (
-        len(shape) != 2
-        or len(full) != 3
-        or expert >= full[0]
-        or full[1:] != (parts * rows, shape[1])
-    ):
+    name, expert, part, parts = slot
+    full = tuple(wanted[name].shape)
+    fits = len(shape) == 2 and len(full) == 3 and expert < full[0]
+    if not fits or full[1:] != (parts * shape[0], shape[1]):
         raise WeightsError(
             f"{piece.file}: expert tensor {piece.name!r} of shape {list(shape)} does not fit "
             f"{name!r} of {list(full)} (the model built from {path / 'config.json'})"
         )
-    cols = (part * rows, (part + 1) * rows) if parts > 1 else None
-    return replace(piece, name=name, expert=expert, cols=cols)
+    cols = (part * shape[0], (part + 1) * shape[0]) if parts > 1 else None
+    return replace(piece, name=name, expert=expert, cols=cols, parts=parts)
+
+
+def _expert_slot(name: str) -> tuple[str, int, int, int] | None:
+    """``(stacked tensor, expert, part, parts)`` of a per-expert checkpoint tensor's name."""
+    m = EXPERT.match(name)
+    if m is None:
+        return None
+    stacked, part, parts = STACKED[m["proj"]]
+    return f"{m['base']}.{stacked}", int(m["e"]), part, parts
 
 
 def _check_covered(pieces: list[Piece], wanted: dict[str, torch.Tensor], path: Path) -> None:
     """Every tensor the model needs is filled whole (a tied weight is one tensor, two
-    names; a stacked experts' tensor needs every expert's every part)."""
-    whole = {id(wanted[p.name]) for p in pieces if p.expert is None}
-    parts: dict[int, set[tuple[int, int]]] = {}
+    names; a stacked experts' tensor needs every part of every expert)."""
+    got: dict[int, set[tuple[int, int]]] = {}
+    need: dict[int, int] = {}  # pieces a tensor needs (0: it is filled by one)
     for p in pieces:
-        if p.expert is not None:
-            parts.setdefault(id(wanted[p.name]), set()).add((p.expert, p.cols[0] if p.cols else 0))
-    for p in pieces:
-        if p.expert is not None:
-            t = wanted[p.name]
-            need = t.shape[0] * (t.shape[1] // p.shape[0])
-            if len(parts[id(t)]) == need:
-                whole.add(id(t))
-    missing = sorted(n for n, t in wanted.items() if id(t) not in whole)
+        key = id(wanted[p.name])
+        if p.expert is None:
+            need[key] = 0
+        else:
+            got.setdefault(key, set()).add((p.expert, p.cols[0] if p.cols else 0))
+            need.setdefault(key, wanted[p.name].shape[0] * p.parts)
+    done = {k for k, n in need.items() if len(got.get(k, ())) >= n}
+    missing = sorted(n for n, t in wanted.items() if id(t) not in done)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise WeightsError(
