@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.sharding import drafter_params_estimate, shard_needed
 from trainer.model.target import target_from_options
 from trainer.model.weights import WeightsError, load_model
-from trainer.options import TargetOptions
+from trainer.options import RunOptions, TargetOptions
 
 pytestmark = [pytest.mark.integration, pytest.mark.heavy(55)]
 __all__ = ["daemon"]  # the fixture (trainer_jobs)
@@ -183,3 +184,20 @@ def test_train_with_a_sharded_target_then_resume_on_one_rank(daemon, tmp_path):
     assert max(after) > steps and "tau" in after[max(after)]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 1 and not summary["target_memory"]["sharded"]
+
+
+def test_auto_estimates_from_the_target_s_shape_on_the_meta_device(models, monkeypatch, caplog):
+    """``auto`` weighs the target's bytes (its shape on the meta device, nothing loaded)
+    and the drafter's training state against the rank's free memory."""
+    from trainer.train import target_shard
+    from trainer.train.distributed import DistEnv
+
+    env = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    opts = RunOptions(endpoint="ipc:///x", run_dir=Path("/x"), target=str(models["dense"]),
+                      target_shard="auto", drafter_layers=1)  # fmt: skip
+    with caplog.at_level("INFO", logger="trainer.train.target_shard"):
+        assert not target_shard._needs_sharding(opts, env)  # a few MiB fit this host
+    assert "target 0.00 GiB" in caplog.text and "fits" in caplog.text
+    monkeypatch.setattr(target_shard, "device_memory", lambda env: (1 << 20, 1 << 20))
+    assert target_shard._needs_sharding(opts, env)  # not in 1 MiB
+    assert target_shard._needs_sharding(replace(opts, target="tiny"), env)
