@@ -36,7 +36,7 @@ ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_interm
                                "max_nonfinite_steps": 0, "max_empty_steps": 0,
                                "log_every_s": 60.0, "report_to": (), "eval_sets": (),
                                "eval_set_limit": 32, "eval_thinking": "off",
-                               "eval_batch": 16}  # fmt: skip
+                               "eval_batch": 16, "target_shard": "none"}  # fmt: skip
 #: Options renamed since: old key -> new key (both spellings are read).
 RENAMED = {"num_anchors": "anchors_per_doc"}
 
@@ -166,6 +166,13 @@ class RunOptions(TargetOptions):
         "Continue from the newest checkpoint, if any; also on another number of ranks or "
         "--grad-accum (the rest of the epoch is planned afresh for them).",
     )
+    target_shard: str = opt(
+        "none",
+        "Shard the frozen target's decoder layers over the ranks (FSDP2) so that none holds "
+        "it whole: fsdp, or auto (when it does not fit next to the drafter); none: whole on "
+        "every rank.",
+        choices=("none", "fsdp", "auto"), section=TARGET,  # trainer.model.sharding.SHARD_MODES
+    )  # fmt: skip
     layers: str | None = opt(
         None, "Target layer ids for the features, e.g. 0,1,2 (default: spread).", section=DRAFTER
     )

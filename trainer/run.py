@@ -27,12 +27,12 @@ from trainer.files import check_output
 from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, read_drafter_folder
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
-from trainer.model.target import TINY, Target, mask_token_id, target_from_options, target_record
+from trainer.model.sharding import flat_values
+from trainer.model.target import TINY, Target, mask_token_id, target_record
 from trainer.options import (
     RunOptions,
     TargetOptions,
     dflash2_fields,
-    parse_int_list,
     parse_layer_types,
 )
 from trainer.train import stop
@@ -46,6 +46,7 @@ from trainer.train.config import TrainConfig
 from trainer.train.distributed import init_distributed, shutdown
 from trainer.train.guards import WRITE_ERRNOS
 from trainer.train.loop import Trainer
+from trainer.train.target_shard import load_run_target
 
 log = logging.getLogger(__name__)
 
@@ -332,16 +333,17 @@ def init_from_folder(
 def weights_fingerprint(model: torch.nn.Module, samples: int = 64) -> str:
     """A short digest of a model's weights that identifies it wherever it lies: every
     tensor's name and shape and ``samples`` values spread over it, rounded to bf16 (so a
-    target loaded in fp32 on CPU and in bf16 on a GPU agree). Cheap: no full pass."""
+    target loaded in fp32 on CPU and in bf16 on a GPU agree, whole or sharded: a sharded
+    tensor's values come from the ranks holding them, so every rank calls this). Cheap: no
+    full pass."""
     h = hashlib.blake2b(digest_size=8)
     picked = []
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}{tuple(t.shape)};".encode())
         if t.is_floating_point() and t.numel():
-            flat = t.detach().reshape(-1)
-            k = min(samples, flat.numel())
-            idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
-            picked.append(flat[idx].to(torch.bfloat16).float())
+            k = min(samples, t.numel())
+            idx = torch.arange(k) * (t.numel() - 1) // max(k - 1, 1)
+            picked.append(flat_values(t.detach(), idx).to(torch.bfloat16).float())
     if picked:
         h.update(torch.cat(picked).cpu().numpy().tobytes())
     return h.hexdigest()
@@ -428,7 +430,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
     _warn_collective_timeout(opts, env.is_main and env.distributed)
     client = None
     try:
-        target = target_from_options(opts, env.device, parse_int_list(opts.layers))
+        target, target_memory = load_run_target(opts, env)  # --target-shard
         drafter = build_drafter(target, opts, env.device)
         if folder is not None:
             init_from_folder(drafter, folder, target, cfg)
@@ -460,6 +462,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
         if env.is_main:
             summary["world_size"] = env.world_size
             summary["pid"] = os.getpid()
+            summary["target_memory"] = target_memory
             text = json.dumps(summary, indent=2) + "\n"
             _writing(lambda: (cfg.run_dir / "summary.json").write_text(text), cfg.run_dir)
             return summary

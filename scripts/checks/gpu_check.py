@@ -5,6 +5,11 @@ Stages, each writing its figures to ``OUT/gpu_check.json`` as soon as it has the
 1. ``env``: GPU, torch, transformers; ``load``: a 2 GB fp32 checkpoint onto the GPU in
    bf16 the trainer's way (``trainer/model/weights.py``) and ``from_pretrained``'s: host
    memory, GPU peak, time, same weights.
+   ``shard``: the same checkpoint with its decoder layers sharded (``--target-shard``,
+   ``trainer/model/sharding.py``) over every GPU of the machine (FSDP over a world of one
+   on a single GPU: the CUDA path, meta build, slice reads, prefetch, without the memory
+   gain), against whole, each rank: GPU peak, host memory, load time, features time, the
+   features' largest difference (``scripts/checks/target_shard.py``).
 2. ``head``: peak CUDA memory and time of the LM head + weighted cross-entropy, forward and
    backward, at hidden 4096 and vocabulary 151,936 in bf16, chunked (1024 slots) vs
    unchunked, for one document at the reference recipe (512 anchors x 15 slots) and for the
@@ -310,12 +315,40 @@ def load_stage(work: Path) -> dict[str, object]:
     return out
 
 
+def shard_stage(work: Path) -> dict[str, object]:
+    """The ``load`` stage's checkpoint whole and sharded over the GPUs (``--target-shard``),
+    in bf16, 512 tokens per rank and forward: per rank figures, sharded / whole."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from scripts.checks.target_shard import measure
+    from scripts.fixtures.random_qwen3 import save_random
+
+    path = work / "target-fp32"
+    if not (path / "config.json").is_file():
+        save_random(path, "float32", hidden=2048, layers=8, vocab=32000)
+    ranks = min(torch.cuda.device_count(), 8)
+    out: dict[str, object] = {"ranks": ranks}
+    runs = {}
+    for mode in ("whole", "sharded"):
+        runs[mode] = recs = measure(path, mode, "bfloat16", "cuda", ranks, work / f"{mode}.json")
+        out[mode] = [
+            {"gpu_peak_mib": round(r["gpu_peak"] / 2**20), "layers_mib": round(r["layers_local"]
+             / 2**20), "host_extra_mib": round(r["host_extra"] / 2**20),
+             "load_s": round(r["load_s"], 2), "forward_ms": round(r["forward_s"] * 1e3, 1),
+             **({"max_diff": r["max_diff"]} if "max_diff" in r else {})}
+            for r in recs
+        ]  # fmt: skip
+    worst = {m: max(r["forward_s"] for r in recs) for m, recs in runs.items()}
+    out["forward_ratio"] = round(worst["sharded"] / worst["whole"], 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-sdpa", action="store_true", help="Skip the SDPA comparison run.")
     ap.add_argument("--no-dflash2", action="store_true", help="Skip the DFlash2 run.")
+    ap.add_argument("--no-shard", action="store_true", help="Skip the sharded-target stage.")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "dflash-gpu-check"
@@ -325,6 +358,8 @@ def main() -> None:
     report.run("head", head_stage)
     report.run("attention", attention_stage)
     report.run("load", load_stage, work)
+    if not args.no_shard:
+        report.run("shard", shard_stage, work)
     daemon = None
     try:
         daemon, endpoint = start_daemon(work)

@@ -296,6 +296,7 @@ def draft_loss(
     with phase("plan"):
         plan = plan_blocks(host, cfg, generator)
     if plan is None:
+        target.keep_pace()  # a sharded target's ranks all run this micro-batch's forward
         return _empty(b, num_tokens, target.device)
     packed = batch.layout == "packed"
     with phase("target"):

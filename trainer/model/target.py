@@ -22,13 +22,18 @@ one without a tokenizer has no ids to avoid and reserves its last row.
 Packed rows are split per document by the ``position_ids`` (they restart at 0 for every
 document); the mask code of ``transformers`` only does this without a 2D attention mask and
 without a cache, which is how ``features`` calls it (a test checks packed == per document).
+
+A target bigger than one GPU is loaded with its decoder layers sharded over the ranks
+(``load_target(..., shard=sharder(device))``, ``trainer.model.sharding``): the same
+``Target``, whose forwards every rank then runs together (``keep_pace``, ``lockstep``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -36,7 +41,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from trainer.model.weights import load_model
+from trainer.model.sharding import Lockstep, is_sharded, reset_after_stop, stopping_after
+from trainer.model.weights import Shard, load_model, meta_model
 from trainer.options import TargetOptions
 
 if TYPE_CHECKING:  # transformers is imported where a model is built or loaded
@@ -164,6 +170,8 @@ class Target:
         bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"layer ids {bad} out of range for a {self.num_layers}-layer target")
+        self.sharded = is_sharded(model)  # decoder layers over the ranks (FSDP2)
+        self._lockstep: Lockstep | None = None  # inside ``lockstep()``
 
     @property
     def device(self) -> torch.device:
@@ -199,6 +207,35 @@ class Target:
         and neither the other layers' hidden states nor the LM head are computed."""
         return self._run(input_ids, position_ids, None, stop_early=True)[0]
 
+    def keep_pace(self) -> None:
+        """A sharded target's training forward over one token, for a rank whose micro-batch
+        has nothing to train: it still joins the other ranks' all-gathers. A no-op
+        unsharded."""
+        if self.sharded:
+            self._idle(True)
+
+    @contextlib.contextmanager
+    def lockstep(self) -> Iterator[None]:
+        """Inside, ranks may run different numbers of forwards of a sharded target (the
+        verifier: each rank its own prompts): each forward is announced to the others, and
+        on leaving, this rank runs one-token forwards until every rank is done. A no-op
+        unsharded or in a world of one."""
+        if not self.sharded or self._lockstep is not None or not _distributed():
+            yield
+            return
+        self._lockstep = Lockstep(self.device)
+        try:
+            yield
+        except BaseException:
+            self._lockstep = None  # no drain: the error is this rank's to report
+            raise
+        lock, self._lockstep = self._lockstep, None
+        lock.drain(self._idle)
+
+    def _idle(self, stop_early: bool) -> None:
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self._run(ids, None, None, stop_early=stop_early)
+
     def _run(
         self,
         input_ids: torch.Tensor,
@@ -215,29 +252,28 @@ class Target:
         captured: dict[int, torch.Tensor] = {}
         deepest = max(self.layer_ids)
         stop = stop_early and deepest < self.num_layers - 1
-
-        def hook(i: int) -> Callable[[nn.Module, tuple[Any, ...], LayerOutput], None]:
-            def grab(module: nn.Module, args: tuple[Any, ...], output: LayerOutput) -> None:
-                captured[i] = output[0] if isinstance(output, tuple) else output
-                if stop and i == deepest:
-                    raise _StopForward
-
-            return grab
-
-        handles = [self.layers[i].register_forward_hook(hook(i)) for i in set(self.layer_ids)]
+        if self._lockstep is not None:
+            self._lockstep.announce(stop)
+        handles = [
+            self.layers[i].register_forward_hook(_capture(i, captured, deepest if stop else -1))
+            for i in set(self.layer_ids)
+        ]
         kwargs: dict[str, Any] = {} if cache is None else {self._cache_kwarg: cache}
         if mask is not None:
             kwargs["attention_mask"] = mask.long()
         out = None
+        sharded_stop = self.sharded and stop
         try:
-            out = self.base(
-                input_ids=input_ids.long(),
-                position_ids=None if position_ids is None else position_ids.long(),
-                use_cache=cache is not None,
-                **kwargs,
-            )
+            with stopping_after(self.base, deepest) if sharded_stop else contextlib.nullcontext():
+                out = self.base(
+                    input_ids=input_ids.long(),
+                    position_ids=None if position_ids is None else position_ids.long(),
+                    use_cache=cache is not None,
+                    **kwargs,
+                )
         except _StopForward:
-            pass
+            if sharded_stop:
+                reset_after_stop(self.base)
         finally:
             for h in handles:
                 h.remove()
@@ -265,6 +301,26 @@ class Target:
         return self.lm_head(last_hidden)
 
 
+def _capture(
+    i: int, captured: dict[int, torch.Tensor], stop_at: int
+) -> Callable[[nn.Module, tuple[Any, ...], LayerOutput], None]:
+    """Layer ``i``'s forward hook: its output into ``captured``; after layer ``stop_at``
+    the forward ends (``_StopForward``)."""
+
+    def grab(module: nn.Module, args: tuple[Any, ...], output: LayerOutput) -> None:
+        captured[i] = output[0] if isinstance(output, tuple) else output
+        if i == stop_at:
+            raise _StopForward
+
+    return grab
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def load_target(
     name: str,
     *,
@@ -272,20 +328,18 @@ def load_target(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     tiny: TinyTargetSpec | None = None,
+    shard: Shard | None = None,
 ) -> Target:
-    """``"tiny"`` (a seeded random Qwen3) or a local Hugging Face model directory (offline)."""
+    """``"tiny"`` (a seeded random Qwen3) or a local Hugging Face model directory (offline).
+    ``shard`` (``trainer.model.sharding.sharder``): the decoder layers sharded over the
+    ranks, a directory's read shard by shard (the tiny target is built whole first)."""
     model: PreTrainedModel
     if name == TINY:
         model = build_tiny_model(tiny or TinyTargetSpec(), device, dtype)
+        if shard is not None:
+            shard(model)
     else:
-        path = Path(name)
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"--target {name!r} is neither 'tiny' nor a model directory (with config.json); "
-                "nothing is downloaded at run time: fetch the model first, e.g. "
-                "`huggingface-cli download Qwen/Qwen3-8B --local-dir DIR`, and pass DIR"
-            )
-        model = load_model(path, device, dtype)  # straight onto its device (weights.py)
+        model = load_model(_model_dir(name), device, dtype, shard=shard)  # (weights.py)
     # Both are built on their device in their dtype. Never ``.to(dtype)`` the model: that
     # casts buffers too, and a bf16 rotary ``inv_freq`` puts every position but the first
     # few off by whole radians at thousands of tokens (engines keep it in fp32).
@@ -301,11 +355,19 @@ def load_target(
     return target
 
 
-def target_from_options(
-    opts: TargetOptions, device: torch.device | str, layer_ids: list[int] | None = None
-) -> Target:
-    """The target ``opts`` names (``--target``; ``tiny`` shaped by the ``--tiny-*`` options)."""
-    tiny = TinyTargetSpec(
+def _model_dir(name: str) -> Path:
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"--target {name!r} is neither 'tiny' nor a model directory (with config.json); "
+            "nothing is downloaded at run time: fetch the model first, e.g. "
+            "`huggingface-cli download Qwen/Qwen3-8B --local-dir DIR`, and pass DIR"
+        )
+    return path
+
+
+def _tiny_spec(opts: TargetOptions) -> TinyTargetSpec:
+    return TinyTargetSpec(
         vocab_size=opts.tiny_vocab,
         num_layers=opts.tiny_layers,
         hidden_size=opts.tiny_hidden,
@@ -314,8 +376,32 @@ def target_from_options(
         num_kv_heads=opts.tiny_kv_heads,
         seed=opts.tiny_seed,
     )
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return load_target(opts.target, layer_ids=layer_ids, device=device, dtype=dtype, tiny=tiny)
+
+
+def run_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype a run's target is loaded in: bf16 on a GPU, fp32 on CPU."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def target_from_options(
+    opts: TargetOptions,
+    device: torch.device | str,
+    layer_ids: list[int] | None = None,
+    shard: Shard | None = None,
+) -> Target:
+    """The target ``opts`` names (``--target``; ``tiny`` shaped by the ``--tiny-*`` options),
+    its decoder layers sharded by ``shard`` if given."""
+    return load_target(
+        opts.target, layer_ids=layer_ids, device=device, dtype=run_dtype(device),
+        tiny=_tiny_spec(opts), shard=shard,
+    )  # fmt: skip
+
+
+def meta_target(opts: TargetOptions, dtype: torch.dtype) -> PreTrainedModel:
+    """The model ``opts`` names on the meta device (its shape and bytes, nothing loaded)."""
+    if opts.target == TINY:
+        return build_tiny_model(_tiny_spec(opts), "meta", dtype)
+    return meta_model(_model_dir(opts.target), dtype)
 
 
 def target_record(config: PretrainedConfig) -> dict[str, Any]:

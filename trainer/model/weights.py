@@ -12,18 +12,35 @@ converting the dtype on the way. Host memory beyond the weights' destination: on
 staging buffer. No file is mapped, so a rank's resident memory does not grow with the
 checkpoint either.
 
+Sharded (``shard=``, a function that shards the model: ``trainer.model.sharding``): the
+parameters are built on the meta device (buffers such as the rotary table computed as
+usual), sharded there, and only then allocated, each rank holding its shards; a tensor
+sharded on dim 0 (FSDP2's ``Shard(0)``) is read as the rows this rank owns, one
+contiguous byte range of the file, so no rank ever holds, reads or converts the rest.
+
+Mixture-of-experts checkpoints keep one tensor per expert (``mlp.experts.3.gate_proj.
+weight``, Qwen2/3-MoE's naming; tested with Qwen3-MoE) where transformers 5 models hold the
+experts stacked (``mlp.experts.gate_up_proj [E, 2I, H]``, gate then up; ``down_proj [E, H,
+I]``): each expert's tensors are read into their rows of the stacked one (on a rank that
+owns them, when sharded), as transformers' own conversion does.
+
 What it reads is checked: every parameter and persistent buffer of the model must come
 from the checkpoint (tied weights once) with its parameter's shape; a mismatch is one line
 naming the tensor and the file. A checkpoint this reader does not cover
 (``pytorch_model.bin``, a dtype it does not know, a tensor the model does not have, as
-with names a model renames on load) goes through ``from_pretrained`` as before, logged.
+with names a model renames on load) goes through ``from_pretrained`` as before, logged;
+sharded, it is refused (``from_pretrained`` would put the whole model on every rank).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import re
 import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +60,15 @@ DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
+#: One expert's tensor in a checkpoint, and the stacked parameter it goes into: part
+#: ``index`` of ``parts`` concatenated along dim 1 of that expert's row.
+EXPERT = re.compile(
+    r"^(?P<base>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+STACKED = {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2),
+           "down_proj": ("down_proj", 0, 1)}  # fmt: skip
+#: What shards a model built with its parameters on the meta device (in place).
+Shard = Callable[["PreTrainedModel"], None]
 
 
 class WeightsError(ValueError):
@@ -54,14 +80,17 @@ class _Unsupported(Exception):
 
 
 def load_model(
-    path: Path, device: torch.device | str, dtype: torch.dtype | None
+    path: Path, device: torch.device | str, dtype: torch.dtype | None, *, shard: Shard | None = None
 ) -> PreTrainedModel:
     """The causal LM in folder ``path`` on ``device`` in ``dtype`` (None: as
-    ``from_pretrained`` chooses), in eval mode."""
+    ``from_pretrained`` chooses; sharded: the checkpoint's), in eval mode; ``shard``
+    shards it while its parameters are still on the meta device."""
     device = torch.device(device)
+    files = safetensors_files(path)
+    if shard is not None:
+        return _load_sharded(path, files, device, dtype, shard)
     if dtype is None:
         return _from_pretrained(path, device, None)
-    files = safetensors_files(path)
     if files is not None and device.type == "cpu" and checkpoint_dtype(files) == dtype:
         return _from_pretrained(path, device, dtype)  # views of the page cache: no copy
     try:
@@ -120,6 +149,18 @@ def checkpoint_dtype(files: list[Path]) -> torch.dtype | None:
     return floats.pop() if len(floats) == 1 else None
 
 
+def meta_model(path: Path, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The model ``path/config.json`` describes, on the meta device (nothing allocated):
+    its parameters' names, shapes and bytes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        return _build(config, torch.device("meta"), dtype)
+    except _Unsupported as e:
+        raise WeightsError(f"{path}: {e}") from None
+
+
 def _read_into(
     path: Path, files: list[Path], device: torch.device, dtype: torch.dtype
 ) -> PreTrainedModel:
@@ -128,21 +169,62 @@ def _read_into(
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    reads = _plan_reads(path, files, _build(config, torch.device("meta"), dtype))
+    pieces = _plan_reads(path, files, _build(config, torch.device("meta"), dtype))
     model = _build(config, device, dtype)
-    wanted = _destinations(model)
-    pin = device.type == "cuda"
-    staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=pin)
-    with torch.no_grad():  # parameters are written in place
-        for file, start, name, src, begin, end in reads:
-            with open(file, "rb", buffering=0) as f:
-                _copy(f, start + begin, end - begin, src, wanted[name], staging)
-    if pin:
-        torch.cuda.synchronize(device)  # the staging buffer is reused and freed after this
+    _read_pieces(pieces, _destinations(model), device)
     return model.eval()
 
 
-def _build(config: Any, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+def _load_sharded(
+    path: Path, files: list[Path] | None, device: torch.device, dtype: torch.dtype | None,
+    shard: Shard,
+) -> PreTrainedModel:  # fmt: skip
+    """Build with the parameters on the meta device, check the checkpoint against it,
+    shard it, allocate this rank's shards on ``device`` and read them (nothing else)."""
+    from transformers import AutoConfig
+
+    if files is None:
+        raise WeightsError(f"{path}: a sharded target is read from safetensors files; it has none")
+    dtype = dtype or checkpoint_dtype(files) or torch.float32
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        with _params_on_meta():
+            model = _build(config, torch.device("cpu"), dtype)  # buffers computed on the host
+        pieces = _plan_reads(path, files, model)
+    except _Unsupported as e:
+        raise WeightsError(
+            f"{path}: cannot be loaded sharded ({e}); load it whole (--target-shard none)"
+        ) from None
+    buffers = {n: b.to(device) for n, b in model.named_buffers() if not b.is_meta}
+    shard(model)
+    model.to_empty(device=device)  # this rank's shards, the replicated tensors whole
+    model.tie_weights()  # to_empty gives each name its own tensor
+    for name, value in buffers.items():
+        model.get_buffer(name).copy_(value)
+    _read_pieces(pieces, _destinations(model), device)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device; buffers (the rotary
+    table) are computed where they are made. Built under ``_no_init``, a parameter's
+    storage is never written before it moves, so a large one costs no resident memory."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _build(config: Any, device: torch.device, dtype: torch.dtype | None) -> PreTrainedModel:
     """The model of ``config`` on ``device`` in ``dtype``, its random initialization
     skipped (weights tied as ``post_init`` would)."""
     from transformers import AutoModelForCausalLM
@@ -156,45 +238,172 @@ def _build(config: Any, device: torch.device, dtype: torch.dtype) -> PreTrainedM
     return model
 
 
-Read = tuple[Path, int, str, torch.dtype, int, int]  # file, data start, name, dtype, span
+@dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor and where it goes: all of model tensor ``name``, or (an
+    expert's) row ``expert`` of it, columns ``cols`` of that row when several tensors are
+    concatenated there."""
+
+    file: Path
+    offset: int  # where its bytes start in the file
+    nbytes: int
+    src: torch.dtype
+    name: str
+    shape: tuple[int, ...]
+    expert: int | None = None
+    cols: tuple[int, int] | None = None
+    parts: int = 1  # tensors concatenated in an expert's row
 
 
-def _plan_reads(path: Path, files: list[Path], skeleton: torch.nn.Module) -> list[Read]:
+def _plan_reads(path: Path, files: list[Path], skeleton: torch.nn.Module) -> list[Piece]:
     """Every tensor of the checkpoint matched to the model (on the meta device): names,
     dtypes and shapes known, nothing the model needs missing (tied weights once)."""
     wanted = _destinations(skeleton)
-    reads: list[Read] = []
+    pieces: list[Piece] = []
     for file in files:
         header, start = read_header(file)
         for name, info in header.items():
-            if name not in wanted:
-                raise _Unsupported(f"{file.name} holds {name!r}, which the model does not have")
             src = DTYPES.get(info["dtype"])
             if src is None:
                 raise _Unsupported(f"{name!r} has dtype {info['dtype']}")
-            if tuple(info["shape"]) != tuple(wanted[name].shape):
-                raise WeightsError(
-                    f"{file}: tensor {name!r} has shape {info['shape']}, the model built from "
-                    f"{path / 'config.json'} has {list(wanted[name].shape)}"
-                )
-            begin, end = info["data_offsets"]
-            reads.append((file, start, name, src, int(begin), int(end)))
-    loaded = {id(wanted[r[2]]) for r in reads}  # a tied weight is one tensor, two names
-    missing = sorted(n for n, t in wanted.items() if id(t) not in loaded)
+            begin, end = (int(x) for x in info["data_offsets"])
+            piece = Piece(file, start + begin, end - begin, src, name, tuple(info["shape"]))
+            pieces.append(_placed(piece, wanted, path))
+    _check_covered(pieces, wanted, path)
+    return pieces
+
+
+def _placed(piece: Piece, wanted: dict[str, torch.Tensor], path: Path) -> Piece:
+    """``piece`` with its destination: the model tensor of its name, else the stacked
+    experts' tensor whose row it is; its shape checked against that."""
+    dest, shape = wanted.get(piece.name), piece.shape
+    if dest is not None:
+        if shape != tuple(dest.shape):
+            raise WeightsError(
+                f"{piece.file}: tensor {piece.name!r} has shape {list(shape)}, the model "
+                f"built from {path / 'config.json'} has {list(dest.shape)}"
+            )
+        return piece
+    slot = _expert_slot(piece.name)
+    if slot is None or slot[0] not in wanted:
+        raise _Unsupported(f"{piece.file.name} holds {piece.name!r}, which the model does not have")
+    name, expert, part, parts = slot
+    full = tuple(wanted[name].shape)
+    fits = len(shape) == 2 and len(full) == 3 and expert < full[0]
+    if not fits or full[1:] != (parts * shape[0], shape[1]):
+        raise WeightsError(
+            f"{piece.file}: expert tensor {piece.name!r} of shape {list(shape)} does not fit "
+            f"{name!r} of {list(full)} (the model built from {path / 'config.json'})"
+        )
+    cols = (part * shape[0], (part + 1) * shape[0]) if parts > 1 else None
+    return replace(piece, name=name, expert=expert, cols=cols, parts=parts)
+
+
+def _expert_slot(name: str) -> tuple[str, int, int, int] | None:
+    """``(stacked tensor, expert, part, parts)`` of a per-expert checkpoint tensor's name."""
+    m = EXPERT.match(name)
+    if m is None:
+        return None
+    stacked, part, parts = STACKED[m["proj"]]
+    return f"{m['base']}.{stacked}", int(m["e"]), part, parts
+
+
+def _check_covered(pieces: list[Piece], wanted: dict[str, torch.Tensor], path: Path) -> None:
+    """Every tensor the model needs is filled whole (a tied weight is one tensor, two
+    names; a stacked experts' tensor needs every part of every expert)."""
+    got: dict[int, set[tuple[int, int]]] = {}
+    need: dict[int, int] = {}  # pieces a tensor needs (0: it is filled by one)
+    for p in pieces:
+        key = id(wanted[p.name])
+        if p.expert is None:
+            need[key] = 0
+        else:
+            got.setdefault(key, set()).add((p.expert, p.cols[0] if p.cols else 0))
+            need.setdefault(key, wanted[p.name].shape[0] * p.parts)
+    done = {k for k, n in need.items() if len(got.get(k, ())) >= n}
+    missing = sorted(n for n, t in wanted.items() if id(t) not in done)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise WeightsError(
             f"{path}: the checkpoint has no {', '.join(missing[:3])}{more} (the model its "
             "config.json describes needs them)"
         )
-    return reads
+
+
+def _read_pieces(
+    pieces: list[Piece], wanted: dict[str, torch.Tensor], device: torch.device
+) -> None:
+    """Read each piece into this rank's part of its destination, a staging buffer at a time."""
+    pin = device.type == "cuda"
+    staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=pin)
+    with torch.no_grad():  # parameters are written in place
+        for piece in pieces:
+            span = _local_span(piece, wanted[piece.name])
+            if span is None:
+                continue  # another rank's rows
+            offset, nbytes, dest = span
+            with open(piece.file, "rb", buffering=0) as f:
+                _copy(f, offset, nbytes, piece.src, dest, staging)
+    if pin:
+        torch.cuda.synchronize(device)  # the staging buffer is reused and freed after this
+
+
+def _local_span(piece: Piece, dest: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
+    """``(file offset, bytes, destination)`` of the part of ``piece`` this rank holds:
+    the whole piece unsharded, else the rows of dim 0 it owns (an expert's piece whole,
+    if the rank owns that expert's row); None when it holds none of it."""
+    local, first = local_part(dest)
+    if piece.expert is not None:
+        row = piece.expert - first
+        if not 0 <= row < local.shape[0]:
+            return None
+        out = local[row] if piece.cols is None else local[row, piece.cols[0] : piece.cols[1]]
+        return piece.offset, piece.nbytes, out
+    if local.dim() == 0 or local.shape[0] == dest.shape[0]:
+        return piece.offset, piece.nbytes, local
+    if local.shape[0] == 0:
+        return None
+    row_bytes = piece.nbytes // dest.shape[0]
+    return piece.offset + first * row_bytes, local.shape[0] * row_bytes, local
+
+
+def local_part(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(this rank's tensor, the global index of its first row)``: a DTensor sharded on
+    dim 0 (over one dimension of its mesh, replicated over any other: FSDP2's and HSDP's
+    layouts) holds the rows ``torch.chunk`` gives its place on that dimension; any other
+    tensor is all there."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t, 0
+    dim = shard_dim(t)
+    rank, world = t.device_mesh.get_local_rank(dim), t.device_mesh.size(dim)
+    per = -(-t.shape[0] // world)  # torch.chunk's chunk size
+    first = min(rank * per, t.shape[0])
+    local = t.to_local()
+    if local.shape[0] != min(per, t.shape[0] - first):
+        raise WeightsError(
+            f"rank {rank} holds {local.shape[0]} rows of {t.shape[0]}, not chunk {per}"
+        )
+    return local, first
+
+
+def shard_dim(t: Any) -> int:
+    """The mesh dimension a DTensor is sharded over on its dim 0 (the others replicate)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(t.placements)
+    found = [i for i, p in enumerate(placements) if p == Shard(0)]
+    if len(found) != 1 or any(p != Replicate() for i, p in enumerate(placements) if i != found[0]):
+        raise WeightsError(f"a parameter sharded as {placements}: only Shard(0) is read")
+    return found[0]
 
 
 def _copy(
     f: Any, offset: int, nbytes: int, src: torch.dtype, dest: torch.Tensor, staging: torch.Tensor
 ) -> None:
-    """Read ``nbytes`` at ``offset`` (a tensor of dtype ``src``) into ``dest``, a staging
-    buffer's worth at a time."""
+    """Read ``nbytes`` at ``offset`` (values of dtype ``src``) into ``dest`` (contiguous),
+    a staging buffer's worth at a time."""
     flat = dest.view(-1)
     item = torch.empty((), dtype=src).element_size()
     if nbytes != flat.numel() * item:
@@ -229,7 +438,5 @@ def _no_init() -> Any:
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # pragma: no cover - older transformers
-        import contextlib
-
         return contextlib.nullcontext()
     return no_init_weights()

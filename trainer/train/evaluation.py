@@ -94,7 +94,8 @@ class Evaluator:
     def _report(self, verifier: BatchedVerifier, prompts: list[torch.Tensor]) -> TauReport:
         """The sums over ``prompts``, verified ``batch`` at a time, counted in their order."""
         rep = TauReport()
-        with torch.no_grad(), autocast(self.env.device):
+        # lockstep: a sharded target's ranks run their different numbers of forwards together
+        with torch.no_grad(), autocast(self.env.device), self.target.lockstep():
             for i in range(0, len(prompts), self.batch):
                 for result in verifier.generate(prompts[i : i + self.batch]):
                     rep.add(result)
