@@ -120,7 +120,7 @@ def test_probabilities_apply_temperature_then_top_k_then_top_p():
 # ---- sampled decoding: lossless in distribution --------------------------------------------
 
 V = 8  # a vocabulary small enough to enumerate three tokens (512 cells)
-ROWS = 6000
+ROWS = 3000
 LEVEL = 1e-3  # the chi-square test's level
 
 
