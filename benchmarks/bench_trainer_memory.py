@@ -12,6 +12,15 @@ runs only while its estimated logits fit in memory.
 ``--dflash2``: DFlash (v1) and DFlash2 (the reference shape: 2-tap convolutions over groups
 of 16 channels, selector rank 256 and top-16, so two [151,936 x 256] codebooks), both
 chunked, side by side, with DFlash2's cost as ratios to v1's.
+
+``--long 4096,8192,16384``: one document of each length per micro-batch, a whole training
+step (forward, backward, AdamW step, its state allocated first), at Qwen3-8B's proportions
+scaled down (``LONG_SHAPE``: hidden 256, 8 layers of which 6 run, 5 feature layers, 4/1
+heads of 64, MLP 3x, vocabulary 32,000, a 1-layer drafter, the trainer's defaults: 512
+anchors per document, chunk 1024), fp32 as on CPU: the measured peak RSS next to
+``memory_terms``' prediction (``scripts/checks/long_memory.py``, the formula docs/GUIDE.md
+"Long context" evaluates at the Qwen3-8B shape), and the same formula at Qwen3-8B in bf16
+for 32K and 64K.
 """
 
 from __future__ import annotations
@@ -22,6 +31,9 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
 
 VOCAB, HIDDEN, BLOCK, DOC_LEN = 151936, 256, 16, 4096 + 32
 
@@ -67,6 +79,109 @@ def one(anchors: int, chunk: int, variant: str = "dflash") -> dict[str, float]:
     }
 
 
+def one_long(seq: int) -> dict[str, float]:
+    """A whole training step on one ``seq``-token document at ``LONG_SHAPE`` (fp32, CPU):
+    the process's resident memory before building anything and before the step, and the
+    peak during the step (the kernel's high-water mark, reset before it)."""
+    import torch
+
+    from scripts.checks.long_memory import LONG_SHAPE
+    from trainer.model.blocks import LossConfig
+    from trainer.model.drafter import DFlashDrafter, DrafterConfig
+    from trainer.model.loss import draft_loss
+    from trainer.model.target import Target, TinyTargetSpec, build_tiny_model
+    from trainer.train import hostmem
+    from trainer.train.batches import pad_batch
+
+    torch.manual_seed(0)
+    runtime = _proc_gb("VmRSS")
+    sh = LONG_SHAPE
+    spec = TinyTargetSpec(
+        vocab_size=sh.vocab, hidden_size=sh.hidden, intermediate_size=sh.intermediate,
+        num_layers=sh.layers, num_heads=sh.heads, num_kv_heads=sh.kv_heads,
+        max_positions=max(seq, 8192),
+    )  # fmt: skip
+    target = Target(build_tiny_model(spec), list(sh.feature_layers))
+    cfg = DrafterConfig.from_target(
+        target.config, num_target_layers=len(sh.feature_layers), num_layers=sh.drafter_layers,
+        block_size=BLOCK, mask_token_id=sh.vocab - 1,
+    )  # fmt: skip
+    drafter = DFlashDrafter(cfg)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, betas=(0.9, 0.95))
+    for p in drafter.parameters():  # AdamW's state, allocated before the measured step
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    ids = torch.randint(0, sh.vocab - 1, (seq,)).tolist()
+    batch = pad_batch([(ids, [1] * seq)])
+    loss_cfg = LossConfig(block_size=BLOCK, anchors_per_doc=sh.anchors_per_doc,
+                          max_anchors=sh.max_anchors)  # fmt: skip
+    before = _proc_gb("VmRSS")
+    _reset_peak()
+    t0 = time.perf_counter()
+    out = draft_loss(
+        target, drafter, batch, loss_cfg, torch.Generator(), chunk_size=sh.loss_chunk,
+        on_chunks=hostmem.fit_chunks,
+    )  # fmt: skip
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {
+        "runtime_gb": runtime,
+        "rss_before_gb": before,
+        "rss_peak_gb": _proc_gb("VmHWM"),
+        "step_s": time.perf_counter() - t0,
+        "blocks": out.num_blocks,
+    }
+
+
+def _proc_gb(key: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of this process, in GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 2**20
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    """Reset the peak resident memory (``VmHWM``) to the current one (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def compare_long(seqs: list[int]) -> None:
+    """Measured memory against the formula, side by side (``--long``)."""
+    from scripts.checks.long_memory import LONG_SHAPE, QWEN3_8B, memory_terms
+
+    gib = 2**30
+    print(
+        f"{'tokens':>7} {'resident before the step':>26} {'the step, above it':>22} "
+        f"{'step error':>10} {'time':>7}"
+    )
+    print(f"{'':>7} {'measured':>12} {'predicted':>13} {'measured':>10} {'predicted':>11}")
+    for seq in seqs:
+        res = subprocess.run(
+            [sys.executable, __file__, "--one-long", str(seq)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        m = json.loads(res.stdout.strip().splitlines()[-1])
+        t = memory_terms(LONG_SHAPE, seq, weight_bytes=4, act_bytes=4, attention="sdpa")
+        resident = m["rss_before_gb"] - m["runtime_gb"]
+        step = m["rss_peak_gb"] - m["rss_before_gb"]
+        predicted = (t["peak"] - t["resident"]) / gib
+        print(
+            f"{seq:>7} {resident:9.3f} GB {t['resident'] / gib:10.3f} GB {step:7.3f} GB "
+            f"{predicted:8.3f} GB {predicted / step - 1:+10.1%} {m['step_s']:6.1f} s"
+        )
+    print(f"(resident: beyond the {m['runtime_gb']:.2f} GB of the process before building)")
+    print("Qwen3-8B shape, bf16 target, fp32 drafter under bf16 autocast, flex attention:")
+    for seq in (32768, 65536):
+        t = memory_terms(QWEN3_8B, seq, weight_bytes=2, act_bytes=2, attention="flex")
+        parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in t.items() if k != "peak")
+        print(f"  {seq:>6} tokens: peak {t['peak'] / gib:.1f} GiB ({parts})")
+
+
 def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
@@ -82,10 +197,18 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024, help="Slots per chunk (chunked runs).")
     ap.add_argument("--limit-gb", type=float, default=14.0, help="Skip unchunked above this.")
     ap.add_argument("--dflash2", action="store_true", help="DFlash2 next to DFlash (chunked).")
+    ap.add_argument("--long", help="Document lengths: whole steps at LONG_SHAPE vs the formula.")
     ap.add_argument(
         "--one", nargs=3, metavar=("ANCHORS", "CHUNK", "VARIANT"), help=argparse.SUPPRESS
     )
+    ap.add_argument("--one-long", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one_long:
+        print(json.dumps(one_long(args.one_long)))
+        return
+    if args.long:
+        compare_long([int(x) for x in args.long.split(",")])
+        return
     if args.one:
         print(json.dumps(one(int(args.one[0]), int(args.one[1]), args.one[2])))
         return

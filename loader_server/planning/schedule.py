@@ -39,6 +39,18 @@ mix distance stays within ``MIX_LIMIT`` (docs/PLANNER.md, "Modelled costs: ranks
 within the mix target"). On the reference shape with an 8B/H100 model: grad_accum 4
 1.0175 -> 1.0015 (mix 0.039 -> 0.072), grad_accum 1 unchanged at 1.038 (one micro-batch
 per rank: only the mix could buy more).
+
+Long context (modelled costs): a 64K-token micro-batch costs ~6x one of 64 rows of 200
+tokens (attention is quadratic in the document's length). Stratified units then put a
+costly one next to cheap ones on every step, which waits ~3x for its slowest rank. So the
+costliest micro-batches (above 8, 4, 2 or 1.5x the median cost; none on the reference
+shape, whose plans are unchanged) are grouped by cost into units of their own too, and
+when no threshold meets the balance target (``BALANCE_LIMIT``) within the mix target,
+balance wins: the least mix among the plans that meet it, else the best balanced
+(``_choose``). Shuffled steps (packed rows) likewise become steps of like-cost rows when
+that balances better. Measured on 50,000 200-token and 200 64K-token samples
+(``benchmarks/bench_long_context.py plan``): grad_accum 1 3.06 -> 1.06, grad_accum 4
+1.19 -> 1.008, packed 1.38 -> 1.007 (each step then mixes fewer length bands).
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ import functools
 import itertools
 import math
 from collections.abc import Iterator
+from typing import cast
 
 import numpy as np
 
@@ -59,6 +72,12 @@ _THETAS = np.linspace(0.0, 1.0, 11)
 MIX_LIMIT, MIX_SLACK = 0.10, 0.01
 # Of the thresholds balanced within this of the best, the one of least step mix is taken.
 BALANCE_SLACK = 0.002
+# The rank imbalance target (1 + this): a plan that misses it within the mix limit is
+# chosen by how far it misses both targets instead (``_choose``).
+BALANCE_LIMIT = 0.05
+# Costly micro-batches (above these multiples of the median cost) grouped into units of
+# their own, as the cheap ones are: a corpus of 64K-token documents next to 200-token ones.
+_COSTLY = (8.0, 4.0, 2.0, 1.5)
 # Steps with at most this many splits into ranks are balanced exactly (every split tried).
 _EXACT_SPLITS = 128
 # At most this many rounds of trades per step (each round trades once in every step).
@@ -87,7 +106,19 @@ def shuffled_steps(
     width = world_size * grad_accum
     kept = drop_remainder(tokens, width)
     steps = kept[rng.permutation(kept.size)].reshape(-1, width)
-    ranked = balance_ranks(steps, costs, grad_accum) if modelled else _lpt(steps, costs, grad_accum)
+    if not modelled:
+        return _relabel(_lpt(steps, costs, grad_accum), world_size, rng)
+    ranked = balance_ranks(steps, costs, grad_accum)
+    if _balance(ranked, costs, world_size, grad_accum) > 1.0 + BALANCE_LIMIT:
+        # Rows of unequal cost (a 64K-token document alone in its packed row, next to rows
+        # of short ones): steps of like-cost micro-batches instead, in random order, when
+        # they balance better (each step then mixes less).
+        by_cost = kept[np.argsort(costs[kept], kind="stable")].reshape(-1, width)
+        alike = balance_ranks(by_cost[rng.permutation(by_cost.shape[0])], costs, grad_accum)
+        if _balance(alike, costs, world_size, grad_accum) < _balance(
+            ranked, costs, world_size, grad_accum
+        ):
+            ranked = alike
     return _relabel(ranked, world_size, rng)
 
 
@@ -122,27 +153,65 @@ def stratified_steps(
         raise ValueError("modelled balancing needs the micro-batches' samples (their bands)")
     bands = band_tokens(*samples, kept=kept)
     by_len, by_cost, cost_rank = _orders(kept, lens, costs, rng)
+    cheap = list(_cheap_counts(costs[by_cost], world_size))
+    # (cheap, costly) micro-batches grouped by cost; the costly tail only where there is
+    # one (a corpus without one plans exactly as before: the same candidates, the same draws)
+    groupings = [(n, 0) for n in cheap]
+    groupings += [(n, k) for k in _costly_counts(costs[by_cost], world_size) for n in cheap]
     candidates = []
-    for n_cheap in _cheap_counts(costs[by_cost], world_size):
-        mixed = by_len[cost_rank[by_len] >= n_cheap]  # still sorted by length
+    for n_cheap, n_costly in groupings:
+        if n_cheap + n_costly > kept.size:
+            continue
+        rank = cost_rank[by_len]
+        mixed = by_len[(rank >= n_cheap) & (rank < kept.size - n_costly)]  # sorted by length
         units = np.concatenate(
             [
                 by_cost[:n_cheap].reshape(-1, world_size),
+                by_cost[kept.size - n_costly :].reshape(-1, world_size),
                 _deal_matched(mixed, world_size, costs, rng),
             ]
         )
         steps = _compose(units, lens, grad_accum, rng)
         candidates.append((step_mix(bands, steps), steps))
+    best = _choose(candidates, costs, world_size, grad_accum)
+    return _relabel(best, world_size, rng)
+
+
+def _choose(
+    candidates: list[tuple[float, np.ndarray]], costs: np.ndarray, world: int, grad_accum: int
+) -> np.ndarray:
+    """The candidate steps (``(mix, steps)``) to serve, split into ranks: the best balanced
+    whose step mix is within ``MIX_LIMIT`` (or ``MIX_SLACK`` above the least mix), of those
+    within ``BALANCE_SLACK`` the least mix. When even that misses the balance target
+    (imbalance above ``1 + BALANCE_LIMIT``: micro-batches whose costs differ by several
+    times, as 64K-token documents next to 200-token ones), the balance target wins: of the
+    candidates that meet it, the least mix; if none does, the best balanced. A step waits
+    for its slowest rank: a 3x imbalance triples its time, whatever its mix."""
     limit = max(MIX_LIMIT, min(m for m, _ in candidates) + MIX_SLACK)
     scored = []
     for mix, steps in candidates:
-        if mix <= limit:
+        ranked = balance_ranks(steps, costs, grad_accum) if mix <= limit else None
+        scored.append((_balance(ranked, costs, world, grad_accum), mix, steps, ranked))
+    within = [x for x in scored if x[3] is not None]
+    best_ratio = min(r for r, *_ in within)
+    choice = min((x for x in within if x[0] <= best_ratio + BALANCE_SLACK), key=lambda x: x[1])
+    if choice[0] <= 1.0 + BALANCE_LIMIT:
+        return cast(np.ndarray, choice[3])
+    for i, (_, mix, steps, ranked) in enumerate(scored):
+        if ranked is None:
             ranked = balance_ranks(steps, costs, grad_accum)
-            loads = costs[ranked].reshape(-1, world_size, grad_accum).sum(axis=2)
-            scored.append((_mean_ratio(loads), mix, ranked))
-    best_ratio = min(r for r, _, _ in scored)
-    _, _, best = min((x for x in scored if x[0] <= best_ratio + BALANCE_SLACK), key=lambda x: x[1])
-    return _relabel(best, world_size, rng)
+            scored[i] = (_balance(ranked, costs, world, grad_accum), mix, steps, ranked)
+    balanced = [x for x in scored if x[0] <= 1.0 + BALANCE_LIMIT]
+    if balanced:
+        return cast(np.ndarray, min(balanced, key=lambda x: x[1])[3])
+    return cast(np.ndarray, min(scored, key=lambda x: x[0])[3])
+
+
+def _balance(ranked: np.ndarray | None, costs: np.ndarray, world: int, grad_accum: int) -> float:
+    """Mean over steps of max / mean rank load of ``ranked`` steps (inf: not split yet)."""
+    if ranked is None:
+        return math.inf
+    return _mean_ratio(costs[ranked].reshape(-1, world, grad_accum).sum(axis=2))
 
 
 def band_tokens(
@@ -208,6 +277,23 @@ def _cheap_counts(sorted_costs: np.ndarray, world: int) -> Iterator[int]:
     seen = -1
     for theta in _THETAS * median:
         n = int(np.searchsorted(sorted_costs, theta)) // world * world
+        if n != seen:
+            seen = n
+            yield n
+
+
+def _costly_counts(sorted_costs: np.ndarray, world: int) -> Iterator[int]:
+    """How many of the costliest micro-batches to group by cost: those above each of
+    ``_COSTLY`` x the median cost (whole units, each count once, none of 0). Empty
+    where nothing costs 1.5x the median (the reference shape: full micro-batches cost
+    alike)."""
+    if sorted_costs.size == 0:
+        return
+    median = float(np.median(sorted_costs))
+    seen = 0
+    for factor in _COSTLY:
+        above = sorted_costs.size - int(np.searchsorted(sorted_costs, factor * median, "right"))
+        n = above // world * world
         if n != seen:
             seen = n
             yield n

@@ -24,6 +24,10 @@ Stages, each writing its figures to ``OUT/gpu_check.json`` as soon as it has the
    step 5 profiled (``--profile-step``: each phase's device time and share, the step's
    FLOPs and MFU, ``trainer/train/profile.py``); then half as many steps with
    ``--attention sdpa`` for comparison.
+5. ``long_context``: one 32,768-token sample per micro-batch (``--long-seq``), the same
+   Qwen3-8B-shaped target and drafter at the trainer's defaults, the loop in process (no
+   daemon) for 3 steps: step times, peak GPU memory, and the memory formula's prediction
+   for it (``scripts/checks/long_memory.py``, docs/GUIDE.md "Long context").
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -289,6 +294,80 @@ def train_stage(
     }
 
 
+def long_stage(
+    work: Path, seq: int, steps: int = 3, device: str = "cuda", shape: str = "QWEN3_8B"
+) -> dict[str, object]:
+    """``steps`` training steps of one ``seq``-token document each (see the docstring);
+    ``device`` cpu and ``shape`` LONG_SHAPE: the same code as a smoke run on CPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from scripts.checks import long_memory
+    from scripts.checks.long_memory import memory_terms
+
+    sh, dev = getattr(long_memory, shape), torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    run_dir = work / f"run-long-{seq}"
+    t0 = time.perf_counter()
+    _train_long(sh, dev, seq, steps, run_dir)
+    wall = time.perf_counter() - t0
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r.get("loss") is not None or r.get("tokens")]
+    size = 2 if cuda else 4
+    terms = memory_terms(sh, seq, weight_bytes=size, act_bytes=size,
+                         attention="flex" if cuda else "sdpa")  # fmt: skip
+    whole = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    return {
+        "seq": seq,
+        "steps": len(train),
+        "wall_s": round(wall, 1),
+        "step_time_s": [round(r["step_time_s"], 2) for r in train],
+        "gpu_mem_peak_gb": max(r["gpu_mem_peak_gb"] for r in train),
+        "gpu_mem_peak_whole_stage_gib": None if whole is None else round(whole, 2),
+        "predicted_peak_gib": round(terms["peak"] / 2**30, 2),
+        "predicted_terms_gib": {k: round(v / 2**30, 2) for k, v in terms.items()},
+        "loss_first": train[0]["loss"],
+        "loss_last": train[-1]["loss"],
+    }
+
+
+def _train_long(sh: Any, dev: torch.device, seq: int, steps: int, run_dir: Path) -> None:
+    """The target (bf16 on a GPU) and a drafter of ``sh``'s shape, trained by the loop on
+    ``steps`` random ``seq``-token documents, one per micro-batch, into ``run_dir``."""
+    from trainer.model.blocks import LossConfig
+    from trainer.model.drafter import DFlashDrafter, DrafterConfig
+    from trainer.model.target import Target, TinyTargetSpec, build_tiny_model
+    from trainer.options import TargetOptions
+    from trainer.run import run_meta
+    from trainer.train.batches import ListSource
+    from trainer.train.config import TrainConfig
+    from trainer.train.distributed import local_env
+    from trainer.train.loop import Trainer
+
+    spec = TinyTargetSpec(
+        vocab_size=sh.vocab, hidden_size=sh.hidden, num_layers=sh.layers, num_heads=sh.heads,
+        num_kv_heads=sh.kv_heads, intermediate_size=sh.intermediate,
+        max_positions=max(40960, seq),
+    )  # fmt: skip
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = Target(build_tiny_model(spec, dev, dtype), list(sh.feature_layers))
+    cfg = DrafterConfig.from_target(target.config, num_target_layers=len(sh.feature_layers),
+                                    mask_token_id=sh.vocab - 1)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    docs = [(torch.randint(0, sh.vocab - 1, (seq,), generator=g).tolist(), [1] * seq)
+            for _ in range(steps)]  # fmt: skip
+    shutil.rmtree(run_dir, ignore_errors=True)
+    loss = LossConfig(block_size=sh.block, anchors_per_doc=sh.anchors_per_doc,
+                      max_anchors=sh.max_anchors)  # fmt: skip
+    tc = TrainConfig(run_dir=run_dir, loss=loss, steps=steps, loss_chunk=sh.loss_chunk,
+                     progress=False, cost_samples=0)  # fmt: skip
+    Trainer(
+        tc, target=target, drafter=DFlashDrafter(cfg).to(dev), source=ListSource(docs, rows=1),
+        env=local_env(str(dev)), meta=run_meta(TargetOptions(), target),
+    ).run()  # fmt: skip
+
+
 def load_stage(work: Path) -> dict[str, object]:
     """A local target onto the GPU (trainer/model/weights.py) against ``from_pretrained``
     and ``.to(cuda)``: a 2 GB fp32 checkpoint loaded in bf16, each in a fresh process:
@@ -349,6 +428,7 @@ def main() -> None:
     ap.add_argument("--no-sdpa", action="store_true", help="Skip the SDPA comparison run.")
     ap.add_argument("--no-dflash2", action="store_true", help="Skip the DFlash2 run.")
     ap.add_argument("--no-shard", action="store_true", help="Skip the sharded-target stage.")
+    ap.add_argument("--long-seq", type=int, default=32768, help="Long-context stage (0: skip).")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "dflash-gpu-check"
@@ -376,6 +456,8 @@ def main() -> None:
             daemon.wait(timeout=30)
         for log in [work / "daemon.log", *work.glob("train*.log")]:
             (args.out / log.name).write_text(log.read_text(errors="replace")[-200_000:])
+    if args.long_seq:  # in process, after the daemon's runs (their memory is released)
+        report.run("long_context", long_stage, work, args.long_seq)
     print(json.dumps(report.data, indent=2))
 
 

@@ -2,7 +2,7 @@
 # The trainer's GPU check: one CUDA GPU, about 5 minutes. From the repository root:
 #
 #   bash scripts/checks/gpu_wheels.sh        # here, with network: wheels the GPU machine lacks (.whl/)
-#   bash scripts/checks/gpu_check.sh [OUT] [--steps N] [--no-sdpa] [--no-dflash2] [--no-shard]   # there: figures to stdout and
+#   bash scripts/checks/gpu_check.sh [OUT] [--steps N] [--no-sdpa] [--no-dflash2] [--no-shard] [--long-seq N]   # there: figures to stdout and
 #                                     # OUT/gpu_check.json
 #
 # Needs python3 with torch (CUDA), transformers, pyarrow, msgpack, click and numpy; pyzmq is

@@ -29,7 +29,10 @@ project's ``.venv``; vLLM runs in its own virtualenv (``--vllm-python``), as sub
 
 5. a DFlash2 drafter, which vLLM's CPU build refuses to serve: vLLM's and speculators'
    DFlash2 model classes load it and compute what the trainer's drafter computes;
-6. a table of the checks and of the time each phase took; exit status 1 naming what failed.
+6. long context (``long_context_check``): the export of a drafter trained against a target
+   with YaRN scaling, in both dialects, read by vLLM's config machinery: the target's
+   RoPE and context length, and vLLM's rotary equal to the trainer's drafter's;
+7. a table of the checks and of the time each phase took; exit status 1 naming what failed.
 
 This module is the flow; the parts: ``serve_common`` (checks, phases, commands, the
 trainer's verifier), ``serve_drafters`` (each drafter trained, served and compared),
@@ -55,6 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scripts.checks.long_context_check import run as long_context_checks
 from scripts.checks.serve_common import COMPARISON, PY, TRAIN, Check, Phases, sh
 from scripts.checks.serve_drafters import DRAFTERS, dflash2_checks, drafter_checks
 from scripts.servers.chat_server import running
@@ -148,6 +152,8 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
             args, work, phases, name, flags, corpus, target, prompts, plain, plain_stop, stops
         )
     checks += dflash2_checks(args, work, phases, corpus, target, prompts, plain)
+    with phases("long context: a YaRN target's exports in vLLM's config reader"):
+        checks += long_context_checks(args.vllm_python, work / "long-context")
     return checks
 
 

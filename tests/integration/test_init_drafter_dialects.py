@@ -156,7 +156,11 @@ def test_a_speculators_folder_is_checked_as_a_dflash_one(released, target, tmp_p
         ({"layer": {"num_hidden_layers": 3}}, "layer_types has 2 entries for num_hidden_layers"),
         ({"layer": {"sliding_window": None, "use_sliding_window": None}},
          "sliding_attention layers but sliding_window"),
-        ({"layer": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}}, "rope_type 'yarn'"),
+        ({"layer": {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}},
+         "rope_type 'dynamic' changes its frequencies"),
+        ({"layer": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0,
+                                        "original_max_position_embeddings": 64}}},
+         "rope_scaling {'rope_type': 'yarn'"),  # not this run's target's RoPE
         ({"layer": {"hidden_size": 64}}, "hidden_size 64 != 128"),
         ({"top": {"block_size": 8}}, "block_size 8 != 4"),
         ({"tensors": lambda s: {**s, "d2t": torch.zeros(4)}}, "tensor d2t is not a drafter"),

@@ -230,6 +230,7 @@ STANDALONE = (
     "scripts/servers/chat_server.py",
     "scripts/checks/speculators_check.py",
     "scripts/checks/vllm_dflash2_check.py",
+    "scripts/checks/vllm_rope_check.py",
     "scripts/checks/vllm_weight_probe.py",
 )
 OURS = ("loader_server", "client", "trainer", "scripts", "benchmarks", "tests")

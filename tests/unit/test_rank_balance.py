@@ -171,3 +171,50 @@ def test_plans_with_a_cost_model_stay_deterministic_and_complete():
     assert np.unique(served).size == served.size
     assert served.size + a.stats["dropped_leftover"] == lengths.size
     assert dataclasses.replace(spec).key() == spec.key()
+
+
+def mixed_lengths(n_short: int = 50_000, n_long: int = 200, seed: int = 0) -> np.ndarray:
+    """A long-context corpus: ~200-token samples (lognormal, 16..2048) and 32K-64K-token
+    ones, about half of the tokens each, in random order."""
+    rng = np.random.default_rng(seed)
+    short = np.clip(np.rint(rng.lognormal(np.log(200), 0.5, n_short)), 16, 2048)
+    long = rng.integers(32_768, 65_537, n_long)
+    return rng.permutation(np.concatenate([short, long])).astype(np.int32)
+
+
+LONG_CONTEXT = {"max_seq_len": 65536, "token_budget": 65536, "world_size": 8, **MODEL}
+
+
+@pytest.mark.parametrize(
+    ("shape", "limit"),
+    [
+        ({}, 1.08),  # one micro-batch per rank: balanced by steps of like cost
+        ({"grad_accum": 4}, 1.02),
+        ({"layout": "packed"}, 1.02),
+        ({"layout": "packed", "grad_accum": 4}, 1.02),
+    ],
+)
+def test_long_documents_next_to_short_ones_balance(shape, limit):
+    """A 64K-token micro-batch costs ~6x one of 64 short rows (attention is quadratic):
+    stratified units (one micro-batch of each length stratum per rank) would make every
+    step wait ~3x for its slowest rank. The costly micro-batches are grouped by cost as
+    the cheap ones are, and where the mix target cannot be met with balance, balance wins."""
+    lengths = mixed_lengths()
+    plan = plan_epoch(lengths, BatchSpec(**LONG_CONTEXT, **shape), epoch=0)
+    assert metrics.rank_imbalance(plan) <= limit
+    token_spec = BatchSpec(**{**LONG_CONTEXT, **metrics.TOKEN_COST}, **shape)
+    tokens = plan_epoch(lengths, token_spec, epoch=0)
+    by_model = metrics.rank_imbalance(
+        tokens, metrics.modelled_costs(tokens, plan.spec.coefficients)
+    )
+    assert metrics.rank_imbalance(plan) < by_model  # better than balancing tokens
+    if shape == {"layout": "packed", "grad_accum": 4}:  # both targets at once
+        assert metrics.step_mix_distance(plan) <= schedule.MIX_LIMIT
+
+
+def test_a_corpus_without_costly_micro_batches_plans_as_before():
+    """Nothing on the reference shape costs 1.5x the median: no costly grouping, so its
+    plans (and their random draws) are the ones it had."""
+    plan = plan_epoch(REFERENCE, BatchSpec(world_size=8, **MODEL), epoch=0)
+    costs = np.sort(np.ceil(plan.micro_costs / plan.micro_costs.max() * 2**20))
+    assert list(schedule._costly_counts(costs, 8)) == []

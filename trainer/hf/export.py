@@ -249,7 +249,34 @@ def check_servable(src: TrainedDrafter) -> None:
     theta = src.target.get("rope_theta")
     if theta is not None and float(theta) != cfg.rope_theta:
         raise ValueError(f"{where}: drafter rope_theta {cfg.rope_theta} != target's {theta}")
+    _check_rope_scaling(src)
     _warn_serving(src)
+
+
+def _check_rope_scaling(src: TrainedDrafter) -> None:
+    """The drafter rotates as the target does (``trainer.model.rope``): the export writes
+    the scaling it was trained with. A drafter trained with plain RoPE against a scaled
+    target (checkpoints from before the drafter followed the target's scaling) is exported
+    as trained, with a warning; any other difference is refused."""
+    cfg, where = src.config, src.checkpoint
+    if "rope_scaling" in src.target:
+        theirs = src.target["rope_scaling"]
+    elif src.target.get("rope_type", "default") != "default":  # a record of older code
+        theirs = {"rope_type": src.target["rope_type"]}
+    else:
+        theirs = None
+    if cfg.rope_scaling is None and theirs is not None:
+        log.warning(
+            "target uses RoPE %r; the drafter was trained (and is exported) with plain RoPE, "
+            "theta %s: engines serve it so, unlike the target past its original context "
+            "(retrain with this code, which follows the target's scaling)",
+            theirs["rope_type"],
+            cfg.rope_theta,
+        )
+    elif cfg.rope_scaling != theirs:
+        raise ValueError(
+            f"{where}: drafter rope_scaling {cfg.rope_scaling} != the target's {theirs}"
+        )
 
 
 def _warn_serving(src: TrainedDrafter) -> None:
@@ -260,13 +287,6 @@ def _warn_serving(src: TrainedDrafter) -> None:
             "layer id %d is the target's last layer: Transformers reports its output normed, "
             "SGLang and vLLM capture layer inputs (id + 1) and may not provide it",
             depth - 1,
-        )
-    if src.target.get("rope_type", "default") != "default":
-        log.warning(
-            "target uses RoPE %r; the drafter was trained (and is exported) with plain RoPE, "
-            "theta %s",
-            src.target["rope_type"],
-            src.config.rope_theta,
         )
 
 
@@ -297,8 +317,7 @@ def folder_config(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, Any]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **rope_fields(cfg),
         "max_position_embeddings": tgt["max_position_embeddings"],
         "vocab_size": tgt["vocab_size"],
         "tie_word_embeddings": False,
@@ -325,6 +344,20 @@ def folder_config(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, Any]:
         "use_cache": True,
         "transformers_version": transformers.__version__,
     }
+
+
+def rope_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """RoPE as the drafter was trained, the target's (``trainer.model.rope``):
+    ``rope_parameters`` (Transformers 5, vLLM, speculators) and, when scaled, the same as
+    ``rope_scaling`` (what Transformers 4.x and engines on it read)."""
+    scaling = dict(cfg.rope_scaling or {"rope_type": "default"})
+    out: dict[str, Any] = {
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta},
+    }
+    if cfg.rope_scaling is not None:
+        out["rope_scaling"] = scaling
+    return out
 
 
 def _state_for_export(src: TrainedDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,7 @@ from trainer.model.drafter import (
     DFlashDrafter,
     DrafterConfig,
 )
+from trainer.model.rope import check_scaling, scaling_from_config
 from trainer.options import DFLASH2_DEFAULTS, RunOptions, layer_kinds, parse_int_list
 
 if TYPE_CHECKING:
@@ -111,6 +113,13 @@ class DrafterFolder:
             return {}
         out = {k: self.dflash.get(k) for k in DFLASH2_DEFAULTS}  # where vLLM reads them
         return {k: DFLASH2_DEFAULTS[k] if v is None else v for k, v in out.items()}
+
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None:
+        """The scaling of its RoPE (``rope_parameters``, else ``rope_scaling``), as the
+        drafter config says it (``trainer.model.rope``); None for plain RoPE."""
+        keys = ("rope_parameters", "rope_scaling", "max_position_embeddings")
+        return scaling_from_config(SimpleNamespace(**{k: self.config.get(k) for k in keys}))
 
     @property
     def rope_theta(self) -> float | None:
@@ -214,12 +223,10 @@ def _check_sliding(folder: DrafterFolder, file: Path) -> None:
 
 
 def _check_shape_rules(folder: DrafterFolder, file: Path) -> None:
-    """Plain RoPE, SiLU without attention bias, and no dflash_config key this trainer
-    does not know."""
-    rope = folder.config.get("rope_parameters") or folder.config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"{file}: rope_type {kind!r}: only plain RoPE is supported")
+    """RoPE the drafter rotates as Transformers does (plain, or ``trainer.model.rope``'s
+    scaled types), SiLU without attention bias, and no dflash_config key this trainer does
+    not know."""
+    check_scaling(folder.rope_scaling, str(file))
     if folder.config.get("hidden_act", "silu") != "silu" or folder.config.get("attention_bias"):
         raise ValueError(f"{file}: only hidden_act silu without attention_bias is supported")
     known = {*DFLASH_KEYS, *_UNSUPPORTED, *DFLASH2_DEFAULTS, "mask_token", "swa_window_size"}
@@ -331,6 +338,7 @@ def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: 
         ("block_size", folder.value("block_size"), cfg.block_size),
         ("rms_norm_eps", c.get("rms_norm_eps"), cfg.rms_norm_eps),
         ("rope_theta", folder.rope_theta, cfg.rope_theta),
+        ("rope_scaling", folder.rope_scaling, cfg.rope_scaling),
         ("vocab_size", c.get("vocab_size"), target.vocab_size),
         ("num_target_layers", folder.value("num_target_layers"), target.num_layers),
         ("target_layer_ids", folder.target_layer_ids, target.layer_ids),

@@ -7,7 +7,9 @@ Written by dflash-loader's trainer; the math is exactly its drafter's
   through ``fc`` and ``hidden_norm`` once;
 * each layer: queries from the block's B slots (``input_layernorm`` first); keys and values
   from ``[context ; block]``, keys RMS-normed per head (``k_norm``) and rotated at their
-  absolute positions (RoPE, half-split, plain ``rope_theta``); the block attends to all of
+  absolute positions (RoPE, half-split, ``rope_theta``; a scaled ``rope_parameters``, YaRN,
+  linear or llama3, through Transformers' own ``ROPE_INIT_FUNCTIONS``, as the target
+  rotates); the block attends to all of
   it, bidirectionally; a ``sliding_attention`` layer (``layer_types``) instead lets the
   query at position q see keys at positions q - sliding_window + 1 .. q only (causal
   inside the block; with ``is_causal`` false, also the block's later slots within the
@@ -30,7 +32,7 @@ Calls:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,14 +53,34 @@ _CACHE_FIELD = (
 )
 
 
+#: Scaled RoPE types rotated as Transformers' rotary embeddings do (frequencies that change
+#: with the sequence length, dynamic and longrope, are not: the trainer refuses them).
+SCALED_ROPE = ("linear", "yarn", "llama3")
+
+
+def rope_frequencies(config: DFlashConfig) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [head_dim / 2] fp32 on CPU, attention factor)``: the closed form for plain
+    RoPE, else Transformers' own init function for the config's type (YaRN's factor
+    multiplies cos and sin)."""
+    kind, d = _rope_type(config), config.head_dim
+    if kind == "default":
+        theta = _rope_theta(config)
+        return 1.0 / theta ** (torch.arange(0, d, 2, device="cpu") / d), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, factor = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+    return inv.float(), float(factor)
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
+    positions: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` ``[b, 1, S, head_dim]`` (fp32) for integer ``positions [b, S]``."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
-    ang = positions.float()[..., None] * inv
+    ang = positions.float()[..., None] * inv_freq.to(positions.device)
     ang = torch.cat([ang, ang], dim=-1)[:, None]
-    return ang.cos(), ang.sin()
+    if factor == 1.0:
+        return ang.cos(), ang.sin()
+    return ang.cos() * factor, ang.sin() * factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -210,10 +232,11 @@ def _check_config(config: DFlashConfig) -> None:
         raise ValueError("DFlash config needs dflash_config.target_layer_ids")
     if config.hidden_act != "silu" or getattr(config, "attention_bias", False):
         raise ValueError("this DFlash model supports hidden_act silu without attention bias only")
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"this DFlash model supports plain RoPE only, config has {kind!r}")
+    kind = _rope_type(config)
+    if kind not in ("default", *SCALED_ROPE):
+        raise ValueError(
+            f"this DFlash model supports RoPE default, {', '.join(SCALED_ROPE)}, not {kind!r}"
+        )
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds - {"full_attention", "sliding_attention"}:
         raise ValueError(f"this DFlash model supports full and sliding attention, not {kinds}")
@@ -235,6 +258,11 @@ def _check_config(config: DFlashConfig) -> None:
             f"this DFlash model supports bidirectional full layers only, not {given} "
             "(is_causal / causal false is fine: bidirectional sliding layers)"
         )
+
+
+def _rope_type(config: DFlashConfig) -> str:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(rope.get("rope_type", rope.get("type", "default")))
 
 
 def _rope_theta(config: DFlashConfig) -> float:
@@ -273,6 +301,10 @@ class DFlashDraftModel(PreTrainedModel):
         self.fc = nn.Linear(len(layer_ids) * h, h, bias=False)
         self.hidden_norm = DFlashRMSNorm(h, eps)
         self.rope_theta = _rope_theta(config)
+        # Computed at the first forward (a model built on the meta device has no values
+        # yet) and kept as plain attributes, not buffers: no weight of the folder, and never
+        # cast to bf16 with the model (a bf16 table is off by radians at long positions).
+        self._rope: tuple[torch.Tensor, float] | None = None
         self.post_init()
 
     @property
@@ -314,7 +346,9 @@ class DFlashDraftModel(PreTrainedModel):
                 f"position_ids has {position_ids.shape[-1]} positions, expected context {n} + "
                 f"block {b}"
             )
-        rope = rope_cos_sin(position_ids, self.config.head_dim, self.rope_theta)
+        if self._rope is None:
+            self._rope = rope_frequencies(cast(DFlashConfig, self.config))
+        rope = rope_cos_sin(position_ids, *self._rope)
         keep = _key_mask(attention_mask)
         h = noise_embeds.to(dtype)
         for layer in self.layers:

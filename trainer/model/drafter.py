@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.model.attention import FULL, BlockChunk, LayerRule, block_attention
 from trainer.model.dflash2 import VARIANTS, CandidateSelector, GroupedConv
+from trainer.model.rope import check_scaling, rotary, scaling_from_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -60,6 +61,9 @@ class DrafterConfig:
     block_size: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # The target's RoPE scaling (``trainer.model.rope``: rope_type, factor,
+    # original_max_position_embeddings, ...); None: plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
     # None: a learned MASK vector (opt-in; serving engines embed mask_token_id instead).
     mask_token_id: int | None = None
     # Per layer "full_attention" or "sliding_attention" (None: all full); a sliding layer
@@ -83,6 +87,7 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         self._check_layer_types()
+        check_scaling(self.rope_scaling)
         for name in (
             "hidden_size",
             "intermediate_size",
@@ -184,6 +189,7 @@ class DrafterConfig:
             num_target_layers=num_target_layers,
             rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            rope_scaling=scaling_from_config(config),
         )
         if overrides.get("variant") == "dflash2":
             values["vocab_size"] = int(config.vocab_size)
@@ -192,16 +198,6 @@ class DrafterConfig:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def rotary(
-    positions: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` of shape ``[..., head_dim]`` for integer ``positions [...]``."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
-    ang = positions.float()[..., None] * inv
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos(), ang.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -431,7 +427,8 @@ class DFlashDrafter(nn.Module):
         return cast(torch.Tensor, self.hidden_norm(self.fc(feats)))
 
     def _keys_values(self, ctx: torch.Tensor, positions: torch.Tensor) -> ContextKV:
-        rope = rotary(positions, self.config.head_dim, self.config.rope_theta)
+        cfg = self.config
+        rope = rotary(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         return [cast(DrafterLayer, layer).self_attn.keys_values(ctx, rope) for layer in self.layers]
 
     def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> ContextKV:
@@ -491,7 +488,7 @@ class DFlashDrafter(nn.Module):
             block_size=b,
         )
         pos = (anchors[:, None] + torch.arange(b, device=anchors.device)).view(-1)
-        rope = rotary(pos, cfg.head_dim, cfg.rope_theta)
+        rope = rotary(pos, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         h = self.block_inputs(embed, blocks.anchor_ids[lo:hi])
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
             h = layer(h, (k[:, :, c_lo:c_hi], v[:, :, c_lo:c_hi]), rope, rules, backend)

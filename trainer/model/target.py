@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from trainer.model.rope import scaling_from_config
 from trainer.model.sharding import Lockstep, is_sharded, reset_after_stop, stopping_after
 from trainer.model.weights import Shard, load_model, meta_model
 from trainer.options import TargetOptions
@@ -71,6 +72,9 @@ class TinyTargetSpec:
     intermediate_size: int = 384
     max_positions: int = 8192
     seed: int = 0
+    # RoPE scaling in the config (e.g. YaRN: {"rope_type": "yarn", "factor": 8.0,
+    # "original_max_position_embeddings": 8192}); None: plain RoPE
+    rope_scaling: dict[str, Any] | None = None
 
     @property
     def mask_token_id(self) -> int:
@@ -104,6 +108,7 @@ def build_tiny_model(
         num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.hidden_size // spec.num_heads,
         max_position_embeddings=spec.max_positions,
+        rope_scaling=None if spec.rope_scaling is None else dict(spec.rope_scaling),
         tie_word_embeddings=False,
         # An extra key the config keeps (its typed fields do not list it: transformers 5
         # declares them as a dataclass's, and mypy reads that as the whole signature).
@@ -417,6 +422,8 @@ def target_record(config: PretrainedConfig) -> dict[str, Any]:
         "max_position_embeddings": int(config.max_position_embeddings),
         "rope_type": str(rope.get("rope_type", rope.get("type", "default"))),
         "rope_theta": None if theta is None else float(theta),
+        # what the export writes into the drafter's rope_parameters (None: plain RoPE)
+        "rope_scaling": scaling_from_config(config),
     }
 
 
