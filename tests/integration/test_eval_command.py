@@ -104,14 +104,16 @@ def test_eval_reports_every_protocol_for_both_dialects_and_the_run_folder(made, 
 
 
 def test_a_sampled_eval_is_reproducible_by_seed(made, tmp_path):
-    hot = ("--temperature", "1", "--top-p", "0.95", "--seed")
-    a = run_eval(made, tmp_path / "a", "dflash", extra=(*hot, "3"))
-    b = run_eval(made, tmp_path / "b", "dflash", extra=(*hot, "3", "--batch-size", "1"))
-    c = run_eval(made, tmp_path / "c", "dflash", extra=(*hot, "4"))
-    stats = [[m["stats"] for m in d["measurements"]] for d in (a, b, c)]
-    assert stats[0] == stats[1]  # the batch a prompt shares does not change its draws
-    assert stats[0] != stats[2]
+    # The same seed gives the same figures whatever the batch a prompt shares. That another
+    # seed draws otherwise is shown where acceptance is certain to vary (test_speculate.py:
+    # test_a_prompt_s_draws_do_not_depend_on_its_batch); this 2-step drafter is rarely
+    # accepted at temperature 1, so its figures cannot show it.
+    hot = ("--temperature", "1", "--top-p", "0.95", "--seed", "3")
+    a = run_eval(made, tmp_path / "a", "dflash", extra=hot)
+    b = run_eval(made, tmp_path / "b", "dflash", extra=(*hot, "--batch-size", "1"))
+    assert [m["stats"] for m in a["measurements"]] == [m["stats"] for m in b["measurements"]]
     assert a["settings"]["temperature"] == 1.0 and a["settings"]["seed"] == 3
+    assert a["settings"]["top_p"] == 0.95 and b["settings"]["batch_size"] == 1
 
 
 @pytest.mark.parametrize(
