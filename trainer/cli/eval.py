@@ -97,7 +97,7 @@ def eval_command(
     from trainer.eval.report import write_report
     from trainer.eval.runner import EvalSettings, evaluate, load_base_target, load_drafter
     from trainer.eval.sets import load_set, parse_set, thinking_modes
-    from trainer.files import atomic_output
+    from trainer.files import atomic_output, check_output
     from trainer.model.speculate import Sampling
 
     settings = EvalSettings(
@@ -106,6 +106,8 @@ def eval_command(
         thinking=tuple(thinking_modes(thinking)), batch_size=batch_size, engine=engine,
         vllm_python=vllm_python,
     )  # fmt: skip
+    # refused before the target loads (minutes for a large one), not after
+    check_output(out, inputs=[*drafters, target], force=force)
     prompt_sets = [load_set(*parse_set(s), wrap=wrap, limit=limit) for s in sets]
     names = [p.name for p in prompt_sets]
     if len(set(names)) != len(names):

@@ -207,61 +207,96 @@ def evaluate(
     """Every drafter on every set in every thinking mode, by the engines asked for
     (``target_dir``: the target's folder, which an engine serves; ``logs``: where its
     server logs go, kept whatever happens; default ``work``)."""
+    run = _Run(sets, tokenizer, tuple(eos), settings, progress)
     out: list[Measurement] = []
     for d in drafters:
-        max_prompt = _max_positions(d.target) - settings.max_new_tokens - d.block_size
         if settings.engine in ("ours", "both"):
-            for m in _cells(d, sets, settings, "ours"):
-                out.append(_ours_cell(d, m, sets, tokenizer, eos, settings, max_prompt, progress))
+            out.extend(run.ours(d, m) for m in run.cells(d, "ours"))
         if settings.engine in ("vllm", "both"):
             if target_dir is None:
                 raise ValueError("an engine serves the target's folder: give target_dir")
-            out.extend(_engine_cells(d, sets, tokenizer, eos, settings, work, max_prompt,
-                                     progress, target_dir, logs or work))  # fmt: skip
+            out.extend(run.engine_cells(d, work, target_dir, logs or work))
     return out
 
 
-def _ours_cell(
-    d: LoadedDrafter, m: Measurement, sets: Sequence[PromptSet], tokenizer: Any,
-    eos: Sequence[int], settings: EvalSettings, max_prompt: int,
-    progress: Callable[[str], None],
-) -> Measurement:  # fmt: skip
-    results: list[SpecResult] = []
-    gen = ours(d, settings, eos, results)
+@dataclass(frozen=True)
+class _Run:
+    """What every measurement of an ``evaluate`` call shares."""
 
-    def finish() -> Protocols:
-        return summarize(results, d.block_size, seed=settings.sampling.seed)
+    sets: Sequence[PromptSet]
+    tokenizer: Any
+    eos: tuple[int, ...]
+    settings: EvalSettings
+    progress: Callable[[str], None]
 
-    return _measure(m, sets, tokenizer, gen, max_prompt, progress, finish)
+    def cells(self, d: LoadedDrafter, engine: str) -> Iterator[Measurement]:
+        for s in self.sets:
+            for thinking in self.settings.thinking:
+                yield Measurement(d.label, s.name, thinking, engine, 0, 0, d.block_size, 0.0)
 
+    def ours(self, d: LoadedDrafter, m: Measurement) -> Measurement:
+        """``m`` through our batched verifier: every protocol."""
+        results: list[SpecResult] = []
 
-def _cells(
-    d: LoadedDrafter, sets: Sequence[PromptSet], settings: EvalSettings, engine: str
-) -> Iterator[Measurement]:
-    for s in sets:
-        for thinking in settings.thinking:
-            yield Measurement(d.label, s.name, thinking, engine, 0, 0, d.block_size, 0.0)
+        def finish(m: Measurement) -> None:
+            m.stats = summarize(results, d.block_size, seed=self.settings.sampling.seed)
 
+        return self._measure(d, m, ours(d, self.settings, self.eos, results), finish)
 
-def _measure(
-    m: Measurement, sets: Sequence[PromptSet], tokenizer: Any, gen: Generate, max_prompt: int,
-    progress: Callable[[str], None], finish: Callable[[], Any],
-) -> Measurement:  # fmt: skip
-    pset = next(s for s in sets if s.name == m.set)
-    t0 = time.perf_counter()
-    m.prompts, m.skipped = run_turns(pset, tokenizer, m.thinking, gen, max_prompt)
-    m.seconds = time.perf_counter() - t0
-    if m.skipped:
-        log.warning("%s: %d prompts skipped (longer than the target's positions allow)",
-                    m.set, m.skipped)  # fmt: skip
-    if m.prompts:
-        result = finish()
-        if isinstance(result, Protocols):
-            m.stats = result
-        else:
-            m.engine_tau, m.engine_position_rates = result
-    progress(_line(m))
-    return m
+    def engine_cells(
+        self, d: LoadedDrafter, work: Path, target_dir: Path, logs: Path
+    ) -> list[Measurement]:
+        """Every cell of ``d`` through one vLLM server of its own."""
+        from trainer.eval.engine import VllmEngine
+
+        settings = self.settings
+        assert settings.vllm_python is not None
+        with ExitStack() as stack:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=work)))
+            engine = stack.enter_context(VllmEngine(
+                target=target_dir, drafter=d.export or _export_run(d, tmp),
+                vllm_python=settings.vllm_python, num_speculative_tokens=d.block_size - 1,
+                max_model_len=_max_positions(d.target), log=logs / f"vllm-{d.label}.log",
+            ))  # fmt: skip
+            return [self._engine_cell(engine, d, m) for m in self.cells(d, "vllm")]
+
+    def _engine_cell(self, engine: Any, d: LoadedDrafter, m: Measurement) -> Measurement:
+        """``m`` through vLLM: its served tau and slot rates, off its counters."""
+        s, before = self.settings.sampling, engine.counters()
+
+        def gen(ids: list[list[int]], keys: list[int]) -> list[list[int]]:
+            # No per-request seed: vLLM's output with a DFlash drafter does not repeat by
+            # seed anyway (docs/SERVING.md), and its CPU build fails a seeded request whose
+            # prefill is chunked ("CPU Generator does not use offset"); its server is
+            # seeded once.
+            return list(engine.generate(
+                ids, max_new_tokens=self.settings.max_new_tokens, temperature=s.temperature,
+                top_p=s.top_p, top_k=s.top_k or -1, seed=None, stop_token_ids=list(self.eos),
+            ))  # fmt: skip
+
+        def finish(m: Measurement) -> None:
+            delta = engine.counters().minus(before)
+            m.engine_tau, m.engine_position_rates = delta.tau, tuple(delta.position_rates())
+
+        return self._measure(d, m, gen, finish)
+
+    def _measure(
+        self, d: LoadedDrafter, m: Measurement, gen: Generate,
+        finish: Callable[[Measurement], None],
+    ) -> Measurement:  # fmt: skip
+        """Every turn of ``m``'s set through ``gen``, then ``finish`` fills in the figures."""
+        pset = next(s for s in self.sets if s.name == m.set)
+        max_prompt = _max_positions(d.target) - self.settings.max_new_tokens - d.block_size
+        t0 = time.perf_counter()
+        m.prompts, m.skipped = run_turns(pset, self.tokenizer, m.thinking, gen, max_prompt)
+        m.seconds = time.perf_counter() - t0
+        if m.skipped:
+            log.warning("%s: %d prompts skipped (longer than the target's positions allow)",
+                        m.set, m.skipped)  # fmt: skip
+        if m.prompts:
+            finish(m)
+        self.progress(_line(m))
+        return m
 
 
 def _line(m: Measurement) -> str:
@@ -277,52 +312,6 @@ def _line(m: Measurement) -> str:
     else:
         body = "nothing measured"
     return f"{head}; {body} ({m.seconds:.1f} s)"
-
-
-def _engine_cells(
-    d: LoadedDrafter, sets: Sequence[PromptSet], tokenizer: Any, eos: Sequence[int],
-    settings: EvalSettings, work: Path, max_prompt: int, progress: Callable[[str], None],
-    target_dir: Path, logs: Path,
-) -> list[Measurement]:  # fmt: skip
-    from trainer.eval.engine import VllmEngine
-
-    out = []
-    with ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=work)))
-        export = d.export or _export_run(d, tmp)
-        assert settings.vllm_python is not None
-        engine = stack.enter_context(VllmEngine(
-            target=target_dir, drafter=export,
-            vllm_python=settings.vllm_python, num_speculative_tokens=d.block_size - 1,
-            max_model_len=_max_positions(d.target), log=logs / f"vllm-{d.label}.log",
-        ))  # fmt: skip
-        for m in _cells(d, sets, settings, "vllm"):
-            out.append(_engine_cell(engine, m, sets, tokenizer, eos, settings, max_prompt,
-                                    progress))  # fmt: skip
-    return out
-
-
-def _engine_cell(
-    engine: Any, m: Measurement, sets: Sequence[PromptSet], tokenizer: Any,
-    eos: Sequence[int], settings: EvalSettings, max_prompt: int,
-    progress: Callable[[str], None],
-) -> Measurement:  # fmt: skip
-    s, before = settings.sampling, engine.counters()
-
-    def gen(ids: list[list[int]], keys: list[int]) -> list[list[int]]:
-        # No per-request seed: vLLM's output with a DFlash drafter does not repeat by seed
-        # anyway (docs/SERVING.md), and its CPU build fails a seeded request whose prefill
-        # is chunked ("CPU Generator does not use offset"); its server is seeded once.
-        return list(engine.generate(
-            ids, max_new_tokens=settings.max_new_tokens, temperature=s.temperature,
-            top_p=s.top_p, top_k=s.top_k or -1, seed=None, stop_token_ids=list(eos),
-        ))  # fmt: skip
-
-    def finish() -> tuple[float, tuple[float, ...]]:
-        delta = engine.counters().minus(before)
-        return delta.tau, tuple(delta.position_rates())
-
-    return _measure(m, sets, tokenizer, gen, max_prompt, progress, finish)
 
 
 def _export_run(d: LoadedDrafter, tmp: Path) -> Path:
