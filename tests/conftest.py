@@ -36,9 +36,10 @@ WORKER = Path(__file__).parent / "workers" / "consume.py"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files marked ``heavy(SECONDS)`` first, the longest first (a stable sort: files stay
-    whole): pytest-xdist's ``--dist loadfile`` hands files out in this order, and starting
-    the longest first lets the workers end together."""
+    """Files marked ``heavy(SECONDS)`` (the file's seconds in a side-by-side ``make test``)
+    first, the longest first (a stable sort: files stay whole): pytest-xdist's ``--dist
+    loadfile`` hands files out in this order, and starting the longest first lets the
+    workers end together."""
 
     def weight(item: pytest.Item) -> float:
         mark = item.get_closest_marker("heavy")
