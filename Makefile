@@ -30,13 +30,18 @@ typecheck: $(STAMP)
 JOBS ?= auto
 XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
 THREADS = $(if $(filter 0,$(JOBS)),,OMP_NUM_THREADS=1)
+# The trainer processes the tests start are forked from one interpreter per test process
+# that has torch and transformers imported already (tests/warm, docs/TESTING.md: "Warm
+# starts"); `make test WARM=0` starts each one cold, as a user's process starts.
+WARM ?= 1
+WARMTH = $(if $(filter 0,$(WARM)),DFLASH_TEST_WARM=0,)
 
 # Unit and integration layers (tests/unit, tests/integration); the soak layer is `make soak`.
 # The type check runs beside the tests (it prints its one line when done) and fails the
 # target as a failed test does.
 test: lint
 	@$(BIN)/mypy & mypy=$$!; \
-	$(THREADS) $(BIN)/python -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS); rc=$$?; \
+	$(THREADS) $(WARMTH) $(BIN)/python -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	wait $$mypy || { echo "make test: mypy failed"; rc=1; }; exit $$rc
 
 # The unit layer alone: pure code, no daemon or torchrun subprocesses (well under 30 s).

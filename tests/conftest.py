@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm
 
 from loader_server.data.dataset import ArrowDataset, open_dataset
 from loader_server.data.synth import SynthSpec, write_corpus
@@ -46,6 +47,21 @@ def pytest_collection_modifyitems(config, items):
         return -float(mark.args[0]) if mark is not None else 0.0
 
     items.sort(key=weight)
+    _start_warm(config, items)
+
+
+def _start_warm(config, items) -> None:
+    """Each test process that may start trainer processes serves them warm (tests/warm);
+    the xdist controller runs no test, and the unit layer starts no trainer."""
+    tester = hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("dsession")
+    if tester and any(not item.nodeid.startswith("tests/unit/") for item in items):
+        config._warm = warm.serving()
+        config._warm.__enter__()
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_warm", None) is not None:
+        config._warm.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")

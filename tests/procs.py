@@ -1,5 +1,7 @@
 """Processes a test started: their children, all their descendants, and killing a tree
-(torchrun starts each rank in a session of its own, so a process group is not enough)."""
+(torchrun starts each rank in a session of its own, so a process group is not enough).
+A warm start's stand-in (tests/warm) is looked through: its children are those of the
+process forked for it, and that process is the one listed."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import signal
 import subprocess
 from pathlib import Path
 
+from warm import real_pid
+
 
 def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (from /proc)."""
+    pid = real_pid(pid)
     kids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -21,7 +26,7 @@ def children(pid: int) -> list[int]:
         except OSError:
             continue
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            kids.append(int(entry))
+            kids.append(real_pid(int(entry)))
     return kids
 
 
@@ -37,7 +42,7 @@ def descendants(pid: int) -> list[int]:
 
 def kill_tree(proc: subprocess.Popen) -> None:
     """kill -9 ``proc`` and everything it started, and reap it."""
-    for pid in [*descendants(proc.pid), proc.pid]:
+    for pid in [*descendants(proc.pid), real_pid(proc.pid), proc.pid]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait(30)
