@@ -14,7 +14,7 @@ from elastic_nodes import Node, _free_port, _wait, elastic_cycles
 from loader_server.data.synth import SynthSpec, write_corpus
 from trainer.train.metrics import read_metrics
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(185)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(62)]
 
 
 def test_a_job_loses_a_node_continues_alone_and_grows_back_in_the_epoch_s_last_step(tmp_path):

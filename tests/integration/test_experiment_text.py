@@ -15,7 +15,7 @@ from conftest import ROOT
 
 from loader_server.planning.spec import REFERENCE_BUCKETS
 
-pytestmark = pytest.mark.heavy(125)  # seconds side by side; scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.heavy(54)  # seconds side by side; scheduled first (tests/conftest.py)
 
 
 TEXT = [

@@ -31,7 +31,7 @@ from trainer_jobs import RUN_TIMEOUT_S, Daemon, env, private_shm, records
 from loader_server.data.synth import SynthSpec, write_corpus
 from loader_server.faults import ENV
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(184)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(40)]
 
 CKPT_EVERY = 3
 

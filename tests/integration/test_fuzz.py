@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fuzz_load import fuzz, load
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(54)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(29)]
 
 
 def test_fuzzing_short(daemons):

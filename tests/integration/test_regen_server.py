@@ -29,6 +29,8 @@ from trainer.data.server.journal import Journal, journal_path
 from trainer.data.server.run import index_rows, reply_slots
 from trainer.data.sources import expand_sources
 
+pytestmark = pytest.mark.heavy(22)  # seconds side by side; scheduled first (tests/conftest.py)
+
 MAX_TOKENS = 12
 
 

@@ -32,7 +32,7 @@ from client import LoaderClient, LoaderError, LoaderRequestError
 from loader_server.data.synth import SynthSpec, write_corpus
 from loader_server.wire import protocol as P
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(51)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(26)]
 
 
 def run_cli(

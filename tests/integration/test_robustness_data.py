@@ -26,6 +26,8 @@ from trainer.data.server.journal import journal_path
 from trainer.data.tokenize import tokenize_corpus
 from trainer.options import TokenizeOptions
 
+pytestmark = pytest.mark.heavy(22)  # seconds side by side; scheduled first (tests/conftest.py)
+
 CLI = [sys.executable, "-m", "trainer.cli"]
 
 

@@ -50,7 +50,7 @@ from trainer.train.guards import LoaderFailedError, TrainingError
 from trainer.train.loop import Trainer
 from trainer.train.metrics import metrics_path, read_metrics
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(132)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(21)]
 
 B = 8
 RUN_TIMEOUT_S = 120.0

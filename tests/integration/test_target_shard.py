@@ -34,7 +34,7 @@ from trainer.model.target import target_from_options
 from trainer.model.weights import WeightsError, load_model
 from trainer.options import RunOptions, TargetOptions
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(85)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(29)]
 __all__ = ["daemon"]  # the fixture (trainer_jobs)
 WORKER = Path(__file__).parents[1] / "workers" / "sharded_target.py"
 ROOT = Path(__file__).parents[2]

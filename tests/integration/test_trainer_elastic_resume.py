@@ -14,7 +14,7 @@ import pytest
 from procs import kill_tree
 from trainer_jobs import RUN_TIMEOUT_S, daemon, env, records, run, small_daemon, train_cmd
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(117)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(18)]
 __all__ = ["daemon", "small_daemon"]  # the fixtures (trainer_jobs)
 
 

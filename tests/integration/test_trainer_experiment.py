@@ -30,7 +30,7 @@ from benchmarks.experiment.served import acceptance
 from benchmarks.experiment.target import TargetRecipe, continuations, function_tasks, split_of
 from benchmarks.experiment.textdata import TextDataSpec, draw_prompts
 
-pytestmark = pytest.mark.heavy(99)  # seconds side by side; scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.heavy(29)  # seconds side by side; scheduled first (tests/conftest.py)
 
 
 # ---- spikiness ----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from trainer_jobs import RUN_TIMEOUT_S, Daemon, daemon, env, private_shm, record
 
 from loader_server.data.synth import SynthSpec, write_corpus
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(134)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(25)]
 __all__ = ["daemon"]  # the fixture (trainer_jobs)
 
 

@@ -25,7 +25,7 @@ from trainer_jobs import RUN_TIMEOUT_S, daemon, env, records
 from client import LoaderClient, LoaderRequestError
 from loader_server.wire import protocol as P
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(81)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(11)]
 __all__ = ["daemon"]  # the fixture, re-used from the 2-rank integration tests
 
 TRAIN_FLAGS = (

@@ -22,6 +22,8 @@ from trainer.model.verifier import (
     speculative_generate,
 )
 
+pytestmark = pytest.mark.heavy(27)  # seconds side by side; scheduled first (tests/conftest.py)
+
 B = 6
 
 
