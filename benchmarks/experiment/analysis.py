@@ -298,10 +298,12 @@ def _run_measures(cfg: Any, name: str, lengths: np.ndarray) -> dict[str, Any]:
     corr = float(np.corrcoef(hard, resid)[0, 1]) if hard.std() > 0 and resid.std() > 0 else None
     tail = losses[-max(1, len(losses) // 10) :]
     summary = json.loads((cfg.out_dir / "runs" / name / "summary.json").read_text())
+    real = np.cumsum([int(r["tokens"]) for r in records])  # unpadded tokens trained
     return {
         "config": config,
         "plan": plan_quality(spec, lengths),
         "final_loss": float(tail.mean()),
+        "real_tokens": int(real[-1]),
         "hard_frac_std": float(hard.std()),
         "all_hard_frac": float((hard == 1.0).mean()),
         "corr_resid_hard": corr,
@@ -310,6 +312,7 @@ def _run_measures(cfg: Any, name: str, lengths: np.ndarray) -> dict[str, Any]:
             "step": [records[i]["step"] for i in idx],
             "loss": losses.tolist(),
             "hard_frac": hard.tolist(),
+            "real_tokens": real[idx].tolist(),
         },
         "all_hard": (all_frac == 1.0).tolist(),
     }
@@ -339,9 +342,11 @@ def analyse(
         for spec, name in zip(cfg.specs, names, strict=True):
             runs[name] = {"spec": spec, "seed": seed, **_run_measures(cfg, name, lengths)}
         threshold = 2 * pooled_diff_std([runs[n]["series"]["loss"] for n in names])
+        equal = min(runs[n]["real_tokens"] for n in names)  # what every run of the seed trained
         for n in names:
             runs[n]["spike_threshold"] = threshold
             runs[n]["spikiness"] = spikiness(runs[n]["series"]["loss"], threshold=threshold)
+            runs[n]["at_equal_tokens"] = at_tokens(runs[n]["series"], equal)
 
     target, untrained = None, None
     for name, run in runs.items():
@@ -362,15 +367,115 @@ def analyse(
             run_dir = cfg.out_dir / "runs" / name
             run["tau"] = tau_series(run_dir)
             run["forgetting"] = _forgetting(run_dir, run, target, batches, loss_cfg)
+            run["at_equal_tokens"]["heldout"] = _heldout_at(
+                run_dir, run["at_equal_tokens"]["tokens"], target, batches, loss_cfg
+            )
         if served and name in served:
             run["vllm"] = served[name]
+    corpus = _corpus_facts(lengths, held_lengths, band, split)
+    if cfg.corpus == "text":
+        corpus["heldout_replies_distinct_4grams"] = reply_ngram_share(heldout_path)
+    ref = reference_of(cfg.specs)
     return {
         "config": {**cfg.fixed_part(), "seeds": list(cfg.seeds), "specs": list(cfg.specs)},
-        "corpus": _corpus_facts(lengths, held_lengths, band, split),
+        "corpus": corpus,
         "untrained": untrained,
         "runs": runs,
         "summary": {spec: _summarize_spec(runs, spec) for spec in cfg.specs},
+        "reference": ref,
+        "paired": {s: paired(runs, s, ref, cfg.seeds) for s in cfg.specs if s != ref},
     }
+
+
+def reference_of(specs: Sequence[str]) -> str:
+    """What the other specs are compared with: today's default (``stratified``) when run."""
+    return "stratified" if "stratified" in specs else specs[0]
+
+
+def at_tokens(series: dict[str, list], tokens: int) -> dict[str, Any]:
+    """The run at ``tokens`` unpadded tokens trained (the least any run of its seed
+    trained): its step there and its training loss, the rolling mean at that step (so a
+    spec that packs more real tokens per step is compared at equal data, not equal steps)."""
+    real = np.asarray(series["real_tokens"], dtype=np.int64)
+    i = max(int(np.searchsorted(real, tokens, side="right")) - 1, 0)
+    return {
+        "tokens": int(tokens),
+        "step": int(series["step"][i]),
+        "train_loss": float(rolling_mean(np.asarray(series["loss"]))[i]),
+    }
+
+
+def paired(runs: dict[str, dict[str, Any]], spec: str, ref: str, seeds: Sequence[int]) -> dict:
+    """Per-seed paired differences ``spec - ref`` of each measure, with bootstrap 95%
+    intervals (``benchmarks.experiment.stats``); a measure some run lacks is left out."""
+    from benchmarks.experiment.stats import paired_mean, paired_tau
+
+    pairs = [(runs[f"{spec}-s{s}"], runs[f"{ref}-s{s}"]) for s in seeds]
+    measures: dict[str, Any] = {
+        "heldout_all": lambda r: r["heldout"]["loss_all"],
+        **{f"heldout_band{b}": (lambda r, b=b: r["heldout"]["loss"][b])
+           for b in range(len(pairs[0][0]["heldout"]["loss"]))},
+        "diff_std": lambda r: r["spikiness"]["diff_std"],
+        "final_loss": lambda r: r["final_loss"],
+        "train_loss_at_equal_tokens": lambda r: r["at_equal_tokens"]["train_loss"],
+        "heldout_all_at_equal_tokens": lambda r: r["at_equal_tokens"]["heldout"]["loss_all"],
+        "tau_final": lambda r: r["tau"]["tau"][-1],
+        "vllm_tau": lambda r: r["vllm"]["tau"],
+    }  # fmt: skip
+    out: dict[str, Any] = {}
+    for name, get in measures.items():
+        try:
+            diffs = [float(get(a)) - float(get(b)) for a, b in pairs]
+        except (KeyError, IndexError, TypeError):
+            continue
+        out[name] = paired_mean(diffs)
+    try:  # vLLM on every held-out prompt: prompts resampled too
+        counts = [[np.asarray(r["vllm"]["heldout"]["per_prompt"]) for r in pair] for pair in pairs]
+    except KeyError:
+        return out
+    out["vllm_tau_heldout"] = paired_tau([a for a, _ in counts], [b for _, b in counts])
+    return out
+
+
+def reply_ngram_share(path: Path, n: int = 4) -> dict[str, Any]:
+    """How much the target's replies loop: the mean share of distinct ``n``-grams in the
+    reply tokens (loss mask 1) of each held-out sample (1.0: no n-gram repeats)."""
+    from benchmarks.experiment.stats import distinct_ngram_share
+    from loader_server.data.dataset import open_dataset
+
+    ds = open_dataset(path)
+    shares = [
+        distinct_ngram_share(ds.input_ids(i)[ds.loss_mask(i).astype(bool)], n)
+        for i in range(len(ds))
+    ]
+    got = [x for x in shares if x is not None]
+    return {"n": n, "mean": float(np.mean(got)) if got else None, "replies": len(got)}
+
+
+def _heldout_at(
+    run_dir: Path, tokens: int, target: Any, batches: list, loss_cfg: Any
+) -> dict[str, Any] | None:
+    """Held-out loss of the newest checkpoint at or below ``tokens`` real tokens trained
+    (checkpoints every ``ckpt_every`` steps), and its step; None if none is."""
+    from trainer.model.drafter import DFlashDrafter, DrafterConfig
+    from trainer.train import checkpoint as ckpt
+    from trainer.train.distributed import local_env
+    from trainer.train.metrics import metrics_path, read_metrics
+
+    real = {r["step"]: r["tokens"] for r in read_metrics(metrics_path(run_dir)) if r["step"] >= 1}
+    done = np.cumsum([real[s] for s in sorted(real)])
+    best = None
+    for path in ckpt.list_checkpoints(run_dir):
+        step = int(path.name.split("-")[-1])
+        if 0 < step <= done.size and done[step - 1] <= tokens:
+            best = (step, path)
+    if best is None:
+        return None
+    saved, _ = ckpt.load_checkpoint(best[1], local_env())
+    drafter = DFlashDrafter(DrafterConfig(**saved.drafter_config))
+    drafter.load_state_dict(saved.drafter)
+    return {"step": best[0], "tokens": int(done[best[0] - 1]),
+            **heldout_loss(target, drafter, batches, loss_cfg)}  # fmt: skip
 
 
 def _forgetting(
@@ -433,6 +538,8 @@ def _summarize_spec(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any
     for k in ("padding_efficiency", "composition_repeat", "step_mix_distance"):
         out[k] = _stats([r["plan"][k] for r in mine])
     out["heldout_all"] = _stats([r["heldout"]["loss_all"] for r in mine])
+    out["real_tokens"] = _stats([r["real_tokens"] for r in mine])
+    out["train_loss_at_equal_tokens"] = _stats([r["at_equal_tokens"]["train_loss"] for r in mine])
     nb = len(mine[0]["heldout"]["loss"])
     out["heldout_band"] = [_stats([r["heldout"]["loss"][b] for r in mine]) for b in range(nb)]
     out["heldout_acc_all"] = _stats([r["heldout"]["acc_all"] for r in mine])

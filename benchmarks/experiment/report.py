@@ -29,19 +29,26 @@ COLORS = {
     "six": "tab:green",
     "shuffled": "tab:orange",
     "stratified": "tab:blue",
+    "packed": "tab:purple",
+    "frozen": "tab:brown",
 }
 LABELS = {
     "sorted": "sorted (frozen composition)",
     "six": "6 hand-set buckets + shuffled",
     "shuffled": "bucketed + shuffled",
     "stratified": "bucketed + stratified",
+    "packed": "ours, packed rows",
+    "frozen": "sorted, batch order not shuffled",
 }
-
-
-def reference_spec(specs: Any) -> str:
-    """The spec differences are taken to: the reference fix (``six``, else ``shuffled``)."""
-    specs = list(specs)
-    return next((s for s in ("six", "shuffled") if s in specs), specs[0])
+#: The paired table's columns: (measure in ``results["paired"][spec]``, header, digits).
+PAIRED = (
+    ("vllm_tau_heldout", "vLLM tau, all held-out", 3),
+    ("tau_final", "tau final (verifier)", 3),
+    ("heldout_all", "held-out loss", 3),
+    ("heldout_all_at_equal_tokens", "held-out loss, equal real tokens", 3),
+    ("train_loss_at_equal_tokens", "train loss, equal real tokens", 3),
+    ("diff_std", "std of step change", 4),
+)
 
 
 def fmt(stat: dict[str, Any], digits: int = 3) -> str:
@@ -69,8 +76,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "| spec | step mix dist | comp. repeat | padding eff. | std of step change | "
         "largest jump | jumps > 2σ pooled | resid. std | steps with no short sample | "
-        "corr(resid, long share) | final train loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "corr(resid, long share) | final train loss | real tokens trained |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for spec, s in summary.items():
         cells = [
@@ -84,6 +91,7 @@ def markdown(results: dict[str, Any]) -> str:
             fmt(s["all_hard_frac"]),
             fmt(s["corr_resid_hard"], 2),
             fmt(s["final_loss"]),
+            fmt(s["real_tokens"], 0),
         ]
         lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
     names = band_names(results)
@@ -112,7 +120,46 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
     if "tau_final" in next(iter(summary.values())):
         lines += _tau_lines(results)
+    lines += paired_lines(results)
     return "\n".join(lines) + "\n"
+
+
+def _interval(d: dict[str, Any], digits: int) -> str:
+    mark = " *" if d["separates"] else ""
+    return f"{d['mean']:+.{digits}f} [{d['lo']:+.{digits}f}, {d['hi']:+.{digits}f}]{mark}"
+
+
+def paired_lines(results: dict[str, Any]) -> list[str]:
+    """Each spec minus the reference (today's default) per seed: the mean and its
+    bootstrap 95% interval (``benchmarks.experiment.stats``), * where it excludes 0."""
+    ref, paired = results["reference"], results["paired"]
+    if not paired:
+        return []
+    names = band_names(results)
+    cols = [c for c in PAIRED if any(c[0] in p for p in paired.values())]
+    at = next((i + 1 for i, c in enumerate(cols) if c[0] == "heldout_all"), len(cols))
+    cols[at:at] = [(f"heldout_band{b}", f"held-out loss {n}", 3) for b, n in enumerate(names)]
+    seeds = len(results["config"]["seeds"])
+    lines = [
+        "",
+        f"Paired by seed ({seeds}), minus {LABELS.get(ref, ref)}: mean [bootstrap 95% "
+        "interval]; * where the interval excludes 0 (vLLM tau: prompts resampled too). "
+        "Lower is better for losses, higher for tau.",
+        "",
+        "| spec | " + " | ".join(h for _, h, _ in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for spec, p in paired.items():
+        cells = [_interval(p[k], d) if k in p else "-" for k, _, d in cols]
+        lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+    grams = results["corpus"].get("heldout_replies_distinct_4grams")
+    if grams and grams["mean"] is not None:
+        lines += [
+            "",
+            f"The target's held-out replies: {grams['mean']:.3f} of their 4-grams distinct, "
+            f"mean over {grams['replies']} replies (1.0: nothing repeats).",
+        ]
+    return lines
 
 
 def _tau_lines(results: dict[str, Any]) -> list[str]:
@@ -146,27 +193,6 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
         ]
         lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
     lines += _served_lines(results)
-    ref = reference_spec(summary)
-    lines += ["", f"Paired by seed, minus {LABELS.get(ref, ref)}:", ""]
-    for spec in summary:
-        if spec == ref:
-            continue
-        d_tau, d_loss, d_vllm = [], [], []
-        for seed in results["config"]["seeds"]:
-            by = {r["spec"]: r for r in results["runs"].values() if r["seed"] == seed}
-            d_tau.append(by[spec]["tau"]["tau"][-1] - by[ref]["tau"]["tau"][-1])
-            d_loss.append(by[spec]["heldout"]["loss_all"] - by[ref]["heldout"]["loss_all"])
-            if "vllm" in by[spec] and "vllm" in by[ref]:
-                mine, theirs = by[spec]["vllm"]["heldout"], by[ref]["vllm"]["heldout"]
-                d_vllm.append(mine["tau"] - theirs["tau"])
-        lines.append(
-            f"* {LABELS.get(spec, spec)}: tau "
-            + ", ".join(f"{x:+.3f}" for x in d_tau)
-            + "; held-out loss "
-            + ", ".join(f"{x:+.3f}" for x in d_loss)
-            + ("; vLLM tau, all held-out " if d_vllm else "")
-            + ", ".join(f"{x:+.3f}" for x in d_vllm)
-        )
     return lines
 
 
@@ -332,7 +358,7 @@ def _plot_heldout(plt: Any, results: dict[str, Any]) -> Any:
         s = summary[spec]
         return np.array([b[key] for b in s["heldout_band"]] + [s["heldout_all"][key]])
 
-    ref = reference_spec(summary)
+    ref = results["reference"]
     for k, spec in enumerate(summary):
         mean = values(spec, "mean")
         err = np.vstack([mean - values(spec, "min"), values(spec, "max") - mean])

@@ -24,7 +24,23 @@ grad_accum, steps, learning rate):
 * ``shuffled``: optimal buckets (``--buckets``) re-shuffled every epoch, micro-batches in
   random order (``order=shuffled``).
 * ``stratified``: the same optimal buckets, every optimizer step given its share of every
-  length band (ours: ``order=stratified``).
+  length band (ours: ``order=stratified``; today's default, the reference of the paired
+  comparison).
+* ``packed``: ours in the packed layout (``layout=packed``: rows of concatenated documents
+  drawn at random, ~0.9998 of each row used), so it trains more real tokens per step than
+  any padded spec. Packed rows already mix lengths inside each row, and the planner orders
+  packed steps one way only (``order`` applies to padded buckets), so a "shuffled" and a
+  "stratified" packed run would be the same plan: one spec.
+* ``frozen``: the worst case of the original pipeline, sorted once and the batch order not
+  shuffled either (``composition=sorted``, ``order=sequential``): every epoch runs from
+  its shortest steps to its longest, so long-only stretches last many steps (the
+  forgetting probe's test case).
+
+Every measure is reported per step (the same token budget) and at equal real (unpadded)
+tokens trained (``at_equal_tokens``: the least any run of the seed trained), so what a spec
+gains by packing more real tokens is told apart from what its composition does; and as
+paired differences against ``stratified`` with bootstrap intervals
+(``benchmarks.experiment.stats``).
 
 Steps: (1) the corpora (synthetic: written from seeds; text: the target built or found in
 its cache, then regenerated data); (2) start one real loader daemon subprocess; (3) run the
@@ -68,11 +84,13 @@ SPECS: dict[str, tuple[str, ...]] = {
     "six": ("buckets={six}", "order=shuffled"),
     "shuffled": ("buckets={buckets}", "order=shuffled"),
     "stratified": ("buckets={buckets}", "order=stratified"),
+    "packed": ("layout=packed",),
+    "frozen": ("composition=sorted", "order=sequential"),
 }
 CORPORA = ("synthetic", "text")
 DEFAULT_SPECS = {
     "synthetic": ("sorted", "shuffled", "stratified"),
-    "text": ("sorted", "six", "stratified"),
+    "text": ("sorted", "six", "stratified", "packed", "frozen"),
 }
 #: How a run is made: 2 since a run's seed also seeds the loader's plan (``--spec seed=``);
 #: an OUT_DIR with runs of another format is refused (its runs would be reused).

@@ -11,7 +11,9 @@ verifier's ``tau_served`` on the same prompts; here the two are reported side by
 
 A second pass serves every held-out sample's prompt (``HELDOUT_NEW_TOKENS`` tokens each):
 more prompts and longer generations than the verifier's periodic measure, so the drafters'
-served acceptance is compared with less measurement noise (``heldout``).
+served acceptance is compared with less measurement noise (``heldout``). The counters are
+read after every prompt of that pass, so each prompt's drafts and accepted tokens are kept
+(``per_prompt``): the paired comparison resamples prompts as well as seeds.
 
 Results are kept in ``OUT_DIR/vllm/<run>.json`` and reused when the experiment is repeated.
 """
@@ -76,7 +78,7 @@ def serve_run(
         same = (old.get("prompts"), old.get("max_tokens"), held.get("prompts"),
                 held.get("max_tokens")) == (len(prompts), cfg.eval_new_tokens, len(heldout),
                                             HELDOUT_NEW_TOKENS)  # fmt: skip
-        if same:
+        if same and "per_prompt" in held:
             return dict(old)
     out.parent.mkdir(parents=True, exist_ok=True)
     run_dir = cfg.out_dir / "runs" / name
@@ -89,18 +91,24 @@ def serve_run(
         counters = [spec_counters(url)]
         tokens = complete(url, prompts, cfg.eval_new_tokens)
         counters.append(spec_counters(url))
-        held = complete(url, heldout, HELDOUT_NEW_TOKENS)
-        counters.append(spec_counters(url))
+        held, per_prompt = [], []
+        for prompt in heldout:  # the counters read after each: per-prompt (drafts, accepted)
+            held += complete(url, [prompt], HELDOUT_NEW_TOKENS)
+            counters.append(spec_counters(url))
+            per_prompt.append(
+                [round(counters[-1][k] - counters[-2][k]) for k in ("drafts", "accepted")]
+            )
     res = {
         **acceptance(counters[0], counters[1]),
         "prompts": len(prompts),
         "max_tokens": cfg.eval_new_tokens,
         "output_tokens": sum(map(len, tokens)),
         "heldout": {
-            **acceptance(counters[1], counters[2]),
+            **acceptance(counters[1], counters[-1]),
             "prompts": len(heldout),
             "max_tokens": HELDOUT_NEW_TOKENS,
             "output_tokens": sum(map(len, held)),
+            "per_prompt": per_prompt,  # for the paired bootstrap (benchmarks.experiment.stats)
         },
         "seconds": time.perf_counter() - t0,
     }

@@ -391,7 +391,9 @@ def _schedule(batches: _Batches, spec: BatchSpec, key: _Seeds) -> np.ndarray:
         return schedule.stratified_steps(
             batches.lens, batches.tokens, costs, *args, modelled=modelled, samples=samples
         )
-    return schedule.shuffled_steps(batches.tokens, costs, *args, modelled=modelled)
+    return schedule.shuffled_steps(
+        batches.tokens, costs, *args, modelled=modelled, sequential=spec.order == "sequential"
+    )
 
 
 def _assemble(

@@ -100,12 +100,22 @@ def shuffled_steps(
     grad_accum: int,
     rng: np.random.Generator,
     modelled: bool = False,
+    sequential: bool = False,
 ) -> np.ndarray:
     """[num_steps, world_size*grad_accum] micro-batch indices in random order, rank-major.
-    ``modelled``: ranks by ``balance_ranks`` (else LPT in rounds)."""
+    ``modelled``: ranks by ``balance_ranks`` (else LPT in rounds). ``sequential``: in the
+    order the batches were made instead (``order="sequential"``: with sorted batches the
+    shortest steps first and the longest last, every epoch alike; an experiment's worst
+    case, not a way to train)."""
     width = world_size * grad_accum
     kept = drop_remainder(tokens, width)
-    steps = kept[rng.permutation(kept.size)].reshape(-1, width)
+    steps = (kept if sequential else kept[rng.permutation(kept.size)]).reshape(-1, width)
+    if sequential:  # ranks balanced, and not relabeled at random either
+        return (
+            _lpt(steps, costs, grad_accum)
+            if not modelled
+            else balance_ranks(steps, costs, grad_accum)
+        )
     if not modelled:
         return _relabel(_lpt(steps, costs, grad_accum), world_size, rng)
     ranked = balance_ranks(steps, costs, grad_accum)

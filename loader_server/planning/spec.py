@@ -37,7 +37,7 @@ from loader_server.planning import cost
 OVERLONG = ("truncate", "drop")
 LAYOUTS = ("padded", "packed")
 COMPOSITIONS = ("bucketed", "sorted", "random")
-ORDERS = ("stratified", "shuffled")
+ORDERS = ("stratified", "shuffled", "sequential")
 MAX_AUTO_BUCKETS = 64
 #: Hard bounds of any spec: token counts and offsets are int32 in a batch.
 INT32_MAX = 2**31 - 1
@@ -64,10 +64,14 @@ class BatchSpec:
             documents, for varlen attention).
         composition: ``"bucketed"`` (per-epoch shuffle inside length buckets),
             ``"sorted"`` (the original flaw: one global length sort, frozen batches) or
-            ``"random"`` (full shuffle). Sorted and random always shuffle batch order;
-            ``order`` applies to bucketed batches. Packed rows are always drawn at random.
-        order: ``"stratified"`` (every step mixes buckets by token share) or
-            ``"shuffled"`` (micro-batches in random order).
+            ``"random"`` (full shuffle). Sorted and random shuffle batch order (unless
+            ``order="sequential"``); stratifying applies to bucketed batches. Packed
+            rows are always drawn at random.
+        order: ``"stratified"`` (every step mixes buckets by token share),
+            ``"shuffled"`` (micro-batches in random order) or ``"sequential"`` (in the
+            order they were made, not shuffled: with ``composition="sorted"``, the
+            original pipeline without even its batch shuffle, the shortest steps first;
+            an experiment's worst case, with any composition but packed rows).
         world_size, grad_accum: a step has ``world_size*grad_accum`` micro-batches.
         seed: with the epoch, determines the plan.
         cost_c0, cost_tok, cost_attn, cost_slot: the cost model's coefficients (per
@@ -122,6 +126,11 @@ class BatchSpec:
                 f"cost_budget {c:g} is below the cost of one row of max_seq_len "
                 f"{self.max_seq_len} ({self.row_cost(self.max_seq_len):g}); raise cost_budget "
                 f"or lower max_seq_len"
+            )
+        if self.layout == "packed" and self.order == "sequential":
+            raise ValueError(
+                "order 'sequential' keeps padded batches in the order they were made; "
+                "packed rows are always drawn at random (use order 'shuffled')"
             )
         if self.layout == "packed" and self.composition == "sorted":
             raise ValueError(

@@ -1,6 +1,6 @@
 """A miniature of the batching experiment's learned-target part (``--corpus text``), end to
-end: a Qwen3 trained here, replies regenerated through the chat stand-in, three specs trained
-on it with tau and the forgetting probe."""
+end: a Qwen3 trained here, replies regenerated through the chat stand-in, the five specs
+trained on it with tau, the forgetting probe and the paired comparison."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_text_experiment_end_to_end(tmp_path):
     tau_prompts = (out / "data" / "tau.jsonl").read_text().splitlines()
     assert len(tau_prompts) == 4 and all(json.loads(x)["prompt"] for x in tau_prompts)
     results = json.loads((out / "results.json").read_text())
-    assert set(results["summary"]) == {"sorted", "six", "stratified"}
+    assert set(results["summary"]) == {"sorted", "six", "stratified", "packed", "frozen"}
     for name, run in results["runs"].items():
         assert run["tau"]["step"] == [0, 3, 6], name
         assert all(1.0 <= t <= 8.0 for t in run["tau"]["tau"])  # 1 .. block size 8
@@ -56,11 +56,31 @@ def test_text_experiment_end_to_end(tmp_path):
         assert all(0.0 <= x <= 1.0 for x in f["long_only"])
         assert run["config"]["target"] == str(target)
         assert run["config"]["loader_spec"]["seed"] == 5, name  # the run's seed plans too
+    runs = results["runs"]
+    plan = {r["spec"]: r["plan"] for r in runs.values()}
+    assert plan["packed"]["padding_efficiency"] > plan["stratified"]["padding_efficiency"]
+    assert plan["frozen"]["composition_repeat"] == 1.0
+    assert runs["packed-s5"]["real_tokens"] > runs["sorted-s5"]["real_tokens"]  # more per step
+    frozen = runs["frozen-s5"]["series"]["hard_frac"]  # every epoch from its shortest step
+    assert frozen[0] == min(frozen) < max(frozen)
+    equal = {r["at_equal_tokens"]["tokens"] for r in runs.values()}
+    assert equal == {min(r["real_tokens"] for r in runs.values())}  # one seed, one point
+    assert runs["packed-s5"]["at_equal_tokens"]["step"] <= 6
+    assert results["reference"] == "stratified" and set(results["paired"]) == {
+        "sorted", "six", "packed", "frozen"
+    }  # fmt: skip
+    for p in results["paired"].values():
+        for k in ("heldout_all", "tau_final", "diff_std", "train_loss_at_equal_tokens"):
+            assert p[k]["n"] == 1 and p[k]["lo"] == p[k]["mean"] == p[k]["hi"]
+            assert not p[k]["separates"]  # one seed separates nothing
+    grams = results["corpus"]["heldout_replies_distinct_4grams"]
+    assert 0.0 < grams["mean"] <= 1.0 and grams["replies"] >= 4
     six = results["runs"]["six-s5"]["config"]["loader_spec"]["buckets"]
     assert six == [round(b * 512 / 8192) for b in REFERENCE_BUCKETS]  # scaled to max_len 512
     assert results["corpus"]["train"]["samples"] >= 15  # empty replies are skipped
     md = (out / "results.md").read_text()
     assert "tau final" in md and "6 hand-set buckets + shuffled" in md
+    assert "Paired by seed (1), minus bucketed + stratified" in md and "4-grams distinct" in md
     assert "served, vLLM" in md and "not run" in md  # no --vllm-python
     for name in ("tau", "forgetting"):
         assert (out / f"experiment-{name}.png").read_bytes()[:4] == b"\x89PNG"

@@ -237,6 +237,8 @@ def test_specs_differ_only_in_their_spec_pairs(tmp_path):
     assert pairs(cmds["six"]) == ["seed=3", "buckets=96,152,216,304,412", "order=shuffled"]
     assert pairs(cmds["shuffled"]) == ["seed=3", "buckets=auto:8", "order=shuffled"]
     assert pairs(cmds["stratified"]) == ["seed=3", "buckets=auto:8", "order=stratified"]
+    assert pairs(cmds["packed"]) == ["seed=3", "layout=packed"]
+    assert pairs(cmds["frozen"]) == ["seed=3", "composition=sorted", "order=sequential"]
     assert common(cmds["six"]) == common(cmds["sorted"])
 
 
@@ -250,7 +252,8 @@ def test_six_buckets_are_the_reference_bounds_scaled():
 
 def test_text_runs_train_on_the_learned_target(tmp_path):
     cfg = ExperimentConfig(out_dir=tmp_path, corpus="text", eval_every=25, ckpt_every=10)
-    assert cfg.specs == ("sorted", "six", "stratified")  # the three
+    # the original pipeline, its fix, ours padded and packed, and the worst case
+    assert cfg.specs == ("sorted", "six", "stratified", "packed", "frozen")
     cmd = " ".join(train_command(cfg, "six", seed=0))
     assert f"--target {cfg.target_dir()}" in cmd and "--tiny-vocab" not in cmd
     assert f"--eval-prompts {tmp_path / 'data' / 'tau.jsonl'}" in cmd

@@ -4,6 +4,7 @@ per-epoch composition, the sorted baseline, packing and scheduling properties.""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -299,6 +300,27 @@ def test_sorted_is_the_original_frozen_greedy():
         assert got <= want and len(want - got) == p.stats["dropped_leftover_micro"]
     assert metrics.composition_repeat(plans[0], plans[1]) == 1.0
     assert not np.array_equal(plans[0].sample_ids, plans[1].sample_ids)  # order reshuffled
+
+
+def test_sequential_sorted_runs_the_shortest_steps_first_every_epoch_alike():
+    """The experiment's worst case: sorted batches in the order they were made, so the
+    epoch runs from its shortest steps to its longest (long-only stretches), frozen."""
+    x = REFERENCE[:5000]
+    spec = BatchSpec(composition="sorted", order="sequential", world_size=2, grad_accum=2)
+    a, b = (plan_epoch(x, spec, epoch=e) for e in (0, 1))
+    assert np.array_equal(a.sample_ids, b.sample_ids)  # nothing shuffled, ever
+    width = spec.world_size * spec.grad_accum
+    longest = [x[a.sample_ids[a.offsets[i * width] : a.offsets[(i + 1) * width]]].max()
+               for i in range(a.num_steps)]  # fmt: skip
+    assert np.all(np.diff(longest) >= 0) and longest[0] < longest[-1]
+    shuffled = plan_epoch(x, dataclasses.replace(spec, order="shuffled"), epoch=0)
+
+    def batches(p: EpochPlan) -> set[tuple[int, ...]]:
+        return {tuple(p.sample_ids[i:j]) for i, j in itertools.pairwise(p.offsets)}
+
+    assert batches(a) == batches(shuffled)  # the same frozen batches, only their order differs
+    with pytest.raises(ValueError, match="packed rows are always drawn at random"):
+        BatchSpec(layout="packed", order="sequential")
 
 
 @pytest.mark.parametrize(

@@ -285,6 +285,7 @@ def serve(folder: Path) -> Job | None:
         for key, _ in sel.select():
             if key.fileobj is listener:
                 conn, _ = listener.accept()
+                conn.settimeout(10.0)  # a requester sends at once; one that hangs is dropped
                 try:
                     req, fds = _receive(conn)
                 except (OSError, ValueError) as e:
@@ -303,6 +304,7 @@ def serve(folder: Path) -> Job | None:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
+                    signal.set_wakeup_fd(-1)  # before its descriptor closes (and is reused)
                     sel.close()
                     listener.close()
                     os.close(r)

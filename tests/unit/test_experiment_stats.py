@@ -1,0 +1,82 @@
+"""The batching experiment's statistics: paired bootstrap intervals, vLLM's pooled tau
+resampled by seed and prompt, the distinct-4-gram measure of looping replies, and the
+equal-real-tokens point of a run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.experiment.analysis import at_tokens, reference_of
+from benchmarks.experiment.stats import (
+    distinct_ngram_share,
+    paired_mean,
+    paired_tau,
+    pooled_tau,
+)
+
+
+def test_a_constant_difference_has_a_zero_width_interval():
+    d = paired_mean([0.2] * 5, draws=500)
+    assert d["mean"] == pytest.approx(0.2) and d["lo"] == pytest.approx(0.2)
+    assert d["hi"] == pytest.approx(0.2) and d["separates"] and d["n"] == 5
+
+
+def test_one_seed_separates_nothing():
+    assert not paired_mean([0.5], draws=200)["separates"]
+
+
+def test_the_interval_covers_the_mean_and_noise_does_not_separate():
+    rng = np.random.default_rng(1)
+    noise = rng.normal(0.0, 1.0, 5)
+    d = paired_mean(noise - noise.mean() + 0.01, draws=4000)  # a tiny effect in big noise
+    assert d["lo"] < d["mean"] < d["hi"] and not d["separates"]
+    shifted = paired_mean(rng.normal(3.0, 0.1, 5), draws=4000)
+    assert shifted["separates"] and 2.8 < shifted["lo"] < 3.0 < shifted["hi"] < 3.2
+
+
+@pytest.mark.parametrize("bad", [[], [float("nan"), 1.0], [[1.0, 2.0]]])
+def test_paired_mean_refuses_what_is_not_differences(bad):
+    with pytest.raises(ValueError):
+        paired_mean(bad)
+
+
+def test_pooled_tau_is_vllms_ratio():
+    counts = np.array([[10, 5], [30, 3]])
+    assert pooled_tau(counts) == pytest.approx(1 + 8 / 40)
+
+
+def test_paired_tau_resamples_prompts_and_seeds():
+    rng = np.random.default_rng(2)
+    seeds = []
+    for _ in range(3):
+        drafts = rng.integers(5, 20, 40)
+        seeds.append(np.stack([drafts, rng.binomial(drafts, 0.3)], axis=1))
+    same = paired_tau(seeds, seeds, draws=500)
+    assert same["mean"] == 0.0 and same["lo"] == 0.0 == same["hi"] and not same["separates"]
+    better = [np.stack([s[:, 0], np.minimum(s[:, 1] + 2, s[:, 0])], axis=1) for s in seeds]
+    up = paired_tau(better, seeds, draws=500)
+    want = np.mean([pooled_tau(b) - pooled_tau(s) for b, s in zip(better, seeds, strict=True)])
+    assert up["mean"] == pytest.approx(want) and up["separates"] and up["lo"] > 0
+    with pytest.raises(ValueError, match="alike"):
+        paired_tau([seeds[0]], [seeds[0][:-1]])
+
+
+def test_looping_replies_have_few_distinct_4grams():
+    assert distinct_ngram_share(np.arange(50)) == 1.0
+    loop = np.tile([7, 8, 9], 30)  # self.tk.tk.tk...
+    assert distinct_ngram_share(loop) == pytest.approx(3 / (loop.size - 3))
+    assert distinct_ngram_share(np.array([1, 2, 3])) is None
+
+
+def test_equal_tokens_is_the_last_step_within_them():
+    series = {"step": [1, 2, 3, 4], "loss": [4.0, 3.0, 2.0, 1.0], "real_tokens": [10, 20, 30, 40]}
+    at = at_tokens(series, 25)
+    assert at["step"] == 2 and at["tokens"] == 25
+    assert at["train_loss"] == pytest.approx(2.5)  # the centered rolling mean at step 2
+    assert at_tokens(series, 40)["step"] == 4
+
+
+def test_the_reference_is_todays_default():
+    assert reference_of(("sorted", "stratified", "packed")) == "stratified"
+    assert reference_of(("sorted", "six")) == "sorted"
