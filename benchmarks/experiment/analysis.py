@@ -215,19 +215,26 @@ def heldout_loss(target: Any, drafter: Any, batches: list, loss_cfg: Any) -> dic
     }
 
 
-def load_final_drafter(run_dir: Path) -> tuple[Any, Any]:
-    """The drafter of the run's newest checkpoint and that checkpoint's record."""
+def load_drafter(path: Path) -> tuple[Any, Any]:
+    """The drafter of checkpoint ``path`` and that checkpoint's record."""
     from trainer.model.drafter import DFlashDrafter, DrafterConfig
     from trainer.train import checkpoint as ckpt
     from trainer.train.distributed import local_env
 
-    path = ckpt.latest_checkpoint(run_dir)
-    if path is None:
-        raise FileNotFoundError(f"{run_dir}: no checkpoint")
     saved, _ = ckpt.load_checkpoint(path, local_env())
     drafter = DFlashDrafter(DrafterConfig(**saved.drafter_config))
     drafter.load_state_dict(saved.drafter)
     return drafter, saved
+
+
+def load_final_drafter(run_dir: Path) -> tuple[Any, Any]:
+    """The drafter of the run's newest checkpoint and that checkpoint's record."""
+    from trainer.train import checkpoint as ckpt
+
+    path = ckpt.latest_checkpoint(run_dir)
+    if path is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint")
+    return load_drafter(path)
 
 
 # ---- everything ---------------------------------------------------------------------------
@@ -410,7 +417,8 @@ def paired(runs: dict[str, dict[str, Any]], spec: str, ref: str, seeds: Sequence
     intervals (``benchmarks.experiment.stats``); a measure some run lacks is left out."""
     from benchmarks.experiment.stats import paired_mean, paired_tau
 
-    pairs = [(runs[f"{spec}-s{s}"], runs[f"{ref}-s{s}"]) for s in seeds]
+    by = {(r["spec"], r["seed"]): r for r in runs.values()}
+    pairs = [(by[spec, s], by[ref, s]) for s in seeds]
     measures: dict[str, Any] = {
         "heldout_all": lambda r: r["heldout"]["loss_all"],
         **{f"heldout_band{b}": (lambda r, b=b: r["heldout"]["loss"][b])
@@ -457,9 +465,7 @@ def _heldout_at(
 ) -> dict[str, Any] | None:
     """Held-out loss of the newest checkpoint at or below ``tokens`` real tokens trained
     (checkpoints every ``ckpt_every`` steps), and its step; None if none is."""
-    from trainer.model.drafter import DFlashDrafter, DrafterConfig
     from trainer.train import checkpoint as ckpt
-    from trainer.train.distributed import local_env
     from trainer.train.metrics import metrics_path, read_metrics
 
     real = {r["step"]: r["tokens"] for r in read_metrics(metrics_path(run_dir)) if r["step"] >= 1}
@@ -471,9 +477,7 @@ def _heldout_at(
             best = (step, path)
     if best is None:
         return None
-    saved, _ = ckpt.load_checkpoint(best[1], local_env())
-    drafter = DFlashDrafter(DrafterConfig(**saved.drafter_config))
-    drafter.load_state_dict(saved.drafter)
+    drafter, _ = load_drafter(best[1])
     return {"step": best[0], "tokens": int(done[best[0] - 1]),
             **heldout_loss(target, drafter, batches, loss_cfg)}  # fmt: skip
 
@@ -483,16 +487,12 @@ def _forgetting(
 ) -> dict[str, Any]:
     """The shortest band's held-out loss at every checkpoint of the run (and at step 0, the
     untrained drafter of its seed), then ``forgetting``."""
-    from trainer.model.drafter import DFlashDrafter, DrafterConfig
     from trainer.train import checkpoint as ckpt
-    from trainer.train.distributed import local_env
 
     short = [(b, batch) for b, batch in batches if b == 0]
     steps, losses = [], []
     for path in ckpt.list_checkpoints(run_dir):
-        saved, _ = ckpt.load_checkpoint(path, local_env())
-        drafter = DFlashDrafter(DrafterConfig(**saved.drafter_config))
-        drafter.load_state_dict(saved.drafter)
+        drafter, saved = load_drafter(path)
         steps.append(saved.step)
         losses.append(heldout_loss(target, drafter, short, loss_cfg)["loss"][0])
     return forgetting(steps, losses, np.asarray(run["all_hard"], dtype=np.float64))
