@@ -63,10 +63,15 @@ def rolling_mean(x: np.ndarray, window: int = ROLLING_WINDOW) -> np.ndarray:
 
 def spikiness(losses: Sequence[float], *, threshold: float | None = None) -> dict[str, Any]:
     """Spikiness of one loss series (see the module docstring); ``spike_frac`` only when a
-    ``threshold`` (an increase in loss units) is given."""
+    ``threshold`` (an increase in loss units) is given. Fewer than 3 losses (a short run
+    whose steps held no anchor) measure nothing: every value is None, as for a missing
+    measure, and summaries and paired differences leave the run out."""
     x = np.asarray(losses, dtype=np.float64)
-    if x.ndim != 1 or x.size < 3 or not np.isfinite(x).all():
-        raise ValueError(f"need >= 3 finite losses, got {x.size} values")
+    if x.ndim != 1 or not np.isfinite(x).all():
+        raise ValueError(f"need a series of finite losses, got {losses!r}")
+    if x.size < 3:
+        keys = ["diff_std", "max_jump", "resid_std"] + ["spike_frac"] * (threshold is not None)
+        return {"num_steps": int(x.size), **dict.fromkeys(keys)}
     d = np.diff(x)
     out: dict[str, Any] = {
         "num_steps": int(x.size),
@@ -79,9 +84,11 @@ def spikiness(losses: Sequence[float], *, threshold: float | None = None) -> dic
     return out
 
 
-def pooled_diff_std(series: Sequence[Sequence[float]]) -> float:
-    """Std of the step-to-step changes of several series taken together."""
-    return float(np.concatenate([np.diff(np.asarray(s, np.float64)) for s in series]).std(ddof=1))
+def pooled_diff_std(series: Sequence[Sequence[float]]) -> float | None:
+    """Std of the step-to-step changes of several series taken together (None for fewer
+    than two changes)."""
+    d = np.concatenate([np.diff(np.asarray(s, np.float64)) for s in series if len(s) > 1] or [[]])
+    return float(d.std(ddof=1)) if d.size > 1 else None
 
 
 # ---- runs ---------------------------------------------------------------------------------
@@ -348,7 +355,8 @@ def analyse(
         names = [cfg.run_name(spec, seed) for spec in cfg.specs]
         for spec, name in zip(cfg.specs, names, strict=True):
             runs[name] = {"spec": spec, "seed": seed, **_run_measures(cfg, name, lengths)}
-        threshold = 2 * pooled_diff_std([runs[n]["series"]["loss"] for n in names])
+        pooled = pooled_diff_std([runs[n]["series"]["loss"] for n in names])
+        threshold = None if pooled is None else 2 * pooled
         equal = min(runs[n]["real_tokens"] for n in names)  # what every run of the seed trained
         for n in names:
             runs[n]["spike_threshold"] = threshold
@@ -404,6 +412,8 @@ def at_tokens(series: dict[str, list], tokens: int) -> dict[str, Any]:
     trained): its step there and its training loss, the rolling mean at that step (so a
     spec that packs more real tokens per step is compared at equal data, not equal steps)."""
     real = np.asarray(series["real_tokens"], dtype=np.int64)
+    if real.size == 0:  # no step of the run had a loss
+        return {"tokens": int(tokens), "step": None, "train_loss": None}
     i = max(int(np.searchsorted(real, tokens, side="right")) - 1, 0)
     return {
         "tokens": int(tokens),
@@ -531,7 +541,8 @@ def _corpus_facts(
 
 def _summarize_spec(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any]:
     mine = [r for r in runs.values() if r["spec"] == spec]
-    out = {k: _stats([r["spikiness"][k] for r in mine]) for k in mine[0]["spikiness"]}
+    keys = dict.fromkeys(k for r in mine for k in r["spikiness"])  # spike_frac: some seeds
+    out = {k: _stats([r["spikiness"].get(k) for r in mine]) for k in keys}
     out.pop("num_steps")
     for k in ("final_loss", "hard_frac_std", "all_hard_frac", "corr_resid_hard"):
         out[k] = _stats([r[k] for r in mine])

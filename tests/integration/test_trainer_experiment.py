@@ -71,10 +71,24 @@ def test_no_threshold_no_spike_fraction():
     assert "spike_frac" not in spikiness([3.0, 2.0, 2.5])
 
 
-@pytest.mark.parametrize("bad", [[1.0, 2.0], [1.0, float("nan"), 2.0], [[1.0, 2.0, 3.0]]])
+@pytest.mark.parametrize("bad", [[1.0, float("nan"), 2.0], [[1.0, 2.0, 3.0]]])
 def test_spikiness_rejects_bad_series(bad):
     with pytest.raises(ValueError):
         spikiness(bad)
+
+
+@pytest.mark.parametrize("short", [[], [2.0], [2.0, 1.5]])
+def test_spikiness_of_too_short_a_series_is_missing_not_an_error(short):
+    """A short run whose steps held no anchor keeps its other measures: its spikiness is
+    None throughout (left out of summaries and pairs), and so is a threshold pooled from
+    fewer than two changes."""
+    s = spikiness(short, threshold=0.5)
+    assert s == {"num_steps": len(short), "diff_std": None, "max_jump": None,
+                 "resid_std": None, "spike_frac": None}  # fmt: skip
+    assert "spike_frac" not in spikiness(short)
+    assert pooled_diff_std([short, [1.0]]) is None
+    changes = [*np.diff(short), 1.0, 2.0]
+    assert pooled_diff_std([short, [1.0, 2.0, 4.0]]) == pytest.approx(np.std(changes, ddof=1))
 
 
 def test_pooled_diff_std_is_the_std_of_all_changes():
