@@ -87,6 +87,14 @@ T, D, E = TargetRecipe, TextDataSpec, ExperimentConfig
     "drafter, whose acceptance length is measured too.",
 )
 @click.option(
+    "--humaneval",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="text: HumanEval problems (of 164) each final drafter's tau is measured on by "
+    "dflash-train eval, 2 x --eval-new-tokens each; 0: not measured.",
+)
+@click.option(
     "--data-only",
     is_flag=True,
     help="Make the corpora (text: also the target) and stop, before the daemon and training.",

@@ -333,10 +333,15 @@ def _run_measures(cfg: Any, name: str, lengths: np.ndarray) -> dict[str, Any]:
 
 
 def analyse(
-    cfg: Any, train_path: Path, heldout_path: Path, served: dict[str, Any] | None = None
+    cfg: Any,
+    train_path: Path,
+    heldout_path: Path,
+    served: dict[str, Any] | None = None,
+    humaneval: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """All measures of every (spec, seed) run of ``cfg`` plus a per-spec summary;
-    ``served``: vLLM's acceptance by run (``benchmarks.experiment.served``)."""
+    ``served``: vLLM's acceptance by run (``benchmarks.experiment.served``); ``humaneval``:
+    HumanEval tau by run (``benchmarks.experiment.humaneval``)."""
     import torch
 
     from loader_server.data.dataset import open_dataset
@@ -387,6 +392,8 @@ def analyse(
             )
         if served and name in served:
             run["vllm"] = served[name]
+        if humaneval and name in humaneval:
+            run["humaneval"] = humaneval[name]
     corpus = _corpus_facts(lengths, held_lengths, band, split)
     if cfg.corpus == "text":
         corpus["heldout_replies_distinct_4grams"] = reply_ngram_share(heldout_path)
@@ -439,6 +446,7 @@ def paired(runs: dict[str, dict[str, Any]], spec: str, ref: str, seeds: Sequence
         "heldout_all_at_equal_tokens": lambda r: r["at_equal_tokens"]["heldout"]["loss_all"],
         "tau_final": lambda r: r["tau"]["tau"][-1],
         "vllm_tau": lambda r: r["vllm"]["tau"],
+        "humaneval_tau": lambda r: r["humaneval"]["tau"],
     }  # fmt: skip
     out: dict[str, Any] = {}
     for name, get in measures.items():
@@ -564,4 +572,6 @@ def _summarize_spec(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any
     if all("vllm" in r for r in mine):
         out["vllm_tau"] = _stats([r["vllm"]["tau"] for r in mine])
         out["vllm_tau_heldout"] = _stats([r["vllm"]["heldout"]["tau"] for r in mine])
+    if all("humaneval" in r for r in mine):
+        out["humaneval_tau"] = _stats([r["humaneval"]["tau"] for r in mine])
     return out

@@ -44,6 +44,7 @@ LABELS = {
 PAIRED = (
     ("vllm_tau_heldout", "vLLM tau, all held-out", 3),
     ("tau_final", "tau final (verifier)", 3),
+    ("humaneval_tau", "HumanEval tau", 3),
     ("heldout_all", "held-out loss", 3),
     ("heldout_all_at_equal_tokens", "held-out loss, equal real tokens", 3),
     ("train_loss_at_equal_tokens", "train loss, equal real tokens", 3),
@@ -169,14 +170,15 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
         "Acceptance length and forgetting (tau: the trainer's verifier on the held-out "
         "prompts, tokens per target step, z-lab's per-prompt mean; served: pooled over the "
         "steps a server runs, and vLLM's 1 + accepted / drafts on the same prompts; vLLM, "
-        "all held-out: vLLM on every held-out prompt, 64 tokens each; Δ short: "
+        "all held-out: vLLM on every held-out prompt, 64 tokens each; HumanEval: z-lab's tau "
+        "on HumanEval problems by dflash-train eval; Δ short: "
         "change of the shortest band's held-out loss between checkpoints, over intervals "
         "with at least half of the steps long-only, and over the others):",
         "",
         "| spec | tau untrained | tau final | served, verifier | served, vLLM "
-        "| vLLM, all held-out | held-out acc. | intervals long-only | Δ short, long-only "
-        "| Δ short, mixed | corr(Δ short, long-only share) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vLLM, all held-out | HumanEval | held-out acc. | intervals long-only "
+        "| Δ short, long-only | Δ short, mixed | corr(Δ short, long-only share) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for spec, s in summary.items():
         cells = [
@@ -185,6 +187,7 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
             fmt(s["tau_served_final"]),
             fmt(s["vllm_tau"]) if "vllm_tau" in s else "not run",
             fmt(s["vllm_tau_heldout"]) if "vllm_tau_heldout" in s else "not run",
+            fmt(s["humaneval_tau"]) if "humaneval_tau" in s else "not run",
             fmt(s["heldout_acc_all"]),
             fmt(s["long_intervals"], 1),
             fmt(s["delta_long"], 4),

