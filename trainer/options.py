@@ -269,7 +269,8 @@ class RunOptions(TargetOptions):
         section=DRAFTER,
     )
     attention: str = opt(
-        "auto", "Drafter attention kernel; auto: flex_attention on CUDA, SDPA elsewhere.",
+        "auto", "Attention kernel of the drafter and of the target's packed rows; auto: "
+        "flex_attention on CUDA, SDPA elsewhere.",
         choices=("auto", "sdpa", "flex"), section=DRAFTER,
     )  # fmt: skip
     mask_token_id: int | None = opt(

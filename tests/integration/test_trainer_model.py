@@ -272,6 +272,25 @@ def test_packed_target_features_equal_per_document(target):
         start += len(ids)
 
 
+def test_packed_target_features_under_flex_equal_per_document(target):
+    """``attention="flex"``: a packed row runs block-sparse under Transformers'
+    flex_attention (no dense ``[T, T]`` mask) and gives each document's own features; the
+    model's SDPA is back afterwards, and padded rows never leave it."""
+    samples = random_docs(4)
+    packed = pack_batch(samples)
+    feats = target.train_features(packed.input_ids, packed.position_ids, "flex")
+    assert target.config._attn_implementation == "sdpa"
+    start = 0
+    for ids, _ in samples:
+        alone = target.train_features(torch.tensor(ids)[None])
+        assert torch.allclose(feats[0, start : start + len(ids)], alone[0], atol=1e-5)
+        start += len(ids)
+    ids = torch.tensor(samples[0][0])[None]
+    assert torch.equal(target.train_features(ids, None, "flex"), target.train_features(ids))
+    with pytest.raises(ValueError, match="'sdpa' or 'flex'"):
+        target.train_features(ids, None, "flash")
+
+
 def test_target_from_directory(tmp_path, target):
     target.model.save_pretrained(tmp_path / "tiny")
     loaded = load_target(str(tmp_path / "tiny"), layer_ids=[1, 3])

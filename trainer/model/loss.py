@@ -300,7 +300,9 @@ def draft_loss(
         return _empty(b, num_tokens, target.device)
     packed = batch.layout == "packed"
     with phase("target"):
-        feats = target.train_features(batch.input_ids, batch.position_ids if packed else None)
+        feats = target.train_features(
+            batch.input_ids, batch.position_ids if packed else None, attention
+        )
     device = feats.device
     with phase("blocks"):
         blocks = draft_blocks(plan, feats, chunk_size, b)

@@ -22,6 +22,11 @@ one without a tokenizer has no ids to avoid and reserves its last row.
 Packed rows are split per document by the ``position_ids`` (they restart at 0 for every
 document); the mask code of ``transformers`` only does this without a 2D attention mask and
 without a cache, which is how ``features`` calls it (a test checks packed == per document).
+Under SDPA that split is a dense ``[T, T]`` mask: memory and attention work grow with the
+square of the whole row, not of its documents. ``train_features(..., attention="flex")``
+runs a packed row under Transformers' ``flex_attention`` instead, whose block mask skips
+every tile between documents (the drafter's ``--attention`` rule: flex on CUDA, SDPA
+elsewhere). Verification (padded rows, a cache) always runs under the model's own SDPA.
 
 A target bigger than one GPU is loaded with its decoder layers sharded over the ranks
 (``load_target(..., shard=sharder(device))``, ``trainer.model.sharding``): the same
@@ -206,11 +211,35 @@ class Target:
 
     @torch.no_grad()
     def train_features(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention: str = "sdpa",
     ) -> torch.Tensor:
         """Features ``[R, T, n*H]`` only: the decoder stops after the deepest chosen layer,
-        and neither the other layers' hidden states nor the LM head are computed."""
-        return self._run(input_ids, position_ids, None, stop_early=True)[0]
+        and neither the other layers' hidden states nor the LM head are computed.
+        ``attention`` ``"flex"``: a packed row (``position_ids`` given) runs under
+        ``flex_attention``, block-sparse over its documents, instead of SDPA's dense
+        ``[T, T]`` mask; padded rows (no ``position_ids``) keep SDPA's causal kernel."""
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
+        kernel = "flex_attention" if attention == "flex" and position_ids is not None else None
+        with self._attention(kernel):
+            return self._run(input_ids, position_ids, None, stop_early=True)[0]
+
+    @contextlib.contextmanager
+    def _attention(self, kernel: str | None) -> Iterator[None]:
+        """Inside, the model's attention layers run ``kernel`` (None: unchanged); on
+        leaving, the model's own again."""
+        own = self.config._attn_implementation
+        if kernel is None or kernel == own:
+            yield
+            return
+        self.model.set_attn_implementation(kernel)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(own)
 
     def keep_pace(self) -> None:
         """A sharded target's training forward over one token, for a rank whose micro-batch
