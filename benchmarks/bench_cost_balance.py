@@ -216,7 +216,7 @@ def reference_targets(baseline: str | None) -> dict[str, dict[str, Any]]:
     model = np.array(list(h100.values()))
     out = {}
     for accum in (1, 4):
-        base = BatchSpec(world_size=8, grad_accum=accum)
+        base = BatchSpec(world_size=8, grad_accum=accum, layout="padded")
         cost_spec = dataclasses.replace(base, **h100)
         rows: list[tuple[str, BatchSpec, str | None]] = [("token-balanced", base, None)]
         if baseline is not None:

@@ -39,7 +39,7 @@ from loader_server.planning.spec import BatchSpec
 
 path, mode, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ds = open_dataset(path)
-spec = BatchSpec(world_size=2)
+spec = BatchSpec(world_size=2, layout="padded")
 plan = plan_epoch(ds.lengths, spec, epoch=0)
 micro = [(plan.micro(s, r, 0), int(plan.micro_len(s, r, 0)))
          for s in range(plan.num_steps) for r in range(2)]

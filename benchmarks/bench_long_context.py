@@ -48,9 +48,9 @@ from loader_server.planning.spec import BatchSpec
 H100 = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
 SPEC = {"max_seq_len": 65536, "token_budget": 65536, "world_size": 8, **H100}
 SHAPES: dict[str, dict[str, Any]] = {
-    "padded, ga 1": {},
-    "padded, ga 4": {"grad_accum": 4},
-    "padded, ga 4, 512 rows": {"grad_accum": 4, "max_batch_size": 512},
+    "padded, ga 1": {"layout": "padded"},
+    "padded, ga 4": {"layout": "padded", "grad_accum": 4},
+    "padded, ga 4, 512 rows": {"layout": "padded", "grad_accum": 4, "max_batch_size": 512},
     "packed, ga 1": {"layout": "packed"},
     "packed, ga 4": {"layout": "packed", "grad_accum": 4},
 }
@@ -85,7 +85,7 @@ def plan(n_short: int, n_long: int, baseline: str, write: Path | None) -> None:
         f"{lengths.size:,} samples: {int((~long).sum()):,} short ({int(lengths[~long].sum()):,} "
         f"tokens), {int(long.sum())} long ({int(lengths[long].sum()):,} tokens); spec {SPEC}"
     )
-    spec = BatchSpec(**SPEC)
+    spec = BatchSpec(**SPEC, **SHAPES["padded, ga 1"])
     rows = {
         name: metrics.evaluate(lengths, other, model=spec.coefficients)
         for name, other in metrics.baselines(spec).items()

@@ -24,21 +24,24 @@ from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning.planner import plan_epoch
 from loader_server.planning.spec import BatchSpec
 
+# Each names its layout, so a digest means the same plan on either side of a change of the
+# default layout (packed since docs/EXPERIMENT.md, Part 3; padded before).
 SPECS: list[dict[str, Any]] = [
-    {},
+    {"layout": "padded"},
     {"layout": "packed"},
-    {"world_size": 8},
-    {"world_size": 8, "grad_accum": 4},
-    {"buckets": "auto:6"},
-    {"composition": "sorted"},
-    {"order": "shuffled"},
-    {"composition": "random"},
-    {"cost_attn": 2e-4, "cost_c0": 300.0, "world_size": 8},
+    {"layout": "padded", "world_size": 8},
+    {"layout": "padded", "world_size": 8, "grad_accum": 4},
+    {"layout": "packed", "world_size": 8, "grad_accum": 4},
+    {"layout": "padded", "buckets": "auto:6"},
+    {"layout": "padded", "composition": "sorted"},
+    {"layout": "padded", "order": "shuffled"},
+    {"layout": "padded", "composition": "random"},
+    {"layout": "padded", "cost_attn": 2e-4, "cost_c0": 300.0, "world_size": 8},
     {"cost_attn": 2e-4, "cost_slot": 0.5, "layout": "packed", "world_size": 8},
-    {"cost_c0": 1000, "cost_slot": 1.0, "max_anchors": 64, "anchors_per_doc": 4,
-     "world_size": 4, "grad_accum": 2},
-    {"attention_weight": 1e-5},
-    {"max_seq_len": 2048, "overlong": "drop", "world_size": 2},
+    {"layout": "padded", "cost_c0": 1000, "cost_slot": 1.0, "max_anchors": 64,
+     "anchors_per_doc": 4, "world_size": 4, "grad_accum": 2},
+    {"layout": "padded", "attention_weight": 1e-5},
+    {"layout": "padded", "max_seq_len": 2048, "overlong": "drop", "world_size": 2},
 ]  # fmt: skip
 
 

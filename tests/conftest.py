@@ -82,15 +82,26 @@ def expected_plan(ds: ArrowDataset, epoch: int, **spec) -> EpochPlan:
 
 
 def check_batch_tokens(ds: ArrowDataset, batch, max_seq_len: int = TEST_SPEC["max_seq_len"]):
-    """The batch's rows are exactly the source rows (truncated), padding is 0/0."""
+    """The batch holds exactly the source samples (truncated): padded, one per row and
+    padding 0/0; packed, end to end in one row, each at its ``cu_seqlens`` offset with
+    ``position_ids`` from 0."""
     ids = batch.input_ids.numpy()
     mask = batch.loss_mask.numpy()
+    packed = batch.layout == "packed"
+    if packed:
+        cu = batch.cu_seqlens.numpy()
+        pos = batch.position_ids.numpy()[0]
+        assert ids.shape == (1, cu[-1]) and len(cu) == len(batch.sample_ids) + 1
     for r, sid in enumerate(batch.sample_ids.tolist()):
         n = min(int(ds.lengths[sid]), max_seq_len)
         assert int(batch.lengths[r]) == n
-        assert np.array_equal(ids[r, :n], ds.input_ids(sid)[:n])
-        assert np.array_equal(mask[r, :n], ds.loss_mask(sid)[:n])
-        assert not ids[r, n:].any() and not mask[r, n:].any()
+        row, a = (0, int(cu[r])) if packed else (r, 0)
+        assert np.array_equal(ids[row, a : a + n], ds.input_ids(sid)[:n])
+        assert np.array_equal(mask[row, a : a + n], ds.loss_mask(sid)[:n])
+        if packed:
+            assert int(cu[r + 1]) == a + n and np.array_equal(pos[a : a + n], np.arange(n))
+        else:
+            assert not ids[r, n:].any() and not mask[r, n:].any()
 
 
 class DaemonProcess(daemon_process.DaemonProcess):
@@ -187,8 +198,9 @@ def audited(path: Path) -> list[Entry]:
     return out
 
 
-def batch_crc(ds: ArrowDataset, ids: list[int], layout: str = "padded") -> int:
-    """crc32 of the input_ids and loss_mask bytes the daemon should have delivered."""
+def batch_crc(ds: ArrowDataset, ids: list[int], layout: str = BatchSpec().layout) -> int:
+    """crc32 of the input_ids and loss_mask bytes the daemon should have delivered (in the
+    default layout unless told)."""
     import zlib
 
     cap = TEST_SPEC["max_seq_len"]

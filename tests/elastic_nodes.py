@@ -79,6 +79,7 @@ class Node:
             "--run-dir", str(run_dir), "--steps", str(steps), "--ckpt-every", "1",
             "--block-size", "8", "--anchors-per-doc", "16", "--token-budget", "1024",
             "--max-seq-len", "256", "--lr", "3e-3", "--warmup", "2", "--no-progress", "--resume",
+            "--layout", "padded",  # the node loss and return are timed to padded's steps
             # an evaluation every step keeps one rank alone from finishing the run before
             # node B is back
             "--num-eval-prompts", "2", "--eval-every", "1", "--eval-new-tokens", "8", *extra,

@@ -313,7 +313,10 @@ class RunOptions(TargetOptions):
     max_batch_size: int | None = opt(None, "Rows per micro-batch.", section=SPEC)
     max_seq_len: int | None = opt(None, "Longer samples are cut or dropped.", section=SPEC)
     layout: str | None = opt(
-        None, "Micro-batch layout.", choices=("padded", "packed"), section=SPEC
+        None,
+        "Micro-batch layout [default: the daemon's; packed unless its config says padded].",
+        choices=("padded", "packed"),
+        section=SPEC,
     )
     spec_pairs: tuple[str, ...] = opt(
         (),

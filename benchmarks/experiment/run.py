@@ -24,13 +24,13 @@ grad_accum, steps, learning rate):
 * ``shuffled``: optimal buckets (``--buckets``) re-shuffled every epoch, micro-batches in
   random order (``order=shuffled``).
 * ``stratified``: the same optimal buckets, every optimizer step given its share of every
-  length band (ours: ``order=stratified``; today's default, the reference of the paired
-  comparison).
-* ``packed``: ours in the packed layout (``layout=packed``: rows of concatenated documents
-  drawn at random, ~0.9998 of each row used), so it trains more real tokens per step than
-  any padded spec. Packed rows already mix lengths inside each row, and the planner orders
-  packed steps one way only (``order`` applies to padded buckets), so a "shuffled" and a
-  "stratified" packed run would be the same plan: one spec.
+  length band (ours padded: ``order=stratified``; the default before Part 3, and the
+  reference of the paired comparison).
+* ``packed``: ours in the packed layout, the default since Part 3 (``layout=packed``:
+  rows of concatenated documents drawn at random, ~0.9998 of each row used), so it trains
+  more real tokens per step than any padded spec. Packed rows already mix lengths inside
+  each row, and the planner orders packed steps one way only (``order`` applies to padded
+  buckets), so a "shuffled" and a "stratified" packed run would be the same plan: one spec.
 * ``frozen``: the worst case of the original pipeline, sorted once and the batch order not
   shuffled either (``composition=sorted``, ``order=sequential``): every epoch runs from
   its shortest steps to its longest, so long-only stretches last many steps (the
@@ -81,13 +81,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Loader ``--spec`` pairs of each compared spec (``{buckets}`` and ``{six}`` are filled in).
+#: Each names its layout: a spec means the same batches whatever the loader's default is.
 SPECS: dict[str, tuple[str, ...]] = {
-    "sorted": ("composition=sorted",),
-    "six": ("buckets={six}", "order=shuffled"),
-    "shuffled": ("buckets={buckets}", "order=shuffled"),
-    "stratified": ("buckets={buckets}", "order=stratified"),
+    "sorted": ("layout=padded", "composition=sorted"),
+    "six": ("layout=padded", "buckets={six}", "order=shuffled"),
+    "shuffled": ("layout=padded", "buckets={buckets}", "order=shuffled"),
+    "stratified": ("layout=padded", "buckets={buckets}", "order=stratified"),
     "packed": ("layout=packed",),
-    "frozen": ("composition=sorted", "order=sequential"),
+    "frozen": ("layout=padded", "composition=sorted", "order=sequential"),
 }
 CORPORA = ("synthetic", "text")
 DEFAULT_SPECS = {

@@ -118,7 +118,8 @@ def run_bench(
     quality_world = spec.world_size if spec.world_size > 1 else 8
     r["quality_world_size"] = quality_world
     r["ours_plan"] = _plan_quality(ds.lengths, spec, quality_world)
-    r["sorted_plan"] = _plan_quality(ds.lengths, replace(spec, composition="sorted"), quality_world)
+    sorted_spec = replace(spec, composition="sorted", layout="padded")  # the original pipeline
+    r["sorted_plan"] = _plan_quality(ds.lengths, sorted_spec, quality_world)
     spec = replace(spec, world_size=consumers)
     plan0 = plan_epoch(ds.lengths, spec, epoch=0)
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:

@@ -88,7 +88,7 @@ class BatchSpec:
     overlong: str = "truncate"
     buckets: str | tuple[int, ...] = "auto"
     target_efficiency: float = 0.97
-    layout: str = "padded"
+    layout: str = "packed"
     composition: str = "bucketed"
     order: str = "stratified"
     world_size: int = 1
@@ -129,13 +129,14 @@ class BatchSpec:
             )
         if self.layout == "packed" and self.order == "sequential":
             raise ValueError(
-                "order 'sequential' keeps padded batches in the order they were made; "
-                "packed rows are always drawn at random (use order 'shuffled')"
+                "order 'sequential' keeps padded batches in the order they were made: give "
+                "layout 'padded' with it (packed rows, the default layout, are always drawn "
+                "at random)"
             )
         if self.layout == "packed" and self.composition == "sorted":
             raise ValueError(
-                "composition 'sorted' is a padded-layout baseline; packed rows are always "
-                "drawn at random (use composition 'bucketed' or 'random' with layout 'packed')"
+                "composition 'sorted' is a padded-layout baseline: give layout 'padded' "
+                "with it (packed rows, the default layout, are always drawn at random)"
             )
         self._check_buckets()
 

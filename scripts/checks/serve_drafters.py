@@ -58,7 +58,10 @@ def train_and_export(
     run_dir, export = work / f"run-{tag}", work / f"drafter-{tag}"
     with phases(f"{name}: train the drafter ({args.steps} steps) and export it"):
         endpoint = f"ipc://{work}/loader-{tag}.sock"
+        # Padded, as when docs/SERVING.md's figures were measured on these drafters: serving
+        # does not depend on the layout a drafter was trained in (the demo trains packed).
         daemon = DaemonProcess(corpus, endpoint, "--token-budget", "2048", "--max-seq-len", "512",
+                               "--layout", "padded",
                                log_path=work / f"daemon-{tag}.log")  # fmt: skip
         try:
             sh(*TRAIN, "train", "--endpoint", endpoint, "--target", str(target), "--job", tag,

@@ -112,7 +112,13 @@ def test_growing_in_the_epoch_s_last_step_serves_the_rest_as_one_short_step(daem
     assert 0 in rows, rows  # the rest holds fewer samples than 16 micro-batches
     for r in batches:
         for b in r:
-            assert tuple(b.input_ids.shape) == (b.sample_ids.numel(), b.input_ids.shape[1])
+            packed = b.layout == "packed"  # [1, T]: one row of documents end to end
+            want = (
+                (1, int(b.lengths.sum()))
+                if packed
+                else (b.sample_ids.numel(), b.input_ids.shape[1])
+            )
+            assert tuple(b.input_ids.shape) == want
             if b.sample_ids.numel():
                 check_batch_tokens(corpus, b)
     second = [i for r in batches for b in r for i in b.sample_ids.tolist()]

@@ -106,7 +106,7 @@ def command(endpoint: str, run_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "trainer.cli", "train", "--endpoint", endpoint,
             "--job", "matrix", "--run-dir", str(run_dir), "--epochs", "2",
             "--ckpt-every", str(CKPT_EVERY), "--block-size", "8", "--anchors-per-doc", "16",
-            "--token-budget", "1024", "--max-seq-len", "256", "--lr", "3e-3",
+            "--token-budget", "1024", "--max-seq-len", "256", "--layout", "padded", "--lr", "3e-3",
             "--warmup", "2", "--num-eval-prompts", "0", "--timeout-s", "60",
             "--no-progress", *extra]  # fmt: skip
 

@@ -247,12 +247,14 @@ def test_specs_differ_only_in_their_spec_pairs(tmp_path):
     def pairs(cmd: list[str]) -> list[str]:
         return [cmd[i + 1] for i, a in enumerate(cmd) if a == "--spec"]
 
-    assert pairs(cmds["sorted"]) == ["seed=3", "composition=sorted"]  # the plan's seed too
-    assert pairs(cmds["six"]) == ["seed=3", "buckets=96,152,216,304,412", "order=shuffled"]
-    assert pairs(cmds["shuffled"]) == ["seed=3", "buckets=auto:8", "order=shuffled"]
-    assert pairs(cmds["stratified"]) == ["seed=3", "buckets=auto:8", "order=stratified"]
+    # The plan's seed too; every spec names its layout (the default is packed).
+    pad = ["seed=3", "layout=padded"]
+    assert pairs(cmds["sorted"]) == [*pad, "composition=sorted"]
+    assert pairs(cmds["six"]) == [*pad, "buckets=96,152,216,304,412", "order=shuffled"]
+    assert pairs(cmds["shuffled"]) == [*pad, "buckets=auto:8", "order=shuffled"]
+    assert pairs(cmds["stratified"]) == [*pad, "buckets=auto:8", "order=stratified"]
     assert pairs(cmds["packed"]) == ["seed=3", "layout=packed"]
-    assert pairs(cmds["frozen"]) == ["seed=3", "composition=sorted", "order=sequential"]
+    assert pairs(cmds["frozen"]) == [*pad, "composition=sorted", "order=sequential"]
     assert common(cmds["six"]) == common(cmds["sorted"])
 
 

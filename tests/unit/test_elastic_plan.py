@@ -16,13 +16,13 @@ from loader_server.planning.spec import BatchSpec
 from loader_server.wire.protocol import MAX_LEGS, Leg, ProtocolError, legs
 
 LENGTHS = synth_lengths(SynthSpec(num_samples=6000, seed=4, median_len=300, max_len=2048))
-SMALL = {"token_budget": 8192, "max_batch_size": 32, "max_seq_len": 2048}
+SMALL = {"token_budget": 8192, "max_batch_size": 32, "max_seq_len": 2048, "layout": "padded"}
 SPECS = {
     "bucketed": BatchSpec(**SMALL),
     "shuffled": BatchSpec(**SMALL, order="shuffled"),
     "sorted": BatchSpec(**SMALL, composition="sorted"),
     "random": BatchSpec(**SMALL, composition="random"),
-    "packed": BatchSpec(**SMALL, layout="packed"),
+    "packed": BatchSpec(**{**SMALL, "layout": "packed"}),
     "cost": BatchSpec(**SMALL, cost_c0=0.01, cost_tok=1e-4, cost_attn=1e-8, cost_slot=1e-5),
 }
 

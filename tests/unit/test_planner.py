@@ -238,7 +238,9 @@ def test_vectorized_greedy_equals_the_sequential_one(x, budget, max_rows, model,
         set(data.draw(st.lists(st.integers(1, len(x) - 1), max_size=4)) if len(x) > 1 else [])
     )
     seg = np.array([0, *cuts], np.int64)
-    spec = BatchSpec(token_budget=budget, max_seq_len=64, max_batch_size=max_rows, **model)
+    spec = BatchSpec(
+        token_budget=budget, max_seq_len=64, max_batch_size=max_rows, layout="padded", **model
+    )
     single = spec.row_cost(64)
     cap = data.draw(st.sampled_from([single, 1.7 * single, 6 * single]))
     cut = packing.CostCut(tuple(spec.coefficients.tolist()), cap, spec.anchor_rule)
@@ -290,7 +292,7 @@ def test_pack_rows_fills_rows(low, high, capacity, want):
 
 def test_sorted_is_the_original_frozen_greedy():
     x = REFERENCE[:5000]
-    spec = BatchSpec(composition="sorted", world_size=4)
+    spec = BatchSpec(composition="sorted", layout="padded", world_size=4)
     plans = [plan_epoch(x, spec, epoch=e) for e in range(3)]
     order = np.argsort(x, kind="stable")
     starts = reference_greedy(x[order].tolist(), spec.token_budget, spec.max_batch_size)
@@ -306,7 +308,9 @@ def test_sequential_sorted_runs_the_shortest_steps_first_every_epoch_alike():
     """The experiment's worst case: sorted batches in the order they were made, so the
     epoch runs from its shortest steps to its longest (long-only stretches), frozen."""
     x = REFERENCE[:5000]
-    spec = BatchSpec(composition="sorted", order="sequential", world_size=2, grad_accum=2)
+    spec = BatchSpec(
+        composition="sorted", order="sequential", layout="padded", world_size=2, grad_accum=2
+    )
     a, b = (plan_epoch(x, spec, epoch=e) for e in (0, 1))
     assert np.array_equal(a.sample_ids, b.sample_ids)  # nothing shuffled, ever
     width = spec.world_size * spec.grad_accum
@@ -319,8 +323,8 @@ def test_sequential_sorted_runs_the_shortest_steps_first_every_epoch_alike():
         return {tuple(p.sample_ids[i:j]) for i, j in itertools.pairwise(p.offsets)}
 
     assert batches(a) == batches(shuffled)  # the same frozen batches, only their order differs
-    with pytest.raises(ValueError, match="packed rows are always drawn at random"):
-        BatchSpec(layout="packed", order="sequential")
+    with pytest.raises(ValueError, match="give layout 'padded' with it"):
+        BatchSpec(order="sequential")
 
 
 @pytest.mark.parametrize(
@@ -344,7 +348,7 @@ def test_reference_shape_quality():
     # The issue's targets are for the full reference corpus: on smaller corpora "auto"
     # caps the bucket count to keep buckets reshuffleable (see buckets.auto_bucket_cap).
     full = synth_lengths(SynthSpec(num_samples=902_000, seed=5))
-    spec = BatchSpec(world_size=8)
+    spec = BatchSpec(world_size=8, layout="padded")
     plan = plan_epoch(full, spec, epoch=0)
     shuffled = plan_epoch(full, dataclasses.replace(spec, order="shuffled"), epoch=0)
     assert plan.stats["padding_efficiency"] >= 0.97

@@ -129,7 +129,7 @@ def test_modelled_plans_balance_ranks_within_the_mix_target(grad_accum):
     (2% at grad_accum 2, where each rank sums only two micro-batches) while the step mix
     stays within the plan target; LPT in rounds alone on the same steps does no better
     (at grad_accum 2 it is already optimal: largest with smallest), and worse beyond."""
-    spec = BatchSpec(world_size=8, grad_accum=grad_accum, **MODEL)
+    spec = BatchSpec(world_size=8, grad_accum=grad_accum, layout="padded", **MODEL)
     plan = plan_epoch(REFERENCE, spec, epoch=0)
     imbalance = metrics.rank_imbalance(plan)
     assert imbalance <= (1.02 if grad_accum == 2 else 1.01)
@@ -148,7 +148,7 @@ def test_modelled_plans_balance_ranks_within_the_mix_target(grad_accum):
 def test_one_micro_batch_per_rank_balances_within_the_mix_target():
     """grad_accum 1: a step is one unit and nothing is left for the rank split; the
     cheap-unit threshold balances as far as the step mix target allows."""
-    spec = BatchSpec(world_size=8, **MODEL)
+    spec = BatchSpec(world_size=8, layout="padded", **MODEL)
     plan = plan_epoch(REFERENCE, spec, epoch=0)
     assert metrics.rank_imbalance(plan) <= 1.04
     assert metrics.step_mix_distance(plan) <= schedule.MIX_LIMIT

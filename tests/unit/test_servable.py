@@ -18,7 +18,11 @@ from loader_server.planning.spec import BatchSpec
         ([0, 0, 0], {}, "all 3 samples are empty"),
         ([500, 600, 0], {"max_seq_len": 256, "overlong": "drop"}, "all 2 non-empty samples"),
         ([10] * 3, {"grad_accum": 4}, "3 servable samples make 1 micro-batch"),
-        ([10] * 3, {"grad_accum": 4, "max_batch_size": 1}, "make 3 micro-batch"),
+        (
+            [10] * 3,
+            {"grad_accum": 4, "max_batch_size": 1, "layout": "padded"},
+            "make 3 micro-batch",
+        ),
         (
             [100] * 50,
             {"grad_accum": 4, "layout": "packed", "token_budget": 4096, "max_seq_len": 512},

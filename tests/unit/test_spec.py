@@ -13,7 +13,7 @@ def test_defaults_match_the_contract():
     s = BatchSpec()
     assert (s.token_budget, s.max_batch_size, s.max_seq_len) == (65536, 64, 8192)
     assert (s.overlong, s.buckets, s.target_efficiency) == ("truncate", "auto", 0.97)
-    assert (s.layout, s.composition, s.order) == ("padded", "bucketed", "stratified")
+    assert (s.layout, s.composition, s.order) == ("packed", "bucketed", "stratified")
     assert (s.world_size, s.grad_accum, s.seed) == (1, 1, 0)
     assert (s.cost_c0, s.cost_tok, s.cost_attn, s.cost_slot, s.cost_budget) == (0, 1, 0, 0, 0)
     assert s.anchor_rule == (16, 512, 2048) and not s.cost_model_on
