@@ -102,7 +102,7 @@ T, D, E = TargetRecipe, TextDataSpec, ExperimentConfig
 def experiment(out_dir: Path, **opts: Any) -> None:
     """Batching experiment: train a drafter under each loader spec (sorted, six hand-set
     buckets, optimal buckets shuffled or stratified, ours packed, sorted with the batch
-    order frozen too) and compare them, paired by seed against today's default; write
+    order frozen too) and compare them, paired by seed against the old padded default; write
     OUT_DIR/results.json, results.md and PNG plots (docs/EXPERIMENT.md)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # SIGTERM/SIGHUP end the experiment as Ctrl-C does: through the finally blocks that stop

@@ -410,7 +410,8 @@ def analyse(
 
 
 def reference_of(specs: Sequence[str]) -> str:
-    """What the other specs are compared with: today's default (``stratified``) when run."""
+    """What the other specs are compared with: ``stratified``, the padded default before
+    packed rows, when run."""
     return "stratified" if "stratified" in specs else specs[0]
 
 

@@ -131,8 +131,9 @@ def _interval(d: dict[str, Any], digits: int) -> str:
 
 
 def paired_lines(results: dict[str, Any]) -> list[str]:
-    """Each spec minus the reference (today's default) per seed: the mean and its
-    bootstrap 95% interval (``benchmarks.experiment.stats``), * where it excludes 0."""
+    """Each spec minus the reference (the padded default before packed rows) per seed: the
+    mean and its bootstrap 95% interval (``benchmarks.experiment.stats``), * where it
+    excludes 0."""
     ref, paired = results["reference"], results["paired"]
     if not paired:
         return []
