@@ -52,6 +52,11 @@ _MESSAGE_IN_FLIGHT_S = 0.1
 # Error codes saying the daemon no longer has this session (it restarted, or another open
 # replaced it): reopen it rather than fail.
 _SESSION_LOST = (P.E_UNKNOWN_SESSION, P.E_REPLACED)
+# How long "busy" (another live client reads this rank) is asked again before it is final.
+# A restarted trainer, or this client after a reconnect, can reach the daemon before the
+# daemon's I/O thread has seen the old connection close; its heartbeat to the old peer then
+# still succeeds. That lasts milliseconds; a real second reader is refused after this.
+_BUSY_GRACE_S = 1.0
 
 
 class LoaderClient:
@@ -335,6 +340,20 @@ class LoaderClient:
         return self._sock
 
     def _open(self) -> None:
+        """Open this rank's session; "busy" is asked again for ``_BUSY_GRACE_S``."""
+        end = time.monotonic() + _BUSY_GRACE_S
+        backoff = Backoff(initial_s=0.02, cap_s=0.25)
+        while True:
+            try:
+                return self._open_once()
+            except P.LoaderRequestError as e:
+                wait = backoff.next_wait()
+                if e.code != P.E_BUSY or time.monotonic() + wait > end:
+                    raise
+                log.debug("rank %d busy (the old connection closing?): asking again", self.rank)
+                time.sleep(wait)
+
+    def _open_once(self) -> None:
         sock = self._socket()
         expect = self.effective_spec if self.effective_spec is not None else self._saved_spec
         sock.send(
