@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from benchmarks.experiment.report import looping_line
 from benchmarks.experiment.run import CORPORA, SPECS, ExperimentConfig, SetupError, run_experiment
 from benchmarks.experiment.target import TargetRecipe
 from benchmarks.experiment.textdata import TextDataSpec
@@ -138,6 +139,8 @@ def experiment(out_dir: Path, **opts: Any) -> None:
     if cfg.data_only:
         click.echo(f"data made in {results['elapsed_s']:.0f} s: {results['train']} (training), "
                    f"{results['heldout']} (held out)")  # fmt: skip
+        if "looping" in results:
+            click.echo(looping_line(results["looping"]["target"], results["looping"]["reference"]))
         return
     click.echo(Path(out_dir, "results.md").read_text())
     click.echo(f"took {results['elapsed_s']:.0f} s; files:")

@@ -396,7 +396,9 @@ def analyse(
             run["humaneval"] = humaneval[name]
     corpus = _corpus_facts(lengths, held_lengths, band, split)
     if cfg.corpus == "text":
-        corpus["heldout_replies_distinct_4grams"] = reply_ngram_share(heldout_path)
+        loops = looping(cfg, heldout_path)
+        corpus["heldout_replies_distinct_4grams"] = loops["target"]
+        corpus["heldout_references_distinct_4grams"] = loops["reference"]
     ref = reference_of(cfg.specs)
     return {
         "config": {**cfg.fixed_part(), "seeds": list(cfg.seeds), "specs": list(cfg.specs)},
@@ -475,8 +477,47 @@ def reply_ngram_share(path: Path, n: int = 4) -> dict[str, Any]:
         distinct_ngram_share(ds.input_ids(i)[ds.loss_mask(i).astype(bool)], n)
         for i in range(len(ds))
     ]
-    got = [x for x in shares if x is not None]
-    return {"n": n, "mean": float(np.mean(got)) if got else None, "replies": len(got)}
+    return _share_summary(shares, n)
+
+
+#: A reply with at least this share of distinct n-grams counts as not looping (the text's
+#: own replies to the experiment's held-out prompts: 82% of them, none below 0.5).
+NOT_LOOPING = 0.8
+
+
+def _share_summary(shares: Sequence[float | None], n: int) -> dict[str, Any]:
+    """Mean share over the replies that have an n-gram, and the fraction not looping."""
+    got = np.array([x for x in shares if x is not None], dtype=np.float64)
+    return {
+        "n": n,
+        "mean": float(got.mean()) if got.size else None,
+        "not_looping": float((got >= NOT_LOOPING).mean()) if got.size else None,
+        "replies": int(got.size),
+    }
+
+
+def reference_ngram_share(cfg: Any, n: int = 4) -> dict[str, Any]:
+    """``reply_ngram_share``'s yardstick: the same measure over the text's own replies to
+    the held-out prompts (``textdata.reference_replies``), tokenized by the target's
+    tokenizer and cut at the replies' token limit, as the target's replies are."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.experiment.stats import distinct_ngram_share
+    from benchmarks.experiment.textdata import reference_replies
+
+    with open(cfg.data_dir / "prompts-heldout.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    tok = AutoTokenizer.from_pretrained(cfg.target_dir())
+    shares = [
+        distinct_ngram_share(np.asarray(tok(text)["input_ids"][: cfg.text.max_tokens]), n)
+        for text in reference_replies(cfg.target, rows)
+    ]
+    return _share_summary(shares, n)
+
+
+def looping(cfg: Any, heldout_path: Path) -> dict[str, Any]:
+    """How much the target loops on the held-out prompts, and the text's own replies."""
+    return {"target": reply_ngram_share(heldout_path), "reference": reference_ngram_share(cfg)}
 
 
 def _heldout_at(

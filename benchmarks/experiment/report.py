@@ -158,10 +158,25 @@ def paired_lines(results: dict[str, Any]) -> list[str]:
     if grams and grams["mean"] is not None:
         lines += [
             "",
-            f"The target's held-out replies: {grams['mean']:.3f} of their 4-grams distinct, "
-            f"mean over {grams['replies']} replies (1.0: nothing repeats).",
+            looping_line(grams, results["corpus"].get("heldout_references_distinct_4grams")),
         ]
     return lines
+
+
+def looping_line(target: dict[str, Any], reference: dict[str, Any] | None) -> str:
+    """One sentence: how much the target's held-out replies loop, beside the text's own."""
+
+    def said(g: dict[str, Any]) -> str:
+        if g["mean"] is None:
+            return "no reply of 4 tokens"
+        kept = g.get("not_looping")
+        share = "" if kept is None else f", {kept:.0%} with at least 80% distinct"
+        return f"{g['mean']:.3f} of their 4-grams distinct, mean over {g['replies']} replies{share}"
+
+    line = f"The target's held-out replies: {said(target)} (1.0: nothing repeats)."
+    if reference is not None:
+        line += f" The text's own replies to the same prompts: {said(reference)}."
+    return line
 
 
 def _tau_lines(results: dict[str, Any]) -> list[str]:

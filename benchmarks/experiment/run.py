@@ -415,8 +415,12 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     preflight(cfg)
     train_path, heldout_path = write_corpora(cfg)
     if cfg.data_only:
-        return {"train": str(train_path), "heldout": str(heldout_path),
-                "elapsed_s": time.perf_counter() - t0}  # fmt: skip
+        made = {"train": str(train_path), "heldout": str(heldout_path)}
+        if cfg.corpus == "text":
+            from benchmarks.experiment.analysis import looping
+
+            made["looping"] = looping(cfg, heldout_path)
+        return {**made, "elapsed_s": time.perf_counter() - t0}
     train_s: dict[str, float | None] = {}
     todo = [(spec, seed) for seed in cfg.seeds for spec in cfg.specs]
     trainers = Trainers(cfg)

@@ -87,6 +87,20 @@ def draw_prompts(recipe: TargetRecipe, spec: TextDataSpec) -> dict[str, list[dic
     return {"train": rows[: spec.train], "heldout": rows[spec.train :]}
 
 
+def reference_replies(recipe: TargetRecipe, rows: list[dict[str, Any]]) -> list[str]:
+    """The text's own reply to each prompt row of ``draw_prompts`` (the function body, the
+    module's next piece): what a reply that does not loop looks like, the yardstick of
+    ``analysis.reply_ngram_share``. Raises on a prompt the prompt split does not hold."""
+    own = {chat[0]["content"]: chat[1]["content"] for _, chat in text_examples(recipe, "prompts")}
+    out = []
+    for i, row in enumerate(rows):
+        ask = row["messages"][0]["content"]
+        if ask not in own:
+            raise ValueError(f"prompt row {i} ({ask[:60]!r}...) is not in the prompt split")
+        out.append(own[ask])
+    return out
+
+
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as f:

@@ -84,6 +84,10 @@ def test_text_experiment_end_to_end(tmp_path):
     assert frozen["composition"] == "sorted" and frozen["order"] == "sequential"
     grams = results["corpus"]["heldout_replies_distinct_4grams"]
     assert 0.0 < grams["mean"] <= 1.0 and grams["replies"] >= 4
+    ref = results["corpus"]["heldout_references_distinct_4grams"]
+    asked = len((out / "data" / "prompts-heldout.jsonl").read_text().splitlines())
+    assert 0.75 * asked <= ref["replies"] <= asked  # a reply under 4 tokens has no 4-gram
+    assert 0.5 < ref["mean"] <= 1.0  # real code rarely repeats 4 tokens
     six = results["runs"]["six-s5"]["config"]["loader_spec"]["buckets"]
     assert six == [round(b * 512 / 8192) for b in REFERENCE_BUCKETS]  # scaled to max_len 512
     assert results["corpus"]["train"]["samples"] >= 15  # empty replies are skipped
@@ -91,7 +95,17 @@ def test_text_experiment_end_to_end(tmp_path):
     assert "tau final" in md and "6 hand-set buckets + shuffled" in md
     assert "ours, packed rows" in md and "sorted, batch order not shuffled" in md
     assert "Paired by seed (1), minus bucketed + stratified" in md and "4-grams distinct" in md
+    assert "The text's own replies to the same prompts" in md
     assert "served, vLLM" in md and "not run" in md  # no --vllm-python
     assert "HumanEval tau" in md and (out / "humaneval" / "eval.md").is_file()
     for name in ("tau", "forgetting"):
         assert (out / f"experiment-{name}.png").read_bytes()[:4] == b"\x89PNG"
+    # --data-only on the same settings reuses the target and the data, and says how they loop
+    again = subprocess.run(
+        [*cmd, "--data-only"], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT
+    )
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "data made in" in again.stdout
+    want = f"The target's held-out replies: {grams['mean']:.3f} of their 4-grams distinct"
+    assert want in again.stdout and "The text's own replies to the same prompts" in again.stdout
+    assert 0.0 <= grams["not_looping"] <= ref["not_looping"] <= 1.0
