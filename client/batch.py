@@ -93,3 +93,23 @@ def _tensor_fields(cls: type) -> tuple[str, ...]:
 
 
 TENSOR_FIELDS = _tensor_fields(Batch)
+
+
+def field_shapes(layout: str, rows: int, width: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The fields of a batch of ``rows`` x ``width`` and their shapes, as ``Ring.take``
+    copies them (a packed batch is one row of ``width`` tokens holding ``rows`` documents)."""
+    if layout == "packed":
+        return (
+            ("input_ids", (1, width)),
+            ("loss_mask", (1, width)),
+            ("position_ids", (1, width)),
+            ("lengths", (rows,)),
+            ("sample_ids", (rows,)),
+            ("cu_seqlens", (rows + 1,)),
+        )
+    return (
+        ("input_ids", (rows, width)),
+        ("loss_mask", (rows, width)),
+        ("lengths", (rows,)),
+        ("sample_ids", (rows,)),
+    )

@@ -36,17 +36,15 @@ import torch
 import zmq
 
 from client.backoff import Backoff
-from client.batch import Batch
+from client.batch import Batch, field_shapes
 from client.ring import Ring, RingGone
+from client.state import resume, saved_state
 from loader_server.wire import protocol as P
 from loader_server.wire import ring as R
 
 __all__ = ["Batch", "LoaderClient"]
 log = logging.getLogger(__name__)
 
-# 2: the effective spec is recorded; 3: the legs (shape changes) of the position's epoch.
-# Versions 1 and 2 still load.
-STATE_VERSION = 3
 # After the bell rang for a message rather than a batch: how long to wait for it to arrive.
 _MESSAGE_IN_FLIGHT_S = 0.1
 # Error codes saying the daemon no longer has this session (it restarted, or another open
@@ -166,17 +164,16 @@ class LoaderClient:
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the next batch this rank should receive, with the spec and corpus
         (fingerprint) that position belongs to; a daemon serving another spec or corpus
-        refuses to resume it."""
-        return {
-            "version": STATE_VERSION,
-            "job": self.job,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "position": list(self.position),
-            "legs": [list(leg) for leg in self.legs],
-            "fingerprint": self.fingerprint,
-            "spec": self.effective_spec if self.effective_spec is not None else self._saved_spec,
-        }
+        refuses to resume it (``client.state``)."""
+        return saved_state(
+            job=self.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            position=self.position,
+            legs=self.legs,
+            fingerprint=self.fingerprint,
+            spec=self.effective_spec if self.effective_spec is not None else self._saved_spec,
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state``'s position (reopening the session if one is open).
@@ -188,47 +185,18 @@ class LoaderClient:
         a step boundary all ranks of a job share one position). Under the same shape the
         state must be this rank's."""
         self._check_usable()
-        if not isinstance(state, dict) or state.get("version") not in (1, 2, STATE_VERSION):
-            version = state.get("version") if isinstance(state, dict) else state
-            raise ValueError(
-                f"loader state version {version!r} is not {STATE_VERSION}; "
-                f"it was saved by an incompatible dflash-loader"
-            )
-        fingerprint, spec = state.get("fingerprint"), state.get("spec")
-        if fingerprint is not None and not isinstance(fingerprint, str):
-            raise ValueError(f"loader state fingerprint must be a string, got {fingerprint!r}")
-        if spec is not None and not isinstance(spec, dict):
-            raise ValueError(f"loader state spec must be a map, got {spec!r}")
-        if state.get("job") != self.job:
-            raise ValueError(
-                f"loader state is for job={state.get('job')!r}, this client has job="
-                f"{self.job!r}: a position resumes only in its own job"
-            )
-        position = P.position(state.get("position"), "state position")
-        legs = P.legs(state.get("legs"), "state legs")
-        old = _shape(state.get("world_size"), spec, self.spec.get("grad_accum"))
-        new = (self.world_size, self.spec.get("grad_accum", old[1]))
-        if old == new:
-            for key in ("rank", "world_size"):
-                if state.get(key) != getattr(self, key):
-                    raise ValueError(
-                        f"loader state is for {key}={state.get(key)!r}, this client has "
-                        f"{key}={getattr(self, key)!r}"
-                    )
-            self.resized = None
-        else:
-            if spec is None:
-                raise ValueError(
-                    f"loader state of world_size {old[0]} was saved without its spec (version "
-                    f"{state.get('version')}): it resumes only under the same world size"
-                )
-            position, legs, self.resized = _reshape(position, legs, old, new)
-            spec = {**spec, "world_size": new[0], "grad_accum": new[1]}
-        self.position, self.legs = position, legs
-        if fingerprint:
-            self.fingerprint = fingerprint
-        if spec is not None:
-            self._saved_spec = spec
+        r = resume(
+            state,
+            job=self.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            grad_accum=self.spec.get("grad_accum"),
+        )
+        self.position, self.legs, self.resized = r.position, r.legs, r.resized
+        if r.fingerprint:
+            self.fingerprint = r.fingerprint
+        if r.spec is not None:
+            self._saved_spec = r.spec
             self.effective_spec = None  # the daemon must serve the saved one (checked at open)
         self._done = False
         if self._sid is not None:
@@ -551,7 +519,7 @@ class LoaderClient:
         pin = self.pin_memory
         if pin is None:  # pinned pages only help (and only cost) once CUDA is in use
             pin = torch.cuda.is_initialized()
-        t = ring.take(slot, _field_shapes(layout, meta.rows, meta.width), pin)
+        t = ring.take(slot, field_shapes(layout, meta.rows, meta.width), pin)
         self._release(n + 1)  # the slot goes straight back: the batch is a private copy
         batch = Batch(
             input_ids=t["input_ids"],
@@ -626,64 +594,6 @@ class LoaderClient:
             "loader connection lost (%s); reconnecting to %s in %.2f s", why, self.endpoint, wait_s
         )
         time.sleep(wait_s)
-
-
-def _shape(world_size: Any, spec: dict[str, Any] | None, asked: Any) -> tuple[int, int]:
-    """The (world_size, grad_accum) a state was saved under (a state without its spec,
-    version 1, is taken to have the ``grad_accum`` asked for now)."""
-    grad_accum = spec.get("grad_accum", 1) if spec is not None else asked or 1
-    for name, value in (("world_size", world_size), ("spec grad_accum", grad_accum)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"loader state {name} must be a positive int, got {value!r}")
-    return world_size, grad_accum
-
-
-def _reshape(
-    position: tuple[int, int, int],
-    legs: tuple[P.Leg, ...],
-    old: tuple[int, int],
-    new: tuple[int, int],
-) -> tuple[tuple[int, int, int], tuple[P.Leg, ...], str]:
-    """``(position, legs, what changed)`` of a position saved under shape ``old`` resumed
-    under ``new``: the steps served under ``old`` become a leg of the epoch (none if it
-    served none), and the new shape starts the rest of the epoch at its step 0."""
-    epoch, step, micro = position
-    if micro:
-        raise ValueError(
-            f"loader position {list(position)} is inside step {step} (micro-batch {micro} of "
-            f"{old[1]}); a resume under another world size or grad_accum starts at a step "
-            f"boundary (a checkpoint taken after an optimizer step)"
-        )
-    if step:
-        legs = (*legs, P.Leg(old[0], old[1], step))
-    if len(legs) > P.MAX_LEGS:
-        raise ValueError(f"epoch {epoch} changed shape {len(legs)} times; at most {P.MAX_LEGS}")
-    what = (
-        f"world_size {old[0]} x grad_accum {old[1]} -> {new[0]} x {new[1]} at epoch {epoch} "
-        f"step {step}: the rest of the epoch is planned afresh for the new shape"
-        + (f" ({len(legs)} shape change(s) in this epoch)" if legs else "")
-    )
-    return (epoch, 0, 0), legs, what
-
-
-def _field_shapes(layout: str, rows: int, width: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """The fields of a batch of ``rows`` x ``width`` and their shapes, as ``Ring.take``
-    copies them (a packed batch is one row of ``width`` tokens holding ``rows`` documents)."""
-    if layout == "packed":
-        return (
-            ("input_ids", (1, width)),
-            ("loss_mask", (1, width)),
-            ("position_ids", (1, width)),
-            ("lengths", (rows,)),
-            ("sample_ids", (rows,)),
-            ("cu_seqlens", (rows + 1,)),
-        )
-    return (
-        ("input_ids", (rows, width)),
-        ("loss_mask", (rows, width)),
-        ("lengths", (rows,)),
-        ("sample_ids", (rows,)),
-    )
 
 
 class _Reconnect(Exception):

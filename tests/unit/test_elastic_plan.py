@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from client import LoaderClient
+from client.state import STATE_VERSION, resume, saved_state
 from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning.elastic import ChainMismatch, consumed, plan_rest, shaped
 from loader_server.planning.planner import plan_epoch
@@ -149,3 +150,27 @@ def test_a_client_refuses_what_cannot_resume_under_another_shape():
     full = [Leg(1, 1, 1)] * MAX_LEGS
     with pytest.raises(ValueError, match="changed shape"):
         c.load_state_dict(_state(4, (1, 7, 0), 1, full))
+
+
+def test_a_saved_state_resumes_where_it_was_saved_as_pure_logic():
+    """``client.state``: what ``state_dict`` writes, ``resume`` reads back unchanged under
+    the same shape, and under another shape turns the served steps into a leg."""
+    spec = BatchSpec(**SMALL, world_size=4).to_dict()
+    kw = dict(position=(2, 5, 0), legs=(Leg(2, 1, 3),), fingerprint="f" * 16, spec=spec)
+    saved = saved_state(job="j", rank=1, world_size=4, **kw)
+    assert saved["version"] == STATE_VERSION and saved["position"] == [2, 5, 0]
+    same = resume(saved, job="j", rank=1, world_size=4, grad_accum=None)
+    assert (same.position, same.legs, same.spec, same.resized) == (
+        (2, 5, 0),
+        kw["legs"],
+        spec,
+        None,
+    )
+    with pytest.raises(ValueError, match="rank=1, this client has rank=0"):
+        resume(saved, job="j", rank=0, world_size=4, grad_accum=None)
+    grown = resume(saved, job="j", rank=0, world_size=8, grad_accum=2)
+    assert grown.position == (2, 0, 0) and grown.legs == (Leg(2, 1, 3), Leg(4, 1, 5))
+    assert grown.spec["world_size"] == 8 and grown.spec["grad_accum"] == 2
+    assert "world_size 4 x grad_accum 1 -> 8 x 2 at epoch 2 step 5" in grown.resized
+    with pytest.raises(ValueError, match="version 9 is not 3"):
+        resume({**saved, "version": 9}, job="j", rank=1, world_size=4, grad_accum=None)
