@@ -194,6 +194,31 @@ def heldout_batches(path: Path, band: np.ndarray, token_budget: int = EVAL_TOKEN
     return out
 
 
+def frozen_features(target: Any) -> Any:
+    """``target`` whose ``train_features`` are computed once per input tensor and then
+    reused: the held-out batches are fixed and the target is frozen, so every drafter and
+    checkpoint scored on them needs the same features (``heldout_loss`` on each of a run's
+    checkpoints ran the target's forward again each time). The same weights, no copy."""
+    from trainer.model.target import Target
+
+    class FrozenFeatures(Target):
+        def __init__(self) -> None:
+            super().__init__(target.model, target.layer_ids)
+            self._memo: dict[tuple[int, int, str], tuple[Any, Any, Any]] = {}
+
+        def train_features(self, input_ids: Any, position_ids: Any = None,
+                           attention: str = "sdpa") -> Any:  # fmt: skip
+            key = (id(input_ids), id(position_ids), attention)
+            hit = self._memo.get(key)
+            if hit is not None and hit[0] is input_ids and hit[1] is position_ids:
+                return hit[2]  # the same tensors (kept alive here, so no id is reused)
+            feats = super().train_features(input_ids, position_ids, attention)
+            self._memo[key] = (input_ids, position_ids, feats)
+            return feats
+
+    return FrozenFeatures()
+
+
 def heldout_loss(target: Any, drafter: Any, batches: list, loss_cfg: Any) -> dict[str, Any]:
     """Weighted block CE and accuracy per band and overall, on fixed anchors."""
     import torch
@@ -374,7 +399,7 @@ def analyse(
         opts = RunOptions.read(cfg.out_dir / "runs" / name)
         layer_ids = list(saved.meta["layer_ids"])
         if target is None:  # every run has the same target options (one command line)
-            target = target_from_options(opts, "cpu", layer_ids)
+            target = frozen_features(target_from_options(opts, "cpu", layer_ids))
         if layer_ids != target.layer_ids:
             raise ValueError(f"{name}: target layers {layer_ids} differ from {target.layer_ids}")
         loss_cfg = _eval_loss_config(saved.loss_config, cfg.eval_anchors)
@@ -396,6 +421,8 @@ def analyse(
             run["humaneval"] = humaneval[name]
     corpus = _corpus_facts(lengths, held_lengths, band, split)
     if cfg.corpus == "text":
+        from benchmarks.experiment.looping import looping
+
         loops = looping(cfg, heldout_path)
         corpus["heldout_replies_distinct_4grams"] = loops["target"]
         corpus["heldout_references_distinct_4grams"] = loops["reference"]
@@ -464,60 +491,6 @@ def paired(runs: dict[str, dict[str, Any]], spec: str, ref: str, seeds: Sequence
         return out
     out["vllm_tau_heldout"] = paired_tau([a for a, _ in counts], [b for _, b in counts])
     return out
-
-
-def reply_ngram_share(path: Path, n: int = 4) -> dict[str, Any]:
-    """How much the target's replies loop: the mean share of distinct ``n``-grams in the
-    reply tokens (loss mask 1) of each held-out sample (1.0: no n-gram repeats)."""
-    from benchmarks.experiment.stats import distinct_ngram_share
-    from loader_server.data.dataset import open_dataset
-
-    ds = open_dataset(path)
-    shares = [
-        distinct_ngram_share(ds.input_ids(i)[ds.loss_mask(i).astype(bool)], n)
-        for i in range(len(ds))
-    ]
-    return _share_summary(shares, n)
-
-
-#: A reply with at least this share of distinct n-grams counts as not looping (the text's
-#: own replies to the experiment's held-out prompts: 82% of them, none below 0.5).
-NOT_LOOPING = 0.8
-
-
-def _share_summary(shares: Sequence[float | None], n: int) -> dict[str, Any]:
-    """Mean share over the replies that have an n-gram, and the fraction not looping."""
-    got = np.array([x for x in shares if x is not None], dtype=np.float64)
-    return {
-        "n": n,
-        "mean": float(got.mean()) if got.size else None,
-        "not_looping": float((got >= NOT_LOOPING).mean()) if got.size else None,
-        "replies": int(got.size),
-    }
-
-
-def reference_ngram_share(cfg: Any, n: int = 4) -> dict[str, Any]:
-    """``reply_ngram_share``'s yardstick: the same measure over the text's own replies to
-    the held-out prompts (``textdata.reference_replies``), tokenized by the target's
-    tokenizer and cut at the replies' token limit, as the target's replies are."""
-    from transformers import AutoTokenizer
-
-    from benchmarks.experiment.stats import distinct_ngram_share
-    from benchmarks.experiment.textdata import reference_replies
-
-    with open(cfg.data_dir / "prompts-heldout.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    tok = AutoTokenizer.from_pretrained(cfg.target_dir())
-    shares = [
-        distinct_ngram_share(np.asarray(tok(text)["input_ids"][: cfg.text.max_tokens]), n)
-        for text in reference_replies(cfg.target, rows)
-    ]
-    return _share_summary(shares, n)
-
-
-def looping(cfg: Any, heldout_path: Path) -> dict[str, Any]:
-    """How much the target loops on the held-out prompts, and the text's own replies."""
-    return {"target": reply_ngram_share(heldout_path), "reference": reference_ngram_share(cfg)}
 
 
 def _heldout_at(

@@ -417,7 +417,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     if cfg.data_only:
         made = {"train": str(train_path), "heldout": str(heldout_path)}
         if cfg.corpus == "text":
-            from benchmarks.experiment.analysis import looping
+            from benchmarks.experiment.looping import looping
 
             made["looping"] = looping(cfg, heldout_path)
         return {**made, "elapsed_s": time.perf_counter() - t0}

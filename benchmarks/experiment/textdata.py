@@ -90,7 +90,7 @@ def draw_prompts(recipe: TargetRecipe, spec: TextDataSpec) -> dict[str, list[dic
 def reference_replies(recipe: TargetRecipe, rows: list[dict[str, Any]]) -> list[str]:
     """The text's own reply to each prompt row of ``draw_prompts`` (the function body, the
     module's next piece): what a reply that does not loop looks like, the yardstick of
-    ``analysis.reply_ngram_share``. Raises on a prompt the prompt split does not hold."""
+    ``looping.reply_ngram_share``. Raises on a prompt the prompt split does not hold."""
     own = {chat[0]["content"]: chat[1]["content"] for _, chat in text_examples(recipe, "prompts")}
     out = []
     for i, row in enumerate(rows):

@@ -19,6 +19,8 @@ from conftest import ROOT
 
 from benchmarks.experiment.analysis import (
     forgetting,
+    frozen_features,
+    heldout_loss,
     length_bands,
     pooled_diff_std,
     rolling_mean,
@@ -107,6 +109,43 @@ def test_length_bands_are_quartiles():
     band = length_bands(np.arange(1, 101))
     assert np.bincount(band).tolist() == [25, 25, 25, 25]
     assert band[:25].max() == 0 and band[-25:].min() == 3
+
+
+def test_held_out_features_are_computed_once_and_score_exactly_as_the_target(target, monkeypatch):
+    """frozen_features: the target runs once per held-out batch, however many drafters are
+    scored, and every score equals the plain target's, bit for bit."""
+    import torch
+    from drafters import random_docs
+
+    from trainer.model.blocks import LossConfig
+    from trainer.model.drafter import DFlashDrafter, DrafterConfig
+    from trainer.model.target import Target
+    from trainer.train.batches import pad_batch
+
+    batches = [(0, pad_batch(random_docs(3))), (1, pad_batch(random_docs(2, seed=1)))]
+    cfg = LossConfig(block_size=4, anchors_per_doc=3)
+    drafters = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        drafters.append(DFlashDrafter(DrafterConfig.from_target(
+            target.config, num_target_layers=len(target.layer_ids), block_size=4,
+            mask_token_id=511,
+        )))  # fmt: skip
+    memo = frozen_features(target)
+    calls = []
+    plain = Target.train_features
+
+    def counted(self, *a, **k):  # the real forward, counted
+        calls.append(1)
+        return plain(self, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(Target, "train_features", counted)
+        got = [heldout_loss(memo, d, batches, cfg) for d in (*drafters, drafters[0])]
+    want = [heldout_loss(target, d, batches, cfg) for d in drafters]
+    assert len(calls) == len(batches)  # not once per drafter
+    assert got[0] == want[0] and got[1] == want[1] and got[2] == want[0]
+    assert got[0]["loss_all"] != got[1]["loss_all"]  # two drafters: two scores
 
 
 def test_forgetting_measures():
