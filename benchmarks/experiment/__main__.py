@@ -140,7 +140,8 @@ def experiment(out_dir: Path, **opts: Any) -> None:
         click.echo(f"data made in {results['elapsed_s']:.0f} s: {results['train']} (training), "
                    f"{results['heldout']} (held out)")  # fmt: skip
         if "looping" in results:
-            click.echo(looping_line(results["looping"]["target"], results["looping"]["reference"]))
+            loops = results["looping"]
+            click.echo(looping_line(loops["target"], loops["reference"], loops["by_kind"]))
         return
     click.echo(Path(out_dir, "results.md").read_text())
     click.echo(f"took {results['elapsed_s']:.0f} s; files:")

@@ -426,6 +426,7 @@ def analyse(
         loops = looping(cfg, heldout_path)
         corpus["heldout_replies_distinct_4grams"] = loops["target"]
         corpus["heldout_references_distinct_4grams"] = loops["reference"]
+        corpus["heldout_looping_by_kind"] = loops["by_kind"]
     ref = reference_of(cfg.specs)
     return {
         "config": {**cfg.fixed_part(), "seeds": list(cfg.seeds), "specs": list(cfg.specs)},

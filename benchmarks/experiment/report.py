@@ -158,13 +158,22 @@ def paired_lines(results: dict[str, Any]) -> list[str]:
     if grams and grams["mean"] is not None:
         lines += [
             "",
-            looping_line(grams, results["corpus"].get("heldout_references_distinct_4grams")),
+            looping_line(
+                grams,
+                results["corpus"].get("heldout_references_distinct_4grams"),
+                results["corpus"].get("heldout_looping_by_kind"),
+            ),
         ]
     return lines
 
 
-def looping_line(target: dict[str, Any], reference: dict[str, Any] | None) -> str:
-    """One sentence: how much the target's held-out replies loop, beside the text's own."""
+def looping_line(
+    target: dict[str, Any],
+    reference: dict[str, Any] | None,
+    by_kind: dict[str, dict[str, Any]] | None = None,
+) -> str:
+    """How much the target's held-out replies loop, beside the text's own, and per kind of
+    prompt (``benchmarks.experiment.looping``)."""
 
     def said(g: dict[str, Any]) -> str:
         if g["mean"] is None:
@@ -173,9 +182,17 @@ def looping_line(target: dict[str, Any], reference: dict[str, Any] | None) -> st
         share = "" if kept is None else f", {kept:.0%} with at least 80% distinct"
         return f"{g['mean']:.3f} of their 4-grams distinct, mean over {g['replies']} replies{share}"
 
-    line = f"The target's held-out replies: {said(target)} (1.0: nothing repeats)."
+    def limit(g: dict[str, Any]) -> str:
+        if g.get("at_limit") is None:
+            return ""
+        return f", {g['at_limit']:.0%} of {g['samples']} at the token limit"
+
+    line = f"The target's held-out replies: {said(target)}{limit(target)} (1.0: nothing repeats)."
     if reference is not None:
         line += f" The text's own replies to the same prompts: {said(reference)}."
+    for kind, g in (by_kind or {}).items():
+        line += f" {kind.capitalize()} prompts: the target {said(g['target'])}{limit(g['target'])}"
+        line += f"; the text {said(g['reference'])}."
     return line
 
 

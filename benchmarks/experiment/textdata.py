@@ -87,11 +87,14 @@ def draw_prompts(recipe: TargetRecipe, spec: TextDataSpec) -> dict[str, list[dic
     return {"train": rows[: spec.train], "heldout": rows[spec.train :]}
 
 
-def reference_replies(recipe: TargetRecipe, rows: list[dict[str, Any]]) -> list[str]:
-    """The text's own reply to each prompt row of ``draw_prompts`` (the function body, the
-    module's next piece): what a reply that does not loop looks like, the yardstick of
-    ``looping.reply_ngram_share``. Raises on a prompt the prompt split does not hold."""
-    own = {chat[0]["content"]: chat[1]["content"] for _, chat in text_examples(recipe, "prompts")}
+def reference_replies(recipe: TargetRecipe, rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The kind (``"function"``, ``"continuation"``) and the text's own reply (the function
+    body, the module's next piece) of each prompt row of ``draw_prompts``: what a reply that
+    does not loop looks like, the yardstick of ``benchmarks.experiment.looping``. Raises on a
+    prompt the prompt split does not hold."""
+    own = {
+        chat[0]["content"]: (k, chat[1]["content"]) for k, chat in text_examples(recipe, "prompts")
+    }
     out = []
     for i, row in enumerate(rows):
         ask = row["messages"][0]["content"]

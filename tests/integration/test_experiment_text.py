@@ -88,6 +88,11 @@ def test_text_experiment_end_to_end(tmp_path):
     asked = len((out / "data" / "prompts-heldout.jsonl").read_text().splitlines())
     assert 0.75 * asked <= ref["replies"] <= asked  # a reply under 4 tokens has no 4-gram
     assert 0.5 < ref["mean"] <= 1.0  # real code rarely repeats 4 tokens
+    kinds = results["corpus"]["heldout_looping_by_kind"]
+    assert set(kinds) == {"function", "continuation"}  # every sample's prompt row was found
+    held = results["corpus"]["heldout"]["samples"]
+    assert sum(k["target"]["samples"] for k in kinds.values()) == grams["samples"] == held
+    assert sum(k["reference"]["replies"] for k in kinds.values()) == ref["replies"]
     six = results["runs"]["six-s5"]["config"]["loader_spec"]["buckets"]
     assert six == [round(b * 512 / 8192) for b in REFERENCE_BUCKETS]  # scaled to max_len 512
     assert results["corpus"]["train"]["samples"] >= 15  # empty replies are skipped
@@ -108,4 +113,5 @@ def test_text_experiment_end_to_end(tmp_path):
     assert "data made in" in again.stdout
     want = f"The target's held-out replies: {grams['mean']:.3f} of their 4-grams distinct"
     assert want in again.stdout and "The text's own replies to the same prompts" in again.stdout
+    assert "Function prompts: the target" in again.stdout and "at the token limit" in again.stdout
     assert 0.0 <= grams["not_looping"] <= ref["not_looping"] <= 1.0

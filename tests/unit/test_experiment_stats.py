@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from benchmarks.experiment.analysis import at_tokens, reference_of
+from benchmarks.experiment.looping import summarize
+from benchmarks.experiment.report import looping_line
 from benchmarks.experiment.stats import (
     distinct_ngram_share,
     paired_mean,
@@ -67,6 +69,32 @@ def test_looping_replies_have_few_distinct_4grams():
     loop = np.tile([7, 8, 9], 30)  # self.tk.tk.tk...
     assert distinct_ngram_share(loop) == pytest.approx(3 / (loop.size - 3))
     assert distinct_ngram_share(np.array([1, 2, 3])) is None
+
+
+def test_looping_is_told_per_kind_of_prompt():
+    # target: two function replies (one loops, one does not), one continuation under 4
+    # tokens (no 4-gram) and one that loops; the text's own: every reply fine but one
+    got = summarize(
+        target=[0.3, 0.95, None, 0.5],
+        target_kinds=["function", "function", "continuation", "continuation"],
+        at_limit=[True, False, False, True],
+        reference=[0.9, 1.0, 0.6, 0.85],
+        reference_kinds=["function", "function", "continuation", "continuation"],
+    )
+    t = got["target"]
+    assert t["replies"] == 3 and t["samples"] == 4 and t["at_limit"] == 0.5
+    assert t["mean"] == pytest.approx((0.3 + 0.95 + 0.5) / 3)
+    assert t["not_looping"] == pytest.approx(1 / 3)
+    assert got["reference"]["replies"] == 4 and got["reference"]["not_looping"] == 0.75
+    fn, cont = got["by_kind"]["function"], got["by_kind"]["continuation"]
+    assert fn["target"]["not_looping"] == 0.5 and fn["target"]["at_limit"] == 0.5
+    assert cont["target"]["replies"] == 1 and cont["target"]["samples"] == 2
+    assert cont["target"]["not_looping"] == 0.0 and cont["reference"]["not_looping"] == 0.5
+    line = looping_line(got["target"], got["reference"], got["by_kind"])
+    assert "50% of 4 at the token limit" in line
+    assert "Function prompts: the target 0.625 of their 4-grams distinct" in line
+    with pytest.raises(ValueError, match="differ in length"):
+        summarize([0.5], ["function"], [], [], [])
 
 
 def test_equal_tokens_is_the_last_step_within_them():
