@@ -16,20 +16,26 @@ SIGBUS at the first write to a page it cannot back. Rings are also capped per se
 per daemon (``shm_caps``). The daemon reads a control page only through guarded loads
 (``loader_server.wire._ring``), so a truncated control page ends that session, not the daemon.
 
-Names embed the daemon's pid and instance token (``dflash-<pid>-<token>-<session>``), so a
-starting daemon can sweep segments left by dead instances (``kill -9``) without touching a
-live daemon's.
+Names embed the daemon's pid and instance token (``dflash-<pid>-<token>-<session>``), and
+the daemon holds a shared ``flock`` on each file it made for as long as it has it open, so
+a starting daemon can sweep segments left by dead instances (``kill -9``) without touching
+a live daemon's: a file nobody holds locked is a dead daemon's (the kernel drops the lock
+with the process, in whatever pid namespace it ran). The pid in the name cannot say so on
+its own: a container's daemon is pid 1 in every life, and a dead daemon's pid may belong
+to another process by now.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import grp
 import logging
 import mmap
 import os
 import stat
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +53,9 @@ BUDGET_SHARE = 0.75
 #: Default per-session cap: the budget divided by this, so this many ranks (a node's GPUs)
 #: at the cap always fit.
 RINGS_AT_CAP = 8
+#: A segment not yet this old whose pid is alive is not swept even when unlocked: its
+#: daemon may be between creating the file and locking it.
+SWEEP_GRACE_S = 10.0
 
 
 class ShmSpaceError(ValueError):
@@ -105,14 +114,15 @@ class ShmRing:
         self.header_bytes = R.header_bytes(num_slots)
         self.nbytes = ring_bytes(layout, num_slots)
         ring_mode, ctl_mode = ring_modes(mode)
-        self._mm = _create(
+        self._mm, self._fd = _create(
             path, self.header_bytes + layout.slot_bytes * num_slots, ring_mode, group
         )
         try:
-            self._ctl = _create(self.control_path, R.CONTROL_BYTES, ctl_mode, group)
+            self._ctl, self._ctl_fd = _create(self.control_path, R.CONTROL_BYTES, ctl_mode, group)
         except BaseException:
             self._mm.close()
             path.unlink(missing_ok=True)
+            os.close(self._fd)
             raise
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
         # Typed full-capacity views of every field of every slot, made once.
@@ -179,13 +189,17 @@ class ShmRing:
         self._mm = None  # type: ignore[assignment]
         self.path.unlink(missing_ok=True)
         self.control_path.unlink(missing_ok=True)
+        os.close(self._fd)  # the locks go with them (after the unlink: never swept live)
+        os.close(self._ctl_fd)
 
 
-def _create(path: Path, size: int, mode: int, group: str | None) -> mmap.mmap:
+def _create(path: Path, size: int, mode: int, group: str | None) -> tuple[mmap.mmap, int]:
     """A new file of ``size`` zero bytes with exactly ``mode`` (and ``group``), its space
-    reserved, mapped. Raises ShmSpaceError when the filesystem cannot hold it."""
+    reserved, mapped, and its descriptor, which holds the file's liveness lock (close it
+    after unlinking). Raises ShmSpaceError when the filesystem cannot hold it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # alive while this fd is open (a sweep probes for it)
         os.fchmod(fd, mode)  # the umask must not narrow what was configured
         if group is not None:
             os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
@@ -200,12 +214,11 @@ def _create(path: Path, size: int, mode: int, group: str | None) -> mmap.mmap:
                 f"no room for {size:,} bytes of shared memory in {path.parent} "
                 f"({vfs.f_bavail * vfs.f_frsize:,} bytes free): {e.strerror}"
             ) from None
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), fd
     except BaseException:
         path.unlink(missing_ok=True)
-        raise
-    finally:
         os.close(fd)
+        raise
 
 
 def segment_name(instance: str, session: str) -> str:
@@ -213,11 +226,15 @@ def segment_name(instance: str, session: str) -> str:
 
 
 def sweep_dead_segments(directory: Path) -> list[Path]:
-    """Unlink rings whose owning daemon process no longer exists. Returns what was removed.
+    """Unlink rings (and control pages) no live daemon holds. Returns what was removed.
+    Called once, when the daemon starts, before it makes a ring of its own.
 
     Only regular files named exactly as this daemon names rings (``segment_name``), owned
-    by this user, whose daemon pid is dead: nothing else in the folder is touched."""
+    by this user, that no process holds locked (module docstring), and whose pid is dead,
+    is this process's own (a previous life of a container's pid 1) or that are at least
+    ``SWEEP_GRACE_S`` old: nothing else in the folder is touched."""
     removed = []
+    now = time.time()
     for p in directory.glob(f"{R.PREFIX}*"):
         m = R.RING_NAME.match(p.name)
         if m is None:
@@ -226,16 +243,32 @@ def sweep_dead_segments(directory: Path) -> list[Path]:
             st = os.lstat(p)
         except FileNotFoundError:
             continue
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or _held(p):
             continue
         pid = int(m.group(1))
-        if pid != os.getpid() and not _alive(pid):
+        if pid == os.getpid() or now - st.st_mtime >= SWEEP_GRACE_S or not _alive(pid):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 removed.append(p)
     if removed:
         log.info("removed %d shared-memory segment(s) left by dead daemons", len(removed))
     return removed
+
+
+def _held(path: Path) -> bool:
+    """Whether a live daemon holds ``path``'s lock (a file that cannot be opened is left
+    alone, as held)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _alive(pid: int) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import fcntl
 import grp
 import json
 import os
@@ -166,10 +167,49 @@ def test_sweep_removes_only_dead_daemons_rings(tmp_path, shm_dir, corpus_path):
         p.write_bytes(b"x")
     linked = shm_dir / f"dflash-{dead_pid}-0123abcd-ba9876543210"
     linked.symlink_to(corpus_path)  # a symlink with our name: never followed or removed
-    d = DaemonProcess(corpus_path, tmp_path, shm_dir)
-    d.stop()
-    assert not dead.exists() and not dead_ctl.exists()
-    assert all(p.exists() for p in keep) and linked.is_symlink()
+    # pid 1 is alive, but a daemon that ran as pid 1 (a container's) left this: nobody
+    # holds it, and it is old
+    reused = shm_dir / "dflash-1-0123abcd-0123456789ab"
+    # a live daemon's rings: held (flock), whatever their pid says
+    held = [shm_dir / "dflash-1-4567cdef-0123456789ab", shm_dir / f"dflash-{dead_pid}-4567cdef-0"]
+    young = shm_dir / "dflash-1-89abcdef-0123456789ab"  # pid alive, just made: maybe locking
+    for p in (reused, *held, young):
+        p.write_bytes(b"x")
+    old = time.time() - 3600
+    for p in (reused, *held):
+        os.utime(p, (old, old))
+    fds = [os.open(p, os.O_RDONLY) for p in held]
+    try:
+        for fd in fds:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        d = DaemonProcess(corpus_path, tmp_path, shm_dir)
+        d.stop()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert not dead.exists() and not dead_ctl.exists() and not reused.exists()
+    assert all(p.exists() for p in (*keep, *held, young)) and linked.is_symlink()
+
+
+def test_a_live_daemons_old_rings_survive_another_daemons_sweep(tmp_path, shm_dir, corpus_path):
+    a = DaemonProcess(corpus_path, tmp_path, shm_dir, name="a")
+    try:
+        client = LoaderClient(a.endpoint, job="j", rank=0, world_size=1, shm_dir=shm_dir)
+        first = next(client)
+        rings = sorted(shm_dir.glob("dflash-*"))
+        assert len(rings) == 2  # the session's ring and its control page
+        old = time.time() - 3600  # past the grace: only the lock says a is alive
+        for p in rings:
+            os.utime(p, (old, old))
+        b = DaemonProcess(corpus_path, tmp_path, shm_dir, name="b")
+        assert b.stop() == 0
+        assert all(p.exists() for p in rings)
+        second = next(client)  # a's session goes on in its ring
+        assert second.input_ids.numel() >= 1 and first is not second
+        client.close()
+    finally:
+        assert a.stop() == 0
+    assert not list(shm_dir.glob("dflash-*"))  # a unlinked its own at stop
 
 
 # --- 2. shared memory is reserved up front; running short is one session's error ------------
