@@ -64,8 +64,14 @@ def value_bytes(chunks: list[Chunk]) -> int:
     return total
 
 
+#: What a closed Arrow IPC stream ends with: a continuation marker and a zero length. A
+#: stream cut at a record batch's end reads without error, so only this tells it.
+END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
 def _record_batches(shard: ShardFile) -> list[pa.RecordBatch]:
-    """Read all record batches of one IPC file (file or stream format) zero-copy."""
+    """Read all record batches of one IPC file (file or stream format) zero-copy; a stream
+    must end with its end-of-stream marker."""
     path = shard.path
     try:
         source = pa.memory_map(shard.map_path, "r")
@@ -81,6 +87,13 @@ def _record_batches(shard: ShardFile) -> list[pa.RecordBatch]:
             batches = [reader.get_batch(k) for k in range(reader.num_record_batches)]
         else:
             batches = list(pa.ipc.open_stream(source))
+            if source.size() < 8 or source.read_at(8, source.size() - 8) != END_OF_STREAM:
+                rows = sum(b.num_rows for b in batches)
+                raise DatasetError(
+                    f"{path}: Arrow IPC stream has no end-of-stream marker: cut short (its "
+                    f"writer stopped before closing it?) after {len(batches)} record batches "
+                    f"({rows:,} rows); write it again, or close the writer"
+                )
         for batch in batches:
             batch.schema.names  # noqa: B018 - decodes every field name (may be corrupt)
         return batches
@@ -128,6 +141,11 @@ def _check_schema(path: Path, schema: pa.Schema) -> None:
     for name, allowed in ((IDS_COLUMN, _ID_TYPES), (MASK_COLUMN, _MASK_TYPES)):
         if name not in schema.names:
             continue
+        if schema.names.count(name) > 1:
+            raise DatasetError(
+                f"{path}: column {name!r} appears {schema.names.count(name)} times "
+                f"(columns: {schema.names}); a corpus needs exactly one"
+            )
         t = schema.field(name).type
         if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or t.value_type not in allowed:
             want = ", ".join(f"list<{a}>" for a in allowed)

@@ -244,6 +244,12 @@ class DaemonConfig:
         self._check_types()
         if not 1 <= self.slots <= 64:
             raise ValueError(f"slots must be in [1, 64], got {self.slots}")
+        if not 0 <= self.shm_mode <= 0o777:  # a TOML integer 660 is decimal: 0o1224
+            raise ValueError(
+                f"shm_mode must be permission bits in [0, 0o777], got {self.shm_mode} "
+                f'(octal {self.shm_mode:o}): write it as a string, shm_mode = "0660", or in '
+                "TOML's octal, shm_mode = 0o660"
+            )
         if self.session_timeout_s <= 0:
             raise ValueError(f"session_timeout_s must be positive, got {self.session_timeout_s}")
         if self.corpus_check_s <= 0:
@@ -342,6 +348,10 @@ def load_config(path: str | Path | None) -> DaemonConfig:
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML ({e})") from None
     unknown_tables = sorted(set(data) - {"daemon", "spec"})
+    loose = [k for k in unknown_tables if not isinstance(data[k], dict)]
+    if loose:  # `dataset = ...` above any [table] header
+        where = "[daemon]" if loose[0] in SETTINGS else "[daemon] or [spec]"
+        raise ValueError(f"{path}: key {loose[0]!r} is outside any table: put it under {where}")
     if unknown_tables:
         raise ValueError(f"{path}: unknown table [{unknown_tables[0]}] (expected [daemon], [spec])")
     daemon, spec = data.get("daemon", {}), data.get("spec", {})

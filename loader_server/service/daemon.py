@@ -3,7 +3,9 @@
 Starting: check the endpoint is ours to take and the shared-memory folder takes a ring
 (``loader_server.service.endpoint``: no path the daemon did not create is ever removed), sweep
 shared-memory segments of dead instances, open the dataset, bind, log one ``READY`` line
-and tell systemd. Serving: the server loop; signal handlers only set a flag. Draining: say
+and tell systemd. A signal while starting (the corpus scan can take minutes) stops the
+start at once: SIGINT as Ctrl-C (``Error: interrupted``, 130), SIGTERM as a stop (exit 0,
+never ``READY``). Serving: the server loop; signal handlers only set a flag. Draining: say
 ``STOPPING=1``, tell clients ``bye``, unlink every ring (in ``finally``, so an error path
 cleans up too). Exit status 0 after SIGTERM/SIGINT.
 
@@ -55,6 +57,11 @@ class State(enum.Enum):
     STOPPED = "stopped"
 
 
+class _StoppedStarting(BaseException):
+    """SIGTERM while starting: stop without serving (a BaseException, as KeyboardInterrupt
+    is, so that no `except Exception` on the way turns it into an error)."""
+
+
 class Daemon:
     """Owns the server, the notifier and the signal flag."""
 
@@ -74,6 +81,10 @@ class Daemon:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop = True
+        if self.state is State.STARTING:  # nothing to drain: end the start where it is
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise _StoppedStarting
 
     def _on_hup(self, signum: int, frame: FrameType | None) -> None:
         self._reload_asked = True
@@ -86,6 +97,9 @@ class Daemon:
             self._start()
             assert self.server is not None
             self.server.serve_forever(lambda: self._stop, self._tick)
+        except _StoppedStarting:
+            log.info("SIGTERM while starting: stopped before READY")
+            self.notifier.status("stopped while starting")
         except BaseException as e:
             if self.state is State.STARTING:
                 # What `systemctl status` keeps showing after the unit failed: the reason,
@@ -183,8 +197,11 @@ class Daemon:
             try:
                 ds = fut.result()
                 _check_servable(ds, self.config)
-            except (DatasetError, OSError) as e:
-                log.error("reload failed: %s; the daemon keeps what it served before", e)
+            except Exception as e:  # whatever it is, the corpus being served stays served
+                why = (
+                    str(e) if isinstance(e, DatasetError | OSError) else f"{type(e).__name__}: {e}"
+                )
+                log.error("reload failed: %s; the daemon keeps what it served before", why)
                 return
             assert self.server is not None
             self.server.replace_dataset(ds)

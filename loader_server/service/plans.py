@@ -76,13 +76,14 @@ class PlanCache:
             self._lengths, spec, epoch=epoch, legs=legs, prior=self._prior(spec, epoch, legs)
         )
         log.info(
-            "planned epoch %d%s of spec %s on %s: %d steps in %.2f s",
+            "planned epoch %d%s of spec %s on %s: %d steps in %.2f s%s",
             epoch,
             f" after {len(legs)} shape change(s)" if legs else "",
             spec.key(),
             self._fingerprint[:12],
             plan.num_steps,
             time.perf_counter() - t,
+            overlong_note(plan.stats, spec.max_seq_len),
         )
         return plan
 
@@ -116,3 +117,12 @@ class PlanCache:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def overlong_note(stats: dict, max_seq_len: int) -> str:
+    """What the plan did to samples over ``max_seq_len`` (``overlong``), for its log line:
+    empty when it met none."""
+    done = [(int(stats.get(k, 0)), what) for k, what in
+            (("truncated", "truncated"), ("dropped_overlong", "dropped"))]  # fmt: skip
+    said = ", ".join(f"{n:,} {what}" for n, what in done if n)
+    return f"; samples over max_seq_len {max_seq_len:,}: {said}" if said else ""

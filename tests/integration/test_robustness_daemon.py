@@ -30,6 +30,7 @@ import zmq
 from conftest import ROOT, TEST_SPEC, DaemonProcess, check_batch_tokens, expected_plan
 
 from client import LoaderClient, LoaderError, LoaderRequestError
+from loader_server.data.dataset import open_dataset
 from loader_server.data.synth import SynthSpec, write_corpus
 from loader_server.wire import protocol as P
 
@@ -87,6 +88,47 @@ def plan_positions(ds, epochs: int = 1, **spec) -> list[tuple[tuple[int, int, in
 
 def serve_args(corpus: Path, endpoint: str, shm_dir: Path) -> list[str]:
     return ["serve", "--dataset", str(corpus), "--endpoint", endpoint, "--shm-dir", str(shm_dir)]
+
+
+@pytest.fixture(scope="module")
+def slow_to_open(tmp_path_factory) -> Path:
+    """A corpus of 1M tiny samples in 400 shards: opening it takes over a second here."""
+    out = tmp_path_factory.mktemp("slow") / "c"
+    p = run_cli("synth", str(out), "--samples", "1000000", "--median-len", "8", "--min-len",
+                "4", "--max-len", "16", "--shards", "400", "--vocab-size", "1000",
+                "--chunk-samples", "256", timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_starting_stops_the_start(tmp_path, shm_dir, slow_to_open, sig):
+    log_path = tmp_path / "serve.log"
+    args = [*serve_args(slow_to_open, f"ipc://{tmp_path}/s.sock", shm_dir), "--vocab-size", "1000"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "loader_server", *args],
+                                stdout=log_file, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "shm dir" not in log_path.read_text():  # the corpus is being opened now
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.01)
+        t = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+        took = time.monotonic() - t
+    finally:
+        proc.kill()
+        proc.wait()
+    log = log_path.read_text()
+    assert "READY endpoint" not in log and "opened" not in log, log  # stopped inside the scan
+    assert took < 1.0, took
+    if sig == signal.SIGINT:
+        assert rc == 130 and "Error: interrupted" in log and "Traceback" not in log, log
+    else:
+        assert rc == 0 and "stopped before READY" in log, log
+    assert not list(shm_dir.glob("dflash-*")) and not (tmp_path / "s.sock").exists()
 
 
 # --- 1. the daemon never removes a path it did not create -----------------------------------
@@ -207,6 +249,9 @@ def test_a_live_daemons_old_rings_survive_another_daemons_sweep(tmp_path, shm_di
         second = next(client)  # a's session goes on in its ring
         assert second.input_ids.numel() >= 1 and first is not second
         client.close()
+        # the plan's log line says what max_seq_len did to the corpus's longest samples
+        over = int((open_dataset(corpus_path).lengths > TEST_SPEC["max_seq_len"]).sum())
+        assert over > 0 and f"samples over max_seq_len 1,024: {over:,} truncated" in a.log()
     finally:
         assert a.stop() == 0
     assert not list(shm_dir.glob("dflash-*"))  # a unlinked its own at stop

@@ -190,11 +190,29 @@ def test_unknown_key_names_the_file_and_key_and_lists_the_known(tmp_path):
         ("shm_budget_bytes = 'lots'", "shm_budget_bytes must be a size such as 64M"),
         ("shm_mode = 'rw'", "shm_mode must be an octal string like '0660', got 'rw'"),
         ("log_level = 'loud'", "log_level must be debug|info|warning|error"),
+        # a TOML integer is decimal: 660 would be 0o1224, world-writable sockets
+        ("shm_mode = 660", "shm_mode must be permission bits in [0, 0o777], got 660 (octal 1224)"),
+        ("shm_mode = '7777'", "shm_mode must be permission bits in [0, 0o777], got 4095"),
     ],
 )
 def test_bad_values_name_the_file_and_key(tmp_path, line, error):
     path = _toml(tmp_path, line)
     with pytest.raises(ValueError, match=re.escape(f"{path}: {error}")):
+        load_config(path)
+
+
+def test_an_octal_mode_reads_as_written(tmp_path):
+    assert load_config(_toml(tmp_path, "shm_mode = 0o660")).shm_mode == 0o660
+    assert load_config(_toml(tmp_path, "shm_mode = '0640'")).shm_mode == 0o640
+
+
+def test_a_key_above_every_table_says_where_it_goes(tmp_path):
+    path = tmp_path / "loader.toml"
+    path.write_text('dataset = "/x"\n[daemon]\nslots = 4\n')
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{path}: key 'dataset' is outside any table: put it under [daemon]"),
+    ):
         load_config(path)
 
 

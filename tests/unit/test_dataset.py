@@ -328,6 +328,29 @@ def test_truncated_file(tmp_path, stream):
     assert "d.arrow" in msg and "truncated, corrupt or not an Arrow IPC" in msg
 
 
+def test_a_stream_cut_between_record_batches_is_refused(tmp_path):
+    # a writer killed between batches leaves a stream that reads cleanly, half of it
+    p = _write(tmp_path / "d.arrow", _table(), stream=True, max_chunksize=1)
+    data = p.read_bytes()
+    assert data.endswith(b"\xff\xff\xff\xff\x00\x00\x00\x00")
+    whole = pa.ipc.open_stream(pa.py_buffer(data)).read_all().num_rows
+    sink = pa.BufferOutputStream()  # the same stream, never closed: no end-of-stream marker
+    w = pa.ipc.new_stream(sink, _table().schema)
+    for batch in _table().to_batches(max_chunksize=1)[:2]:
+        w.write_batch(batch)
+    p.write_bytes(sink.getvalue().to_pybytes())
+    assert pa.ipc.open_stream(p.read_bytes()).read_all().num_rows == 2 < whole  # pyarrow: fine
+    msg = _error(p)
+    assert "d.arrow: Arrow IPC stream has no end-of-stream marker" in msg
+    assert "after 2 record batches (2 rows)" in msg
+
+
+def test_a_column_twice_is_refused(tmp_path):
+    ids = pa.array(ROWS, pa.list_(pa.int32()))
+    _write(tmp_path / "d.arrow", pa.Table.from_arrays([ids, ids], names=["input_ids", "input_ids"]))
+    assert "column 'input_ids' appears 2 times" in _error(tmp_path / "d.arrow")
+
+
 def test_not_arrow(tmp_path):
     p = tmp_path / "d.arrow"
     p.write_text("input_ids,loss_mask\n1,1\n")

@@ -146,3 +146,16 @@ def test_atomic_output_gives_what_the_umask_gives(tmp_path, mask):
     private = next(k for k in modes if k.startswith("private"))
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
     assert modes == {private: 0o666 & ~mask, "sub": 0o777 & ~mask, "sub/tool.sh": 0o777 & ~mask}
+
+
+def test_cuda_without_an_index_is_the_local_ranks_gpu():
+    import torch
+
+    from trainer.train.distributed import pick_device
+
+    # torch.cuda.set_device refuses a cuda device with no index: `--device cuda` must name one
+    assert pick_device("cuda", 3, cuda=True) == torch.device("cuda", 3)
+    assert pick_device("cuda:1", 3, cuda=True) == torch.device("cuda", 1)
+    assert pick_device(None, 2, cuda=True) == torch.device("cuda", 2)
+    assert pick_device(None, 2, cuda=False) == torch.device("cpu")
+    assert pick_device("cpu", 2, cuda=True) == torch.device("cpu")

@@ -41,6 +41,17 @@ class DistEnv:
         return self.world_size > 1
 
 
+def pick_device(device: str | None, local_rank: int, cuda: bool) -> torch.device:
+    """The rank's device: ``device`` as given, where ``cuda`` with no index (and no device
+    at all, on a machine with CUDA) means the local rank's GPU, ``cuda:LOCAL_RANK``."""
+    if device is None:
+        return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", local_rank)
+    return dev
+
+
 def init_distributed(device: str | None = None, timeout_s: float | None = None) -> DistEnv:
     """Read the torchrun environment, pick the device and start the process group.
     ``timeout_s``: how long a collective waits for a rank before it fails (None: torch's
@@ -51,9 +62,7 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = pick_device(device, local, torch.cuda.is_available())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
