@@ -127,8 +127,9 @@ def atomic_output(
     try:
         yield new
         readable(new)
-        if out.is_dir() and not out.is_symlink():
-            os.replace(out, aside)  # a folder cannot be replaced by a rename: move it aside
+        if os.path.lexists(out) and (folder or (out.is_dir() and not out.is_symlink())):
+            os.replace(out, aside)  # a rename cannot put a folder over anything, or a file
+            # over a folder: move the old one aside (a file over a file is one rename)
         try:
             os.replace(new, out)
         except BaseException:

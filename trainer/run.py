@@ -160,6 +160,8 @@ def eval_prompts(opts: RunOptions, vocab_size: int) -> list[torch.Tensor]:
         if opts.eval_prompts.is_dir():
             raise ValueError(f"--eval-prompts {opts.eval_prompts} is a folder, not a JSONL file")
         prompts = load_prompts(opts.eval_prompts, vocab_size=vocab_size)
+        if not prompts:  # a tau of nothing would be no tau, silently
+            raise ValueError(f"--eval-prompts {opts.eval_prompts}: no prompts (an empty set)")
         return prompts[: opts.num_eval_prompts]
     if opts.num_eval_prompts == 0:
         return []  # tau is not measured
@@ -445,8 +447,6 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
             epochs=opts.epochs,
             timeout_s=opts.timeout_s,
         )
-        if env.is_main:
-            _writing(lambda: opts.write(spec, env.world_size), opts.run_dir)
         meta = run_meta(opts, target)
         trainer = Trainer(
             cfg,
@@ -458,7 +458,12 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
             eval_sets=fitting_prompts(sets, target.config.max_position_embeddings, opts),
             meta=meta,
         )
-        summary = trainer.run()
+
+        def accepted() -> None:  # only now: a refused run leaves config.json as it was
+            if env.is_main:
+                _writing(lambda: opts.write(spec, env.world_size), opts.run_dir)
+
+        summary = trainer.run(accepted)
         if env.is_main:
             summary["world_size"] = env.world_size
             summary["pid"] = os.getpid()

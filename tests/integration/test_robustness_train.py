@@ -341,6 +341,15 @@ def test_malformed_eval_prompts_name_the_file_and_line(tmp_path, lines, bad_line
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("text", ["", "\n\n"])
+def test_an_empty_eval_prompts_file_is_refused_not_a_run_without_tau(tmp_path, text):
+    path = tmp_path / "heldout.jsonl"
+    path.write_text(text)
+    opts = RunOptions(endpoint="unused", run_dir=tmp_path / "run", eval_prompts=path)
+    with pytest.raises(ValueError, match=rf"^--eval-prompts {re.escape(str(path))}: no prompts"):
+        eval_prompts(opts, vocab_size=512)
+
+
 def test_eval_prompts_of_another_vocabulary_are_one_line_on_the_command_line(shm, tmp_path):
     path = tmp_path / "heldout.jsonl"
     path.write_text('{"prompt": [5, 6, 7]}\n{"prompt": [70000, 3]}\n')

@@ -121,6 +121,25 @@ def test_atomic_output_leaves_the_old_output_or_the_new_one(tmp_path, folder):
     assert read() == "second" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.parametrize("folder", [True, False])
+def test_force_replaces_an_output_of_the_other_kind(tmp_path, folder):
+    out = tmp_path / "out"
+    if folder:
+        out.write_text("a file where the folder goes")
+    else:
+        (out / "sub").mkdir(parents=True)
+    with atomic_output(out, folder=folder, force=True) as tmp:
+        (tmp / "a" if folder else tmp).write_text("new")
+    assert (out / "a" if folder else out).read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    link = tmp_path / "link"  # a symlink is replaced itself, its target left alone
+    link.symlink_to(out)
+    with atomic_output(link, folder=True, force=True) as tmp:
+        (tmp / "b").write_text("via link")
+    assert not link.is_symlink() and (link / "b").read_text() == "via link"
+    assert (out / "a" if folder else out).read_text() == "new"
+
+
 def test_paths_in_options_round_trip(tmp_path):
     opts = RunOptions(endpoint="e", run_dir=tmp_path, cost_profile=tmp_path / "p.json")
     assert RunOptions.from_record(opts.to_record(), "x") == opts

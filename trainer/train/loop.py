@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -209,8 +209,10 @@ class Trainer:
 
     # ---- the run -----------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
-        """Train to ``total_steps`` (resuming first if asked); returns the run summary."""
+    def run(self, accepted: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Train to ``total_steps`` (resuming first if asked); returns the run summary.
+        ``accepted`` is called once the run folder is known to take this run (a folder
+        without checkpoints, or a resume whose checkpoint fits), before the first step."""
         cfg = self.cfg
         if not cfg.resume and ckpt.latest_checkpoint(cfg.run_dir) is not None:
             raise ValueError(
@@ -218,6 +220,8 @@ class Trainer:
                 "or choose a new --run-dir"
             )
         resumed = self.maybe_resume()
+        if accepted is not None:
+            accepted()
         if not resumed:
             self._first_record()
         it = iter(self.source)
