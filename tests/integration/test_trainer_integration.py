@@ -50,8 +50,8 @@ def test_kill_and_resume_matches_uninterrupted(daemon, tmp_path):
     }
     # the same folder without --resume is refused, and its config.json still repeats the run
     config = (whole / "config.json").read_bytes()
-    again = subprocess.run(train_cmd(daemon.endpoint, whole, "whole", 2 * steps, *extra),
-                           capture_output=True, text=True, env=env(), timeout=RUN_TIMEOUT_S)  # fmt: skip
+    cmd = train_cmd(daemon.endpoint, whole, "whole", 2 * steps, *extra)
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=RUN_TIMEOUT_S)
     assert again.returncode != 0 and "already has checkpoints" in again.stdout + again.stderr
     assert (whole / "config.json").read_bytes() == config
 
