@@ -60,5 +60,10 @@ def start_exporter(stats: Callable[[], dict[str, Any]], host: str, port: int) ->
 
     registry = CollectorRegistry()
     registry.register(_Collector())
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:  # not the ZeroMQ endpoint: say which address failed
+        raise OSError(
+            e.errno, f"metrics endpoint {host}:{port} (metrics_host, --metrics-port): {e.strerror}"
+        ) from None
     return server

@@ -166,6 +166,25 @@ def test_prometheus_metrics(tmp_path, shm_dir, corpus_path):
     assert d.stop() == 0
 
 
+def test_a_busy_metrics_port_is_named_as_the_metrics_endpoint(tmp_path, shm_dir, corpus_path):
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run(
+            [sys.executable, "-m", "loader_server", "serve", "--dataset", str(corpus_path),
+             "--endpoint", f"ipc://{tmp_path}/m.sock", "--shm-dir", str(shm_dir),
+             "--metrics-port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert res.returncode == 1, res.stderr
+    errors = [x for x in res.stderr.splitlines() if x.startswith("Error: ")]
+    assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert f"metrics endpoint 127.0.0.1:{port}" in errors[0], errors[0]
+    assert not list(shm_dir.glob("dflash-*")) and not (tmp_path / "m.sock").exists()
+
+
 def test_tcp_with_curve_keys_serves_only_clients_with_the_key(tmp_path, shm_dir, corpus_path):
     import zmq.auth
 
