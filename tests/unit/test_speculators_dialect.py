@@ -75,3 +75,12 @@ def test_what_the_layout_cannot_say_is_refused():
         spec(dflash(dflash_config={"target_layer_ids": [1, 2, 3]}))
     with pytest.raises(ValueError, match="causal sliding layers next to full ones"):
         spec(dflash(layer_types=["sliding_attention", "full_attention"]))
+
+
+def test_a_folder_without_config_is_named_not_a_flag(tmp_path):
+    # read by train's --init-drafter and by eval's DRAFTERS alike: the path says which
+    from trainer.hf.folder import read_drafter_folder
+
+    with pytest.raises(FileNotFoundError) as e:
+        read_drafter_folder(tmp_path)
+    assert str(e.value) == f"{tmp_path}: no config.json, so not a drafter folder (export makes one)"

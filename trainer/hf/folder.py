@@ -149,7 +149,9 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
     """``path``'s config, refused where it is not a DFlash drafter this trainer can load."""
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"--init-drafter {path}: no config.json")
+        raise FileNotFoundError(
+            f"{path}: no config.json, so not a drafter folder (export makes one)"
+        )
     config = json.loads(file.read_text())
     if isinstance(config, dict) and SPECULATORS_KEY in config:
         folder = DrafterFolder(Path(path), dflash_from_speculators(config, file), "speculators")
