@@ -88,3 +88,19 @@ def test_regen_rewrites_responses_with_greedy_output(tmp_path):
         f"{src}: --holdout 9 leaves no sample to regenerate: the corpus has 9. Pass --holdout 8 "
         "or less" in res.output
     ), res.output
+
+
+def test_a_corpus_the_target_cannot_read_leaves_nothing_and_a_rerun_is_not_refused(tmp_path):
+    torch.set_num_threads(1)
+    samples = [([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 1, 1])] * 3 + [([1, 2, 300, 4], [0, 0, 1, 1])]
+    src, out = tmp_path / "in.arrow", tmp_path / "out.arrow"
+    write_corpus(src, samples)
+    args = ["regen", str(src), str(out), "--holdout", "1", "--no-progress"]
+    res = CliRunner().invoke(main, [*args, "--tiny-vocab", "256"])  # id 300 is outside it
+    assert res.exit_code == 1, res.output
+    error = res.output.strip().splitlines()[-1]
+    assert error.startswith("Error: ") and str(src) in error and "300" in error, error
+    assert not out.exists() and not out.with_suffix(".heldout.jsonl").exists()
+    res = CliRunner().invoke(main, args)  # the default tiny target reads id 300
+    assert res.exit_code == 0, res.output
+    assert out.exists() and len(load_prompts(out.with_suffix(".heldout.jsonl"))) == 1

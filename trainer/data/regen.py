@@ -112,11 +112,13 @@ def regen_corpus(
 ) -> dict[str, object]:
     """Write the regenerated corpus to ``out`` (one Arrow IPC file, built beside it and
     moved into place: ``trainer.files.atomic_output``; an existing ``out`` or held-out file
-    needs ``force``)."""
+    needs ``force``), and the held-out prompts to ``holdout_out`` once the corpus is made
+    (a regen that fails leaves neither). A token id outside the target's vocabulary is
+    refused before anything is generated."""
     check_output(Path(out), inputs=[src], force=force)
     if holdout_out is not None and spec.holdout:
         check_output(Path(holdout_out), inputs=[src], force=force)
-    ds = open_dataset(src)
+    ds = open_dataset(src, vocab_size=target.vocab_size)  # every id the target can read
     n_keep = len(ds) - spec.holdout
     if n_keep < 1:
         fix = f"--holdout {len(ds) - 1} or less" if len(ds) > 1 else "--holdout 0"
@@ -125,9 +127,6 @@ def regen_corpus(
             f"{len(ds)}. Pass {fix}"
         )
     n = n_keep if spec.limit is None else min(spec.limit, n_keep)
-    if holdout_out is not None and spec.holdout:
-        held = heldout_prompts(ds, src, range(n_keep, len(ds)))
-        write_heldout(holdout_out, held, force=force, inputs=[src])
     bar = progress_bar(n, "regen", "sample", progress)
     tokens = 0
     with (
@@ -142,6 +141,9 @@ def regen_corpus(
             new_ids, new_masks = _regen_chunk(target, ids, masks, spec.batch_size, bar.update)
             tokens += sum(len(x) for x in new_ids)
             writer.write_batch(_record_batch(new_ids, new_masks))
+        if holdout_out is not None and spec.holdout:  # last: a failed regen leaves neither
+            held = heldout_prompts(ds, src, range(n_keep, len(ds)))
+            write_heldout(holdout_out, held, force=force, inputs=[src])
     bar.close()
     return {"samples": n, "tokens": tokens, "holdout": spec.holdout, "out": str(out)}
 
