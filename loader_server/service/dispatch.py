@@ -160,7 +160,7 @@ class Dispatcher:
             return True
         try:
             plan = op.plan.result()
-            check_start(op.req.start, plan, self._producer.dataset.num_samples)
+            check_start(op.req.start, plan, self._producer.dataset.lengths)
         except Exception as e:
             self._refuse(op, e, ring)
             return True

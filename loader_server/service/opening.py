@@ -16,8 +16,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from loader_server.planning.elastic import shaped
 from loader_server.planning.planner import EpochPlan
+from loader_server.planning.servable import why_unservable
 from loader_server.planning.spec import BatchSpec, SpecLimits
 from loader_server.service.rings import ShmRing
 from loader_server.wire import protocol as P
@@ -121,7 +124,17 @@ def _check_expected(
         )
 
 
-def check_start(start: Position, plan: EpochPlan, num_samples: int) -> None:
+def no_steps(epoch: int, plan: EpochPlan, lengths: np.ndarray) -> str:
+    """Why epoch ``epoch``'s ``plan`` has no step, for the client: the corpus's reason
+    under this spec (every sample too long and dropped, all empty...) where there is one."""
+    why = why_unservable(lengths, plan.spec)
+    if why is None:
+        why = f"{len(lengths)} samples are too few for {plan.spec.micro_per_step} micro-batches"
+        why += " per step"
+    return f"epoch {epoch} has no steps under this spec: {why}"
+
+
+def check_start(start: Position, plan: EpochPlan, lengths: np.ndarray) -> None:
     """ValueError unless ``start`` lies inside ``plan`` (the plan of its epoch, or of what is
     left of it after a shape change)."""
     e, s, m = start
@@ -134,10 +147,7 @@ def check_start(start: Position, plan: EpochPlan, num_samples: int) -> None:
             f"a position saved under another corpus? The checkpoint is unchanged"
         )
     if plan.num_steps == 0:
-        raise ValueError(
-            f"epoch {e} has no steps: {num_samples} samples are too few for "
-            f"{plan.spec.micro_per_step} micro-batches per step"
-        )
+        raise ValueError(no_steps(e, plan, lengths))
     if s >= plan.num_steps:
         raise ValueError(
             f"position {[e, s, m]} is past the end of epoch {e}"

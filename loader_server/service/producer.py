@@ -19,6 +19,7 @@ from loader_server.data.corpus_watch import CorpusWatch
 from loader_server.data.dataset import ArrowDataset, CorpusFaultError, DatasetError
 from loader_server.planning.planner import EpochPlan
 from loader_server.planning.spec import BatchSpec
+from loader_server.service.opening import no_steps
 from loader_server.service.plans import PlanCache
 from loader_server.service.readahead import DEPTH as READAHEAD_DEPTH
 from loader_server.service.readahead import Readahead
@@ -182,10 +183,7 @@ class Producer:
             if plan is None:
                 return None
             if plan.num_steps == 0:
-                text = (
-                    f"epoch {sess.pos[0]} has no steps: {self.dataset.num_samples} samples are "
-                    f"too few for {sess.spec.micro_per_step} micro-batches per step"
-                )
+                text = no_steps(sess.pos[0], plan, self.dataset.lengths)
                 self._registry.tell(sess, "error", code=P.E_BAD_REQUEST, msg=text)
                 self._registry.drop(sess.sid, text)
                 return None

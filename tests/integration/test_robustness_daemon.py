@@ -543,6 +543,12 @@ def test_out_of_range_positions_are_refused_with_their_value(daemons, position, 
         ({"token_budget": 2**30}, "token_budget 1073741824 exceeds this daemon's limit"),
         ({"grad_accum": 3000}, "3000 micro-batches per step, but the corpus has 2000 samples"),
         ({"token_budget": 2**31}, r"token_budget must be an integer in \[1, 2147483647\]"),
+        # the corpus's own reason, not "too few samples"
+        (
+            {"max_seq_len": 8, "overlong": "drop"},
+            "epoch 0 has no steps under this spec: all 2,000 non-empty samples are longer than "
+            "max_seq_len 8 and overlong = drop",
+        ),
     ],
 )
 def test_extreme_specs_are_refused_at_open(daemons, spec, text):
