@@ -391,7 +391,10 @@ class RunOptions(TargetOptions):
     keep_checkpoints: int = opt(3, "Newest checkpoints kept.", section=EVAL)
     timeout_s: float = opt(60.0, "How long to wait for the loader daemon.", section=EVAL)
     device: str | None = opt(
-        None, "Default: cuda:LOCAL_RANK when a GPU is present, else cpu.", section=EVAL
+        None,
+        "Default: cuda:LOCAL_RANK when a GPU is present, else cpu; cuda with no index is "
+        "cuda:LOCAL_RANK too.",
+        section=EVAL,
     )
     no_progress: bool = opt(False, "No progress bar.", section=EVAL)
     log_every_s: float = opt(
