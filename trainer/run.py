@@ -422,6 +422,8 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
     """Run one rank; returns the summary on rank 0 (None elsewhere). SIGTERM stops it
     cleanly after the current step (``trainer.train.stop``)."""
     stop.install()
+    if opts.target != TINY and Path(opts.target).is_dir():  # as config.json and checkpoints
+        opts = replace(opts, target=str(Path(opts.target).resolve()))  # name it: from anywhere
     check_run_dir(opts)
     opts, folder = resolve_init_drafter(opts)
     cfg = train_config(opts)  # validates before anything is started

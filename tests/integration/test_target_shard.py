@@ -8,6 +8,7 @@ the per-expert reader unsharded, what a sharded load refuses, ``auto``'s rule, a
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -164,8 +165,11 @@ def test_train_with_a_sharded_target_then_resume_on_one_rank(daemon, tmp_path):
     target = tmp_path / "target"
     target_from_options(TargetOptions(), "cpu").model.save_pretrained(target)
     steps, run_dir = 6, tmp_path / "run"
-    two = train_cmd(daemon.endpoint, run_dir, "shard", steps, "--target", str(target))
+    # given relative to where the command runs: recorded as a path that names it anywhere
+    where = os.path.relpath(target)
+    two = train_cmd(daemon.endpoint, run_dir, "shard", steps, "--target", where)
     run([*two, "--target-shard", "fsdp"], tmp_path / "two.log")
+    assert json.loads((run_dir / "config.json").read_text())["target"] == str(target.resolve())
     recs = records(run_dir)
     assert sorted(recs) == list(range(steps + 1))
     assert 1.0 <= recs[0]["tau"] <= 8.0 and 1.0 <= recs[steps]["tau"] <= 8.0
