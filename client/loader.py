@@ -146,19 +146,22 @@ class LoaderClient:
         if self.epochs is not None and self.position[0] >= self.epochs:
             self._finish()  # free the daemon's ring now rather than at session timeout
             raise StopIteration
-        deadline = None  # of an outage: timeout_s after its first failure
+        deadline = None  # of an outage: timeout_s after it began
         backoff = Backoff()
         while True:
+            attempt = time.monotonic()
             try:
-                if self._sid is None:
-                    self._open()
+                if self._sid is None:  # an answer is waited for until the deadline at most
+                    self._open(deadline or attempt + self.timeout_s)
                 batch = self._receive()
                 if batch is None:
                     self._finish()
                     raise StopIteration
                 return batch
             except _Reconnect as why:
-                deadline = deadline or time.monotonic() + self.timeout_s
+                # the outage began when this attempt did, or when the daemon was last heard
+                # (not when it was noticed: that takes dead_after_s more)
+                deadline = deadline or max(attempt, self._heard_at) + self.timeout_s
                 self._reset(str(why), deadline, backoff.next_wait())
 
     def state_dict(self) -> dict[str, Any]:
@@ -307,13 +310,14 @@ class LoaderClient:
             self._pid = os.getpid()
         return self._sock
 
-    def _open(self) -> None:
-        """Open this rank's session; "busy" is asked again for ``_BUSY_GRACE_S``."""
+    def _open(self, give_up_at: float) -> None:
+        """Open this rank's session; "busy" is asked again for ``_BUSY_GRACE_S``. A daemon
+        that has not answered by ``give_up_at`` (or in ``dead_after_s``) is not there."""
         end = time.monotonic() + _BUSY_GRACE_S
         backoff = Backoff(initial_s=0.02, cap_s=0.25)
         while True:
             try:
-                return self._open_once()
+                return self._open_once(give_up_at)
             except P.LoaderRequestError as e:
                 wait = backoff.next_wait()
                 if e.code != P.E_BUSY or time.monotonic() + wait > end:
@@ -321,7 +325,7 @@ class LoaderClient:
                 log.debug("rank %d busy (the old connection closing?): asking again", self.rank)
                 time.sleep(wait)
 
-    def _open_once(self) -> None:
+    def _open_once(self, give_up_at: float) -> None:
         sock = self._socket()
         expect = self.effective_spec if self.effective_spec is not None else self._saved_spec
         sock.send(
@@ -340,7 +344,8 @@ class LoaderClient:
         )
         # The daemon answers at once, or says "pending" every second while it plans.
         now = time.monotonic()
-        end, last = now + self.dead_after_s, now + max(self.timeout_s, self.dead_after_s)
+        end = min(now + self.dead_after_s, max(give_up_at, now))  # its first answer
+        last = now + max(self.timeout_s, self.dead_after_s)  # while it plans ("pending")
         while True:
             msg = self._recv(end - time.monotonic())
             if msg is None:

@@ -44,7 +44,7 @@ def test_without_a_daemon_waits_grow_and_the_timeout_is_kept(tmp_path, caplog):
         next(c)
     elapsed = time.monotonic() - t0
     c.close(wait_s=0)
-    # The deadline runs from the first failure (one unanswered open in) and is not extended.
+    # The deadline runs from the first attempt and is not extended.
     assert timeout_s <= elapsed < timeout_s + SLACK_S
     waits = logged_waits(caplog)
     # A fixed 0.2 s pause would make ~10 attempts in 3 s; the backoff makes at most 6.
@@ -52,6 +52,19 @@ def test_without_a_daemon_waits_grow_and_the_timeout_is_kept(tmp_path, caplog):
     for k, w in enumerate(waits[:-1]):  # the last one may be cut short by the deadline
         assert (1 - B.JITTER) * nominal(k) - 0.01 <= w <= nominal(k) + 0.01, (k, waits)
     assert waits[-1] <= nominal(len(waits) - 1) + 0.01, waits
+
+
+def test_the_timeout_is_kept_when_an_answer_is_awaited_longer(tmp_path):
+    # each open waits dead_after_s for an answer, but not past the deadline: timeout_s
+    # means from the call, not from the first open given up (timeout_s + dead_after_s)
+    c = LoaderClient(f"ipc://{tmp_path}/absent.sock", job="r", rank=0, world_size=1,
+                     timeout_s=2.0, dead_after_s=6.0)  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(LoaderUnavailableError, match="no loader daemon answered .* for 2 s"):
+        next(c)
+    elapsed = time.monotonic() - t0
+    c.close(wait_s=0)
+    assert 2.0 <= elapsed < 4.0, elapsed  # before: 8 s
 
 
 def test_a_daemon_that_starts_late_is_found_within_the_cap(daemons, tmp_path, caplog):
