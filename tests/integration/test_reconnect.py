@@ -60,7 +60,7 @@ def test_the_timeout_is_kept_when_an_answer_is_awaited_longer(tmp_path):
     c = LoaderClient(f"ipc://{tmp_path}/absent.sock", job="r", rank=0, world_size=1,
                      timeout_s=2.0, dead_after_s=6.0)  # fmt: skip
     t0 = time.monotonic()
-    with pytest.raises(LoaderUnavailableError, match="no loader daemon answered .* for 2 s"):
+    with pytest.raises(LoaderUnavailableError, match=r"no loader daemon answered .* for 2 s"):
         next(c)
     elapsed = time.monotonic() - t0
     c.close(wait_s=0)
