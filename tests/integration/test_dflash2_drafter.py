@@ -130,7 +130,9 @@ def test_resume_names_a_changed_selector(target, samples, run_dir, tmp_path):
     shutil.copytree(run_dir, copy)
     with pytest.raises(ValueError, match=r"selector_rank \(8 vs 16\)"):
         train(target, samples, copy, config(target, selector_rank=16), 31, resume=True)
-    with pytest.raises(ValueError, match="loss config"):
+    with pytest.raises(
+        ValueError, match=r"loss config differs from this run's in .*selector_alpha \(.* vs 0.5\)"
+    ):
         train(target, samples, copy, config(target), 31, resume=True, selector_alpha=0.5)
 
 

@@ -104,15 +104,14 @@ def check_compatible(
     theirs = {**_DRAFTER_DEFAULTS, **saved.drafter_config}
     if theirs["layer_types"] is not None:
         theirs["layer_types"] = tuple(theirs["layer_types"])
-    current = drafter_config
-    differ = sorted(k for k in {*current, *theirs} if current.get(k) != theirs.get(k))
-    if differ:
-        raise ValueError(
-            f"{path}: drafter config differs from this run's in "
-            + ", ".join(f"{k} ({theirs.get(k)!r} vs {current.get(k)!r})" for k in differ)
-        )
-    if saved.loss_config != loss_config:
-        raise ValueError(f"{path}: loss config {saved.loss_config} differs from this run's")
+    for what, old, new in (("drafter config", theirs, drafter_config),
+                           ("loss config", saved.loss_config, loss_config)):  # fmt: skip
+        differ = sorted(k for k in {*new, *old} if new.get(k) != old.get(k))
+        if differ:
+            raise ValueError(
+                f"{path}: {what} differs from this run's in "
+                + ", ".join(f"{k} ({old.get(k)!r} vs {new.get(k)!r})" for k in differ)
+            )
     check_target(path, saved.meta, meta)
 
 
