@@ -516,6 +516,8 @@ class RegenOptions(Options):
                 f"need batch_size, chunk_samples >= 1 and holdout >= 0, got "
                 f"{self.batch_size}, {self.chunk_samples}, {self.holdout}"
             )
+        if self.limit is not None and self.limit < 1:  # an empty corpus helps no one
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
 
 
 def parse_int_list(value: str | None) -> list[int] | None:

@@ -178,3 +178,15 @@ def test_cuda_without_an_index_is_the_local_ranks_gpu():
     assert pick_device(None, 2, cuda=True) == torch.device("cuda", 2)
     assert pick_device(None, 2, cuda=False) == torch.device("cpu")
     assert pick_device("cpu", 2, cuda=True) == torch.device("cpu")
+
+
+def test_regen_limit_zero_is_refused_not_an_empty_corpus(tmp_path):
+    from click.testing import CliRunner
+
+    from loader_server.data.synth import SynthSpec, write_corpus
+
+    src = tmp_path / "c.arrow"
+    write_corpus(src, SynthSpec(num_samples=4, median_len=20, max_len=40, vocab_size=500))
+    res = CliRunner().invoke(main, ["regen", str(src), str(tmp_path / "o.arrow"), "--limit", "0"])
+    assert res.exit_code == 1 and "limit must be >= 1, got 0" in res.output, res.output
+    assert not (tmp_path / "o.arrow").exists()
