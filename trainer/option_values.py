@@ -1,6 +1,7 @@
 """How an option's value is checked and read: the types ``trainer.options`` declares
 (unions with None, paths, tuples), against what JSON and TOML hold (strings for paths, lists
-for tuples, integers for floats). No torch, nothing of the trainer."""
+for tuples, integers for floats); and the option strings a drafter's shape is written in
+(layer ids, layer kinds). No torch, nothing of the trainer."""
 
 from __future__ import annotations
 
@@ -63,3 +64,57 @@ def type_name(hint: Any) -> str:
     return " or ".join(
         "null" if k is type(None) else getattr(k, "__name__", str(k)) for k in _kinds(hint)
     )
+
+
+# ---- option strings the drafter's shape is given in ------------------------------------
+
+
+def parse_int_list(value: str | None) -> list[int] | None:
+    """``"0,1,2"`` -> ``[0, 1, 2]``; ``None``/empty -> ``None``."""
+    if not value:
+        return None
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError as e:
+        raise ValueError(f"expected comma-separated integers, got {value!r}") from e
+
+
+_LAYER_NAMES = {
+    "full": "full_attention", "full_attention": "full_attention",
+    "sliding": "sliding_attention", "sliding_attention": "sliding_attention",
+}  # fmt: skip
+
+
+def layer_kinds(value: str, num_layers: int) -> tuple[str, ...]:
+    """``--layer-types`` (full/sliding or the config's names) as the config's names, one
+    per drafter layer."""
+    names = [v.strip() for v in value.split(",")]
+    unknown = [v for v in names if v not in _LAYER_NAMES]
+    if unknown:
+        raise ValueError(
+            f"--layer-types {value!r}: {unknown[0]!r} is not full or sliding "
+            "(full_attention, sliding_attention)"
+        )
+    if len(names) != num_layers:
+        raise ValueError(
+            f"--layer-types {value!r} names {len(names)} layers, the drafter has {num_layers} "
+            "(--drafter-layers)"
+        )
+    return tuple(_LAYER_NAMES[v] for v in names)
+
+
+def parse_layer_types(
+    value: str | None, sliding_window: int | None, num_layers: int
+) -> tuple[str, ...] | None:
+    """``--layer-types`` as the drafter config's ``layer_types`` (None: all full), checked
+    against ``--sliding-window``, which alone makes every layer sliding."""
+    if not value:
+        return None if sliding_window is None else ("sliding_attention",) * num_layers
+    kinds = layer_kinds(value, num_layers)
+    if "sliding_attention" in kinds and sliding_window is None:
+        raise ValueError(f"--layer-types {value!r} has sliding layers: give --sliding-window N")
+    if "sliding_attention" not in kinds and sliding_window is not None:
+        raise ValueError(
+            f"--sliding-window {sliding_window}: --layer-types {value!r} has no sliding layer"
+        )
+    return None if "sliding_attention" not in kinds else kinds

@@ -23,7 +23,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from trainer.option_values import from_json, has_type, to_json, type_name
+from trainer.option_values import from_json, has_type, parse_int_list, to_json, type_name
 
 if TYPE_CHECKING:
     from dataclasses import Field
@@ -36,7 +36,11 @@ ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_interm
                                "max_nonfinite_steps": 0, "max_empty_steps": 0,
                                "log_every_s": 60.0, "report_to": (), "eval_sets": (),
                                "eval_set_limit": 32, "eval_thinking": "off",
-                               "eval_batch": 16, "target_shard": "none"}  # fmt: skip
+                               "eval_batch": 16, "target_shard": "none",
+                               # the objective before it was one however a step is cut
+                               "tokens_per_anchor": 1, "loss_weighting": "decay",
+                               "dpace_alpha": 0.5, "loss_normalization": "micro-batch",
+                               "anchor_draw": "micro-batch"}  # fmt: skip
 #: Options renamed since: old key -> new key (both spellings are read).
 RENAMED = {"num_anchors": "anchors_per_doc"}
 
@@ -135,6 +139,7 @@ EVAL = "Evaluation, checkpoints, output"
 #: ``RunOptions`` field -> (lowest allowed value, whether the bound itself is allowed)
 RUN_LIMITS: dict[str, tuple[float, bool]] = {
     "drafter_layers": (1, True), "block_size": (2, True), "anchors_per_doc": (1, True),
+    "tokens_per_anchor": (1, True), "dpace_alpha": (0, True),
     "sliding_window": (1, True), "conv_kernel_size": (1, True), "conv_group_size": (1, True),
     "selector_rank": (1, True), "selector_top_k": (1, True), "output_multiplier": (0, False),
     "final_logit_softcapping": (0, False), "input_embedding_scale": (0, False),
@@ -255,11 +260,43 @@ class RunOptions(TargetOptions):
         512, "Anchors (blocks) drawn per document (the loader spec's name for it).",
         aliases=("--num-anchors",), section=DRAFTER,
     )  # fmt: skip
-    max_anchors: int = opt(
-        2048,
-        "Anchors (blocks) per micro-batch, drawn fairly across its documents; 0: no cap. "
-        "Compute and activation memory follow it (the reference recipe: 4 x 512 per GPU).",
+    tokens_per_anchor: int = opt(
+        32,
+        "A document draws one anchor per this many supervised positions (rounded up), at "
+        "most --anchors-per-doc: a micro-batch of T tokens then trains about T/32 blocks "
+        "(2048 in a 65,536-token one); compute and activation memory follow it. 1: every "
+        "position up to --anchors-per-doc (the reference recipe, 512 per sequence).",
         section=DRAFTER,
+    )
+    max_anchors: int = opt(
+        0,
+        "With --anchor-draw micro-batch only: at most this many anchors per micro-batch, "
+        "kept fairly across its documents (the old rule; 0: no cap).",
+        section=DRAFTER,
+    )
+    anchor_draw: str = opt(
+        "document",
+        "document: a document's anchors are a function of the seed, the epoch and the "
+        "sample alone (any rank, micro-batch or neighbours). micro-batch: drawn per rank "
+        "and loader position, as before (comparisons only).",
+        choices=("document", "micro-batch"), section=DRAFTER,
+    )  # fmt: skip
+    loss_normalization: str = opt(
+        "step",
+        "step: the step's weighted CE over the step's total weight, every micro-batch of "
+        "every rank (one objective however the loader cuts a step). micro-batch: the mean of "
+        "each micro-batch's mean, as speculators, DeepSpec and ModelOpt train (comparisons).",
+        choices=("step", "micro-batch"), section=DRAFTER,
+    )  # fmt: skip
+    loss_weighting: str = opt(
+        "decay",
+        "Weight of block offset k: decay, exp(-(k-1)/gamma); dpace, D-PACE's confidence "
+        "weights (speculators' DFlash default): each slot weighs the expected accepted "
+        "length it would still buy.",
+        choices=("decay", "dpace"), section=DRAFTER,
+    )  # fmt: skip
+    dpace_alpha: float = opt(
+        0.5, "D-PACE's confidence smoothing: q~ = (1 - a) exp(-CE) + a.", section=DRAFTER
     )
     loss_chunk: int = opt(
         1024,
@@ -415,6 +452,15 @@ class RunOptions(TargetOptions):
     def __post_init__(self) -> None:
         """Types (``Options``), then every count and rate in range; errors name the flag."""
         super().__post_init__()
+        if self.max_anchors and self.anchor_draw == "document":
+            raise ValueError(
+                f"--max-anchors {self.max_anchors} caps a micro-batch, so a document's blocks "
+                "would depend on what shares its micro-batch: it goes with --anchor-draw "
+                "micro-batch only; with the default per-document draw, --tokens-per-anchor "
+                "bounds a micro-batch's blocks"
+            )
+        if self.dpace_alpha > 1:
+            raise ValueError(f"--dpace-alpha must be in [0, 1], got {self.dpace_alpha}")
         by_name = {f.name: f for f in fields(self)}
         for name, (low, inclusive) in RUN_LIMITS.items():
             value = getattr(self, name)
@@ -520,40 +566,6 @@ class RegenOptions(Options):
             raise ValueError(f"limit must be >= 1, got {self.limit}")
 
 
-def parse_int_list(value: str | None) -> list[int] | None:
-    """``"0,1,2"`` -> ``[0, 1, 2]``; ``None``/empty -> ``None``."""
-    if not value:
-        return None
-    try:
-        return [int(x) for x in value.split(",")]
-    except ValueError as e:
-        raise ValueError(f"expected comma-separated integers, got {value!r}") from e
-
-
-_LAYER_NAMES = {
-    "full": "full_attention", "full_attention": "full_attention",
-    "sliding": "sliding_attention", "sliding_attention": "sliding_attention",
-}  # fmt: skip
-
-
-def layer_kinds(value: str, num_layers: int) -> tuple[str, ...]:
-    """``--layer-types`` (full/sliding or the config's names) as the config's names, one
-    per drafter layer."""
-    names = [v.strip() for v in value.split(",")]
-    unknown = [v for v in names if v not in _LAYER_NAMES]
-    if unknown:
-        raise ValueError(
-            f"--layer-types {value!r}: {unknown[0]!r} is not full or sliding "
-            "(full_attention, sliding_attention)"
-        )
-    if len(names) != num_layers:
-        raise ValueError(
-            f"--layer-types {value!r} names {len(names)} layers, the drafter has {num_layers} "
-            "(--drafter-layers)"
-        )
-    return tuple(_LAYER_NAMES[v] for v in names)
-
-
 #: DFlash2's drafter fields (``DrafterConfig``, the options of the same names) and the
 #: reference's defaults (z-lab's DFlash2, vLLM's and speculators' configs).
 DFLASH2_DEFAULTS: dict[str, Any] = {
@@ -573,20 +585,3 @@ def dflash2_fields(opts: RunOptions) -> dict[str, Any]:
             raise ValueError(f"{flag} is a DFlash2 option: add --drafter dflash2")
         return {}
     return {"variant": "dflash2", **DFLASH2_DEFAULTS, **given}
-
-
-def parse_layer_types(
-    value: str | None, sliding_window: int | None, num_layers: int
-) -> tuple[str, ...] | None:
-    """``--layer-types`` as the drafter config's ``layer_types`` (None: all full), checked
-    against ``--sliding-window``, which alone makes every layer sliding."""
-    if not value:
-        return None if sliding_window is None else ("sliding_attention",) * num_layers
-    kinds = layer_kinds(value, num_layers)
-    if "sliding_attention" in kinds and sliding_window is None:
-        raise ValueError(f"--layer-types {value!r} has sliding layers: give --sliding-window N")
-    if "sliding_attention" not in kinds and sliding_window is not None:
-        raise ValueError(
-            f"--sliding-window {sliding_window}: --layer-types {value!r} has no sliding layer"
-        )
-    return None if "sliding_attention" not in kinds else kinds

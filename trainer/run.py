@@ -29,12 +29,8 @@ from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.sharding import flat_values
 from trainer.model.target import TINY, Target, mask_token_id, target_record
-from trainer.options import (
-    RunOptions,
-    TargetOptions,
-    dflash2_fields,
-    parse_layer_types,
-)
+from trainer.option_values import parse_layer_types
+from trainer.options import RunOptions, TargetOptions, dflash2_fields
 from trainer.train import stop
 from trainer.train.checkpoint import (
     RunWriteError,
@@ -266,9 +262,14 @@ def train_config(opts: RunOptions) -> TrainConfig:
         loss=LossConfig(
             block_size=opts.block_size,
             anchors_per_doc=opts.anchors_per_doc,
+            tokens_per_anchor=opts.tokens_per_anchor,
             max_anchors=opts.max_anchors,
             gamma=opts.gamma,
             selector_alpha=1.0 if opts.selector_alpha is None else opts.selector_alpha,
+            weighting=opts.loss_weighting,
+            dpace_alpha=opts.dpace_alpha,
+            normalization=opts.loss_normalization,
+            anchor_draw=opts.anchor_draw,
         ),
         loss_chunk=opts.loss_chunk,
         attention=opts.attention,

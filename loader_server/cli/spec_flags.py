@@ -51,7 +51,8 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--cost-slot", {"type": float, "help": "Cost model: per drafter block slot."}),
     ("--cost-budget", {"type": float, "help": "Max modelled cost of a micro-batch (0: auto)."}),
     ("--block-size", {"type": int, "help": "Trainer's block size (block slots)."}),
-    ("--anchors-per-doc", {"type": int, "help": "Trainer's anchors per document."}),
+    ("--anchors-per-doc", {"type": int, "help": "Trainer's anchors per document, at most."}),
+    ("--tokens-per-anchor", {"type": int, "help": "Trainer's tokens of a document per anchor."}),
     ("--max-anchors", {"type": int, "help": "Trainer's anchors per micro-batch (0: no cap)."}),
 ]
 assert [n[2:].replace("-", "_") for n, _ in _FLAGS] == list(SPEC_FIELDS), "flags != BatchSpec"

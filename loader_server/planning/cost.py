@@ -13,18 +13,21 @@ over features the planner knows from sample lengths alone (``features``):
   ``rows * L**2`` padded (each row attends over its padded length), ``sum(l_i**2)``
   packed (varlen attention stays inside each document);
 * ``slots``: block slots through the drafter and the frozen LM head (the vocabulary
-  projection, the largest single cost at a 151,936-token vocabulary):
-  ``block_size * min(max_anchors, sum of per-document anchors)``, where a document of
-  length ``l`` gets ``min(anchors_per_doc, l - block_size + 1)`` anchors when
-  ``l >= 2 * block_size`` and none otherwise. That is the trainer's anchor rule
-  (``trainer.model.loss``) with every position supervised: the loader sees lengths, not loss
-  masks, and calibration (``dflash-train calibrate``, which fits on these same features)
-  absorbs the corpus's supervised fraction into ``c_slot``;
+  projection, the largest single cost at a 151,936-token vocabulary): ``block_size`` times
+  the sum of per-document anchors (``AnchorRule``), where a document of length ``l`` gets
+  ``min(anchors_per_doc, ceil((l - block_size + 1) / tokens_per_anchor))`` anchors when
+  ``l >= 2 * block_size`` and none otherwise, the sum capped at ``max_anchors`` per
+  micro-batch only under the trainer's old per-micro-batch draw (``max_anchors`` 0: no
+  cap, the default). That is the trainer's anchor rule (``trainer.model.blocks``) with
+  every position supervised: the loader sees lengths, not loss masks, and calibration
+  (``dflash-train calibrate``, which fits on these same features) absorbs the corpus's
+  supervised fraction into ``c_slot``;
 * ``c0``: the fixed cost of a micro-batch (kernel launches, its share of the optimizer
   step and of communication).
 
 The coefficients live in the batch spec (``cost_c0``, ``cost_tok``, ``cost_attn``,
-``cost_slot``, with the anchor rule ``block_size``, ``anchors_per_doc``, ``max_anchors``);
+``cost_slot``, with the anchor rule ``block_size``, ``anchors_per_doc``,
+``tokens_per_anchor``, ``max_anchors``);
 the defaults (``c_tok = 1``, the rest 0) make the cost the token count, which is exactly
 the planner without a cost model. A *cost profile* (JSON, written by ``dflash-train
 calibrate``) carries fitted coefficients and the anchor rule they were fitted under;
@@ -38,52 +41,79 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 #: Spec fields of the coefficients, in the order of the feature columns.
 COEFFICIENTS = ("cost_c0", "cost_tok", "cost_attn", "cost_slot")
-#: Spec fields of the trainer's anchor rule, which ``slots`` follows.
-ANCHOR_RULE = ("block_size", "anchors_per_doc", "max_anchors")
 #: Feature columns of ``features`` (what each coefficient multiplies).
 FEATURES = ("one", "tokens", "sq", "slots")
 PROFILE_VERSION = 1
 
 
-def doc_anchors(lengths: np.ndarray, block_size: int, anchors_per_doc: int) -> np.ndarray:
-    """Anchors the trainer draws from documents of these lengths (int64, vectorized)."""
-    x = np.asarray(lengths, dtype=np.int64)
-    n = np.minimum(anchors_per_doc, x - block_size + 1)
-    return np.where(x >= 2 * block_size, n, 0)
+class AnchorRule(NamedTuple):
+    """How many anchors (blocks) the trainer draws: per document
+    ``min(anchors_per_doc, ceil(candidates / tokens_per_anchor))``, where a document's
+    candidates are its supervised positions with room for a block (``l - block_size + 1``
+    for a document supervised everywhere) and a document needs ``2 * block_size``
+    supervised tokens to draw any; per micro-batch at most ``max_anchors`` (0: no cap; only
+    the trainer's old per-micro-batch draw caps, ``trainer.model.blocks``)."""
+
+    block_size: int = 16
+    anchors_per_doc: int = 512
+    tokens_per_anchor: int = 32
+    max_anchors: int = 0
+
+    @classmethod
+    def of(cls, values: Sequence[int]) -> AnchorRule:
+        """A rule from its values in field order; the three of records written before
+        ``tokens_per_anchor`` existed (block, per document, cap) mean one per token."""
+        v = [int(x) for x in values]
+        if len(v) == 3:
+            return cls(v[0], v[1], 1, v[2])
+        if len(v) != len(cls._fields):
+            raise ValueError(f"an anchor rule has {len(cls._fields)} values, got {list(values)}")
+        return cls(*v)
+
+    def doc_anchors(self, lengths: np.ndarray) -> np.ndarray:
+        """Anchors drawn from documents of these lengths, supervised everywhere (int64,
+        vectorized)."""
+        x = np.asarray(lengths, dtype=np.int64)
+        cands = np.maximum(x - self.block_size + 1, 0)
+        n = np.minimum(self.anchors_per_doc, -(-cands // self.tokens_per_anchor))
+        return np.where(x >= 2 * self.block_size, n, 0)
+
+    def slots(self, anchor_sums: np.ndarray) -> np.ndarray:
+        """Block slots of micro-batches whose documents draw ``anchor_sums`` anchors in
+        all (the cap applied)."""
+        a = np.asarray(anchor_sums, dtype=np.int64)
+        if self.max_anchors > 0:
+            a = np.minimum(a, self.max_anchors)
+        return a * self.block_size
 
 
-def capped_slots(anchor_sums: np.ndarray, block_size: int, max_anchors: int) -> np.ndarray:
-    """Block slots of micro-batches whose documents draw ``anchor_sums`` anchors in all
-    (``max_anchors`` 0: no per-micro-batch cap)."""
-    a = np.asarray(anchor_sums, dtype=np.int64)
-    if max_anchors > 0:
-        a = np.minimum(a, max_anchors)
-    return a * block_size
+#: Spec fields of the trainer's anchor rule, which ``slots`` follows.
+ANCHOR_RULE = AnchorRule._fields
 
 
 def features(
-    doc_lengths: np.ndarray, starts: np.ndarray, *, layout: str, rule: tuple[int, int, int]
+    doc_lengths: np.ndarray, starts: np.ndarray, *, layout: str, rule: AnchorRule
 ) -> np.ndarray:
     """[micro-batches, 4] float64 features (``FEATURES``) of micro-batches laid out as
     consecutive runs of ``doc_lengths`` beginning at ``starts`` (non-empty runs)."""
     x = np.asarray(doc_lengths, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
-    block, per_doc, cap = rule
     out = np.empty((starts.size, len(FEATURES)), np.float64)
     if starts.size == 0:
         return out
-    anchors = np.add.reduceat(doc_anchors(x, block, per_doc), starts)
+    anchors = np.add.reduceat(rule.doc_anchors(x), starts)
     if layout == "packed":
         tokens = np.add.reduceat(x, starts)
         sq = np.add.reduceat(x * x, starts)
-        slots = capped_slots(anchors, block, cap)
+        slots = rule.slots(anchors)
     else:
         rows = np.diff(np.append(starts, x.size))
         tokens, sq, slots = padded_terms(rows, np.maximum.reduceat(x, starts), anchors, rule)
@@ -95,13 +125,13 @@ def features(
 
 
 def padded_terms(
-    rows: np.ndarray, longest: np.ndarray, anchors: np.ndarray, rule: tuple[int, int, int]
+    rows: np.ndarray, longest: np.ndarray, anchors: np.ndarray, rule: AnchorRule
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, sq, slots) of padded micro-batches of ``rows`` rows ``longest`` wide whose
     documents draw ``anchors`` anchors, elementwise: the one statement of the padded
     features (float64, exact below 2^53)."""
     tokens = rows * np.asarray(longest).astype(np.float64)
-    return tokens, tokens * longest, capped_slots(anchors, rule[0], rule[2])
+    return tokens, tokens * longest, rule.slots(anchors)
 
 
 def modelled(
@@ -115,16 +145,14 @@ def modelled(
     return c0 + tok * tokens + attn * sq + slot * slots
 
 
-def uniform_features(
-    lengths: np.ndarray, rows: np.ndarray, *, rule: tuple[int, int, int]
-) -> np.ndarray:
+def uniform_features(lengths: np.ndarray, rows: np.ndarray, *, rule: AnchorRule) -> np.ndarray:
     """Features of micro-batches of ``rows[i]`` documents all of length ``lengths[i]``
     (padded and packed alike: no padding)."""
     x = np.asarray(lengths, dtype=np.int64)
     n = np.asarray(rows, dtype=np.int64)
     out = np.empty((x.size, len(FEATURES)), np.float64)
     out[:, 0] = 1.0
-    out[:, 1:] = np.stack(padded_terms(n, x, n * doc_anchors(x, rule[0], rule[1]), rule), 1)
+    out[:, 1:] = np.stack(padded_terms(n, x, n * rule.doc_anchors(x), rule), 1)
     return out
 
 
@@ -181,6 +209,8 @@ def profile_fields(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"cost profile {p}: coefficient {name!r} is missing")
         fields[name] = coef[name]
     check_coefficients(fields, f"cost profile {p}")
+    if "tokens_per_anchor" not in rule:  # a profile from before the field: one per token
+        rule = {**rule, "tokens_per_anchor": 1}
     for name in ANCHOR_RULE:
         v = rule.get(name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -59,11 +59,11 @@ _TINY = 200
 @dataclass(frozen=True)
 class CostCut:
     """The cost bound of a cut: coefficients (``cost.FEATURES`` order), the budget and
-    the anchor rule ``(block_size, anchors_per_doc, max_anchors)``."""
+    the anchor rule."""
 
     coefficients: tuple[float, float, float, float]
     budget: float
-    rule: tuple[int, int, int]
+    rule: cm.AnchorRule
 
     def padded(self, rows: np.ndarray, longest: np.ndarray, anchors: np.ndarray) -> np.ndarray:
         """Modelled cost of padded micro-batches (elementwise; float64)."""
@@ -74,8 +74,7 @@ class CostCut:
         ``longest`` (elementwise, a vectorized binary search). Cost grows with length, so
         at a segment's longest length this is a count that surely fits, at its shortest a
         count that surely cannot be exceeded."""
-        block, per_doc, _ = self.rule
-        per_row = cm.doc_anchors(longest, block, per_doc)
+        per_row = self.rule.doc_anchors(longest)
         lo, hi = np.zeros_like(most), most.copy()
         while bool((lo < hi).any()):
             mid = (lo + hi + 1) // 2
@@ -94,14 +93,14 @@ class CostCut:
         cap, each document carries its own slots."""
         c0, tok, attn, slot = self.coefficients
         x = lengths.astype(np.int64)
-        block, per_doc, cap = self.rule
+        block, cap = self.rule.block_size, self.rule.max_anchors
         fixed = c0 + (slot * block * cap if cap > 0 else 0.0)
         room = self.budget - fixed
         if room <= 0 or not (tok or attn or (slot and cap <= 0)):
             return x  # the documents' share of the cost is nothing: tokens alone bound rows
         c = tok * x + attn * (x * x).astype(np.float64)
         if cap <= 0:
-            c = c + slot * cm.capped_slots(cm.doc_anchors(x, block, per_doc), block, 0)
+            c = c + slot * block * self.rule.doc_anchors(x)
         scaled = np.ceil(c * (token_budget / room)).astype(np.int64)
         return np.minimum(np.maximum(x, scaled), token_budget)
 
@@ -159,7 +158,7 @@ def _take_counts(
     if cut is not None:
         # Anchors of the rows p..p+k-1 are prefix[p+k] - prefix[p].
         prefix = np.zeros(n + 1, np.int64)
-        np.cumsum(cm.doc_anchors(x, cut.rule[0], cut.rule[1]), out=prefix[1:])
+        np.cumsum(cut.rule.doc_anchors(x), out=prefix[1:])
     table = _sparse_max(x, int(hi.max()))
     log2 = np.zeros(max_rows + 2, np.int64)
     log2[2:] = np.floor(np.log2(np.arange(2, max_rows + 2))).astype(np.int64)

@@ -309,10 +309,10 @@ def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
     values = np.arange(hist.size)
     if spec.layout == "packed":
         tokens = float(hist @ values)
-        per_token = (hist @ cost.doc_anchors(values, rule[0], rule[1])) / tokens
+        per_token = (hist @ rule.doc_anchors(values)) / tokens
         sq_per_token = float(hist @ (values * values)) / tokens
-        block, _, cap = rule
-        slots = block * (min(cap, tb * per_token) if cap > 0 else tb * per_token)
+        cap = rule.max_anchors
+        slots = rule.block_size * (min(cap, tb * per_token) if cap > 0 else tb * per_token)
         c0, tok, attn, slot = spec.coefficients.tolist()
         return max(c0 + tok * tb + attn * tb * sq_per_token + slot * slots, floor)
     mass = np.cumsum(hist * values)

@@ -78,8 +78,9 @@ class BatchSpec:
             micro-batch, per token, per squared document length, per block slot), in any
             one unit (seconds when calibrated); ``loader_server.planning.cost``.
         cost_budget: max modelled cost of one micro-batch; 0 = auto (see above).
-        block_size, anchors_per_doc, max_anchors: the trainer's anchor rule, which the
-            block-slot feature follows (``max_anchors`` 0: no per-micro-batch cap).
+        block_size, anchors_per_doc, tokens_per_anchor, max_anchors: the trainer's anchor
+            rule (``cost.AnchorRule``), which the block-slot feature follows
+            (``max_anchors`` 0: no per-micro-batch cap).
     """
 
     token_budget: int = 65536
@@ -101,7 +102,8 @@ class BatchSpec:
     cost_budget: float = 0.0
     block_size: int = 16
     anchors_per_doc: int = 512
-    max_anchors: int = 2048
+    tokens_per_anchor: int = 32
+    max_anchors: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buckets", _normalize_buckets(self.buckets))
@@ -150,6 +152,7 @@ class BatchSpec:
             ("seed", 0, 2**63 - 1),
             ("block_size", 2, 65536),
             ("anchors_per_doc", 1, INT32_MAX),
+            ("tokens_per_anchor", 1, INT32_MAX),
             ("max_anchors", 0, INT32_MAX),
         ):
             value = getattr(self, name)
@@ -172,9 +175,11 @@ class BatchSpec:
         return np.array([getattr(self, n) for n in cost.COEFFICIENTS], np.float64)
 
     @property
-    def anchor_rule(self) -> tuple[int, int, int]:
-        """``(block_size, anchors_per_doc, max_anchors)``."""
-        return (self.block_size, self.anchors_per_doc, self.max_anchors)
+    def anchor_rule(self) -> cost.AnchorRule:
+        """The trainer's anchor rule these fields state."""
+        return cost.AnchorRule(
+            self.block_size, self.anchors_per_doc, self.tokens_per_anchor, self.max_anchors
+        )
 
     @property
     def cost_model_on(self) -> bool:

@@ -200,14 +200,15 @@ def test_the_selector_head_equals_its_per_row_formula(target, rule):
         choice = -torch.log_softmax(scores, -1)[top.index(int(labels[i]))]
         want += float(weights[i] * (unary + choice).detach())
     for chunk in (0, 4, 64):
-        out = head_loss(hidden, target.lm_head, labels, weights, chunk, rule)
+        out = head_loss(hidden, target.lm_head, labels, chunk, rule)
         ce, _ = selector_loss(sel, hidden, prev, out, weights, chunk)
-        assert float((out.ce + ce).detach()) == pytest.approx(want, rel=1e-5), chunk
+        total = (out.ce * weights).sum() + ce
+        assert float(total.detach()) == pytest.approx(want, rel=1e-5), chunk
 
 
 def _loss_and_grads(target, drafter, batch, chunk_size):
     drafter.zero_grad(set_to_none=True)
-    cfg = LossConfig(block_size=B, anchors_per_doc=7, max_anchors=0, selector_alpha=0.5)
+    cfg = LossConfig(block_size=B, anchors_per_doc=7, tokens_per_anchor=1, selector_alpha=0.5)
     out = draft_loss(
         target, drafter, batch, cfg, anchor_generator(0, 0, 0, 0, 0), chunk_size=chunk_size
     )

@@ -318,13 +318,15 @@ def test_micro_batch_times_are_recorded_and_calibrate(target, samples, tmp_path)
     recs = [json.loads(line) for line in lines]
     assert len(recs) == 12  # steps 3..8 x 2 micro-batches, then the limit
     assert [(r["step"], r["micro"]) for r in recs[:2]] == [(2, 0), (2, 1)]
-    assert all(r["time_s"] > 0 and r["rule"] == [B, 6, 2048] for r in recs)
+    assert all(r["time_s"] > 0 and r["rule"] == [B, 6, 32, 0] for r in recs)
     assert all(len(r["doc_lengths"]) == 3 and r["layout"] == "padded" for r in recs)
     assert all(not r["synced"] for r in recs)  # one process: no all-reduce to wait for
     result = CliRunner().invoke(main, ["calibrate", str(tmp_path), "--no-plot"])
     assert result.exit_code == 0, result.output
     profile = json.loads((tmp_path / "cost_profile.json").read_text())
-    assert profile["anchor_rule"] == {"block_size": B, "anchors_per_doc": 6, "max_anchors": 2048}
+    assert profile["anchor_rule"] == {
+        "block_size": B, "anchors_per_doc": 6, "tokens_per_anchor": 32, "max_anchors": 0
+    }  # fmt: skip
     assert profile["fit"]["n_fit"] + profile["fit"]["n_holdout"] == 12
 
 

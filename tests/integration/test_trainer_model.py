@@ -66,7 +66,7 @@ def hidden_of(target, drafter, feats, ids, anchors) -> torch.Tensor:
 
 def test_loss_is_position_weighted_mean(target, drafter):
     batch = pad_batch(random_docs(3))
-    cfg = LossConfig(block_size=B, anchors_per_doc=3, gamma=2.0)
+    cfg = LossConfig(block_size=B, anchors_per_doc=3, tokens_per_anchor=1, gamma=2.0)
     out = draft_loss(target, drafter, batch, cfg, torch.Generator().manual_seed(5))
     # Recompute by hand with the same anchors, one document at a time.
     plan = plan_blocks(batch, cfg, torch.Generator().manual_seed(5))
@@ -176,7 +176,10 @@ def test_zero_loss_reaches_every_parameter(target, drafter):
 
 def test_draft_loss_respects_the_anchor_cap(target, drafter):
     batch = pad_batch(random_docs(4))
-    cfg = LossConfig(block_size=B, anchors_per_doc=6, max_anchors=9)
+    cfg = LossConfig(
+        block_size=B, anchors_per_doc=6, tokens_per_anchor=1, max_anchors=9,
+        anchor_draw="micro-batch",
+    )  # fmt: skip
     out = draft_loss(target, drafter, batch, cfg, _gen())
     assert out.num_blocks == 9 and out.capped_blocks == 4 * 6 - 9
     again = draft_loss(target, drafter, batch, cfg, _gen())

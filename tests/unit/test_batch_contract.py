@@ -190,7 +190,8 @@ def loss_output(offsets: int, seed: int) -> LossOutput:
     g = torch.Generator().manual_seed(seed)
     r = torch.rand(2 + 2 * offsets, generator=g, dtype=torch.float64)
     return LossOutput(
-        loss=None,
+        loss=r[0] / r[1],
+        weighted=r[0],
         weighted_ce_sum=r[0],
         weight_sum=r[1],
         correct=r[2 : 2 + offsets].clone(),
@@ -210,13 +211,15 @@ def test_step_sums_round_trip_through_the_tensor():
     sums.step_time += 0.5
     sums.wait += 0.125
     t = sums.to_tensor()
-    assert t.dtype == torch.float64 and t.shape == (9 + 2 * offsets,)
+    assert t.dtype == torch.float64 and t.shape == (10 + 2 * offsets,)
     back = StepSums.from_tensor(t.clone(), offsets)
     for f in fields(StepSums):
         assert torch.equal(getattr(back, f.name), getattr(sums, f.name)), f.name
     assert float(back.tokens) == 300 and float(back.micro) == 2 and float(back.capped) == 3
     assert torch.equal(back.correct, outs[0].correct + outs[1].correct)
     assert float(back.ce) == float(outs[0].weighted_ce_sum + outs[1].weighted_ce_sum)
+    means = [float(o.weighted_ce_sum / o.weight_sum) for o in outs]
+    assert float(back.micro_means) == pytest.approx(sum(means), rel=1e-15)
 
 
 def test_step_sums_add_like_the_all_reduce_adds():
@@ -231,8 +234,8 @@ def test_step_sums_add_like_the_all_reduce_adds():
 
 
 def test_step_sums_refuse_a_tensor_of_the_wrong_size():
-    with pytest.raises(ValueError, match="need 15 values"):
-        StepSums.from_tensor(torch.zeros(16, dtype=torch.float64), 3)
+    with pytest.raises(ValueError, match="need 16 values"):
+        StepSums.from_tensor(torch.zeros(17, dtype=torch.float64), 3)
 
 
 def test_step_peaks_round_trip():

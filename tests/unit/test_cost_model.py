@@ -22,19 +22,27 @@ from trainer.ops.calibrate import calibrate_run, fit_nnls, load_samples
 
 # Of the order of an 8B target on one H100 (seconds): per token, per L^2, per block slot.
 MODEL = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
-RULE = {"block_size": 16, "anchors_per_doc": 512, "max_anchors": 2048}
+RULE = {"block_size": 16, "anchors_per_doc": 512, "tokens_per_anchor": 1, "max_anchors": 2048}
 
 
 def test_features_follow_layout_and_anchor_rule():
     lengths = np.array([40, 10, 100, 7, 33])
-    f = cost.features(lengths, np.array([0, 2]), layout="padded", rule=(4, 20, 25))
+    rule = cost.AnchorRule(4, 20, 1, 25)
+    f = cost.features(lengths, np.array([0, 2]), layout="padded", rule=rule)
     # Micro 0: rows 40, 10 -> 2 x 40 tokens, 2 x 40^2; anchors min(20, 37) + min(20, 7) = 27,
     # capped at 25, x 4 slots. Micro 1: 3 x 100; anchors 20 + 0 (7 < 2*4) + 20 = 40 -> 25.
     np.testing.assert_array_equal(f[0], [1, 80, 3200, 100])
     np.testing.assert_array_equal(f[1], [1, 300, 30000, 100])
-    packed = cost.features(lengths, np.array([0, 2]), layout="packed", rule=(4, 20, 0))
+    packed = cost.features(
+        lengths, np.array([0, 2]), layout="packed", rule=rule._replace(max_anchors=0)
+    )
     np.testing.assert_array_equal(packed[0], [1, 50, 1700, 4 * 27])
     np.testing.assert_array_equal(packed[1], [1, 140, 100**2 + 49 + 33**2, 4 * 40])
+    # One anchor per 5 candidates: ceil(37/5) + ceil(7/5) = 8 + 2; 20 (ceil(97/5)) + 0 + 6.
+    sparse = cost.features(
+        lengths, np.array([0, 2]), layout="packed", rule=cost.AnchorRule(4, 20, 5, 0)
+    )
+    np.testing.assert_array_equal(sparse[:, 3], [4 * 10, 4 * 26])
 
 
 def write_profile(path: Path, coefficients=None, rule=None, **extra) -> Path:
@@ -49,7 +57,7 @@ def test_profile_round_trips_into_a_spec(tmp_path):
     assert cost.profile_fields(path) == {**MODEL, **RULE}
     spec = BatchSpec.from_dict({"cost_profile": str(path), "world_size": 8})
     assert spec.cost_model_on and spec.world_size == 8
-    assert (spec.cost_attn, spec.anchor_rule) == (4e-10, (16, 512, 2048))
+    assert (spec.cost_attn, spec.anchor_rule) == (4e-10, (16, 512, 1, 2048))
     # Fields given beside the profile win over it.
     assert BatchSpec.from_dict({"cost_profile": str(path), "cost_c0": 1.0}).cost_c0 == 1.0
 
@@ -114,7 +122,7 @@ def test_daemon_config_and_plan_command_take_a_profile(tmp_path):
 def synthetic_run(run_dir: Path, coef: np.ndarray, n: int, noise: float, seed: int = 0) -> None:
     """Timing records as the trainer writes them, with times from known coefficients."""
     rng = np.random.default_rng(seed)
-    rule = [16, 512, 2048]
+    rule = [16, 512, 1, 2048]
     (run_dir / "costs").mkdir(parents=True)
     with (run_dir / "costs" / "rank0.jsonl").open("w") as f:
         for i in range(n):
@@ -122,7 +130,9 @@ def synthetic_run(run_dir: Path, coef: np.ndarray, n: int, noise: float, seed: i
             rows = int(rng.integers(1, 24))
             median = float(rng.choice([100, 400, 1500, 4000]))
             lengths = np.clip(rng.lognormal(np.log(median), 0.5, rows), 16, 8192).astype(int)
-            x = cost.features(lengths, np.zeros(1, np.int64), layout=layout, rule=tuple(rule))
+            x = cost.features(
+                lengths, np.zeros(1, np.int64), layout=layout, rule=cost.AnchorRule(*rule)
+            )
             t = float(x[0] @ coef) * (1 + noise * rng.standard_normal())
             rec = {"rank": 0, "epoch": 0, "step": i, "micro": 0, "layout": layout,
                    "doc_lengths": lengths.tolist(), "rule": rule, "anchors": 0,
@@ -139,7 +149,7 @@ def test_calibration_recovers_known_coefficients(tmp_path):
     assert report.n_holdout == 75 and report.median_rel_err < 0.03
     assert report.plot is not None and report.plot.stat().st_size > 0
     assert cost.profile_fields(report.profile) == {
-        **report.coefficients, "block_size": 16, "anchors_per_doc": 512, "max_anchors": 2048
+        **report.coefficients, **RULE
     }  # fmt: skip
     profile = json.loads(report.profile.read_text())
     assert profile["units"] == "seconds" and profile["fit"]["n_fit"] == 225

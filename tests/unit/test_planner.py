@@ -46,6 +46,7 @@ def cost_models(draw, max_seq_len: int) -> dict:
         "cost_slot": draw(st.sampled_from([0.0, 0.25])),
         "block_size": draw(st.sampled_from([2, 4])),
         "anchors_per_doc": draw(st.sampled_from([1, 8])),
+        "tokens_per_anchor": draw(st.sampled_from([1, 3, 32])),
         "max_anchors": draw(st.sampled_from([0, 6])),
     }
     if not any(model[k] for k in ("cost_c0", "cost_tok", "cost_attn", "cost_slot")):
@@ -148,13 +149,14 @@ def check_invariants(plan: EpochPlan, lengths: np.ndarray, spec: BatchSpec) -> N
 def model_cost(docs: np.ndarray, spec: BatchSpec) -> float:
     """The cost model of ``loader_server.planning.cost``, for one micro-batch, in plain Python."""
     b, per_doc, cap = spec.block_size, spec.anchors_per_doc, spec.max_anchors
+    tpa = spec.tokens_per_anchor
     lengths = [int(v) for v in docs]
     if spec.layout == "padded":
         tokens = len(lengths) * max(lengths)
         sq = len(lengths) * max(lengths) ** 2
     else:
         tokens, sq = sum(lengths), sum(v * v for v in lengths)
-    anchors = sum(min(per_doc, v - b + 1) if v >= 2 * b else 0 for v in lengths)
+    anchors = sum(min(per_doc, -(-(v - b + 1) // tpa)) if v >= 2 * b else 0 for v in lengths)
     if cap:
         anchors = min(anchors, cap)
     if not spec.cost_model_on:

@@ -16,7 +16,7 @@ def test_defaults_match_the_contract():
     assert (s.layout, s.composition, s.order) == ("packed", "bucketed", "stratified")
     assert (s.world_size, s.grad_accum, s.seed) == (1, 1, 0)
     assert (s.cost_c0, s.cost_tok, s.cost_attn, s.cost_slot, s.cost_budget) == (0, 1, 0, 0, 0)
-    assert s.anchor_rule == (16, 512, 2048) and not s.cost_model_on
+    assert s.anchor_rule == (16, 512, 32, 0) and not s.cost_model_on
     assert s.micro_per_step == 1 and s.auto_buckets == 0
 
 
@@ -111,9 +111,13 @@ def test_spec_is_frozen_and_keyword_only():
 
 
 def test_row_cost_is_the_cost_model_of_one_row():
-    s = BatchSpec(cost_c0=5.0, cost_attn=1e-4, cost_slot=0.5, block_size=4, anchors_per_doc=50)
+    s = BatchSpec(cost_c0=5.0, cost_attn=1e-4, cost_slot=0.5, block_size=4, anchors_per_doc=50,
+                  tokens_per_anchor=1)  # fmt: skip
     # 100 tokens, 100**2 attention, min(50, 100 - 4 + 1) anchors of 4 slots.
     assert s.row_cost(100) == pytest.approx(5.0 + 100 + 1e-4 * 100**2 + 0.5 * 4 * 50)
+    # One anchor per 32 candidates (the default): ceil(97 / 32) = 4.
+    s32 = BatchSpec(cost_slot=0.5, block_size=4, anchors_per_doc=50)
+    assert s32.row_cost(100) == pytest.approx(100 + 0.5 * 4 * 4)
     assert s.row_cost(7) == pytest.approx(5.0 + 7 + 1e-4 * 49)  # under 2 blocks: no anchors
     assert s.cost_model_on and BatchSpec(cost_budget=65536).cost_model_on is False
 

@@ -319,6 +319,7 @@ SPEC_KEYS = {
     "cost_budget": float,
     "block_size": int,
     "anchors_per_doc": int,
+    "tokens_per_anchor": int,
     "max_anchors": int,
 }
 

@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loader_server.planning.cost import AnchorRule
 from trainer.data.regen import load_prompts, split_prompt
 from trainer.model.attention import BlockChunk, block_attention
 from trainer.model.blocks import (
+    DocumentDraw,
     LossConfig,
     cap_anchors,
     plan_blocks,
@@ -99,9 +101,8 @@ def test_per_document_sdpa_and_flex_equal_the_dense_mask():
 
 def test_anchors_hand_checked():
     lm = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
-    pos, valid = sample_anchors(
-        lm, torch.tensor([10]), anchors_per_doc=100, block_size=2, generator=torch.Generator()
-    )
+    rule = AnchorRule(block_size=2, anchors_per_doc=100, tokens_per_anchor=1)
+    pos, valid = sample_anchors(lm, torch.tensor([10]), torch.Generator(), rule=rule)
     # Supervised from 3; a block of 2 needs a + 2 <= 10: anchors 3..8, all of them.
     assert pos[0][valid[0]].tolist() == [3, 4, 5, 6, 7, 8]
 
@@ -109,9 +110,8 @@ def test_anchors_hand_checked():
 def test_anchors_skip_docs_with_few_supervised_tokens():
     lm = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])
     # B=4 needs 8 supervised tokens: doc 0 has 7, doc 1 has 6 -> nothing.
-    _, valid = sample_anchors(
-        lm, torch.tensor([8, 8]), anchors_per_doc=4, block_size=4, generator=torch.Generator()
-    )
+    rule = AnchorRule(block_size=4, anchors_per_doc=4, tokens_per_anchor=1)
+    _, valid = sample_anchors(lm, torch.tensor([8, 8]), torch.Generator(), rule=rule)
     assert not valid.any()
 
 
@@ -121,22 +121,23 @@ def test_anchors_skip_docs_with_few_supervised_tokens():
     n_docs=st.integers(1, 4),
     block=st.integers(2, 5),
     anchors_per_doc=st.integers(1, 6),
+    tokens_per_anchor=st.integers(1, 4),
     seed=st.integers(0, 2**31),
 )
-def test_anchor_properties(data, n_docs, block, anchors_per_doc, seed):
+def test_anchor_properties(data, n_docs, block, anchors_per_doc, tokens_per_anchor, seed):
     lengths = [data.draw(st.integers(1, 30)) for _ in range(n_docs)]
     width = max(lengths)
     lm = torch.zeros(n_docs, width, dtype=torch.uint8)
     for d, n in enumerate(lengths):
         bits = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
         lm[d, :n] = torch.tensor(bits, dtype=torch.uint8)
-    pos, valid = sample_anchors(
-        lm,
-        torch.tensor(lengths),
-        anchors_per_doc=anchors_per_doc,
-        block_size=block,
-        generator=torch.Generator().manual_seed(seed),
+    rule = AnchorRule(block, anchors_per_doc, tokens_per_anchor)
+    keys = (
+        torch.Generator().manual_seed(seed)
+        if seed % 2
+        else DocumentDraw(seed, 1).keys(torch.arange(n_docs), width)
     )
+    pos, valid = sample_anchors(lm, torch.tensor(lengths), keys, rule=rule)
     for d, n in enumerate(lengths):
         chosen = pos[d][valid[d]].tolist()
         cands = [a for a in range(n) if lm[d, a] == 1 and a + block <= n]
@@ -145,19 +146,14 @@ def test_anchor_properties(data, n_docs, block, anchors_per_doc, seed):
             assert chosen == []
             continue
         assert set(chosen) <= set(cands)
-        assert len(chosen) == min(anchors_per_doc, len(cands))
+        assert len(chosen) == min(anchors_per_doc, -(-len(cands) // tokens_per_anchor))
 
 
 def test_anchors_resampled_per_generator():
     lm = torch.ones(1, 200, dtype=torch.uint8)
+    rule = AnchorRule(block_size=4, anchors_per_doc=8)
     draw = [
-        sample_anchors(
-            lm,
-            torch.tensor([200]),
-            anchors_per_doc=8,
-            block_size=4,
-            generator=torch.Generator().manual_seed(s),
-        )[0]
+        sample_anchors(lm, torch.tensor([200]), torch.Generator().manual_seed(s), rule=rule)[0]
         for s in (1, 1, 2)
     ]
     assert torch.equal(draw[0], draw[1]) and not torch.equal(draw[0], draw[2])
@@ -170,21 +166,25 @@ def test_position_weights():
     assert torch.allclose(w, torch.tensor([math.exp(-(k - 1) / 7) for k in range(1, 16)]))
 
 
+def _draw() -> DocumentDraw:
+    return DocumentDraw(seed=0, epoch=0)
+
+
 def test_plan_blocks_hand_checked():
     ids = torch.arange(100, 110)[None].int()
     lm = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 1, 1]], dtype=torch.uint8)
     batch = Batch(
-        input_ids=ids, loss_mask=lm, lengths=torch.tensor([10]), sample_ids=ids[0],
+        input_ids=ids, loss_mask=lm, lengths=torch.tensor([10]), sample_ids=torch.tensor([7]),
         max_seqlen=10, num_tokens=10,
     )  # fmt: skip
     # B=2: supervised anchors with a + 2 <= 10.
-    plan = plan_blocks(batch, LossConfig(block_size=2, gamma=2.0), torch.Generator())
+    plan = plan_blocks(batch, LossConfig(block_size=2, gamma=2.0, tokens_per_anchor=1), _draw())
     assert plan.blk_anchor.tolist() == [1, 2, 3, 4, 5, 6, 8]
     assert plan.labels[:, 0].tolist() == [102, 103, 104, 105, 106, 107, 109]
     # loss_mask[7] == 0 drops offset 1 of anchor 6.
     assert plan.weights[:, 0].tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
     # B=4 needs 8 supervised tokens (there are 8) and a + 4 <= 10.
-    plan = plan_blocks(batch, LossConfig(block_size=4, gamma=2.0), torch.Generator())
+    plan = plan_blocks(batch, LossConfig(block_size=4, gamma=2.0, tokens_per_anchor=1), _draw())
     e = math.exp(-0.5)
     assert plan.blk_anchor.tolist() == [1, 2, 3, 4, 5, 6]
     assert plan.labels[4].tolist() == [106, 107, 108]
@@ -192,7 +192,7 @@ def test_plan_blocks_hand_checked():
     assert torch.allclose(plan.weights[4], torch.tensor([1.0, 0.0, e * e]))
     assert torch.allclose(plan.weights[5], torch.tensor([0.0, e, e * e]))
     lm[0, 1] = 0  # 7 supervised < 2B: the document is skipped
-    assert plan_blocks(batch, LossConfig(block_size=4), torch.Generator()) is None
+    assert plan_blocks(batch, LossConfig(block_size=4), _draw()) is None
 
 
 def test_chunked_head_loss_matches_autograd():
@@ -201,18 +201,19 @@ def test_chunked_head_loss_matches_autograd():
     h = torch.randn(13, 8, generator=g, requires_grad=True)
     labels = torch.randint(0, 50, (13,), generator=g)
     w = torch.rand(13, generator=g)
-    ref_out = head_loss(h, head, labels, w, 0)
-    ref, ref_hits = ref_out.ce, ref_out.hits
+    ref_out = head_loss(h, head, labels, 0)
+    ref, ref_hits = (ref_out.ce * w).sum(), ref_out.hits
     (ref_grad,) = torch.autograd.grad(ref * 3.0, h)
     for chunk in (1, 4, 13, 100):
-        out = head_loss(h, head, labels, w, chunk)
-        got, hits = out.ce, out.hits
+        out = head_loss(h, head, labels, chunk)
+        assert torch.allclose(out.ce, ref_out.ce, rtol=1e-6)  # each row's own CE
+        got, hits = (out.ce * w).sum(), out.hits
         (grad,) = torch.autograd.grad(got * 3.0, h)
         assert torch.allclose(got, ref, rtol=1e-6) and torch.equal(hits, ref_hits)
         assert torch.allclose(grad, ref_grad, atol=1e-6)
     trainable = torch.nn.Linear(8, 50, bias=False)
     with pytest.raises(ValueError, match="frozen head"):
-        head_loss(h, trainable, labels, w, 4)
+        head_loss(h, trainable, labels, 4)
 
 
 def test_anchor_cap_is_fair_and_deterministic():
@@ -285,7 +286,7 @@ def _opts(**kw):
     return RunOptions(endpoint="unused", run_dir=Path("unused"), **kw)
 
 
-RULE = {"block_size": 8, "anchors_per_doc": 16, "max_anchors": RunOptions.max_anchors}
+RULE = {"block_size": 8, "anchors_per_doc": 16, "tokens_per_anchor": 32, "max_anchors": 0}
 
 
 def test_loader_spec_holds_the_anchor_rule_and_what_the_user_set():
@@ -313,9 +314,12 @@ def test_cost_profile_goes_into_the_requested_spec(tmp_path):
         "anchor_rule": {"block_size": 8, "anchors_per_doc": 6, "max_anchors": 64},
     }))  # fmt: skip
     opts = _opts(spec_pairs=("cost_c0=0.2",), cost_profile=profile, token_budget=4096)
-    spec = loader_spec(replace(opts, block_size=8, anchors_per_doc=6, max_anchors=64))
+    old = replace(opts, block_size=8, anchors_per_doc=6, tokens_per_anchor=1, max_anchors=64,
+                  anchor_draw="micro-batch")  # fmt: skip
+    spec = loader_spec(old)
     assert spec["cost_c0"] == 0.2 and spec["cost_slot"] == 1e-6 and spec["token_budget"] == 4096
-    assert spec["max_anchors"] == 64
+    # A profile from before tokens_per_anchor counted one anchor per token.
+    assert (spec["max_anchors"], spec["tokens_per_anchor"]) == (64, 1)
     # A trainer with another rule: the spec follows the trainer, not the profile.
     assert {k: loader_spec(opts)[k] for k in RULE} == RULE
 

@@ -54,7 +54,10 @@ def test_a_checkpoint_record_written_before_the_rename_reads_under_the_new_name(
            "loss_config": {"block_size": 16, "num_anchors": 512, "max_anchors": 2048,
                            "gamma": 7.0}}  # fmt: skip
     record = CheckpointRecord.from_shared(old, tmp_path / "model.pt")
-    assert record.loss_config == dataclasses.asdict(LossConfig())
+    # ... and fields newer than it mean what it trained: the old objective and its cap.
+    legacy = LossConfig(tokens_per_anchor=1, max_anchors=2048, normalization="micro-batch",
+                        anchor_draw="micro-batch")  # fmt: skip
+    assert record.loss_config == dataclasses.asdict(legacy)
     no_step = {k: v for k, v in old.items() if k != "step"}
     with pytest.raises(ValueError, match=r"model\.pt: not a drafter checkpoint \(no step\)"):
         CheckpointRecord.from_shared(no_step, tmp_path / "model.pt")

@@ -27,7 +27,8 @@ from trainer.model.drafter import (
     DrafterConfig,
 )
 from trainer.model.rope import check_scaling, scaling_from_config
-from trainer.options import DFLASH2_DEFAULTS, RunOptions, layer_kinds, parse_int_list
+from trainer.option_values import layer_kinds, parse_int_list
+from trainer.options import DFLASH2_DEFAULTS, RunOptions
 
 if TYPE_CHECKING:
     from trainer.model.target import Target

@@ -1,17 +1,33 @@
 """What one micro-batch trains on: its documents, anchors, labels and weights.
 
-Documents with fewer than ``2*B`` supervised tokens are skipped. In each remaining document
-up to ``anchors_per_doc`` anchors are drawn without replacement from the positions ``a`` with
-``loss_mask[a] == 1`` and room for a full block (``a + B <= length``): the anchor rule the
-planner's cost model states for all-supervised documents
-(``loader_server.planning.cost.doc_anchors``; a unit test holds the two equal). Then at most
-``max_anchors`` are kept for the whole micro-batch, round-robin over its documents in random
-order (``cap_anchors``), so a micro-batch of many short documents cannot multiply memory and
-time. The draws use a generator keyed on the seed, rank and loader position
-(``anchor_generator``): anchors change every step, and a resumed run draws the same ones.
+Documents with fewer than ``2*B`` supervised tokens are skipped. A remaining document's
+candidates are the positions ``a`` with ``loss_mask[a] == 1`` and room for a full block
+(``a + B <= length``); it draws ``min(anchors_per_doc, ceil(candidates / tokens_per_anchor))``
+of them without replacement: the anchor rule the planner's cost model states for
+all-supervised documents (``loader_server.planning.cost.AnchorRule``; a unit test holds the
+two equal). The default, one anchor per 32 candidates and at most 512 per document, trains
+as many blocks per token as the old per-micro-batch cap did at the default token budget
+(2048 per 65,536-token micro-batch); ``tokens_per_anchor`` 1 is the reference recipe (up to
+512 per sequence).
+
+Which anchors (``DocumentDraw``, the default): the candidates with the smallest keys, a key
+being a hash of ``(seed, epoch, sample id, position)``. So a document's blocks are a
+function of the document, the seed and the epoch alone: the same on any rank, in any
+micro-batch, beside any neighbours, before and after a resume or a shape change; they
+change every epoch. A micro-batch's anchors then count ``tokens / tokens_per_anchor`` at
+most (plus one per document): the per-document rule is what bounds memory and time, and the
+loss of an optimizer step does not depend on how the loader cut it (docs/TRAINER.md, "One
+objective, however a step is cut").
+
+The old draw (``anchor_draw="micro-batch"``, ``--anchor-draw micro-batch``, kept for
+comparisons): keys from a generator keyed on the seed, rank and loader position
+(``anchor_generator``), and at most ``max_anchors`` per micro-batch, kept round-robin over
+its documents in random order (``cap_anchors``): which blocks a document gets depends on
+where it lands and what shares its micro-batch.
 
 Block offset ``k`` predicts ``x_{a+k}`` (k = 1..B-1), weighted ``exp(-(k-1)/gamma)`` (and by
-``loss_mask`` at ``a+k``). ``draft_blocks`` lays the kept documents out as the drafter's
+``loss_mask`` at ``a+k``; ``weighting="dpace"`` replaces the decay after the head,
+``trainer.model.loss``). ``draft_blocks`` lays the kept documents out as the drafter's
 packed context and cuts the blocks into chunks.
 """
 
@@ -22,36 +38,76 @@ import math
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from client.batch import Batch
+from loader_server.planning.cost import AnchorRule
 from trainer.model.docs import DocView
 from trainer.model.drafter import DraftBlocks, plan_chunks
+
+#: How a step's loss is normalized: over the whole step (every micro-batch of every rank),
+#: or each micro-batch's mean alike (how speculators, DeepSpec and ModelOpt train).
+NORMALIZATIONS = ("step", "micro-batch")
+#: Where anchors come from: per document (seed, epoch, sample id), or the old per-micro-batch
+#: generator and cap.
+ANCHOR_DRAWS = ("document", "micro-batch")
+#: The loss weight of block offset k: ``exp(-(k-1)/gamma)``, or D-PACE (confidence-weighted).
+WEIGHTINGS = ("decay", "dpace")
+#: What a loss config saved before these fields existed means: the objective of that time.
+LEGACY_LOSS_FIELDS = {"tokens_per_anchor": 1, "weighting": "decay", "dpace_alpha": 0.5,
+                      "normalization": "micro-batch", "anchor_draw": "micro-batch"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """Block size, anchors per document and per micro-batch, and the position decay of the
-    loss weights: everything that decides the objective (checkpoints must agree on it)."""
+    """Block size, the anchor rule, the loss weighting and how a step's loss is normalized:
+    everything that decides the objective (checkpoints must agree on it)."""
 
     block_size: int = 16
     anchors_per_doc: int = 512
-    max_anchors: int = 2048  # per micro-batch; 0: no cap
+    tokens_per_anchor: int = 32  # a document draws one anchor per this many candidates
+    max_anchors: int = 0  # per micro-batch; 0: no cap (the old draw only)
     gamma: float = 7.0
     # DFlash2: weight of the selector's K-way cross-entropy next to the unary one.
     selector_alpha: float = 1.0
+    weighting: str = "decay"
+    dpace_alpha: float = 0.5  # D-PACE's confidence smoothing: q~ = (1 - a) q + a
+    normalization: str = "step"
+    anchor_draw: str = "document"
 
     def __post_init__(self) -> None:
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.anchors_per_doc < 1:
-            raise ValueError(f"anchors_per_doc must be >= 1, got {self.anchors_per_doc}")
+        for name, low in (("block_size", 2), ("anchors_per_doc", 1), ("tokens_per_anchor", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.max_anchors < 0:
             raise ValueError(f"max_anchors must be >= 0 (0: no cap), got {self.max_anchors}")
         if not (math.isfinite(self.gamma) and self.gamma > 0):
             raise ValueError(f"gamma must be a positive number, got {self.gamma}")
         if not (math.isfinite(self.selector_alpha) and self.selector_alpha >= 0):
             raise ValueError(f"selector_alpha must be a number >= 0, got {self.selector_alpha}")
+        if not (math.isfinite(self.dpace_alpha) and 0 <= self.dpace_alpha <= 1):
+            raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
+        for name, allowed in (("weighting", WEIGHTINGS), ("normalization", NORMALIZATIONS),
+                              ("anchor_draw", ANCHOR_DRAWS)):  # fmt: skip
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got "
+                                 f"{getattr(self, name)!r}")  # fmt: skip
+        if self.max_anchors and self.anchor_draw == "document":
+            raise ValueError(
+                f"max_anchors {self.max_anchors} caps the anchors of a micro-batch, which makes "
+                "a document's blocks depend on what shares its micro-batch: it is only taken "
+                "with anchor_draw 'micro-batch' (--anchor-draw micro-batch); per document, "
+                "tokens_per_anchor bounds a micro-batch's anchors (about tokens / "
+                "tokens_per_anchor)"
+            )
+
+    @property
+    def anchor_rule(self) -> AnchorRule:
+        """The rule the loader's cost model counts block slots by."""
+        return AnchorRule(
+            self.block_size, self.anchors_per_doc, self.tokens_per_anchor, self.max_anchors
+        )
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -60,31 +116,76 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 (wrapping arithmetic): a bijection whose output
+    bits all depend on every input bit."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class DocumentDraw:
+    """Anchor keys as a function of ``(seed, epoch, sample id, position)`` alone."""
+
+    seed: int
+    epoch: int
+
+    def keys(self, sample_ids: torch.Tensor, width: int) -> torch.Tensor:
+        """Uniform keys in [0, 1) ``[D, width]`` (float64) for the documents ``sample_ids``
+        at positions ``0..width-1``; vectorized, no generator state."""
+        digest = hashlib.blake2b(struct.pack("<qq", self.seed, self.epoch), digest_size=8)
+        base = np.uint64(int.from_bytes(digest.digest(), "little"))
+        ids = sample_ids.to("cpu", torch.int64).numpy().astype(np.uint64)
+        doc = _mix(base ^ _mix(ids + _GOLDEN))
+        pos = np.arange(1, width + 1, dtype=np.uint64) * _GOLDEN
+        z = _mix(doc[:, None] + pos[None, :])
+        return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+#: Where a micro-batch's anchors come from: per document, or (the old draw) a generator.
+AnchorDraw = DocumentDraw | torch.Generator
+
+
+def anchor_counts(
+    supervised: torch.Tensor, candidates: torch.Tensor, rule: AnchorRule
+) -> torch.Tensor:
+    """Anchors each document draws (int64 ``[D]``), from its supervised tokens and its
+    candidate positions: ``min(anchors_per_doc, ceil(candidates / tokens_per_anchor))``,
+    none below ``2 * block_size`` supervised tokens."""
+    n = torch.clamp(-(-candidates // rule.tokens_per_anchor), max=rule.anchors_per_doc)
+    return torch.where(supervised >= 2 * rule.block_size, n, torch.zeros_like(n))
+
+
 def sample_anchors(
     loss_mask: torch.Tensor,
     lengths: torch.Tensor,
+    keys: torch.Tensor | torch.Generator,
     *,
-    anchors_per_doc: int,
-    block_size: int,
-    generator: torch.Generator,
+    rule: AnchorRule,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchor positions ``[D, A]`` (ascending) and their validity ``[D, A]`` (CPU tensors).
 
-    ``loss_mask [D, L]`` and ``lengths [D]`` describe right-padded documents. Candidates are
-    supervised positions with ``a + block_size <= length`` in documents with at least
-    ``2*block_size`` supervised tokens; ``A = min(anchors_per_doc, L)``; invalid slots hold 0.
+    ``loss_mask [D, L]`` and ``lengths [D]`` describe right-padded documents; ``keys``
+    ``[D, >= L]`` rank each document's candidates (the smallest win), or a generator to draw
+    them from (the old draw). ``A = min(anchors_per_doc, L)``; invalid slots hold 0.
     """
     lm = loss_mask.to("cpu").bool()
     lengths = lengths.to("cpu", torch.int64)
     d, width = lm.shape
     t = torch.arange(width)
-    eligible = lm.sum(1) >= 2 * block_size
-    cand = lm & (t[None, :] + block_size <= lengths[:, None]) & eligible[:, None]
-    keys = torch.rand(d, width, generator=generator)
-    keys = torch.where(cand, keys, torch.full_like(keys, 2.0))
-    a = min(anchors_per_doc, width)
+    cand = lm & (t[None, :] + rule.block_size <= lengths[:, None])
+    counts = anchor_counts(lm.sum(1), cand.sum(1), rule)
+    if isinstance(keys, torch.Generator):
+        keys = torch.rand(d, width, generator=keys)
+    keys = keys[:, :width]
+    keys = torch.where(cand & (counts > 0)[:, None], keys, torch.full_like(keys, 2.0))
+    a = min(rule.anchors_per_doc, width)
     val, idx = torch.topk(keys, a, dim=1, largest=False, sorted=True)
-    valid = val < 1.0
+    valid = (val < 1.0) & (torch.arange(a)[None, :] < counts[:, None])
     # Order each document's anchors by position (invalid slots last) for readable debugging.
     order = torch.where(valid, idx, torch.full_like(idx, width)).argsort(dim=1)
     idx, valid = idx.gather(1, order), valid.gather(1, order)
@@ -124,10 +225,12 @@ class BlockPlan:
     weights: torch.Tensor  # [N, B-1] float32, 0 where unsupervised
     capped: int  # anchors dropped by the cap
     ids: torch.Tensor  # the batch's input_ids on the host
+    sample_ids: torch.Tensor  # [D] the kept documents' sample ids
 
 
-def plan_blocks(batch: Batch, cfg: LossConfig, generator: torch.Generator) -> BlockPlan | None:
-    """Draw the micro-batch's anchors and their targets (None: nothing to train on)."""
+def plan_blocks(batch: Batch, cfg: LossConfig, draw: AnchorDraw) -> BlockPlan | None:
+    """Draw the micro-batch's anchors and their targets (None: nothing to train on).
+    ``draw``: a ``DocumentDraw``, or the old draw's generator (the cap draws from it too)."""
     b = cfg.block_size
     docs = DocView.of(batch)
     ids_cpu, lm_cpu = batch.input_ids.cpu(), batch.loss_mask.cpu()
@@ -136,11 +239,15 @@ def plan_blocks(batch: Batch, cfg: LossConfig, generator: torch.Generator) -> Bl
     if not bool(keep.any()):
         return None
     docs, lm = docs.select(keep), lm[keep]
-    pos, valid = sample_anchors(
-        lm, docs.length, anchors_per_doc=cfg.anchors_per_doc, block_size=b, generator=generator
-    )
+    sample_ids = batch.sample_ids.cpu()[keep]
+    width = lm.shape[1]
+    keys = draw if isinstance(draw, torch.Generator) else draw.keys(sample_ids, width)
+    pos, valid = sample_anchors(lm, docs.length, keys, rule=cfg.anchor_rule)
     drawn = int(valid.sum())
-    valid = cap_anchors(valid, cfg.max_anchors, generator)
+    if cfg.max_anchors:
+        if not isinstance(draw, torch.Generator):
+            raise ValueError("max_anchors caps the old per-micro-batch draw only (a generator)")
+        valid = cap_anchors(valid, cfg.max_anchors, draw)
     if drawn == 0:
         return None
     blk_doc, slot = valid.nonzero(as_tuple=True)  # document-major, anchors ascending
@@ -151,7 +258,8 @@ def plan_blocks(batch: Batch, cfg: LossConfig, generator: torch.Generator) -> Bl
     labels = ids_cpu[rows, cols].long()
     supervised = lm_cpu[rows, cols].bool()
     weights = position_weights(b, cfg.gamma) * supervised
-    return BlockPlan(docs, blk_doc, blk_anchor, labels, weights, drawn - int(valid.sum()), ids_cpu)
+    capped = drawn - int(valid.sum())
+    return BlockPlan(docs, blk_doc, blk_anchor, labels, weights, capped, ids_cpu, sample_ids)
 
 
 def draft_blocks(plan: BlockPlan, feats: torch.Tensor, chunk_size: int, b: int) -> DraftBlocks:
@@ -186,6 +294,14 @@ def draft_blocks(plan: BlockPlan, feats: torch.Tensor, chunk_size: int, b: int) 
         chunks=chunks,
         keep=dev(keep),
     )
+
+
+def anchor_draw(cfg: LossConfig, seed: int, rank: int, batch: Batch) -> AnchorDraw:
+    """Where ``batch``'s anchors come from in a run seeded ``seed``: per document (the
+    default), or the old draw's generator keyed on this rank's loader position."""
+    if cfg.anchor_draw == "document":
+        return DocumentDraw(seed, int(batch.epoch))
+    return anchor_generator(seed, rank, batch.epoch, batch.step, batch.micro, batch.leg)
 
 
 def anchor_generator(

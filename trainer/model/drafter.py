@@ -214,9 +214,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in fp32 and returned in the input's dtype, as Qwen3's norm does: under
-        # CUDA autocast rms_norm would otherwise turn bf16 activations into fp32 ones.
-        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        # Computed in fp32 (fp64 stays fp64) and returned in the input's dtype, as Qwen3's
+        # norm does: under CUDA autocast rms_norm would otherwise turn bf16 activations into
+        # fp32 ones.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        out = F.rms_norm(x.to(dtype), (x.shape[-1],), self.weight.to(dtype), self.eps)
         return out.to(x.dtype)
 
 

@@ -8,6 +8,12 @@
    positions ``< a`` and its own block only (``trainer.model.attention``). Block offset ``k``
    predicts ``x_{a+k}`` (k = 1..B-1), weighted ``exp(-(k-1)/gamma)`` (and by ``loss_mask`` at
    ``a+k``): early offsets matter most because a draft is only accepted up to its first miss.
+   With ``weighting="dpace"`` the weights are D-PACE's instead (``dpace_weights``), computed
+   from each slot's own cross-entropy after the head, without gradient.
+
+``draft_loss`` returns the micro-batch's weighted CE *sum* and its total weight; the loop
+divides a step's summed CE by the step's summed weight over every micro-batch and rank
+(``trainer.train.loop``), so the objective does not depend on how the step was cut.
 
 Memory. The drafter drafts blocks in chunks of ``chunk_size // B`` blocks under activation
 checkpointing and returns hidden states only for supervised slots; the frozen LM head and
@@ -31,7 +37,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.utils.checkpoint import checkpoint
 
 from client.batch import Batch
-from trainer.model.blocks import BlockPlan, LossConfig, draft_blocks, plan_blocks
+from trainer.model.blocks import AnchorDraw, BlockPlan, LossConfig, draft_blocks, plan_blocks
 from trainer.model.dflash2 import CandidateSelector, softcap_logits, training_candidates
 from trainer.model.docs import DocView
 from trainer.model.drafter import DFlashDrafter, DraftBlocks
@@ -43,9 +49,14 @@ DEFAULT_CHUNK_SIZE = 1024
 
 @dataclass
 class LossOutput:
-    """One micro-batch's loss and the sums that metrics aggregate across micro-batches/ranks."""
+    """One micro-batch's loss and the sums that metrics aggregate across micro-batches/ranks.
+
+    ``weighted`` is what a step sums over all its micro-batches and ranks and divides by
+    the step's total weight (``LossConfig.normalization`` "step"); ``loss`` is the
+    micro-batch's own mean, ``weighted / weight_sum`` (the old normalization)."""
 
     loss: torch.Tensor | None  # weighted mean CE (None when the batch has no block)
+    weighted: torch.Tensor | None  # weighted CE sum, differentiable (None: no block)
     weighted_ce_sum: torch.Tensor  # detached scalars, on the model's device (no host sync)
     weight_sum: torch.Tensor
     correct: torch.Tensor  # float64 [B-1]: argmax hits per block offset k = 1..B-1
@@ -72,7 +83,7 @@ class LogitRule:
 
 @dataclass
 class HeadOutput:
-    """The weighted CE sum (differentiable), argmax hits ``[N]``, and with ``top_k``: the
+    """Each row's CE ``[N]`` (differentiable), argmax hits ``[N]``, and with ``top_k``: the
     training candidates ``[N, K]`` (the label put last where the top-K misses it,
     ``dflash2.training_candidates``), their logits ``[N, K]`` (differentiable), the
     label's place ``[N]`` and whether the top-K held it ``[N]``."""
@@ -86,12 +97,13 @@ class HeadOutput:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Weighted CE of ``rule(h @ W.T)`` chunk by chunk, with ``d/dh`` computed in the same
+    """Per-row CE of ``rule(h @ W.T)`` chunk by chunk, with ``d/dh`` computed in the same
     pass, and (``rule.top_k``) the logits of the top candidates as a second output.
 
-    Frozen ``W`` only (the LM head): no weight gradient. Saves ``grad_h`` (``[N, H]``), never
-    logits; backward scales it by the incoming gradient and adds the candidates' share
-    (``[N, K]`` slopes times their ``W`` rows, chunk by chunk).
+    Frozen ``W`` only (the LM head): no weight gradient. Saves ``grad_h`` (``[N, H]``, each
+    row the gradient of its own CE), never logits; backward scales each row by the incoming
+    gradient of its CE (the loss weights, which may depend on the CE itself: D-PACE) and
+    adds the candidates' share (``[N, K]`` slopes times their ``W`` rows, chunk by chunk).
     """
 
     @staticmethod
@@ -100,27 +112,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
-        weights: torch.Tensor,
         chunk: int,
         rule: LogitRule,
     ) -> tuple[torch.Tensor, ...]:
         n, k = h.shape[0], rule.top_k
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        ce = torch.empty(n, dtype=_logit_dtype(h), device=h.device)
         hits = torch.empty(n, dtype=torch.bool, device=h.device)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         cands = torch.empty(n, k, dtype=torch.long, device=h.device)
-        cand_logits = torch.empty(n, k, dtype=torch.float32, device=h.device)
-        slopes = torch.empty(n, k, dtype=torch.float32, device=h.device)
+        cand_logits = torch.empty(n, k, dtype=ce.dtype, device=h.device)
+        slopes = torch.empty(n, k, dtype=ce.dtype, device=h.device)
         place = torch.empty(n, dtype=torch.long, device=h.device)
         found = torch.empty(n, dtype=torch.bool, device=h.device)
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
             # One function call per chunk: its logits are freed before the next chunk's exist.
-            out = _chunk_ce(
-                h[lo:hi], weight, labels[lo:hi], weights[lo:hi], grad_h is not None, rule
+            row_ce, hit, grad, extra = _chunk_ce(
+                h[lo:hi], weight, labels[lo:hi], grad_h is not None, rule
             )
-            ce, hit, grad, extra = out
-            total += ce
+            ce[lo:hi] = row_ce
             hits[lo:hi] = hit
             if grad is not None:
                 assert grad_h is not None  # a gradient comes back only when asked for
@@ -132,42 +142,46 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h if grad_h is not None else h.new_empty(0), weight, cands, slopes
         )
         ctx.mark_non_differentiable(hits, cands, place, found)
-        return total, hits, cands, cand_logits, place, found
+        return ce, hits, cands, cand_logits, place, found
 
     @staticmethod
     def backward(
-        ctx: BackwardCFunction, grad_total: torch.Tensor, *grads: torch.Tensor | None
+        ctx: BackwardCFunction, grad_ce: torch.Tensor, *grads: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         grad_h, weight, cands, slopes = cast(tuple[torch.Tensor, ...], ctx.saved_tensors)
-        out = grad_h * grad_total.to(grad_h.dtype)
+        out = grad_h * grad_ce.to(grad_h.dtype)[:, None]
         grad_logits = grads[2]
         if grad_logits is not None and cands.shape[1]:
             g = grad_logits * slopes  # d(candidate logit) / d(raw logit)
             chunk = int(ctx.chunk)  # type: ignore[attr-defined]
             for lo in range(0, out.shape[0], chunk):
                 hi = min(lo + chunk, out.shape[0])
-                rows = weight[cands[lo:hi]].float()  # [n, K, H]
+                rows = weight[cands[lo:hi]].to(g.dtype)  # [n, K, H]
                 out[lo:hi] += torch.einsum("nk,nkh->nh", g[lo:hi], rows).to(out.dtype)
-        return out, None, None, None, None, None
+        return out, None, None, None, None
+
+
+def _logit_dtype(h: torch.Tensor) -> torch.dtype:
+    """Logits and cross-entropy in fp32 at least (fp64 stays fp64: exactness tests)."""
+    return torch.promote_types(h.dtype, torch.float32)
 
 
 def _chunk_ce(
     h: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    weights: torch.Tensor,
     need_grad: bool,
     rule: LogitRule,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
-    """Weighted CE sum, argmax hits, ``d/dh`` (if ``need_grad``) and, with ``rule.top_k``,
-    the candidates, their logits and slopes, the label's place and whether it was found,
-    for one chunk of rows.
+    """Per-row CE, argmax hits, ``d CE_row / dh`` (if ``need_grad``) and, with
+    ``rule.top_k``, the candidates, their logits and slopes, the label's place and whether it
+    was found, for one chunk of rows.
 
-    One ``[rows, vocab]`` fp32 buffer holds the logits, then (in place) the softmax, then the
+    One ``[rows, vocab]`` buffer holds the logits, then (in place) the softmax, then the
     gradient of the logits: ``logsumexp`` and ``softmax`` would each allocate another (a
     soft cap keeps one more, its slope).
     """
-    logits = (h @ weight.t()).float()
+    logits = (h @ weight.t()).to(_logit_dtype(h))
     slope: torch.Tensor | float = rule.multiplier
     if rule.multiplier != 1.0:
         logits.mul_(rule.multiplier)
@@ -175,7 +189,6 @@ def _chunk_ce(
         logits.div_(rule.cap).tanh_()
         slope = (1.0 - logits * logits).mul_(rule.multiplier)
         logits.mul_(rule.cap)
-    w = weights.float()
     picked = logits.gather(1, labels[:, None])[:, 0]
     hits = logits.argmax(-1) == labels
     extra: tuple[torch.Tensor, ...] = ()
@@ -185,18 +198,17 @@ def _chunk_ce(
         cand_slope = (
             slope.gather(1, cands)
             if isinstance(slope, torch.Tensor)
-            else torch.full(cands.shape, slope, device=h.device)
+            else torch.full(cands.shape, slope, dtype=logits.dtype, device=h.device)
         )
         extra = (cands, logits.gather(1, cands), cand_slope, place, found)
     top = logits.amax(-1, keepdim=True)
     probs = logits.sub_(top).exp_()  # in place: the logits are not needed any more
     total = probs.sum(-1, keepdim=True)
-    ce = ((top[:, 0] + total[:, 0].log() - picked) * w).sum()
+    ce = top[:, 0] + total[:, 0].log() - picked
     if not need_grad:
         return ce, hits, None, extra
     probs.div_(total)
     probs[torch.arange(h.shape[0], device=h.device), labels] -= 1.0
-    probs.mul_(w[:, None])
     if not rule.plain:
         probs.mul_(slope)
     return ce, hits, (probs.to(weight.dtype) @ weight).to(h.dtype), extra
@@ -206,18 +218,18 @@ def head_loss(
     hidden: torch.Tensor,
     head: torch.nn.Module,
     labels: torch.Tensor,
-    weights: torch.Tensor,
     chunk_size: int,
     rule: LogitRule = LogitRule(),
 ) -> HeadOutput:
-    """Sum of ``weights * CE(rule(head(hidden)), labels)`` and what ``rule`` asks for.
+    """Each row's ``CE(rule(head(hidden)), labels)`` (``[N]``, differentiable: a loss
+    weights them, ``(out.ce * w).sum()``) and what ``rule`` asks for.
 
     ``chunk_size > 0``: logits for at most ``chunk_size`` rows exist at once (fused pass,
     frozen head). ``0``: the plain path (all logits, autograd), kept as the reference.
     """
     if chunk_size <= 0:
-        logits = softcap_logits(head(hidden).float(), rule.multiplier, rule.cap)
-        ce = (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
+        logits = softcap_logits(head(hidden).to(_logit_dtype(hidden)), rule.multiplier, rule.cap)
+        ce = F.cross_entropy(logits, labels, reduction="none")
         hits = logits.argmax(-1) == labels
         if not rule.top_k:
             empty = labels.new_empty(labels.shape[0], 0)
@@ -229,8 +241,26 @@ def head_loss(
         raise ValueError("the chunked LM head needs a frozen head (no weight gradient)")
     if getattr(head, "bias", None) is not None:
         raise ValueError("the chunked LM head supports a head without bias only")
-    out = _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_size, rule)
+    out = _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, rule)
     return HeadOutput(*out)
+
+
+def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's loss weights ``[N, B-1]`` of block offsets 1..B-1 from their cross-entropy
+    against the target's token ``ce [N, B-1]`` (no gradient flows through them).
+
+    Confidence ``q = exp(-CE)``, smoothed ``q~ = (1 - alpha) q + alpha`` (1 at unsupervised
+    slots, which pass through the products), and ``w_j = sum_{m >= j} prod_{i <= m} q~_i``
+    over supervised ``m``, 0 at unsupervised ``j``: the gradient of the expected accepted
+    length with respect to each slot's log-confidence, so a slot weighs what its acceptance
+    would still buy (arXiv 2605.18810; speculators' ``dpace_loss_decay``, SpecForge's
+    ``dpace``)."""
+    with torch.no_grad():
+        mask = supervised.to(ce.dtype)
+        smooth = torch.where(supervised, (1.0 - alpha) * torch.exp(-ce) + alpha, 1.0)
+        prefix = torch.cumprod(smooth, dim=-1) * mask
+        suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+        return suffix * mask
 
 
 def selector_loss(
@@ -251,9 +281,9 @@ def selector_loss(
         trans = selector.transitions(hidden[lo:hi], predecessors[lo:hi], head.candidates[lo:hi])
         scores = head.candidate_logits[lo:hi] + trans
         ce = F.cross_entropy(scores, head.place[lo:hi], reduction="none")
-        return (ce * weights[lo:hi].float()).sum(), scores.argmax(-1) == head.place[lo:hi]
+        return (ce * weights[lo:hi].to(ce.dtype)).sum(), scores.argmax(-1) == head.place[lo:hi]
 
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden.new_zeros((), dtype=_logit_dtype(hidden))
     hits: list[torch.Tensor] = []
     many = n > step and torch.is_grad_enabled()
     for lo in range(0, n, step):
@@ -271,7 +301,7 @@ def draft_loss(
     drafter: torch.nn.Module,
     batch: Batch,
     cfg: LossConfig,
-    generator: torch.Generator,
+    draw: AnchorDraw,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     attention: str = "sdpa",
@@ -280,8 +310,10 @@ def draft_loss(
 ) -> LossOutput:
     """The weighted block cross-entropy of ``drafter`` (possibly DDP-wrapped) on ``batch``.
 
-    ``chunk_size``: supervised slots per LM-head chunk, and ``chunk_size // B`` blocks per
-    drafter chunk (0: unchunked, the reference path). ``attention``: ``sdpa`` or ``flex``.
+    ``draw``: where the anchors come from (``trainer.model.blocks``: a ``DocumentDraw``, or
+    the old per-micro-batch draw's generator). ``chunk_size``: supervised slots per LM-head
+    chunk, and ``chunk_size // B`` blocks per drafter chunk (0: unchunked, the reference
+    path). ``attention``: ``sdpa`` or ``flex``.
     ``host_batch``: the same batch in host memory (the loader's ring), where anchors are
     planned without copying ids and mask back from the GPU (default: ``batch``).
     ``on_chunks``: called with the number of drafter chunks before the drafter runs (the
@@ -294,7 +326,7 @@ def draft_loss(
     host = batch if host_batch is None else host_batch
     num_tokens = int(DocView.of(host).length.sum())
     with phase("plan"):
-        plan = plan_blocks(host, cfg, generator)
+        plan = plan_blocks(host, cfg, draw)
     if plan is None:
         target.keep_pace()  # a sharded target's ranks all run this micro-batch's forward
         return _empty(b, num_tokens, target.device)
@@ -313,12 +345,13 @@ def draft_loss(
     sel = plan.weights > 0
     with phase("head"):
         weighted, hits, weights = _head(target, core, hidden, plan, blocks, cfg, chunk_size)
-    weight_sum = weights.sum()
+    weight_sum = weights.sum(dtype=torch.float64)  # summed over the step: exact enough
     k_idx = torch.arange(b - 1).expand_as(sel)[sel].to(device, non_blocking=True)
     return LossOutput(
-        loss=weighted / weight_sum,
+        loss=weighted / weight_sum.to(weighted.dtype),
+        weighted=weighted,
         weighted_ce_sum=weighted.detach().double(),
-        weight_sum=weight_sum.double(),
+        weight_sum=weight_sum,
         correct=torch.bincount(k_idx, weights=hits.double(), minlength=b - 1),
         count=torch.bincount(k_idx, minlength=b - 1).double(),
         num_blocks=len(plan.blk_doc),
@@ -332,19 +365,25 @@ def _head(
     blocks: DraftBlocks, cfg: LossConfig, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The LM head over the supervised slots: the weighted CE sum (DFlash2: plus its
-    selector's), each slot's hit (the served choice) and the slots' weights."""
+    selector's), each slot's hit (the served choice) and the slots' weights (the position
+    decay, or D-PACE's from the slots' own CE)."""
     device = hidden.device
     sel = plan.weights > 0
     labels = plan.labels[sel].to(device, non_blocking=True)
-    weights = plan.weights[sel].to(device, non_blocking=True)
     selector = core.candidate_selector
-    out = head_loss(hidden, target.lm_head, labels, weights, chunk_size, logit_rule(core))
-    weighted, hits = out.ce, out.hits
+    out = head_loss(hidden, target.lm_head, labels, chunk_size, logit_rule(core))
+    sel_dev = sel.to(device, non_blocking=True)
+    if cfg.weighting == "dpace":
+        ce = torch.zeros(sel.shape, dtype=out.ce.dtype, device=device)
+        ce[sel_dev] = out.ce.detach()
+        weights = dpace_weights(ce, sel_dev, cfg.dpace_alpha)[sel_dev]
+    else:
+        weights = plan.weights[sel].to(device, out.ce.dtype, non_blocking=True)
+    weighted, hits = (out.ce * weights).sum(), out.hits
     if selector is not None:  # DFlash2: its served choice is the selector's
         # The teacher-forced predecessor of offset k: the true token at k-1 (the anchor).
         full = plan.labels.to(device, non_blocking=True)
-        prev = torch.cat([blocks.anchor_ids[:, None], full[:, :-1]], 1)
-        prev = prev[sel.to(device, non_blocking=True)]
+        prev = torch.cat([blocks.anchor_ids[:, None], full[:, :-1]], 1)[sel_dev]
         sel_ce, hits = selector_loss(selector, hidden, prev, out, weights, chunk_size)
         weighted = weighted + cfg.selector_alpha * sel_ce
     return weighted, hits, weights
@@ -353,7 +392,7 @@ def _head(
 def _empty(block_size: int, num_tokens: int, device: torch.device) -> LossOutput:
     zero = torch.zeros((), dtype=torch.float64, device=device)
     zeros = torch.zeros(block_size - 1, dtype=torch.float64, device=device)
-    return LossOutput(None, zero, zero.clone(), zeros, zeros.clone(), 0, num_tokens)
+    return LossOutput(None, None, zero, zero.clone(), zeros, zeros.clone(), 0, num_tokens)
 
 
 def zero_loss(target: Target, drafter: torch.nn.Module) -> torch.Tensor:

@@ -45,7 +45,7 @@ class Samples:
 
     x: np.ndarray
     y: np.ndarray
-    rule: tuple[int, int, int]
+    rule: cost.AnchorRule
     layouts: tuple[str, ...]
     synced_dropped: int
 
@@ -53,7 +53,7 @@ class Samples:
 @dataclass(frozen=True)
 class Report:
     coefficients: dict[str, float]
-    rule: tuple[int, int, int]
+    rule: cost.AnchorRule
     n_fit: int
     n_holdout: int
     median_rel_err: float
@@ -102,7 +102,7 @@ def load_samples(run_dir: Path) -> Samples:
             "(the default records 2000 micro-batches per rank) first"
         )
     latest: dict[tuple[int, int, int, int], dict[str, Any]] = {}
-    rules: dict[tuple[int, int, int], str] = {}
+    rules: dict[cost.AnchorRule, str] = {}
     for path in files:
         text = path.read_text()
         lines = text.splitlines()
@@ -144,7 +144,7 @@ def load_samples(run_dir: Path) -> Samples:
     return Samples(x, y, rule, layouts, dropped)
 
 
-def _features(rec: dict[str, Any], rule: tuple[int, int, int]) -> np.ndarray:
+def _features(rec: dict[str, Any], rule: cost.AnchorRule) -> np.ndarray:
     lengths = np.asarray(rec["doc_lengths"], np.int64)
     return cost.features(lengths, np.zeros(1, np.int64), layout=rec["layout"], rule=rule)
 
@@ -197,7 +197,7 @@ def calibrate_run(
     coefficients = {name: float(v) for name, v in zip(cost.COEFFICIENTS, coef, strict=True)}
     if not any(coefficients.values()):
         raise ValueError(f"{run_dir}: the fit left every coefficient at 0 (times too noisy?)")
-    rule = dict(zip(cost.ANCHOR_RULE, samples.rule, strict=True))
+    rule = samples.rule._asdict()
     out = out or run_dir / "cost_profile.json"
     report = Report(
         coefficients=coefficients,

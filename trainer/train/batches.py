@@ -63,11 +63,15 @@ class Position(TypedDict, total=False):
 
 
 def pad_batch(
-    samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: Unpack[Position]
+    samples: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    sample_ids: Sequence[int] | None = None,
+    **position: Unpack[Position],
 ) -> Batch:
     """A padded batch from ``(input_ids, loss_mask)`` pairs (right padding with ``PAD_ID``);
-    ``position``: ``Batch``'s int fields (``epoch=``, ``step=``, ...). No samples: ``[0, 0]``,
-    as the daemon serves an empty micro-batch of a short last step."""
+    ``sample_ids``: the samples' ids in the corpus (default 0, 1, ...: a document's anchors
+    follow its id); ``position``: ``Batch``'s int fields (``epoch=``, ``step=``, ...). No
+    samples: ``[0, 0]``, as the daemon serves an empty micro-batch of a short last step."""
     lengths = [len(ids) for ids, _ in samples]
     width = max(lengths, default=0)
     ids = torch.full((len(samples), width), PAD_ID, dtype=torch.int32)
@@ -79,7 +83,7 @@ def pad_batch(
         input_ids=ids,
         loss_mask=mask,
         lengths=torch.tensor(lengths, dtype=torch.int32),
-        sample_ids=torch.arange(len(samples), dtype=torch.int64),
+        sample_ids=_ids(sample_ids, len(samples)),
         max_seqlen=width,
         num_tokens=sum(lengths),
         **position,
@@ -87,10 +91,13 @@ def pad_batch(
 
 
 def pack_batch(
-    samples: Sequence[tuple[Sequence[int], Sequence[int]]], **position: Unpack[Position]
+    samples: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    sample_ids: Sequence[int] | None = None,
+    **position: Unpack[Position],
 ) -> Batch:
     """A packed batch: one row of concatenated documents with per-document positions (no
-    samples: ``[1, 0]``)."""
+    samples: ``[1, 0]``); ``sample_ids`` as in ``pad_batch``."""
     lengths = [len(ids) for ids, _ in samples]
     none = torch.zeros(0, dtype=torch.int32)
     ids = torch.cat([none, *(torch.as_tensor(s, dtype=torch.int32) for s, _ in samples)])[None]
@@ -103,7 +110,7 @@ def pack_batch(
         input_ids=ids,
         loss_mask=mask,
         lengths=torch.tensor(lengths, dtype=torch.int32),
-        sample_ids=torch.arange(len(samples), dtype=torch.int64),
+        sample_ids=_ids(sample_ids, len(samples)),
         max_seqlen=max(lengths, default=0),
         num_tokens=sum(lengths),
         layout="packed",
@@ -111,6 +118,14 @@ def pack_batch(
         cu_seqlens=cu,
         **position,
     )
+
+
+def _ids(sample_ids: Sequence[int] | None, n: int) -> torch.Tensor:
+    if sample_ids is None:
+        return torch.arange(n, dtype=torch.int64)
+    if len(sample_ids) != n:
+        raise ValueError(f"{len(sample_ids)} sample ids for {n} samples")
+    return torch.as_tensor(list(sample_ids), dtype=torch.int64)
 
 
 class ListSource:
@@ -133,15 +148,18 @@ class ListSource:
         if rows < 1 or grad_accum < 1:
             raise ValueError(f"rows and grad_accum must be >= 1, got {rows}, {grad_accum}")
         make = pack_batch if layout == "packed" else pad_batch
-        chunks = [samples[i : i + rows] for i in range(0, len(samples) - rows + 1, rows)]
-        self.steps_per_epoch = len(chunks) // grad_accum
+        starts = range(0, len(samples) - rows + 1, rows)
+        self.steps_per_epoch = len(starts) // grad_accum
         if self.steps_per_epoch == 0:
             raise ValueError(f"{len(samples)} samples make no full step of {grad_accum}x{rows}")
+        spe = self.steps_per_epoch
         self._micro_batches = [
-            (make(chunks[s * grad_accum + m], steps_per_epoch=self.steps_per_epoch), s, m)
-            for s in range(self.steps_per_epoch)
+            (make(samples[i : i + rows], sample_ids=range(i, i + rows), steps_per_epoch=spe),
+             s, m)
+            for s in range(spe)
             for m in range(grad_accum)
-        ]
+            for i in [starts[s * grad_accum + m]]
+        ]  # fmt: skip
         self.epochs = epochs
         # What a LoaderClient reports after its session opens (the spec it is served).
         self.effective_spec: dict[str, Any] = {"grad_accum": grad_accum, "layout": layout}

@@ -50,14 +50,16 @@ import torch
 
 from loader_server.faults import fault_point
 from trainer.files import fsync_dir
-from trainer.model.blocks import LossConfig
+from trainer.model.blocks import LEGACY_LOSS_FIELDS, LossConfig
 from trainer.options import RENAMED
 from trainer.train.distributed import DistEnv, all_reduce, barrier
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 1
-LOSS_DEFAULTS = {"selector_alpha": LossConfig.selector_alpha}
+#: Loss config fields newer than some checkpoints, with what those checkpoints trained:
+#: DFlash2's selector weight, and the objective before it was one however a step is cut.
+LOSS_DEFAULTS = {"selector_alpha": LossConfig.selector_alpha, **LEGACY_LOSS_FIELDS}
 MANIFEST_VERSION = 1
 MANIFESTS = "manifests"  # RUN_DIR/manifests/step-N.json
 _NAME = re.compile(r"^step-(\d{8})$")
@@ -124,7 +126,7 @@ class CheckpointRecord:
         if missing:
             raise ValueError(f"{where}: not a drafter checkpoint (no {', '.join(missing)})")
         saved_loss: dict[str, Any] = dict(shared["loss_config"])
-        # Fields newer than the checkpoint mean their defaults (selector_alpha: DFlash2's).
+        # Fields newer than the checkpoint mean what it trained (LOSS_DEFAULTS).
         loss = {**LOSS_DEFAULTS, **{RENAMED.get(k, k): v for k, v in saved_loss.items()}}
         return cls(
             step=int(shared["step"]),

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loader_server.planning.cost import AnchorRule
+
 LAYOUTS = ("padded", "packed")
 
 
@@ -44,16 +46,16 @@ def make_record(
 
 def parse_record(line: str, where: str) -> dict[str, Any]:
     """A record line, checked and typed (``key``: its ``(rank, epoch, step, micro)``,
-    ``rule`` a tuple); ValueError naming ``where`` for anything malformed."""
+    ``rule`` an ``AnchorRule``); ValueError naming ``where`` for anything malformed."""
     try:
         rec = json.loads(line)
         key = (int(rec["rank"]), int(rec["epoch"]), int(rec["step"]), int(rec["micro"]))
-        rule = tuple(int(v) for v in rec["rule"])
+        rule = AnchorRule.of(rec["rule"])  # three values: a record from before tokens_per_anchor
         lengths = [int(v) for v in rec["doc_lengths"]]
         seconds = float(rec["time_s"])
         layout = rec["layout"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{where}: not a micro-batch timing record ({e})") from None
-    if layout not in LAYOUTS or not lengths or not seconds > 0 or len(rule) != 3:
+    if layout not in LAYOUTS or not lengths or not seconds > 0:
         raise ValueError(f"{where}: bad layout, lengths or time in {line[:120]}")
     return {**rec, "key": key, "rule": rule, "doc_lengths": lengths, "time_s": seconds}

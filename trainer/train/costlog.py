@@ -17,6 +17,7 @@ and calibration keeps the last line of each ``(rank, epoch, step, micro)``.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -38,7 +39,7 @@ class CostLog:
         run_dir: Path,
         rank: int,
         limit: int,
-        rule: tuple[int, int, int],
+        rule: Sequence[int],
         device: torch.device | str,
     ) -> None:
         self.limit, self.rule, self.device = limit, list(rule), torch.device(device)

@@ -5,8 +5,11 @@ Each optimizer step consumes ``grad_accum`` micro-batches whose ``micro`` index 
 on its own, because mixing micro-step and optimizer-step counters is the classic resume
 bug. Gradients are all-reduced only on the last micro-batch (``no_sync`` before it). After
 the optimizer step the loader client's position is exactly "the next step's micro 0", which
-is what a checkpoint stores; anchors are drawn from a generator keyed on
-``(seed, rank, epoch, step, micro)``, so a resumed run repeats the uninterrupted one.
+is what a checkpoint stores; a document's anchors are a function of the seed, the epoch and
+the sample (``trainer.model.blocks``), so a resumed run repeats the uninterrupted one.
+
+The step's loss is normalized over the whole step, every micro-batch of every rank, so it
+does not depend on how the loader cut the step (``trainer.train.objective``).
 
 Timing: ``data_wait`` is the time blocked in ``next(loader)``; step time runs from the first
 ``next`` to the end of the optimizer step and excludes evaluation and checkpointing, which
@@ -43,7 +46,7 @@ import torch
 from loader_server.faults import fault_point
 from loader_server.wire.protocol import LoaderError
 from trainer.model.attention import resolve_backend
-from trainer.model.blocks import anchor_generator
+from trainer.model.blocks import anchor_draw
 from trainer.model.docs import DocView
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import draft_loss, zero_loss
@@ -51,7 +54,7 @@ from trainer.model.phases import phase
 from trainer.model.target import Target
 from trainer.progress import StepProgress
 from trainer.train import checkpoint as ckpt
-from trainer.train import hostmem, loader_failure, resume, served_spec, stop
+from trainer.train import hostmem, loader_failure, objective, resume, served_spec, stop
 from trainer.train.batches import Batch, BatchSource
 from trainer.train.cadence import Cadence
 from trainer.train.clock import Clock, SavedClock, lr_scheduler, start_clock, warmup_cosine
@@ -117,8 +120,8 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profile_step, cfg.run_dir, env, cfg.peak_tflops)
         self.metrics = MetricsWriter(metrics_path(cfg.run_dir), enabled=env.is_main)
         self.trackers = Trackers(cfg.report_to, cfg.run_dir, env.is_main, asdict(cfg))
-        rule = (cfg.loss.block_size, cfg.loss.anchors_per_doc, cfg.loss.max_anchors)
-        self.costs = CostLog(cfg.run_dir, env.rank, cfg.cost_samples, rule, env.device)
+        self.costs = CostLog(cfg.run_dir, env.rank, cfg.cost_samples, cfg.loss.anchor_rule,
+                             env.device)  # fmt: skip
         self.stopper = Stopper(
             max_nonfinite_steps=cfg.max_nonfinite_steps, max_empty_steps=cfg.max_empty_steps,
             lr=cfg.lr, block_size=cfg.loss.block_size,
@@ -409,7 +412,10 @@ class Trainer:
         )
 
     def _record(self, raw: StepResult) -> dict[str, Any]:
-        return step_record(raw, self.env, step=self.step, epoch=self.epoch)
+        return step_record(
+            raw, self.env, step=self.step, epoch=self.epoch,
+            normalization=self.cfg.loss.normalization,
+        )  # fmt: skip
 
     def _micro_batches(self, it: Iterator[Batch]) -> Iterator[tuple[Batch, float]]:
         """The step's micro-batches with the time spent waiting for each."""
@@ -460,6 +466,23 @@ class Trainer:
     def train_step(self, it: Iterator[Batch]) -> StepResult:
         """One optimizer step; returns this rank's sums."""
         t_start = time.perf_counter() - (self._pending[1] if self._pending else 0.0)
+        sums, wait = self._step_gradients(it)
+        grad_norm, lr, finite = self._optimizer_step(sums)
+        self.step += 1
+        self.costs.end_step()
+        step_time = time.perf_counter() - t_start
+        sums.step_time += step_time
+        sums.wait += wait
+        sums.wait_frac += wait / max(step_time, 1e-9)
+        return StepResult(sums=sums, grad_norm=grad_norm, lr=lr, skipped=not finite)
+
+    def step_gradients(self, it: Iterator[Batch]) -> StepSums:
+        """Forward and backward of the next step's micro-batches, the gradients normalized
+        over the step (what the optimizer step clips and applies); this rank's sums."""
+        return self._step_gradients(it)[0]
+
+    def _step_gradients(self, it: Iterator[Batch]) -> tuple[StepSums, float]:
+        """``step_gradients`` and the time this rank waited for its micro-batches."""
         wait = 0.0
         sums = StepSums.zeros(self.cfg.loss.block_size - 1, self.env.device)
         epoch_before = self.epoch
@@ -478,14 +501,9 @@ class Trainer:
         except LoaderError:
             self.epoch, self._step_start = epoch_before, start
             raise
-        grad_norm, lr, finite = self._optimizer_step(sums)
-        self.step += 1
-        self.costs.end_step()
-        step_time = time.perf_counter() - t_start
-        sums.step_time += step_time
-        sums.wait += wait
-        sums.wait_frac += wait / max(step_time, 1e-9)
-        return StepResult(sums=sums, grad_norm=grad_norm, lr=lr, skipped=not finite)
+        if self.cfg.loss.normalization == "step":
+            objective.normalize_gradients(self.drafter.parameters(), sums.weight, self.env)
+        return sums, wait
 
     def _optimizer_step(self, sums: StepSums) -> tuple[torch.Tensor, float, bool]:
         """Clip, step (unless some rank's loss or gradients are not finite), advance the
@@ -515,9 +533,7 @@ class Trainer:
         # Used up before the next next(): the client reuses the slot after that.
         with phase("copy"):
             on_dev = batch.to(dev, non_blocking=True)
-        gen = anchor_generator(
-            cfg.seed, self.env.rank, batch.epoch, batch.step, batch.micro, batch.leg
-        )
+        draw = anchor_draw(cfg.loss, cfg.seed, self.env.rank, batch)
         last = batch.micro == self.grad_accum - 1
         sync = (
             contextlib.nullcontext()
@@ -531,15 +547,17 @@ class Trainer:
                     self.model,
                     on_dev,
                     cfg.loss,
-                    gen,
+                    draw,
                     chunk_size=cfg.loss_chunk,
                     attention=self.attention,
                     host_batch=batch,  # valid until the next next(): anchors planned there
                     on_chunks=self._fit_host_memory,
                 )
-                loss = out.loss if out.loss is not None else zero_loss(self.target, self.model)
+                loss = objective.micro_loss(out, cfg.loss.normalization, self.grad_accum)
+                if loss is None:  # no block: a zero loss that runs the drafter (DDP)
+                    loss = zero_loss(self.target, self.model)
             with phase("backward"):
-                (loss / self.grad_accum).backward()
+                loss.backward()
         self.costs.stop(batch, anchors=out.num_blocks, synced=last and self.env.distributed)
         sums.add(out)
         if self.profiler.active:  # what the step's FLOP count needs (a host sync: only here)

@@ -111,8 +111,20 @@ def check_compatible(
             raise ValueError(
                 f"{path}: {what} differs from this run's in "
                 + ", ".join(f"{k} ({old.get(k)!r} vs {new.get(k)!r})" for k in differ)
+                + _objective_hint(differ, old)
             )
     check_target(path, saved.meta, meta)
+
+
+def _objective_hint(differ: list[str], saved: dict[str, Any]) -> str:
+    """How to continue a checkpoint trained under another objective (the flags to give)."""
+    flags = {"tokens_per_anchor": "--tokens-per-anchor", "weighting": "--loss-weighting",
+             "dpace_alpha": "--dpace-alpha", "normalization": "--loss-normalization",
+             "anchor_draw": "--anchor-draw", "max_anchors": "--max-anchors"}  # fmt: skip
+    given = [f"{flags[k]} {saved[k]}" for k in differ if k in flags]
+    if not given:
+        return ""
+    return f"; to continue it under the objective it was trained with, pass {' '.join(given)}"
 
 
 def restore(

@@ -81,10 +81,15 @@ def check_ranks_agree(spec: dict[str, Any], where: dict[str, Any], env: DistEnv)
         )
 
 
+#: Spec fields newer than some checkpoints, with the value those checkpoints were served.
+SPEC_ADDED_LATER = {"tokens_per_anchor": 1}
+
+
 def check_checkpoint_spec(spec: dict[str, Any], saved: dict[str, Any] | None) -> None:
     """A resumed run is served the spec its checkpoint was (``SHAPE`` aside)."""
     if saved is None:
         return
+    saved = {**{k: v for k, v in SPEC_ADDED_LATER.items() if k in spec}, **saved}
     diff = {
         k: (saved.get(k), spec.get(k))
         for k in sorted(set(spec) | set(saved))
@@ -101,11 +106,7 @@ def check_checkpoint_spec(spec: dict[str, Any], saved: dict[str, Any] | None) ->
 
 def warn_other_anchor_rule(spec: dict[str, Any], loss: LossConfig, env: DistEnv) -> None:
     """Warn (rank 0) when the loader's slot cost counts another anchor rule than ``loss``."""
-    rule = {
-        "block_size": loss.block_size,
-        "anchors_per_doc": loss.anchors_per_doc,
-        "max_anchors": loss.max_anchors,
-    }
+    rule = loss.anchor_rule._asdict()
     planned = {k: spec.get(k, v) for k, v in rule.items()}
     if spec.get("cost_slot") and planned != rule and env.is_main:
         log.warning(

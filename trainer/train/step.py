@@ -27,6 +27,7 @@ class StepSums:
 
     ce: torch.Tensor  # weighted block cross-entropy
     weight: torch.Tensor  # the weights of that cross-entropy
+    micro_means: torch.Tensor  # sum of each micro-batch's ce / weight (the old normalization)
     tokens: torch.Tensor  # real tokens
     blocks: torch.Tensor  # anchors trained on
     capped: torch.Tensor  # anchors drawn but dropped by the per-micro-batch cap
@@ -56,6 +57,8 @@ class StepSums:
         """Add one micro-batch's loss sums (in place)."""
         self.ce += out.weighted_ce_sum
         self.weight += out.weight_sum
+        if out.loss is not None:
+            self.micro_means += out.loss.detach()
         self.tokens += out.num_tokens
         self.blocks += out.num_blocks
         self.capped += out.capped_blocks
@@ -110,8 +113,12 @@ class StepPeaks(NamedTuple):
         return cls(*t.tolist())
 
 
-def step_record(raw: StepResult, env: DistEnv, *, step: int, epoch: int) -> dict[str, Any]:
-    """Combine the ranks' sums (one sum and one max all-reduce) into a metrics record."""
+def step_record(
+    raw: StepResult, env: DistEnv, *, step: int, epoch: int, normalization: str = "step"
+) -> dict[str, Any]:
+    """Combine the ranks' sums (one sum and one max all-reduce) into a metrics record. Its
+    ``loss`` is the objective the step optimized: the step's weighted CE over its weight, or
+    under the old ``normalization`` "micro-batch" the mean of the micro-batches' means."""
     mine, n, offsets = raw.sums, env.world_size, int(raw.sums.correct.numel())
     total = StepSums.from_tensor(all_reduce(mine.to_tensor(), env).cpu(), offsets)
     peaks = StepPeaks(float(mine.step_time), float(mine.wait_frac), *_memory_peaks_gb(env.device))
@@ -119,7 +126,11 @@ def step_record(raw: StepResult, env: DistEnv, *, step: int, epoch: int) -> dict
     ce, weight = float(total.ce), float(total.weight)
     tokens, blocks = float(total.tokens), float(total.blocks)
     correct, count = total.correct, total.count
-    loss, grad_norm = ce / weight if weight > 0 else None, float(raw.grad_norm)
+    if normalization == "micro-batch":
+        loss = float(total.micro_means) / float(total.micro) if weight > 0 else None
+    else:
+        loss = ce / weight if weight > 0 else None
+    grad_norm = float(raw.grad_norm)
     rec = {
         "step": step,
         "epoch": epoch,

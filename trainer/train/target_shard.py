@@ -32,7 +32,8 @@ from trainer.model.sharding import (
     sharder,
 )
 from trainer.model.target import Target, meta_target, run_dtype, target_from_options
-from trainer.options import RunOptions, parse_int_list
+from trainer.option_values import parse_int_list
+from trainer.options import RunOptions
 from trainer.train.distributed import DistEnv, all_reduce
 
 log = logging.getLogger(__name__)

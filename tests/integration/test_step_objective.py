@@ -1,0 +1,78 @@
+"""One objective, however a step is cut (docs/TRAINER.md): the gradient of one optimizer
+step over the same 12 documents is the same whether the loader cut them as 1 rank x 1
+micro-batch, 1 x 4 (micro-batches of 1 to 8 documents: very unequal block counts) or
+2 ranks x 2 (gloo, DDP), padded or packed, under the decay and D-PACE weights: equal to
+1e-10 relative in float64 and 1e-5 in float32, the logged loss too. The old
+normalization (each micro-batch's mean alike) fails the same comparison."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(20)]
+ROOT = Path(__file__).parents[2]
+WORKER = ROOT / "tests" / "workers" / "step_gradient.py"
+CUTS = ("1x1", "1x4", "2x2")
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def gradients(tmp_path_factory) -> Path:
+    """Every cut's gradients: one process for the one-rank cuts, torchrun for 2 x 2."""
+    out = tmp_path_factory.mktemp("step")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    one = [sys.executable, str(WORKER), str(out)]
+    two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(WORKER), str(out)]  # fmt: skip
+    for cmd in (one, two):
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-4000:]
+    return out
+
+
+def _load(out: Path, layout: str, dtype: str, objective: str) -> dict[str, dict]:
+    return {c: torch.load(out / f"{layout}-{dtype}-{objective}-{c}.pt") for c in CUTS}
+
+
+def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest difference over every gradient, relative to the largest gradient entry."""
+    top = max(float(g.abs().max()) for g in a.values())
+    return max(float((a[n] - b[n]).abs().max()) for n in a) / top
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_a_steps_gradient_does_not_depend_on_its_cut(gradients, layout, dtype, weighting):
+    runs = _load(gradients, layout, dtype, f"step-{weighting}")
+    whole = runs["1x1"]
+    assert whole["blocks"] > 60  # every document trained (12 documents, 3 to 9 blocks each)
+    for cut in ("1x4", "2x2"):
+        assert runs[cut]["blocks"] == whole["blocks"], cut
+        assert _gap(whole["grads"], runs[cut]["grads"]) <= TOLERANCE[dtype], cut
+        assert runs[cut]["loss"] == pytest.approx(whole["loss"], rel=TOLERANCE[dtype]), cut
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_padded_and_packed_rows_of_the_same_documents_train_alike(gradients, dtype):
+    padded = _load(gradients, "padded", dtype, "step-decay")["2x2"]
+    packed = _load(gradients, "packed", dtype, "step-decay")["2x2"]
+    assert _gap(padded["grads"], packed["grads"]) <= 10 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_old_normalization_depends_on_the_cut(gradients, layout):
+    """Each micro-batch's mean alike: a block of a one-document micro-batch weighs several
+    times one of eight short documents, so the gradient moves with the cut (by far more than
+    any rounding), and one micro-batch is the step normalization exactly."""
+    old = _load(gradients, layout, "float64", "micro-batch-decay")
+    new = _load(gradients, layout, "float64", "step-decay")
+    assert _gap(old["1x1"]["grads"], new["1x1"]["grads"]) <= 1e-12
+    for cut in ("1x4", "2x2"):
+        assert _gap(old["1x1"]["grads"], old[cut]["grads"]) > 0.1, cut
