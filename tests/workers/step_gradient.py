@@ -97,7 +97,8 @@ def one_cut(
         make([docs[i] for i in part], sample_ids=part, micro=m, steps_per_epoch=1)
         for m, part in enumerate(mine)
     ]
-    target = load_target("tiny", tiny=TinyTargetSpec(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, seed=3), dtype=dtype)
+    shape = TinyTargetSpec(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, seed=3)
+    target = load_target("tiny", tiny=shape, dtype=dtype)
     torch.manual_seed(0)
     cfg = DrafterConfig.from_target(
         target.config, num_target_layers=3, block_size=B, mask_token_id=VOCAB - 1

@@ -310,12 +310,11 @@ def draft_loss(
 ) -> LossOutput:
     """The weighted block cross-entropy of ``drafter`` (possibly DDP-wrapped) on ``batch``.
 
-    ``draw``: where the anchors come from (``trainer.model.blocks``: a ``DocumentDraw``, or
-    the old per-micro-batch draw's generator). ``chunk_size``: supervised slots per LM-head
-    chunk, and ``chunk_size // B`` blocks per drafter chunk (0: unchunked, the reference
-    path). ``attention``: ``sdpa`` or ``flex``.
-    ``host_batch``: the same batch in host memory (the loader's ring), where anchors are
-    planned without copying ids and mask back from the GPU (default: ``batch``).
+    ``draw``: where the anchors come from (``trainer.model.blocks``). ``chunk_size``:
+    supervised slots per LM-head chunk, and ``chunk_size // B`` blocks per drafter chunk (0:
+    unchunked, the reference path). ``attention``: ``sdpa`` or ``flex``. ``host_batch``:
+    the same batch in host memory (the loader's ring), where anchors are planned without
+    copying ids and mask back from the GPU (default: ``batch``).
     ``on_chunks``: called with the number of drafter chunks before the drafter runs (the
     trainer fits its host allocator to it: ``trainer.train.hostmem``).
     """
@@ -330,11 +329,9 @@ def draft_loss(
     if plan is None:
         target.keep_pace()  # a sharded target's ranks all run this micro-batch's forward
         return _empty(b, num_tokens, target.device)
-    packed = batch.layout == "packed"
+    positions = batch.position_ids if batch.layout == "packed" else None
     with phase("target"):
-        feats = target.train_features(
-            batch.input_ids, batch.position_ids if packed else None, attention
-        )
+        feats = target.train_features(batch.input_ids, positions, attention)
     device = feats.device
     with phase("blocks"):
         blocks = draft_blocks(plan, feats, chunk_size, b)
