@@ -8,6 +8,12 @@ planned afresh for the new shape, with every guarantee of a fresh epoch (token a
 budgets, buckets, stratified steps, rank balance, equal step counts per rank). Later epochs
 are plain plans of the new shape.
 
+A change that keeps ``world_size x grad_accum`` (a lost node made up by accumulation:
+4 x 2 -> 2 x 4, as DeepSpeed's elasticity keeps the global batch) keeps the rest of the
+epoch's steps instead: each step's micro-batches as they were, dealt afresh to the new
+ranks and micro indices (``planner.redeal_rest``), so with the trainer's step-normalized
+loss the resumed run trains the uninterrupted run's steps (docs/TRAINER.md).
+
 The position records the *legs* of its epoch: ``Leg(world_size, grad_accum, steps)`` for
 each shape that served part of it, in order. The plan of the current leg is a pure function
 of ``(lengths, spec, epoch, legs)`` (``plan_rest``): leg ``k``'s plan is made from what legs
@@ -24,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from loader_server.planning.planner import EpochPlan, plan_epoch
+from loader_server.planning.planner import EpochPlan, plan_epoch, redeal_rest
 from loader_server.planning.spec import BatchSpec
 from loader_server.wire.protocol import MAX_LEGS, Leg
 
@@ -98,4 +104,7 @@ def plan_rest(
             f"that part of the epoch has only {prior.num_steps} steps on this corpus and spec: "
             "the position belongs to another corpus or spec"
         )
-    return plan_epoch(lengths, spec, epoch=epoch, keep=rest_after(prior, last.steps), leg=len(legs))
+    keep = rest_after(prior, last.steps)
+    if spec.micro_per_step == prior.spec.micro_per_step and last.steps < prior.num_steps:
+        return redeal_rest(lengths, prior, last.steps, spec, leg=len(legs), keep=keep)
+    return plan_epoch(lengths, spec, epoch=epoch, keep=keep, leg=len(legs))

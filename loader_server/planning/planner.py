@@ -186,10 +186,55 @@ def plan_epoch(
     plan = _assemble(batches, steps, np.asarray(lengths), ok, spec, epoch)
     if keep is None:
         return plan
+    return _as_leg(plan, leg, keep, before)
+
+
+def _as_leg(plan: EpochPlan, leg: int, keep: np.ndarray, before: int) -> EpochPlan:
+    """``plan`` marked as the rest of its epoch after its ``leg``-th shape change."""
     object.__setattr__(plan, "leg", int(leg))
     object.__setattr__(plan, "keep", keep)
     plan.stats["served_before"] = before  # by the legs before this one
     return plan
+
+
+def redeal_rest(
+    lengths: np.ndarray, prior: EpochPlan, first_step: int, spec: BatchSpec, *, leg: int,
+    keep: np.ndarray,
+) -> EpochPlan:  # fmt: skip
+    """The steps ``>= first_step`` of ``prior`` kept whole, each step's micro-batches dealt
+    afresh to ``spec``'s ranks (rank balance recomputed): the rest of an epoch after a shape
+    change that keeps ``world_size x grad_accum`` (``elastic.plan_rest``). Every step trains
+    the same micro-batches as it would have under ``prior``'s shape, so with the trainer's
+    step-normalized loss the resumed run takes the uninterrupted run's steps."""
+    width = spec.micro_per_step
+    if prior.spec.micro_per_step != width:
+        raise ValueError(f"steps of {prior.spec.micro_per_step} micro-batches cannot be dealt "
+                         f"as {spec.world_size} x {spec.grad_accum}")  # fmt: skip
+    m0, m1 = first_step * width, prior.num_micro
+    lo = prior.offsets[m0]
+    x = prior.sample_lengths[lo:].astype(np.int64)
+    starts = prior.offsets[m0:m1] - lo
+    cum = np.concatenate([[0], np.cumsum(x)])
+    tokens = cum[np.append(starts[1:], x.size)] - cum[starts]  # empty micro-batches too
+    cut = None
+    if spec.cost_model_on:  # the budget the steps were cut by
+        c0, tok, attn, slot = spec.coefficients.tolist()
+        budget = float(prior.stats["cost_budget"])
+        cut = packing.CostCut((c0, tok, attn, slot), budget, spec.anchor_rule)
+    batches = _Batches(
+        prior.sample_ids[lo:], x, starts, prior.micro_lens[m0:m1], prior.micro_costs[m0:m1],
+        tokens, prior.micro_buckets[m0:m1], prior.bucket_bounds, cut,
+    )  # fmt: skip
+    top = float(batches.costs.max(initial=0.0))
+    scale = 1.0 if cut is None or top <= 0 else _COST_UNITS / top
+    costs = np.ceil(batches.costs * scale).astype(np.int64)
+    steps = np.arange(m1 - m0, dtype=np.int64).reshape(-1, width)
+    rng = _Seeds(spec.seed, prior.epoch, leg).rng(_RNG_ORDER)
+    steps = schedule.assign_ranks(steps, costs, spec.grad_accum, rng)
+    ok = effective_lengths(lengths, spec)[1]
+    before = int((ok & ~keep).sum())
+    plan = _assemble(batches, steps, np.asarray(lengths), ok & keep, spec, prior.epoch)
+    return _as_leg(plan, leg, keep, before)
 
 
 @dataclass(frozen=True)
