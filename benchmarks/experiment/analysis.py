@@ -427,6 +427,8 @@ def analyse(
         corpus["heldout_replies_distinct_4grams"] = loops["target"]
         corpus["heldout_references_distinct_4grams"] = loops["reference"]
         corpus["heldout_looping_by_kind"] = loops["by_kind"]
+    from benchmarks.experiment.run import CONTRASTS
+
     ref = reference_of(cfg.specs)
     return {
         "config": {**cfg.fixed_part(), "seeds": list(cfg.seeds), "specs": list(cfg.specs)},
@@ -436,6 +438,11 @@ def analyse(
         "summary": {spec: _summarize_spec(runs, spec) for spec in cfg.specs},
         "reference": ref,
         "paired": {s: paired(runs, s, ref, cfg.seeds) for s in cfg.specs if s != ref},
+        "contrasts": {
+            f"{a} - {b}": paired(runs, a, b, cfg.seeds)
+            for a, b in CONTRASTS
+            if a in cfg.specs and b in cfg.specs
+        },
     }
 
 
@@ -533,9 +540,13 @@ def _forgetting(
 
 
 def _eval_loss_config(saved: dict[str, Any], anchors_per_doc: int) -> Any:
+    """One measure for every run, whatever it trained: the position-decay weights, every
+    document's ``anchors_per_doc`` anchors drawn from each batch's fixed generator."""
     from trainer.model.blocks import LossConfig
 
-    return LossConfig(**{**saved, "anchors_per_doc": anchors_per_doc})
+    keep = ("block_size", "gamma", "selector_alpha")
+    return LossConfig(**{k: saved[k] for k in keep}, anchors_per_doc=anchors_per_doc,
+                      tokens_per_anchor=1, anchor_draw="micro-batch")  # fmt: skip
 
 
 def _corpus_facts(

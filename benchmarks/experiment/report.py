@@ -31,6 +31,9 @@ COLORS = {
     "stratified": "tab:blue",
     "packed": "tab:purple",
     "frozen": "tab:brown",
+    "packed-dpace": "tab:pink",
+    "stratified-old": "tab:cyan",
+    "packed-old": "tab:gray",
 }
 LABELS = {
     "sorted": "sorted (frozen composition)",
@@ -39,6 +42,9 @@ LABELS = {
     "stratified": "bucketed + stratified",
     "packed": "ours, packed rows",
     "frozen": "sorted, batch order not shuffled",
+    "packed-dpace": "ours, packed rows, D-PACE",
+    "stratified-old": "bucketed + stratified, old objective",
+    "packed-old": "ours, packed rows, old objective",
 }
 #: The paired table's columns: (measure in ``results["paired"][spec]``, header, digits).
 PAIRED = (
@@ -50,6 +56,20 @@ PAIRED = (
     ("train_loss_at_equal_tokens", "train loss, equal real tokens", 3),
     ("diff_std", "std of step change", 4),
 )
+
+
+def _paired_table(results: dict[str, Any], rows: dict[str, dict], title: str) -> list[str]:
+    """One table of paired differences: a row per name, a column per measure any row has."""
+    names = band_names(results)
+    cols = [c for c in PAIRED if any(c[0] in p for p in rows.values())]
+    at = next((i + 1 for i, c in enumerate(cols) if c[0] == "heldout_all"), len(cols))
+    cols[at:at] = [(f"heldout_band{b}", f"held-out loss {n}", 3) for b, n in enumerate(names)]
+    lines = ["", title, "", "| spec | " + " | ".join(h for _, h, _ in cols) + " |",
+             "|---|" + "---|" * len(cols)]  # fmt: skip
+    for name, p in rows.items():
+        cells = [_interval(p[k], d) if k in p else "-" for k, _, d in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def fmt(stat: dict[str, Any], digits: int = 3) -> str:
@@ -133,27 +153,22 @@ def _interval(d: dict[str, Any], digits: int) -> str:
 def paired_lines(results: dict[str, Any]) -> list[str]:
     """Each spec minus the reference (the padded default before packed rows) per seed: the
     mean and its bootstrap 95% interval (``benchmarks.experiment.stats``), * where it
-    excludes 0."""
+    excludes 0; then the contrasts (``run.CONTRASTS``: the old objective's arms) alike."""
     ref, paired = results["reference"], results["paired"]
     if not paired:
         return []
-    names = band_names(results)
-    cols = [c for c in PAIRED if any(c[0] in p for p in paired.values())]
-    at = next((i + 1 for i, c in enumerate(cols) if c[0] == "heldout_all"), len(cols))
-    cols[at:at] = [(f"heldout_band{b}", f"held-out loss {n}", 3) for b, n in enumerate(names)]
     seeds = len(results["config"]["seeds"])
-    lines = [
-        "",
+    lines = _paired_table(
+        results, {LABELS.get(s, s): p for s, p in paired.items()},
         f"Paired by seed ({seeds}), minus {LABELS.get(ref, ref)}: mean [bootstrap 95% "
         "interval]; * where the interval excludes 0 (vLLM tau: prompts resampled too). "
         "Lower is better for losses, higher for tau.",
-        "",
-        "| spec | " + " | ".join(h for _, h, _ in cols) + " |",
-        "|---|" + "---|" * len(cols),
-    ]
-    for spec, p in paired.items():
-        cells = [_interval(p[k], d) if k in p else "-" for k, _, d in cols]
-        lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+    )  # fmt: skip
+    contrasts = results.get("contrasts") or {}
+    if contrasts:
+        lines += _paired_table(
+            results, contrasts, f"Contrasts, paired by seed ({seeds}) alike: spec - spec."
+        )
     grams = results["corpus"].get("heldout_replies_distinct_4grams")
     if grams and grams["mean"] is not None:
         lines += [

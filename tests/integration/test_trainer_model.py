@@ -340,3 +340,32 @@ def test_mask_token_id_from_config_tokenizer_or_none(tmp_path, target):
     assert mask_token_id(plain) is None
     plain.config.dflash_config = {"mask_token_id": 42}
     assert mask_token_id(plain) == 42
+
+
+# ---- packed rows need a Transformers that splits them ---------------------------------------
+
+
+def test_packed_rows_are_refused_where_transformers_does_not_split_them(target, monkeypatch):
+    """Transformers splits a packed row into its documents by the position ids only from
+    4.54 with torch 2.6; the probe finds this install does, and an install whose mask code
+    does not (its detection switched off here, as before 4.54) is refused before a packed
+    row trains across documents, naming the versions and the way out."""
+    import transformers.masking_utils as masking
+
+    from trainer.model.target import packed_rows_split
+
+    batch = pack_batch(random_docs(2))
+    assert packed_rows_split()
+    target.train_features(batch.input_ids, batch.position_ids)  # this install: fine
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    packed_rows_split.cache_clear()
+    try:
+        assert not packed_rows_split()
+        with pytest.raises(ValueError, match=r"lets the documents of a packed row attend.*"
+                           r"transformers 4\.54 with torch 2\.6.*--layout padded"):  # fmt: skip
+            target.train_features(batch.input_ids, batch.position_ids)
+        target.train_features(pad_batch(random_docs(2)).input_ids)  # padded rows train on
+    finally:
+        monkeypatch.undo()
+        packed_rows_split.cache_clear()
+    assert packed_rows_split()

@@ -89,6 +89,7 @@ class TrainedDrafter:
     target_name: str
     target: dict[str, Any]
     layer_ids: list[int]
+    loss_config: dict[str, Any]  # the objective that trained it (trainer.model.blocks)
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -158,6 +159,7 @@ def _read_drafter(run_dir: Path, path: Path) -> TrainedDrafter:
         target_name=str(meta.get("target", "?")),
         target=target,
         layer_ids=[int(i) for i in meta["layer_ids"]],
+        loss_config=dict(record.loss_config),
     )
 
 
@@ -395,8 +397,19 @@ def _info(src: TrainedDrafter, dtype: torch.dtype, best: BestStep | None) -> dic
         "block_size": src.config.block_size,
         "drafter_layers": src.config.num_layers,
         "dtype": _DTYPE_NAMES[dtype],
+        "trained_with": objective(src.loss_config),
         **chosen,
     }
+
+
+def objective(loss: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint's loss config says of the objective that trained it: the loss
+    weighting, the normalization, the anchor draw and rule."""
+    keys = ("weighting", "dpace_alpha", "gamma", "normalization", "anchor_draw",
+            "anchors_per_doc", "tokens_per_anchor", "max_anchors")  # fmt: skip
+    out = {k: loss[k] for k in keys if k in loss}
+    out.pop("dpace_alpha" if out.get("weighting") != "dpace" else "gamma", None)
+    return out
 
 
 def _readme(info: dict[str, Any]) -> str:
@@ -420,6 +433,7 @@ Trained by dflash-loader's trainer (`dflash-train export`).
 * block size: {info["block_size"]}; drafter layers: {info["drafter_layers"]}; \
 weights: {info["dtype"]}
 * from: `{info["checkpoint"]}` (step {info["step"]}{chosen})
+* trained with: {", ".join(f"{k} {v}" for k, v in info["trained_with"].items())}
 
 Serve it next to its target (DRAFT = this folder):
 

@@ -21,7 +21,10 @@ one without a tokenizer has no ids to avoid and reserves its last row.
 
 Packed rows are split per document by the ``position_ids`` (they restart at 0 for every
 document); the mask code of ``transformers`` only does this without a 2D attention mask and
-without a cache, which is how ``features`` calls it (a test checks packed == per document).
+without a cache, which is how ``features`` calls it (a test checks packed == per document),
+and only from Transformers 4.54 with torch 2.6 (older ones let a packed row's documents
+attend to each other, without a word): ``require_packed_rows`` probes the installed pair
+once, before the first packed row, and refuses to go on where it does not split.
 Under SDPA that split is a dense ``[T, T]`` mask: memory and attention work grow with the
 square of the whole row, not of its documents. ``train_features(..., attention="flex")``
 runs a packed row under Transformers' ``flex_attention`` instead, whose block mask skips
@@ -36,6 +39,7 @@ A target bigger than one GPU is loaded with its decoder layers sharded over the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterator
@@ -223,6 +227,8 @@ class Target:
         ``[T, T]`` mask; padded rows (no ``position_ids``) keep SDPA's causal kernel."""
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
+        if position_ids is not None:
+            require_packed_rows()
         kernel = "flex_attention" if attention == "flex" and position_ids is not None else None
         with self._attention(kernel):
             return self._run(input_ids, position_ids, None, stop_early=True)[0]
@@ -353,6 +359,39 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_initialized() and dist.get_world_size() > 1
+
+
+@functools.cache
+def packed_rows_split() -> bool:
+    """Whether this install's Transformers splits a packed row into its documents by the
+    position ids: two documents of a one-layer Qwen3 packed in one row, against the second
+    alone (a few milliseconds, once; the global RNG is left as it was)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    cfg = Qwen3Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3Model(cfg).eval()
+    ids = torch.arange(1, 9)[None]
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[:, 4:]
+        alone = model(input_ids=ids[:, 4:], use_cache=False).last_hidden_state
+    return bool(torch.allclose(packed, alone, atol=1e-5))
+
+
+def require_packed_rows() -> None:
+    """ValueError unless packed rows' documents stay apart in the target's attention."""
+    if not packed_rows_split():
+        import transformers
+
+        raise ValueError(
+            f"this install's transformers {transformers.__version__} with torch "
+            f"{torch.__version__} lets the documents of a packed row attend to each other "
+            "(it splits rows by their position ids from transformers 4.54 with torch 2.6): "
+            "upgrade both, or train padded rows (--layout padded)"
+        )
 
 
 def load_target(
