@@ -13,7 +13,7 @@ from loader_server.planning.spec import BatchSpec
 
 # Of the order of an 8B target on one H100 (seconds): per token, per L^2, per block slot.
 MODEL = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
-RULE = {"block_size": 16, "anchors_per_doc": 512, "max_anchors": 2048}
+RULE = {"block_size": 16, "anchors_per_doc": 512, "tokens_per_anchor": 1, "max_anchors": 2048}
 
 
 def write_profile(path: Path, coefficients=None, rule=None, **extra) -> Path:
@@ -31,7 +31,7 @@ def test_daemon_serves_cost_balanced_plans(daemons, corpus, tmp_path):
     from client import LoaderClient
 
     coefficients = {"cost_c0": 0.05, "cost_tok": 1e-5, "cost_attn": 2e-9, "cost_slot": 1e-4}
-    rule = {"block_size": 8, "anchors_per_doc": 4, "max_anchors": 64}
+    rule = {"block_size": 8, "anchors_per_doc": 4, "tokens_per_anchor": 1, "max_anchors": 64}
     profile = write_profile(tmp_path / "profile.json", coefficients, rule)
     d = daemons("--cost-profile", str(profile))
     want_spec = BatchSpec(**TEST_SPEC, **coefficients, **rule, world_size=2)

@@ -51,7 +51,7 @@ def tiny_opts(**over) -> RunOptions:
         tiny_seed=0, tiny_heads=4, tiny_kv_heads=2, tiny_intermediate=None, layers=None,
         drafter_layers=None, block_size=None, init_drafter=None, mask_token_id=None,
         learned_mask=False, seed=0, run_dir=Path("unused"), resume=False, anchors_per_doc=6,
-        max_anchors=2048, gamma=7.0, loss_chunk=1024, attention="sdpa", steps=1, epochs=None,
+        max_anchors=0, gamma=7.0, loss_chunk=1024, attention="sdpa", steps=1, epochs=None,
         grad_accum=None, lr=3e-3, warmup=0.0, weight_decay=0.01, grad_clip=1.0,
         eval_every=0, eval_new_tokens=16, ckpt_every=0, keep_checkpoints=3, no_progress=True,
     )  # fmt: skip

@@ -115,7 +115,7 @@ def test_trainer_follows_the_daemons_spec(tmp_path, monkeypatch):
         shutil.rmtree(shm, ignore_errors=True)
     served = json.loads((run_dir / "loader_spec.json").read_text())
     assert (served["token_budget"], served["max_seq_len"], served["grad_accum"]) == (512, 128, 2)
-    rule = {"block_size": 8, "anchors_per_doc": 4, "max_anchors": 2048}
+    rule = {"block_size": 8, "anchors_per_doc": 4, "tokens_per_anchor": 32, "max_anchors": 0}
     assert {k: served[k] for k in rule} == rule
     assert json.loads((run_dir / "config.json").read_text())["requested_loader_spec"] == rule
     assert '"token_budget": 512' in (tmp_path / "t.log").read_text()  # logged as served
