@@ -114,9 +114,9 @@ def test_chunked_blocks_equal_the_dense_reference(target, drafter):
             assert torch.allclose(got, ref, atol=1e-5), chunk_blocks
 
 
-def _loss_and_grads(target, drafter, batch, chunk_size, attention="sdpa"):
+def _loss_and_grads(target, drafter, batch, chunk_size, attention="sdpa", weighting="decay"):
     drafter.zero_grad(set_to_none=True)
-    cfg = LossConfig(block_size=B, anchors_per_doc=7, max_anchors=0)
+    cfg = LossConfig(block_size=B, anchors_per_doc=7, tokens_per_anchor=1, weighting=weighting)
     out = draft_loss(
         target, drafter, batch, cfg, _gen(), chunk_size=chunk_size, attention=attention
     )
@@ -125,15 +125,17 @@ def _loss_and_grads(target, drafter, batch, chunk_size, attention="sdpa"):
     return out, grads
 
 
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
 @pytest.mark.parametrize("make", [pad_batch, pack_batch])
-def test_chunked_loss_and_gradients_equal_unchunked(target, drafter, make):
+def test_chunked_loss_and_gradients_equal_unchunked(target, drafter, make, weighting):
     """Chunk sizes below one block, between, and above every slot give the reference loss,
-    gradients and accuracy counts (fp32)."""
+    gradients and accuracy counts (fp32), under the decay and D-PACE's weights (computed
+    after the head from each slot's CE: the fused head scales its stored gradients)."""
     batch = make(random_docs(4, seed=2))
-    ref, ref_grads = _loss_and_grads(target, drafter, batch, 0)
+    ref, ref_grads = _loss_and_grads(target, drafter, batch, 0, weighting=weighting)
     slots = int(ref.count.sum())
     for chunk in (2, B - 1, 3 * B + 1, 10 * slots):
-        out, grads = _loss_and_grads(target, drafter, batch, chunk)
+        out, grads = _loss_and_grads(target, drafter, batch, chunk, weighting=weighting)
         assert torch.allclose(out.loss, ref.loss, rtol=1e-5), chunk
         assert torch.equal(out.correct, ref.correct) and torch.equal(out.count, ref.count)
         for name, g in grads.items():

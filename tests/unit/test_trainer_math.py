@@ -372,3 +372,39 @@ def test_step_flops_counts_the_reference_recipe():
     assert f["target"] == pytest.approx(tokens * target.per_token() * 34 + attention)
     assert f["total"] == pytest.approx(9.7e14, rel=0.01)
     assert f["total"] == f["target"] + f["drafter"] + f["head"]
+
+
+def test_dpace_weights_follow_the_published_formula():
+    """D-PACE (speculators' ``dpace_loss_decay``): q = exp(-CE), q~ = (1 - a) q + a (1 at
+    unsupervised slots), w_j = sum over supervised m >= j of prod_{i <= m} q~_i; 0 at
+    unsupervised j. Written out slot by slot against the vectorized weights."""
+    from trainer.model.loss import dpace_weights
+
+    g = torch.Generator().manual_seed(1)
+    ce = torch.rand(6, 7, generator=g, dtype=torch.float64) * 4
+    sup = torch.rand(6, 7, generator=g) < 0.7
+    sup[0] = True  # a fully supervised block
+    sup[1] = False  # and one with no supervised slot
+    for alpha in (0.0, 0.5, 1.0):
+        got = dpace_weights(ce, sup, alpha)
+        want = torch.zeros_like(ce)
+        for n in range(ce.shape[0]):
+            for j in range(ce.shape[1]):
+                if not sup[n, j]:
+                    continue
+                total = 0.0
+                for m in range(j, ce.shape[1]):
+                    if not sup[n, m]:
+                        continue
+                    prod = 1.0
+                    for i in range(m + 1):
+                        q = math.exp(-float(ce[n, i]))
+                        prod *= (1 - alpha) * q + alpha if sup[n, i] else 1.0
+                    total += prod
+                want[n, j] = total
+        assert torch.allclose(got, want, rtol=1e-12, atol=0), alpha
+    assert not dpace_weights(ce, sup, 0.5)[1].any()
+    # alpha 1: every q~ is 1, so w_j counts the supervised slots from j on.
+    full = dpace_weights(ce[:1], sup[:1], 1.0)[0]
+    assert full.tolist() == [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]
+    assert not dpace_weights(ce.requires_grad_(), sup, 0.5).requires_grad
