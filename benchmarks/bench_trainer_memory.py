@@ -59,7 +59,7 @@ def one(anchors: int, chunk: int, variant: str = "dflash") -> dict[str, float]:
     drafter = DFlashDrafter(cfg)
     ids = torch.randint(0, VOCAB - 1, (DOC_LEN,)).tolist()
     batch = pad_batch([(ids, [1] * DOC_LEN)])
-    loss_cfg = LossConfig(block_size=BLOCK, anchors_per_doc=anchors, max_anchors=0)
+    loss_cfg = LossConfig(block_size=BLOCK, anchors_per_doc=anchors, tokens_per_anchor=1)
     rss_before = _rss_gb()
     times = []
     for _ in range(2):
@@ -115,7 +115,7 @@ def one_long(seq: int) -> dict[str, float]:
     ids = torch.randint(0, sh.vocab - 1, (seq,)).tolist()
     batch = pad_batch([(ids, [1] * seq)])
     loss_cfg = LossConfig(block_size=BLOCK, anchors_per_doc=sh.anchors_per_doc,
-                          max_anchors=sh.max_anchors)  # fmt: skip
+                          tokens_per_anchor=sh.tokens_per_anchor)  # fmt: skip
     before = _proc_gb("VmRSS")
     _reset_peak()
     t0 = time.perf_counter()

@@ -128,7 +128,7 @@ def _measure_head(fn, h, head, labels, w, chunk) -> tuple[float, float]:
         base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         with torch.autocast("cuda", torch.bfloat16):
-            total = fn(x, head, labels, w, chunk).ce
+            total = (fn(x, head, labels, chunk).ce * w).sum()
         total.backward()
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
@@ -359,7 +359,7 @@ def _train_long(sh: Any, dev: torch.device, seq: int, steps: int, run_dir: Path)
             for _ in range(steps)]  # fmt: skip
     shutil.rmtree(run_dir, ignore_errors=True)
     loss = LossConfig(block_size=sh.block, anchors_per_doc=sh.anchors_per_doc,
-                      max_anchors=sh.max_anchors)  # fmt: skip
+                      tokens_per_anchor=sh.tokens_per_anchor)  # fmt: skip
     tc = TrainConfig(run_dir=run_dir, loss=loss, steps=steps, loss_chunk=sh.loss_chunk,
                      progress=False, cost_samples=0)  # fmt: skip
     Trainer(

@@ -7,7 +7,7 @@ For ``S`` tokens in the micro-batch (one document of ``S``: the case long contex
 about), a target of hidden ``H``, MLP ``I``, ``L`` decoder layers run (up to the deepest
 feature layer: the forward stops there), ``n`` feature layers, KV width ``kv`` (KV heads x
 head_dim), vocabulary ``V``; a drafter of ``P_d`` parameters and ``L_d`` layers; ``A``
-anchors (``min(anchors_per_doc, S - B + 1)``, at most ``max_anchors``), block ``B``, head
+anchors (``min(anchors_per_doc, ceil((S - B + 1) / tokens_per_anchor))``), block ``B``, head
 chunk ``c`` slots; ``w`` bytes per target weight, ``a`` per activation (2 in bf16 on a
 GPU, 4 on CPU):
 
@@ -51,7 +51,7 @@ class Shape:
     drafter_layers: int = 1
     block: int = 16
     anchors_per_doc: int = 512
-    max_anchors: int = 2048
+    tokens_per_anchor: int = 32
     loss_chunk: int = 1024
 
     @property
@@ -85,7 +85,7 @@ QWEN3_8B = Shape(
 #: layers, the forward stopping two layers before the last.
 LONG_SHAPE = Shape(
     vocab=32_000, hidden=256, layers=8, heads=4, kv_heads=1, intermediate=768,
-    feature_layers=(1, 2, 3, 4, 5),
+    feature_layers=(1, 2, 3, 4, 5), tokens_per_anchor=1,  # 512 anchors from 4K tokens up
 )  # fmt: skip
 
 
@@ -99,9 +99,8 @@ def memory_terms(
     s, a, h = float(seq), act_bytes, shape.hidden
     n, kv = len(shape.feature_layers), shape.kv
     per_doc = seq // docs
-    anchors = docs * min(shape.anchors_per_doc, max(per_doc - shape.block + 1, 0))
-    if shape.max_anchors:
-        anchors = min(anchors, shape.max_anchors)
+    cands = max(per_doc - shape.block + 1, 0)
+    anchors = docs * min(shape.anchors_per_doc, -(-cands // shape.tokens_per_anchor))
     slots = anchors * (shape.block - 1)
     c = min(shape.loss_chunk, slots) if shape.loss_chunk else slots
     terms = {
