@@ -14,7 +14,10 @@ reaches ``POINT`` (with ``VALUE``, when given: an epoch, a step) on rank ``RANK`
 * ``checkpoint.publish=N``: rank 0, with checkpoint N's manifest written and the folder not
   yet renamed.
 
-Both the daemon and the trainer import it (a public module of ``loader_server``).
+Both the daemon and the trainer import it (a public module of ``loader_server``), and both
+check the variable as they start (``check``): a misspelled point, a value that is not an
+integer or a rank that is not one is refused, naming the variable and the known points, so
+a fault-matrix reproduction cannot pass without its fault.
 """
 
 from __future__ import annotations
@@ -24,11 +27,43 @@ import signal
 import sys
 
 ENV = "DFLASH_FAULT"
+#: Every fault point and what its value counts (all integers).
+POINTS = {"plan": "EPOCH", "step": "N", "checkpoint.write": "N", "checkpoint.publish": "N"}
+
+
+def check(environ: dict[str, str] | None = None) -> None:
+    """ValueError naming ``DFLASH_FAULT`` and the known points unless every item of it is
+    ``POINT[=VALUE][@RANK]`` with a known point and integer value and rank (unset: fine)."""
+    spec = (os.environ if environ is None else environ).get(ENV)
+    if spec is None:
+        return
+    known = ", ".join(f"{p}={v}" for p, v in POINTS.items())
+    for item in spec.split(","):
+        why = _problem(item.strip())
+        if why:
+            raise ValueError(
+                f"{ENV}={spec!r}: {item.strip()!r} {why} (items POINT[=VALUE][@RANK], "
+                f"comma-separated; the points: {known})"
+            )
+
+
+def _problem(item: str) -> str | None:
+    """What is wrong with one item, or None."""
+    name, at_sign, rank = item.partition("@")
+    name, eq, value = name.partition("=")
+    if name not in POINTS:
+        return "names no fault point"
+    if eq and not value.lstrip("-").isdigit():
+        return f"needs an integer {POINTS[name]} after '='"
+    if at_sign and not rank.isdigit():
+        return "needs a rank (an integer >= 0) after '@'"
+    return None
 
 
 def fault_point(point: str, value: object = None) -> None:
     """Kill this process (SIGKILL: no cleanup, no atexit, as a crash) if ``DFLASH_FAULT`` names
     ``point`` here; otherwise return at once."""
+    assert point in POINTS, point  # a point the code names is one of the known ones
     spec = os.environ.get(ENV)
     if spec and _matches(spec, point, value, os.environ.get("RANK", "0")):
         print(f"{ENV}: kill -9 at {point}={value}", file=sys.stderr, flush=True)

@@ -85,8 +85,13 @@ def serve(config_path: Path | None, **kw: Any) -> None:
     Type=notify). SIGTERM or SIGINT: stop accepting, tell clients, unlink shared memory,
     exit 0. Spec flags set the defaults for sessions that do not send their own values.
     """
+    from loader_server import faults
     from loader_server.cli.contract import setup_logging
 
+    try:
+        faults.check()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     config = resolve_config(config_path, kw)
     # `dflash-loader -v serve` (debug already on) is debug whatever the configured level.
     setup_logging(logging.getLogger().isEnabledFor(logging.DEBUG) or config.log_level == "debug")

@@ -52,8 +52,13 @@ def train(**opts: Any) -> None:
 
         click.echo(to_toml(RunOptions(**opts)), nl=False)
         return
+    from loader_server import faults
     from trainer.train import stop
 
+    try:
+        faults.check()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     stop.install()  # before torch loads (seconds): a SIGTERM from then on stops cleanly
     from trainer.run import run_training
 
