@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from loader_server.planning.planner import EpochPlan
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 _ARRAYS = (
     "sample_ids", "sample_lengths", "offsets", "micro_lens", "micro_costs", "micro_buckets",
@@ -31,7 +31,7 @@ _SCRIPT = """
 import json, sys, time
 import numpy as np
 import loader_server.planning.planner as planner
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 folder = sys.argv[1]
 ARRAYS = json.loads(sys.argv[2])
 import os

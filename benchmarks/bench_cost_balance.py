@@ -54,9 +54,9 @@ import numpy as np
 import torch
 
 from loader_server.data.synth import SynthSpec, synth_lengths
-from loader_server.planning import cost, metrics
+from loader_server.planning import metrics
 from loader_server.planning.planner import EpochPlan, plan_epoch
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec, profile_fields
 from trainer.model.blocks import LossConfig, anchor_generator
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.loss import draft_loss
@@ -362,7 +362,7 @@ def main(
         token_plan = plan_epoch(corpus.lengths, tokens, epoch=0)
         report = calibrate(corpus, token_plan, target, drafter, calib, Path(tmp))
         print(f"calibration ({time.perf_counter() - t0:.0f} s)\n{report.summary()}")
-        fitted = cost.profile_fields(report.profile)
+        fitted = profile_fields(report.profile)
         if plot is not None and report.plot is not None:
             shutil.copyfile(report.plot, plot)
     result: dict[str, Any] = {
@@ -373,7 +373,14 @@ def main(
         specs["cost"] = dataclasses.replace(specs["token"], **fitted)
         n = max(4, round(steps / accum))
         result["by_grad_accum"][str(accum)] = run_shape(
-            corpus, specs, baseline, n, specs["cost"].coefficients, seed, target, drafter
+            corpus,
+            specs,
+            baseline,
+            n,
+            np.asarray(specs["cost"].coefficients),
+            seed,
+            target,
+            drafter,
         )
     if not skip_reference:
         ref = reference_targets(baseline)

@@ -37,8 +37,8 @@ from loader_server.data.synth import SynthSpec, synth_lengths, write_corpus  # n
 from loader_server.planning import metrics  # noqa: E402
 from loader_server.planning.elastic import plan_rest, shaped  # noqa: E402
 from loader_server.planning.planner import plan_epoch  # noqa: E402
-from loader_server.planning.spec import BatchSpec  # noqa: E402
 from loader_server.wire.protocol import Leg  # noqa: E402
+from loader_server.wire.spec import BatchSpec  # noqa: E402
 from scripts.servers.daemon_process import DaemonProcess  # noqa: E402
 
 #: The chain: (world_size, grad_accum) of each leg, in order.

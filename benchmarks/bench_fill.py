@@ -35,7 +35,7 @@ import numpy as np
 from benchmarks.loader_bench.run import memcpy_gbps
 from loader_server.data.dataset import open_dataset
 from loader_server.planning.planner import plan_epoch
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 path, mode, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ds = open_dataset(path)

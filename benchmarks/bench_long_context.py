@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loader_server.planning import metrics
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 H100 = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
 SPEC = {"max_seq_len": 65536, "token_budget": 65536, "world_size": 8, **H100}
@@ -87,7 +87,7 @@ def plan(n_short: int, n_long: int, baseline: str, write: Path | None) -> None:
     )
     spec = BatchSpec(**SPEC, **SHAPES["padded, ga 1"])
     rows = {
-        name: metrics.evaluate(lengths, other, model=spec.coefficients)
+        name: metrics.evaluate(lengths, other, model=np.asarray(spec.coefficients))
         for name, other in metrics.baselines(spec).items()
     }
     print("dflash-loader plan --compare (grad_accum 1):")

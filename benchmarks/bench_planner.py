@@ -23,7 +23,7 @@ import numpy as np
 from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning import buckets as bk
 from loader_server.planning import metrics
-from loader_server.planning.spec import REFERENCE_BUCKETS, BatchSpec
+from loader_server.wire.spec import REFERENCE_BUCKETS, BatchSpec
 
 
 def python_sort_and_pack(lengths: list[int], budget: int, max_rows: int) -> list[list[int]]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning.planner import plan_epoch
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 # Each names its layout, so a digest means the same plan on either side of a change of the
 # default layout (packed since docs/EXPERIMENT.md, Part 3; padded before).

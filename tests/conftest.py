@@ -18,13 +18,13 @@ import warm
 from loader_server.data.dataset import ArrowDataset, open_dataset
 from loader_server.data.synth import SynthSpec, write_corpus
 from loader_server.planning.planner import EpochPlan, plan_epoch
-from loader_server.planning.spec import BatchSpec
 
 # Imported here, before pytest enables faulthandler: the ring extension installs its SIGBUS
 # guard on import, and a guard installed first survives a test's faulthandler.disable()
 # (test_robustness_daemon's no_faulthandler), which restores what preceded faulthandler.
 from loader_server.wire import _ring  # noqa: F401
 from loader_server.wire.ring import SHM_DIR_ENV
+from loader_server.wire.spec import BatchSpec
 from scripts.servers import daemon_process
 
 # Small enough to run epochs in a second, varied enough to exercise buckets and truncation.

@@ -127,8 +127,8 @@ def _epoch_end_alone(logs: str, corpus: Path, run_dir: Path, world: int) -> int:
 
     from loader_server.data.dataset import open_dataset
     from loader_server.planning.elastic import plan_rest, shaped
-    from loader_server.planning.spec import BatchSpec
     from loader_server.wire.protocol import Leg
+    from loader_server.wire.spec import BatchSpec
 
     line = logs.split(f"world_size {world} x grad_accum 1 -> 1 x 1 at epoch 0 step ")[1]
     k = int(line.split()[0].rstrip(":;,"))

@@ -10,7 +10,9 @@ training run writes its options to ``config.json`` and reads them back from it.
 unknown and missing key and every value of the wrong type instead of failing later on one.
 
 This module is the trainer's foundation: it imports nothing of the trainer but
-``trainer.option_values`` (how a value is checked and read), and no torch.
+``trainer.option_values`` (how a value is checked and read), the loader spec's declaration
+(``loader_server.wire.spec``: the spec flags' help and choices are its fields'), and no
+torch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from loader_server.wire.spec import SPEC_FIELDS, field_help
 from trainer.option_values import from_json, has_type, parse_int_list, to_json, type_name
 
 if TYPE_CHECKING:
@@ -131,6 +134,17 @@ class TargetOptions(Options):
 
 
 SPEC = "Loader spec (unset: the daemon's)"
+
+
+def spec_help(name: str) -> str:
+    """A loader spec field's help, with where its default comes from."""
+    return f"{field_help(name)} [default: the daemon's]"
+
+
+def spec_choices(name: str) -> tuple[str, ...]:
+    return tuple(SPEC_FIELDS[name].metadata["choices"])
+
+
 DRAFTER = "Drafter and objective"
 OPTIM = "Optimizer and length"
 EVAL = "Evaluation, checkpoints, output"
@@ -343,17 +357,14 @@ class RunOptions(TargetOptions):
         0, "Trainer seed (init, anchors); the loader's plan seed is the daemon's or --spec seed=N.",
         section=OPTIM,
     )  # fmt: skip
-    grad_accum: int | None = opt(
-        None, "Micro-batches per optimizer step [default: the daemon's].", section=SPEC
-    )
-    token_budget: int | None = opt(None, "Padded tokens per micro-batch.", section=SPEC)
-    max_batch_size: int | None = opt(None, "Rows per micro-batch.", section=SPEC)
-    max_seq_len: int | None = opt(None, "Longer samples are cut or dropped.", section=SPEC)
+    # The loader spec's fields a trainer sets often: their help and choices are the spec's
+    # own (loader_server.wire.spec); unset, the daemon's configured spec decides.
+    grad_accum: int | None = opt(None, spec_help("grad_accum"), section=SPEC)
+    token_budget: int | None = opt(None, spec_help("token_budget"), section=SPEC)
+    max_batch_size: int | None = opt(None, spec_help("max_batch_size"), section=SPEC)
+    max_seq_len: int | None = opt(None, spec_help("max_seq_len"), section=SPEC)
     layout: str | None = opt(
-        None,
-        "Micro-batch layout [default: the daemon's; packed unless its config says padded].",
-        choices=("padded", "packed"),
-        section=SPEC,
+        None, spec_help("layout"), choices=spec_choices("layout"), section=SPEC
     )
     spec_pairs: tuple[str, ...] = opt(
         (),

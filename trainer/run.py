@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from loader_server.planning.cost import ANCHOR_RULE, profile_fields
+from loader_server.wire.spec import ANCHOR_RULE, check_fields, profile_fields
 from trainer.data.regen import load_prompts
 from trainer.data.tokenizer import load_tokenizer
 from trainer.eval.sets import BUILTIN, conversation, load_set, parse_set, render
@@ -70,7 +70,10 @@ def loader_spec(opts: RunOptions) -> dict[str, Any]:
     the loader's cost model counts the block slots this trainer trains, and the spec the run
     records is what it does, not the daemon's defaults), the ones the user set
     (flags, then ``--spec``); the daemon's configured spec supplies every other field.
-    ``--spec`` may not contradict a trainer flag (grad_accum, the anchor rule)."""
+    ``--spec`` may not contradict a trainer flag (grad_accum, the anchor rule). Every field
+    is checked as a daemon checks it (``loader_server.wire.spec.check_fields``), before the
+    target loads: an unknown name (with the nearest known one) or a bad value costs a
+    second, not a target's load."""
     set_by_flag = {k: getattr(opts, k) for k in SPEC_OPTIONS}
     spec = {k: v for k, v in set_by_flag.items() if v is not None}
     if opts.block_size is None:
@@ -95,6 +98,7 @@ def loader_spec(opts: RunOptions) -> dict[str, Any]:
                 opts.cost_profile, theirs, rule,
             )  # fmt: skip
         spec = {**profile, **spec}
+    check_fields(spec)  # a typo or a bad value is refused here, before the target loads
     return spec
 
 

@@ -111,7 +111,7 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def effective_spec(config: dict[str, Any]) -> Any:
     """The BatchSpec the daemon planned this run with (as served, else its defaults + the
     trainer's fields)."""
-    from loader_server.planning.spec import BatchSpec
+    from loader_server.wire.spec import BatchSpec
 
     spec = config.get("loader_spec") or config["requested_loader_spec"]
     return BatchSpec.from_dict({**spec, "world_size": config["world_size"]})

@@ -211,7 +211,7 @@ class ExperimentConfig:
     @property
     def six_buckets(self) -> str:
         """The original pipeline's 6 hand-set buckets, scaled from its 8192 to ``max_len``."""
-        from loader_server.planning.spec import REFERENCE_BUCKETS
+        from loader_server.wire.spec import REFERENCE_BUCKETS
 
         bounds = sorted({max(1, round(b * self.max_len / 8192)) for b in REFERENCE_BUCKETS})
         return ",".join(str(b) for b in bounds if b < self.max_len)

@@ -31,8 +31,8 @@ from benchmarks.loader_bench.baseline import dataloader_throughput, sort_once_re
 from loader_server.data.dataset import open_dataset
 from loader_server.planning import metrics
 from loader_server.planning.planner import plan_epoch
-from loader_server.planning.spec import BatchSpec
 from loader_server.wire.ring import SHM_DIR_ENV
+from loader_server.wire.spec import BatchSpec
 from scripts.servers.daemon_process import DaemonProcess
 
 

@@ -18,7 +18,7 @@ from loader_server.data.dataset import open_dataset
 from loader_server.planning import buckets as bk
 from loader_server.planning import metrics
 from loader_server.planning.planner import EpochPlan, effective_lengths
-from loader_server.planning.spec import (
+from loader_server.wire.spec import (
     REFERENCE_BUCKETS,
     BatchSpec,
 )
@@ -128,7 +128,7 @@ def plan(
     if compare:
         rows = {"this spec": result}
         for name, other in list(metrics.baselines(spec).items())[1:]:
-            model = spec.coefficients if spec.cost_model_on else None
+            model = np.asarray(spec.coefficients) if spec.cost_model_on else None
             rows[name] = metrics.evaluate(lengths, other, epoch=epoch, model=model)
         result["compare"] = {name: _plain(r) for name, r in rows.items() if name != "this spec"}
     if dump is not None:

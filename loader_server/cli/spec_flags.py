@@ -1,4 +1,5 @@
-"""The batch-spec flags: one per ``BatchSpec`` field, the same names in every command.
+"""The batch-spec flags: one per ``BatchSpec`` field, the same names in every command, made
+from the fields' declarations (type, choices, help: ``loader_server.wire.spec``).
 
 ``plan`` and ``bench`` take them with the spec's defaults (``spec_options``); ``serve``
 takes them with no defaults (``spec_options(overrides_only=True)``), so only the flags a
@@ -8,54 +9,33 @@ user gives override the config file's ``[spec]`` table.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Any, TypeVar
 
 import click
 
-from loader_server.planning.spec import (
-    COMPOSITIONS,
-    LAYOUTS,
-    ORDERS,
-    OVERLONG,
-    BatchSpec,
-    expand_profile,
-)
+from loader_server.wire.spec import SPEC_FIELDS as _SPEC_FIELDS
+from loader_server.wire.spec import BatchSpec, expand_profile, field_help
 
 F = TypeVar("F", bound=Callable[..., Any])
 _DEFAULT = BatchSpec()
-SPEC_FIELDS = tuple(f.name for f in fields(BatchSpec))
+SPEC_FIELDS = tuple(_SPEC_FIELDS)
 
-_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--token-budget", {"type": int, "help": "Max cost (tokens) of one micro-batch."}),
-    ("--max-batch-size", {"type": int, "help": "Max rows of a padded micro-batch."}),
-    ("--max-seq-len", {"type": int, "help": "Longer samples: see --overlong."}),
-    ("--overlong", {"type": click.Choice(OVERLONG), "help": "Samples over --max-seq-len."}),
-    ("--buckets", {"help": "auto | auto:K | bounds such as 770,1216,1728,2432,3296."}),
-    ("--target-efficiency", {"type": float, "help": "What --buckets auto aims for."}),
-    ("--layout", {"type": click.Choice(LAYOUTS), "help": "Padded [B, L] or packed [1, T]."}),
-    (
-        "--composition",
-        {
-            "type": click.Choice(COMPOSITIONS),
-            "help": "sorted/random: baselines (frozen batches / full shuffle).",
-        },
-    ),
-    ("--order", {"type": click.Choice(ORDERS), "help": "How steps mix buckets."}),
-    ("--world-size", {"type": int, "help": "Ranks of the job."}),
-    ("--grad-accum", {"type": int, "help": "Micro-batches per rank per optimizer step."}),
-    ("--seed", {"type": int, "help": "With the epoch, determines the plan."}),
-    ("--cost-c0", {"type": float, "help": "Cost model: fixed cost of a micro-batch."}),
-    ("--cost-tok", {"type": float, "help": "Cost model: per token as laid out."}),
-    ("--cost-attn", {"type": float, "help": "Cost model: per squared document length."}),
-    ("--cost-slot", {"type": float, "help": "Cost model: per drafter block slot."}),
-    ("--cost-budget", {"type": float, "help": "Max modelled cost of a micro-batch (0: auto)."}),
-    ("--block-size", {"type": int, "help": "Trainer's block size (block slots)."}),
-    ("--anchors-per-doc", {"type": int, "help": "Trainer's anchors per document, at most."}),
-    ("--tokens-per-anchor", {"type": int, "help": "Trainer's tokens of a document per anchor."}),
-    ("--max-anchors", {"type": int, "help": "Trainer's anchors per micro-batch (0: no cap)."}),
-]
-assert [n[2:].replace("-", "_") for n, _ in _FLAGS] == list(SPEC_FIELDS), "flags != BatchSpec"
+
+def _flag(name: str) -> tuple[str, dict[str, Any]]:
+    """The flag of spec field ``name``: its name, type (or choices) and help, all read off
+    the field's declaration (``loader_server.wire.spec``)."""
+    meta = _SPEC_FIELDS[name].metadata
+    kw: dict[str, Any] = {"help": field_help(name)}
+    if "choices" in meta:
+        kw["type"] = click.Choice(meta["choices"])
+    elif "low" in meta:
+        kw["type"] = int
+    elif isinstance(_SPEC_FIELDS[name].default, float):
+        kw["type"] = float
+    return "--" + name.replace("_", "-"), kw
+
+
+_FLAGS = [_flag(name) for name in SPEC_FIELDS]
 _PROFILE_HELP = (
     "Cost profile (JSON from `dflash-train calibrate`): sets the cost coefficients and the "
     "anchor rule; --cost-* flags given with it win."

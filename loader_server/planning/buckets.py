@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loader_server.planning.spec import MAX_AUTO_BUCKETS, BatchSpec
+from loader_server.wire.spec import MAX_AUTO_BUCKETS, BatchSpec
 
 
 @dataclass(frozen=True, kw_only=True)

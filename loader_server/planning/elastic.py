@@ -31,8 +31,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from loader_server.planning.planner import EpochPlan, plan_epoch, redeal_rest
-from loader_server.planning.spec import BatchSpec
 from loader_server.wire.protocol import MAX_LEGS, Leg
+from loader_server.wire.spec import BatchSpec
 
 __all__ = ["ChainMismatch", "Leg", "consumed", "plan_rest", "rest_after", "shaped"]
 

@@ -33,11 +33,11 @@ from loader_server.planning import buckets as bk
 from loader_server.planning import cost
 from loader_server.planning.planner import EpochPlan, plan_epoch
 from loader_server.planning.schedule import NUM_BANDS
-from loader_server.planning.spec import REFERENCE_BUCKETS, BatchSpec
+from loader_server.wire.spec import COEFFICIENTS, REFERENCE_BUCKETS, BatchSpec
 
 #: The cost fields of a spec without a cost model (cost = tokens, budget = token budget).
 TOKEN_COST: dict[str, Any] = {
-    name: getattr(BatchSpec(), name) for name in (*cost.COEFFICIENTS, "cost_budget")
+    name: getattr(BatchSpec(), name) for name in (*COEFFICIENTS, "cost_budget")
 }
 
 
@@ -128,7 +128,7 @@ def summarize(
     coefficients to judge rank balance by (default: the spec's own cost model, if on)."""
     st = plan.stats
     if model is None and plan.spec.cost_model_on:
-        model = plan.spec.coefficients
+        model = np.asarray(plan.spec.coefficients)
     out: dict[str, Any] = {
         "padding_efficiency": padding_efficiency(plan),
         "composition_repeat": None,

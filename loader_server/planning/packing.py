@@ -74,7 +74,7 @@ class CostCut:
         ``longest`` (elementwise, a vectorized binary search). Cost grows with length, so
         at a segment's longest length this is a count that surely fits, at its shortest a
         count that surely cannot be exceeded."""
-        per_row = self.rule.doc_anchors(longest)
+        per_row = cm.doc_anchors(self.rule, longest)
         lo, hi = np.zeros_like(most), most.copy()
         while bool((lo < hi).any()):
             mid = (lo + hi + 1) // 2
@@ -100,7 +100,7 @@ class CostCut:
             return x  # the documents' share of the cost is nothing: tokens alone bound rows
         c = tok * x + attn * (x * x).astype(np.float64)
         if cap <= 0:
-            c = c + slot * block * self.rule.doc_anchors(x)
+            c = c + slot * block * cm.doc_anchors(self.rule, x)
         scaled = np.ceil(c * (token_budget / room)).astype(np.int64)
         return np.minimum(np.maximum(x, scaled), token_budget)
 
@@ -158,7 +158,7 @@ def _take_counts(
     if cut is not None:
         # Anchors of the rows p..p+k-1 are prefix[p+k] - prefix[p].
         prefix = np.zeros(n + 1, np.int64)
-        np.cumsum(cut.rule.doc_anchors(x), out=prefix[1:])
+        np.cumsum(cm.doc_anchors(cut.rule, x), out=prefix[1:])
     table = _sparse_max(x, int(hi.max()))
     log2 = np.zeros(max_rows + 2, np.int64)
     log2[2:] = np.floor(np.log2(np.arange(2, max_rows + 2))).astype(np.int64)

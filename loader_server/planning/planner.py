@@ -39,7 +39,7 @@ import numpy as np
 
 from loader_server.planning import buckets as bk
 from loader_server.planning import cost, packing, schedule
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 # Third element of every RNG seed: what the randomness is for.
 _RNG_BUCKET, _RNG_FULL, _RNG_ORDER, _RNG_PACKED = 1, 2, 3, 4
@@ -218,7 +218,7 @@ def redeal_rest(
     tokens = cum[np.append(starts[1:], x.size)] - cum[starts]  # empty micro-batches too
     cut = None
     if spec.cost_model_on:  # the budget the steps were cut by
-        c0, tok, attn, slot = spec.coefficients.tolist()
+        c0, tok, attn, slot = spec.coefficients
         budget = float(prior.stats["cost_budget"])
         cut = packing.CostCut((c0, tok, attn, slot), budget, spec.anchor_rule)
     batches = _Batches(
@@ -329,7 +329,7 @@ def cost_cut(lengths: np.ndarray, spec: BatchSpec) -> packing.CostCut | None:
     if not spec.cost_model_on:
         return None
     budget = float(spec.cost_budget) or auto_budget(lengths, spec)
-    c0, tok, attn, slot = spec.coefficients.tolist()
+    c0, tok, attn, slot = spec.coefficients
     return packing.CostCut((c0, tok, attn, slot), budget, spec.anchor_rule)
 
 
@@ -354,17 +354,19 @@ def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
     values = np.arange(hist.size)
     if spec.layout == "packed":
         tokens = float(hist @ values)
-        per_token = (hist @ rule.doc_anchors(values)) / tokens
+        per_token = (hist @ cost.doc_anchors(rule, values)) / tokens
         sq_per_token = float(hist @ (values * values)) / tokens
         cap = rule.max_anchors
         slots = rule.block_size * (min(cap, tb * per_token) if cap > 0 else tb * per_token)
-        c0, tok, attn, slot = spec.coefficients.tolist()
+        c0, tok, attn, slot = spec.coefficients
         return max(c0 + tok * tb + attn * tb * sq_per_token + slot * slots, floor)
     mass = np.cumsum(hist * values)
     lo, hi = (int(v) for v in np.searchsorted(mass, mass[-1] * np.array([0.05, 0.95])))
     lo = max(lo, -(-tb // spec.max_batch_size), 1)  # rows = tb // l <= max_batch_size
     candidates = np.arange(lo, max(hi, lo) + 1)
-    fill = cost.uniform_features(candidates, tb // candidates, rule=rule) @ spec.coefficients
+    fill = cost.uniform_features(candidates, tb // candidates, rule=rule) @ np.asarray(
+        spec.coefficients
+    )
     return max(float(fill.min()), floor)
 
 
@@ -376,7 +378,9 @@ def _costs(x: np.ndarray, starts: np.ndarray, spec: BatchSpec, layout: str) -> n
             return np.add.reduceat(x, starts).astype(np.float64)
         rows = np.diff(np.append(starts, x.size))
         return (rows * np.maximum.reduceat(x, starts)).astype(np.float64)
-    return cost.features(x, starts, layout=layout, rule=spec.anchor_rule) @ spec.coefficients
+    return cost.features(x, starts, layout=layout, rule=spec.anchor_rule) @ np.asarray(
+        spec.coefficients
+    )
 
 
 def _empty_batches(

@@ -16,7 +16,7 @@ import numpy as np
 
 from loader_server.planning.elastic import shaped
 from loader_server.planning.planner import effective_lengths, plan_epoch
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 
 def why_unservable(lengths: np.ndarray, spec: BatchSpec) -> str | None:

@@ -18,8 +18,9 @@ from typing import Any, get_args, get_type_hints
 import tomllib
 
 from loader_server.data.dataset import SCAN_BYTES
-from loader_server.planning.spec import INT32_MAX, BatchSpec, SpecLimits, expand_profile
+from loader_server.service.limits import SpecLimits
 from loader_server.wire.protocol import DEFAULT_ENDPOINT
+from loader_server.wire.spec import INT32_MAX, BatchSpec, expand_profile
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

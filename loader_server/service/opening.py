@@ -21,9 +21,10 @@ import numpy as np
 from loader_server.planning.elastic import shaped
 from loader_server.planning.planner import EpochPlan
 from loader_server.planning.servable import why_unservable
-from loader_server.planning.spec import BatchSpec, SpecLimits
+from loader_server.service.limits import SpecLimits
 from loader_server.service.rings import ShmRing
 from loader_server.wire import protocol as P
+from loader_server.wire.spec import BatchSpec
 
 Position = tuple[int, int, int]
 #: Rings up to this size are made on the serving thread (reserving them takes ~1 ms).

@@ -23,8 +23,8 @@ import numpy as np
 from loader_server.faults import fault_point
 from loader_server.planning.elastic import plan_rest, shaped
 from loader_server.planning.planner import EpochPlan
-from loader_server.planning.spec import BatchSpec
 from loader_server.wire.protocol import Leg
+from loader_server.wire.spec import BatchSpec
 
 log = logging.getLogger(__name__)
 # Plans kept (the least recently used go first): each job holds its current epoch's and the

@@ -18,7 +18,6 @@ from concurrent.futures import Future
 from loader_server.data.corpus_watch import CorpusWatch
 from loader_server.data.dataset import ArrowDataset, CorpusFaultError, DatasetError
 from loader_server.planning.planner import EpochPlan
-from loader_server.planning.spec import BatchSpec
 from loader_server.service.opening import no_steps
 from loader_server.service.plans import PlanCache
 from loader_server.service.readahead import DEPTH as READAHEAD_DEPTH
@@ -27,6 +26,7 @@ from loader_server.service.registry import Registry
 from loader_server.service.session import Session, shortest_sample
 from loader_server.wire import protocol as P
 from loader_server.wire.protocol import Leg
+from loader_server.wire.spec import BatchSpec
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
-from loader_server.planning.spec import BatchSpec
 from loader_server.service.config import DaemonConfig
 from loader_server.service.errors import RankBusy, UnknownSession
 from loader_server.service.opening import SYNC_RING_BYTES, Opening, OpenRequest, SpecMismatch
 from loader_server.service.rings import ShmRing, ShmSpaceError, ring_bytes, segment_name
 from loader_server.service.session import Session, slot_layout_for
+from loader_server.wire.spec import BatchSpec
 
 log = logging.getLogger(__name__)
 # Sessions and opens of the whole daemon: far above any real cluster's ranks, low enough

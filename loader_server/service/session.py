@@ -17,11 +17,11 @@ import numpy as np
 
 from loader_server.data.dataset import ArrowDataset
 from loader_server.planning.planner import EpochPlan
-from loader_server.planning.spec import BatchSpec
 from loader_server.service.rings import ShmRing
 from loader_server.wire import ring as R
 from loader_server.wire.protocol import Leg
 from loader_server.wire.ring import SlotLayout
+from loader_server.wire.spec import BatchSpec
 
 Position = tuple[int, int, int]
 

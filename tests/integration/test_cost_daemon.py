@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loader_server.planning.planner import plan_epoch
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 # Of the order of an 8B target on one H100 (seconds): per token, per L^2, per block slot.
 MODEL = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}

@@ -10,8 +10,8 @@ from conftest import TEST_SPEC, check_batch_tokens
 
 from client import LoaderClient
 from loader_server.planning.elastic import consumed, plan_rest
-from loader_server.planning.spec import BatchSpec
 from loader_server.wire.protocol import Leg, LoaderRequestError
+from loader_server.wire.spec import BatchSpec
 
 pytestmark = pytest.mark.integration
 

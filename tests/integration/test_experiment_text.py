@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from loader_server.planning.spec import REFERENCE_BUCKETS
+from loader_server.wire.spec import REFERENCE_BUCKETS
 
 pytestmark = pytest.mark.heavy(60)  # seconds side by side; scheduled first (tests/conftest.py)
 

@@ -35,7 +35,7 @@ def nominal(k: int) -> float:
 
 
 def test_without_a_daemon_waits_grow_and_the_timeout_is_kept(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="client.loader")
+    caplog.set_level(logging.WARNING, logger="client.session")
     timeout_s = 3.0
     c = LoaderClient(f"ipc://{tmp_path}/absent.sock", job="r", rank=0, world_size=1,
                      timeout_s=timeout_s, dead_after_s=DEAD_AFTER_S)  # fmt: skip
@@ -68,7 +68,7 @@ def test_the_timeout_is_kept_when_an_answer_is_awaited_longer(tmp_path):
 
 
 def test_a_daemon_that_starts_late_is_found_within_the_cap(daemons, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="client.loader")
+    caplog.set_level(logging.WARNING, logger="client.session")
     endpoint = f"ipc://{tmp_path}/loader.sock"  # where daemons() will serve
     got: dict = {}
 

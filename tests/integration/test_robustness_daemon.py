@@ -585,9 +585,9 @@ def test_planning_never_blocks_the_serving_thread(corpus, tmp_path, shm_dir, mon
     other job's batches only after the plan finished. The server runs in this process so
     that planning can be held."""
     import loader_server.service.plans as plans
-    from loader_server.planning.spec import BatchSpec
     from loader_server.service.config import DaemonConfig
     from loader_server.service.server import LoaderServer
+    from loader_server.wire.spec import BatchSpec
 
     real_plan = plans.plan_rest
     planning, finish, planned = threading.Event(), threading.Event(), threading.Event()

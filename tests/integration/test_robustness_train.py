@@ -318,6 +318,30 @@ def test_a_negative_count_on_the_command_line_is_one_line(shm, tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("pair", "says"),
+    [
+        ("bogus=1", "unknown batch spec field 'bogus'"),
+        (
+            "token_budjet=4096",
+            "unknown batch spec field 'token_budjet'; did you mean 'token_budget'?",
+        ),
+        ("composition=bogus", "composition must be one of bucketed, sorted, random; got 'bogus'"),
+        ("seed=-3", "seed must be an integer in [0, "),
+        ("buckets=[300,100]", "bucket bounds must be strictly increasing"),
+    ],
+)
+def test_a_spec_typo_is_refused_before_the_target_loads(shm, tmp_path, pair, says):
+    """The spec a trainer asks for is checked as the daemon checks it, before anything heavy:
+    the target here is a folder with no model in it, which loading would refuse."""
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    res = train("ipc:///nowhere", tmp_path / "run", shm, "--steps", "2", "--target",
+                str(empty), "--spec", pair)  # fmt: skip
+    assert says in error_line(res)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
     ("lines", "bad_line", "says"),
     [
         (['{"prompt": [1, 2]}', '{"prompt": "hello world"}'], 2, "non-empty 'prompt' list"),

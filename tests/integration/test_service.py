@@ -14,8 +14,8 @@ import pytest
 from conftest import DaemonProcess
 
 from client import LoaderClient, LoaderUnavailableError
-from loader_server.planning.spec import BatchSpec
 from loader_server.service.config import DaemonConfig, load_config
+from loader_server.wire.spec import BatchSpec
 
 
 def _datagrams(sock: socket.socket, until: str, timeout_s: float = 30) -> list[str]:

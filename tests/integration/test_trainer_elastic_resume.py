@@ -107,7 +107,7 @@ def test_epochs_train_every_step_of_every_epoch(small_daemon, tmp_path):
     evaluation and checkpoint at the last."""
     from loader_server.data.dataset import open_dataset
     from loader_server.planning.planner import plan_epoch
-    from loader_server.planning.spec import BatchSpec
+    from loader_server.wire.spec import BatchSpec
 
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", small_daemon.endpoint,

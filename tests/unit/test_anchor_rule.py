@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loader_server.planning import cost
+from loader_server.wire.spec import AnchorRule
 from trainer.model.blocks import DocumentDraw, LossConfig, plan_blocks, sample_anchors
 from trainer.train.batches import pack_batch, pad_batch
 
@@ -22,8 +23,8 @@ def _padded(lengths: np.ndarray, masks: list[np.ndarray]) -> tuple[torch.Tensor,
     return mask, torch.from_numpy(lengths)
 
 
-def _rule(rng: np.random.Generator, block: int) -> cost.AnchorRule:
-    return cost.AnchorRule(block, int(rng.integers(1, 80)), int(rng.integers(1, 40)), 0)
+def _rule(rng: np.random.Generator, block: int) -> AnchorRule:
+    return AnchorRule(block, int(rng.integers(1, 80)), int(rng.integers(1, 40)), 0)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -35,11 +36,11 @@ def test_trainer_draws_as_many_anchors_as_the_cost_model_counts(seed):
     mask, lens = _padded(lengths, [np.ones(n, np.uint8) for n in lengths])
     gen = torch.Generator().manual_seed(seed)
     _, valid = sample_anchors(mask, lens, gen, rule=rule)
-    assert valid.sum(1).tolist() == rule.doc_anchors(lengths).tolist()
+    assert valid.sum(1).tolist() == cost.doc_anchors(rule, lengths).tolist()
     # The same count under the per-document draw.
     keys = DocumentDraw(seed, 0).keys(torch.arange(len(lengths)), int(lengths.max()))
     _, valid = sample_anchors(mask, lens, keys, rule=rule)
-    assert valid.sum(1).tolist() == rule.doc_anchors(lengths).tolist()
+    assert valid.sum(1).tolist() == cost.doc_anchors(rule, lengths).tolist()
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -58,7 +59,7 @@ def test_with_a_loss_mask_the_trainer_draws_from_supervised_positions_only(seed)
         want = min(rule.anchors_per_doc, want) if m.sum() >= 2 * block else 0
         assert int(valid[d].sum()) == want
         assert set(pos[d][valid[d]].tolist()) <= set(candidates.tolist())
-    assert (valid.sum(1).numpy() <= rule.doc_anchors(lengths)).all()
+    assert (valid.sum(1).numpy() <= cost.doc_anchors(rule, lengths)).all()
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader_server.planning import buckets as bk
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 
 def brute_padding(lengths: np.ndarray, k: int) -> int:

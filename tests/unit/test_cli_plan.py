@@ -16,7 +16,7 @@ from loader_server.cli.main import main
 from loader_server.cli.spec_flags import spec_from_options, spec_options
 from loader_server.data.synth import SynthSpec, synth_lengths, write_corpus
 from loader_server.planning.planner import plan_epoch
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 SYNTH = SynthSpec(num_samples=3000, seed=2, median_len=300, max_len=3000)
 

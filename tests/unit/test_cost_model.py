@@ -15,8 +15,9 @@ from loader_server.cli.main import main as loader_cli
 from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning import cost, metrics
 from loader_server.planning.planner import plan_epoch
-from loader_server.planning.spec import BatchSpec
 from loader_server.service.config import load_config
+from loader_server.wire.spec import COEFFICIENTS, AnchorRule, BatchSpec, profile_fields
+from loader_server.wire.spec import write_profile as write_profile_file
 from trainer.cli import main as train_cli
 from trainer.ops.calibrate import calibrate_run, fit_nnls, load_samples
 
@@ -27,7 +28,7 @@ RULE = {"block_size": 16, "anchors_per_doc": 512, "tokens_per_anchor": 1, "max_a
 
 def test_features_follow_layout_and_anchor_rule():
     lengths = np.array([40, 10, 100, 7, 33])
-    rule = cost.AnchorRule(4, 20, 1, 25)
+    rule = AnchorRule(4, 20, 1, 25)
     f = cost.features(lengths, np.array([0, 2]), layout="padded", rule=rule)
     # Micro 0: rows 40, 10 -> 2 x 40 tokens, 2 x 40^2; anchors min(20, 37) + min(20, 7) = 27,
     # capped at 25, x 4 slots. Micro 1: 3 x 100; anchors 20 + 0 (7 < 2*4) + 20 = 40 -> 25.
@@ -39,9 +40,7 @@ def test_features_follow_layout_and_anchor_rule():
     np.testing.assert_array_equal(packed[0], [1, 50, 1700, 4 * 27])
     np.testing.assert_array_equal(packed[1], [1, 140, 100**2 + 49 + 33**2, 4 * 40])
     # One anchor per 5 candidates: ceil(37/5) + ceil(7/5) = 8 + 2; 20 (ceil(97/5)) + 0 + 6.
-    sparse = cost.features(
-        lengths, np.array([0, 2]), layout="packed", rule=cost.AnchorRule(4, 20, 5, 0)
-    )
+    sparse = cost.features(lengths, np.array([0, 2]), layout="packed", rule=AnchorRule(4, 20, 5, 0))
     np.testing.assert_array_equal(sparse[:, 3], [4 * 10, 4 * 26])
 
 
@@ -53,8 +52,8 @@ def write_profile(path: Path, coefficients=None, rule=None, **extra) -> Path:
 
 def test_profile_round_trips_into_a_spec(tmp_path):
     path = tmp_path / "p.json"
-    cost.write_profile(path, MODEL, RULE, units="seconds")
-    assert cost.profile_fields(path) == {**MODEL, **RULE}
+    write_profile_file(path, MODEL, RULE, units="seconds")
+    assert profile_fields(path) == {**MODEL, **RULE}
     spec = BatchSpec.from_dict({"cost_profile": str(path), "world_size": 8})
     assert spec.cost_model_on and spec.world_size == 8
     assert (spec.cost_attn, spec.anchor_rule) == (4e-10, (16, 512, 1, 2048))
@@ -83,16 +82,16 @@ def test_bad_profiles_are_refused_naming_file_and_key(tmp_path, edit, message):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=message) as e:
-        cost.profile_fields(path)
+        profile_fields(path)
     assert str(path) in str(e.value)
 
 
 def test_unreadable_profiles_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"missing\.json: cannot read it"):
-        cost.profile_fields(tmp_path / "missing.json")
+        profile_fields(tmp_path / "missing.json")
     (tmp_path / "x.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"x\.json: not JSON"):
-        cost.profile_fields(tmp_path / "x.json")
+        profile_fields(tmp_path / "x.json")
 
 
 def test_daemon_config_and_plan_command_take_a_profile(tmp_path):
@@ -130,9 +129,7 @@ def synthetic_run(run_dir: Path, coef: np.ndarray, n: int, noise: float, seed: i
             rows = int(rng.integers(1, 24))
             median = float(rng.choice([100, 400, 1500, 4000]))
             lengths = np.clip(rng.lognormal(np.log(median), 0.5, rows), 16, 8192).astype(int)
-            x = cost.features(
-                lengths, np.zeros(1, np.int64), layout=layout, rule=cost.AnchorRule(*rule)
-            )
+            x = cost.features(lengths, np.zeros(1, np.int64), layout=layout, rule=AnchorRule(*rule))
             t = float(x[0] @ coef) * (1 + noise * rng.standard_normal())
             rec = {"rank": 0, "epoch": 0, "step": i, "micro": 0, "layout": layout,
                    "doc_lengths": lengths.tolist(), "rule": rule, "anchors": 0,
@@ -141,14 +138,14 @@ def synthetic_run(run_dir: Path, coef: np.ndarray, n: int, noise: float, seed: i
 
 
 def test_calibration_recovers_known_coefficients(tmp_path):
-    true = np.array([MODEL[k] for k in cost.COEFFICIENTS])
+    true = np.array([MODEL[k] for k in COEFFICIENTS])
     synthetic_run(tmp_path, true, n=300, noise=0.02)
     report = calibrate_run(tmp_path, holdout=0.25)
-    got = np.array([report.coefficients[k] for k in cost.COEFFICIENTS])
+    got = np.array([report.coefficients[k] for k in COEFFICIENTS])
     np.testing.assert_allclose(got, true, rtol=0.1)
     assert report.n_holdout == 75 and report.median_rel_err < 0.03
     assert report.plot is not None and report.plot.stat().st_size > 0
-    assert cost.profile_fields(report.profile) == {
+    assert profile_fields(report.profile) == {
         **report.coefficients, **RULE
     }  # fmt: skip
     profile = json.loads(report.profile.read_text())
@@ -179,7 +176,7 @@ def test_calibrate_command_and_its_errors(tmp_path):
     r = CliRunner().invoke(train_cli, ["calibrate", str(empty)])
     assert r.exit_code != 0 and "--cost-samples" in r.output
     run = tmp_path / "run"
-    synthetic_run(run, np.array([MODEL[k] for k in cost.COEFFICIENTS]), n=40, noise=0.01)
+    synthetic_run(run, np.array([MODEL[k] for k in COEFFICIENTS]), n=40, noise=0.01)
     with (run / "costs" / "rank0.jsonl").open("a") as f:
         f.write('{"rank": 0, "step": "x"}\n')
     r = CliRunner().invoke(train_cli, ["calibrate", str(run)])
@@ -198,7 +195,7 @@ def test_cost_balanced_plans_on_the_reference_shape():
     """With the cost model on, the plan targets still hold, and the imbalance of the
     modelled cost is below that of the token-balanced plan."""
     lengths = synth_lengths(SynthSpec(num_samples=60_000, seed=5))
-    coef = np.array([MODEL[k] for k in cost.COEFFICIENTS])
+    coef = np.array([MODEL[k] for k in COEFFICIENTS])
     for layout in ("padded", "packed"):
         tokens = BatchSpec(world_size=8, layout=layout)
         on = dataclasses.replace(tokens, **MODEL)

@@ -13,8 +13,8 @@ from client.state import STATE_VERSION, resume, saved_state
 from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning.elastic import ChainMismatch, consumed, plan_rest, shaped
 from loader_server.planning.planner import plan_epoch
-from loader_server.planning.spec import BatchSpec
 from loader_server.wire.protocol import MAX_LEGS, Leg, ProtocolError, legs
+from loader_server.wire.spec import BatchSpec
 
 LENGTHS = synth_lengths(SynthSpec(num_samples=6000, seed=4, median_len=300, max_len=2048))
 SMALL = {"token_budget": 8192, "max_batch_size": 32, "max_seq_len": 2048, "layout": "padded"}

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from loader_server.planning import metrics
 from loader_server.planning.planner import EpochPlan, plan_epoch
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 
 def make_plan(

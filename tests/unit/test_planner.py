@@ -18,7 +18,7 @@ from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning import metrics, packing, schedule
 from loader_server.planning.buckets import assign
 from loader_server.planning.planner import EpochPlan, effective_lengths, plan_epoch
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 REFERENCE = synth_lengths(SynthSpec(num_samples=20_000, seed=5))
 
@@ -245,7 +245,7 @@ def test_vectorized_greedy_equals_the_sequential_one(x, budget, max_rows, model,
     )
     single = spec.row_cost(64)
     cap = data.draw(st.sampled_from([single, 1.7 * single, 6 * single]))
-    cut = packing.CostCut(tuple(spec.coefficients.tolist()), cap, spec.anchor_rule)
+    cut = packing.CostCut(spec.coefficients, cap, spec.anchor_rule)
     if not model:
         cut = None
     got = packing.greedy_starts(
@@ -419,7 +419,7 @@ _DIGEST = """
 import hashlib, sys
 import numpy as np
 from loader_server.planning.planner import plan_epoch
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 from loader_server.data.synth import SynthSpec, synth_lengths
 x = synth_lengths(SynthSpec(num_samples=20_000, seed=5))
 h = hashlib.sha256()

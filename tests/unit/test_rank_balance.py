@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning import metrics, schedule
 from loader_server.planning.planner import plan_epoch
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 MODEL = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from conftest import TEST_SPEC
 
-from loader_server.planning.spec import BatchSpec
 from loader_server.service.config import DaemonConfig
 from loader_server.service.errors import RankBusy, UnknownSession
 from loader_server.service.opening import Opening, OpenRequest, SpecMismatch
 from loader_server.service.registry import Registry
 from loader_server.service.rings import ShmSpaceError
+from loader_server.wire.spec import BatchSpec
 
 SPEC = BatchSpec(**TEST_SPEC)
 SHORTEST = 16  # the corpus's shortest sample, for ring sizes

@@ -8,7 +8,7 @@ import pytest
 
 from loader_server.planning.planner import plan_epoch
 from loader_server.planning.servable import why_unservable
-from loader_server.planning.spec import BatchSpec
+from loader_server.wire.spec import BatchSpec
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from loader_server.planning.spec import REFERENCE_BUCKETS, BatchSpec
+from loader_server.wire.spec import REFERENCE_BUCKETS, BatchSpec
 
 
 def test_defaults_match_the_contract():
@@ -128,3 +128,51 @@ def test_attention_weight_of_earlier_versions_still_reads():
     s = BatchSpec.from_dict({"attention_weight": 1e-5, "token_budget": 32768})
     assert (s.cost_attn, s.cost_budget, s.token_budget) == (1e-5, 32768, 32768)
     assert BatchSpec.from_dict({"attention_weight": 0.0}) == BatchSpec()
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (
+            {"tokne_budget": 10},
+            "unknown batch spec field 'tokne_budget'; did you mean 'token_budget'?",
+        ),
+        ({"layuot": "packed"}, "did you mean 'layout'?"),
+        ({"xyzzy": 1}, "unknown batch spec field 'xyzzy' (known: token_budget"),
+        ({"layout": "pakced"}, "layout must be one of padded, packed; got 'pakced'"),
+        ({"grad_accum": 0}, "grad_accum must be an integer in [1, "),
+        ({"grad_accum": 2.0}, "grad_accum must be an integer"),
+        ({"cost_slot": -1.0}, "spec: cost_slot must be a finite number >= 0"),
+        ({"target_efficiency": 1.5}, "target_efficiency must be in (0, 1]"),
+        ({"buckets": "auto:99"}, "K in 'auto:K' must be 1..64"),
+    ],
+)
+def test_a_clients_fields_are_checked_as_the_daemon_checks_them(spec, says):
+    """``check_fields`` (what ``LoaderClient`` and the trainer run before asking a daemon):
+    the field checks of a whole spec, without the ones that need the daemon's other fields."""
+    from client import LoaderClient
+    from loader_server.wire.spec import check_fields
+
+    with pytest.raises(ValueError) as e:
+        check_fields(spec)
+    assert says in str(e.value)
+    with pytest.raises(ValueError) as e:
+        LoaderClient("ipc:///nowhere", job="j", rank=0, world_size=1, spec=spec)
+    assert says in str(e.value)
+    # A field alone may be what a whole spec with the daemon's others refuses: not here.
+    check_fields({"max_seq_len": 1_000_000, "cost_profile": "p.json"})
+
+
+def test_every_field_states_its_help_and_check_once():
+    """The flags and the checks are made from the fields' declarations: each has help, and
+    a bound, a choice or a number check unless it is buckets or target_efficiency."""
+    from loader_server.wire.spec import SPEC_FIELDS
+
+    for name, f in SPEC_FIELDS.items():
+        meta = f.metadata
+        assert meta["help"], name
+        checked = {"low", "choices", "number"} & set(meta) or name in (
+            "buckets",
+            "target_efficiency",
+        )
+        assert checked, name

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader_server.planning.cost import AnchorRule
+from loader_server.wire.spec import AnchorRule
 from trainer.data.regen import load_prompts, split_prompt
 from trainer.model.attention import BlockChunk, block_attention
 from trainer.model.blocks import (

@@ -4,7 +4,7 @@ Documents with fewer than ``2*B`` supervised tokens are skipped. A remaining doc
 candidates are the positions ``a`` with ``loss_mask[a] == 1`` and room for a full block
 (``a + B <= length``); it draws ``min(anchors_per_doc, ceil(candidates / tokens_per_anchor))``
 of them without replacement: the anchor rule the planner's cost model states for
-all-supervised documents (``loader_server.planning.cost.AnchorRule``; a unit test holds the
+all-supervised documents (``loader_server.wire.spec.AnchorRule``; a unit test holds the
 two equal). The default, one anchor per 32 candidates and at most 512 per document, trains
 as many blocks per token as the old per-micro-batch cap did at the default token budget
 (2048 per 65,536-token micro-batch); ``tokens_per_anchor`` 1 is the reference recipe (up to
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from client.batch import Batch
-from loader_server.planning.cost import AnchorRule
+from loader_server.wire.spec import AnchorRule
 from trainer.model.docs import DocView
 from trainer.model.drafter import DraftBlocks, plan_chunks
 

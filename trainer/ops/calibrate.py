@@ -15,7 +15,7 @@ reported: median and 90th-percentile relative error of the predicted time. Micro
 whose backward all-reduced gradients (``synced``: they include waiting for other ranks)
 are left out when at least ``MIN_SAMPLES`` others exist.
 
-Output: a cost profile (``loader_server.planning.cost.profile_text``; seconds), a predicted-vs-
+Output: a cost profile (``loader_server.wire.spec.profile_text``; seconds), a predicted-vs-
 measured plot, and a report.
 """
 
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from loader_server.planning import cost
+from loader_server.wire.spec import COEFFICIENTS, AnchorRule, profile_text
 from trainer.files import atomic_output
 from trainer.train.cost_records import cost_dir, parse_record
 
@@ -45,7 +46,7 @@ class Samples:
 
     x: np.ndarray
     y: np.ndarray
-    rule: cost.AnchorRule
+    rule: AnchorRule
     layouts: tuple[str, ...]
     synced_dropped: int
 
@@ -53,7 +54,7 @@ class Samples:
 @dataclass(frozen=True)
 class Report:
     coefficients: dict[str, float]
-    rule: cost.AnchorRule
+    rule: AnchorRule
     n_fit: int
     n_holdout: int
     median_rel_err: float
@@ -75,7 +76,7 @@ class Report:
 
     def summary(self) -> str:
         c = self.coefficients
-        terms = zip(cost.COEFFICIENTS, cost.FEATURES, strict=True)
+        terms = zip(COEFFICIENTS, cost.FEATURES, strict=True)
         left_out = self.synced_dropped
         lines = [
             f"fitted on {self.n_fit} micro-batches, {self.n_holdout} held out"
@@ -102,7 +103,7 @@ def load_samples(run_dir: Path) -> Samples:
             "(the default records 2000 micro-batches per rank) first"
         )
     latest: dict[tuple[int, int, int, int], dict[str, Any]] = {}
-    rules: dict[cost.AnchorRule, str] = {}
+    rules: dict[AnchorRule, str] = {}
     for path in files:
         text = path.read_text()
         lines = text.splitlines()
@@ -144,7 +145,7 @@ def load_samples(run_dir: Path) -> Samples:
     return Samples(x, y, rule, layouts, dropped)
 
 
-def _features(rec: dict[str, Any], rule: cost.AnchorRule) -> np.ndarray:
+def _features(rec: dict[str, Any], rule: AnchorRule) -> np.ndarray:
     lengths = np.asarray(rec["doc_lengths"], np.int64)
     return cost.features(lengths, np.zeros(1, np.int64), layout=rec["layout"], rule=rule)
 
@@ -194,7 +195,7 @@ def calibrate_run(
     coef = fit_nnls(samples.x[used], samples.y[used])
     fit_err = relative_errors(samples.x[used], samples.y[used], coef)
     hold_err = relative_errors(samples.x[held], samples.y[held], coef) if n_hold else fit_err
-    coefficients = {name: float(v) for name, v in zip(cost.COEFFICIENTS, coef, strict=True)}
+    coefficients = {name: float(v) for name, v in zip(COEFFICIENTS, coef, strict=True)}
     if not any(coefficients.values()):
         raise ValueError(f"{run_dir}: the fit left every coefficient at 0 (times too noisy?)")
     rule = samples.rule._asdict()
@@ -211,7 +212,7 @@ def calibrate_run(
         profile=out,
         plot=run_dir / "cost_fit.png" if plot else None,
     )
-    text = cost.profile_text(
+    text = profile_text(
         coefficients, rule, where=str(out), units="seconds", layouts=list(samples.layouts),
         source=str(run_dir), fit=report.as_dict(),
     )  # fmt: skip

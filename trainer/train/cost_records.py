@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loader_server.planning.cost import AnchorRule
+from loader_server.wire.spec import AnchorRule
 
 LAYOUTS = ("padded", "packed")
 

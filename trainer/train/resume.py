@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from loader_server.planning.cost import ANCHOR_RULE
+from loader_server.wire.spec import ANCHOR_RULE
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.train import checkpoint as ckpt
 from trainer.train.batches import BatchSource
