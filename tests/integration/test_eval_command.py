@@ -137,3 +137,42 @@ def test_eval_errors_are_one_line(made, tmp_path, args, message):
     line = r.output.strip().splitlines()[-1]
     assert message.replace("MISSING", str(bad)) in line or message in line, r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_drafters_whose_folders_share_a_name_keep_a_row_each(made, tmp_path):
+    """``runs/A/drafter`` and ``runs/B/drafter`` (the usual layout): each keeps its row,
+    labelled by its path under the common parent; the same folder twice is refused."""
+    import shutil
+
+    for name in ("A", "B"):
+        shutil.copytree(made["dflash"], tmp_path / "runs" / name / "drafter")
+    a, b = tmp_path / "runs" / "A" / "drafter", tmp_path / "runs" / "B" / "drafter"
+    args = ["eval", str(a), str(b), "--target", str(made["target"]), "--sets", "humaneval",
+            "--limit", "1", "--max-new-tokens", "8", "--out", str(tmp_path / "o")]  # fmt: skip
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "o" / "eval.json").read_text())
+    assert sorted({m["drafter"] for m in doc["measurements"]}) == ["A/drafter", "B/drafter"]
+    md = (tmp_path / "o" / "eval.md").read_text()
+    assert "| A/drafter (ours) |" in md and "| B/drafter (ours) |" in md
+    again = ["eval", str(a), str(tmp_path / "runs" / "B" / ".." / "A" / "drafter"), *args[3:-1],
+             str(tmp_path / "o2")]  # fmt: skip
+    r = CliRunner().invoke(main, again)
+    assert r.exit_code == 2 and "is given twice" in r.output, r.output
+    assert not (tmp_path / "o2").exists()
+
+
+def test_an_evaluation_that_measures_nothing_fails_saying_why(made, tmp_path):
+    """Every prompt too long for the target's positions once --max-new-tokens is reserved:
+    no table of dashes (and no row named for an engine that never ran), exit 1 naming the
+    flag, and no output folder."""
+    positions = json.loads((made["target"] / "config.json").read_text())["max_position_embeddings"]
+    r = CliRunner().invoke(main, [
+        "eval", str(made["dflash"]), "--target", str(made["target"]), "--sets", "humaneval",
+        "--limit", "2", "--max-new-tokens", str(positions), "--out", str(tmp_path / "o"),
+    ])  # fmt: skip
+    assert r.exit_code == 1, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("Error: "))
+    assert "no prompt was measured: all 2 were longer" in line
+    assert f"--max-new-tokens {positions}" in line
+    assert not (tmp_path / "o").exists()

@@ -95,7 +95,14 @@ def eval_command(
     Exit status: 0 done; 1 an error (one line); 2 a usage error.
     """
     from trainer.eval.report import write_report
-    from trainer.eval.runner import EvalSettings, evaluate, load_base_target, load_drafter
+    from trainer.eval.runner import (
+        EvalSettings,
+        drafter_labels,
+        evaluate,
+        load_base_target,
+        load_drafter,
+        nothing_measured,
+    )
     from trainer.eval.sets import load_set, parse_set, thinking_modes
     from trainer.files import atomic_output, check_output
     from trainer.model.speculate import Sampling
@@ -108,6 +115,10 @@ def eval_command(
     )  # fmt: skip
     # refused before the target loads (minutes for a large one), not after
     check_output(out, inputs=[*drafters, target], force=force)
+    try:
+        labels = drafter_labels(drafters)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     prompt_sets = [load_set(*parse_set(s), wrap=wrap, limit=limit) for s in sets]
     names = [p.name for p in prompt_sets]
     if len(set(names)) != len(names):
@@ -122,13 +133,16 @@ def eval_command(
         dtype = "fp32" if device == "cpu" else "bf16"
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     base, tokenizer, eos = load_base_target(target, device, torch_dtype)
-    loaded = [load_drafter(d, base) for d in drafters]
+    loaded = [load_drafter(d, base, label=lab) for d, lab in zip(drafters, labels, strict=True)]
     with atomic_output(out, folder=True, force=force, inputs=[*drafters, target]) as tmp:
         logs = out.with_name(out.name + ".logs")  # the engine's server logs, kept on failure
         if engine != "ours":
             logs.mkdir(parents=True, exist_ok=True)
         measurements = evaluate(loaded, prompt_sets, tokenizer, eos, settings, tmp,
                                 target_dir=target, logs=logs)  # fmt: skip
+        why = nothing_measured(measurements, max_new_tokens)
+        if why is not None:  # nothing is written: a table of dashes would look like a result
+            raise click.ClickException(why)
         write_report(tmp, measurements, settings, {p.name: p.describe() for p in prompt_sets})
     click.echo((out / "eval.md").read_text())
     click.echo(f"wrote {out}/eval.json, eval.md and positions.png")

@@ -77,12 +77,14 @@ def _main_table(ms: Sequence[Measurement], names: list[str]) -> list[str]:
     engine = any(m.engine == "vllm" for m in ms)
     rows: dict[str, dict[str, float | None]] = {}
     for m in ms:
-        if m.stats is not None:
-            rows.setdefault(f"{m.drafter} (ours)", {})[m.set] = m.stats.tau
-            if engine:
-                rows.setdefault(f"{m.drafter} (ours, served)", {})[m.set] = m.stats.tau_served
-        else:
+        if m.engine == "vllm":
             rows.setdefault(f"{m.drafter} (vLLM, served)", {})[m.set] = m.engine_tau
+            continue
+        s = m.stats  # None: no prompt of this cell was measured (a dash)
+        rows.setdefault(f"{m.drafter} (ours)", {})[m.set] = None if s is None else s.tau
+        if engine:
+            served = None if s is None else s.tau_served
+            rows.setdefault(f"{m.drafter} (ours, served)", {})[m.set] = served
     out = ["| Drafter | " + " | ".join(names) + " | Mean |", "|---" * (len(names) + 2) + "|"]
     for label, by_set in rows.items():
         vals = [by_set.get(n) for n in names]

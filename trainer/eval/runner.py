@@ -12,6 +12,7 @@ ones (at temperature 0 those are the same through either engine). Prompts whose 
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -98,6 +99,40 @@ class Measurement:
         out = {k: v for k, v in vars(self).items() if k != "stats"}
         out["stats"] = None if self.stats is None else self.stats.to_json()
         return out
+
+
+def drafter_labels(paths: Sequence[Path]) -> list[str]:
+    """A row label per drafter, unique: the folder names when they differ, else each path
+    relative to the folders' common parent (``runs/A/drafter`` and ``runs/B/drafter``:
+    ``A/drafter``, ``B/drafter``). ValueError for the same folder given twice."""
+    resolved = [p.resolve() for p in paths]
+    seen: dict[Path, Path] = {}
+    for given, real in zip(paths, resolved, strict=True):
+        if real in seen:
+            raise ValueError(
+                f"drafter {given} is given twice (also as {seen[real]}): each drafter is one "
+                "row, measured once"
+            )
+        seen[real] = given
+    names = [p.name for p in resolved]
+    if len(set(names)) == len(names):
+        return names
+    parent = Path(os.path.commonpath([str(p) for p in resolved]))
+    return [str(p.relative_to(parent)) for p in resolved]
+
+
+def nothing_measured(ms: Sequence[Measurement], max_new_tokens: int) -> str | None:
+    """Why an evaluation measured no prompt at all (None when it measured some)."""
+    if any(m.prompts for m in ms):
+        return None
+    skipped = sum(m.skipped for m in ms)
+    if skipped:
+        return (
+            f"no prompt was measured: all {skipped} were longer than the target's positions "
+            f"allow with --max-new-tokens {max_new_tokens} and a block of "
+            f"{max(m.block_size for m in ms)}; lower --max-new-tokens"
+        )
+    return "no prompt was measured: the sets hold none (--sets, --limit)"
 
 
 def load_drafter(path: Path, base: Target, *, label: str | None = None) -> LoadedDrafter:
