@@ -26,7 +26,8 @@ from typing import Any
 
 import tomllib
 
-from trainer.option_values import field_value
+from loader_server.wire.files import file_error
+from trainer.option_values import field_value, option_problem
 from trainer.options import (
     DRAFTER,
     EVAL,
@@ -89,7 +90,7 @@ def _json_items(path: Path, text: str) -> list[Item]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+        raise file_error(path, "a JSON object of options", e) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object of options")
     return [(None, k, v) for k, v in data.items() if k not in RUN_FACTS and v is not None]
@@ -99,7 +100,7 @@ def _toml_items(path: Path, text: str) -> list[Item]:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: invalid TOML ({e})") from None
+        raise file_error(path, "TOML", e) from None
     items: list[Item] = []
     tables = {t for t in TABLES.values() if t}
     for key, value in data.items():
@@ -119,12 +120,16 @@ def _toml_items(path: Path, text: str) -> list[Item]:
 
 def _values(path: Path, text: str, items: list[Item], flat: bool) -> dict[str, Any]:
     known, out = _fields(), {}
+    first: dict[str, str] = {}
     for table, raw_key, value in items:
         key = raw_key.replace("-", "_")
         where = f"{path}:{_line(text, table, raw_key, json_file=flat)}"
         f = known.get(key)
         if f is None:
             raise ValueError(f"{where}: unknown key {raw_key!r}{_nearest(key, known)}")
+        if f.name in first:  # two spellings of one option (token_budget, token-budget)
+            raise ValueError(f"{where}: {raw_key} sets {f.name} again (first as {first[f.name]})")
+        first[f.name] = f"{raw_key!r} at line {where.rsplit(':', 1)[1]}"
         home = _table(f)
         if not flat and home != table:
             there = f"[{home}]" if home else "the top of the file (before any table)"
@@ -135,10 +140,43 @@ def _values(path: Path, text: str, items: list[Item], flat: bool) -> dict[str, A
             out[f.name] = field_value(RunOptions, f.name, value)
         except ValueError as e:
             raise ValueError(f"{where}: {raw_key}: {e}") from None
+        why = _value_problem(f, out[f.name])
+        if why:  # what the flag's own checks would say, said here at the file's line
+            raise ValueError(f"{where}: {raw_key} {why}")
     return out
 
 
+def _value_problem(f: Field[Any], value: Any) -> str | None:
+    """The flag's checks on a file's value: its choices, its bounds."""
+    choices = f.metadata.get("choices")
+    if choices and value is not None and value not in choices:
+        return f"must be one of {', '.join(choices)}, got {value!r}"
+    return option_problem(f.name, value)
+
+
+#: Keys other trainers' configs (SpecForge's YAML, speculators' flags) use for our options.
+OTHER_NAMES = {
+    "learning_rate": "lr", "num_epochs": "epochs", "max_steps": "steps",
+    "total_steps": "steps", "warmup_ratio": "warmup", "warmup_steps": "warmup",
+    "scheduler_warmup_ratio": "warmup", "scheduler_warmup_steps": "warmup",
+    "max_grad_norm": "grad_clip", "gradient_accumulation_steps": "grad_accum",
+    "accumulation_steps": "grad_accum", "max_length": "max_seq_len",
+    "max_seq_length": "max_seq_len", "total_seq_len": "token_budget",
+    "output_dir": "run_dir", "save_path": "run_dir", "target_model_path": "target",
+    "verifier_name_or_path": "target", "target_layer_ids": "layers",
+    "num_layers": "drafter_layers", "loss_decay_gamma": "gamma",
+    "dflash_decay_gamma": "gamma", "per_position_loss_weight": "loss_weighting",
+    "save_interval": "ckpt_every", "checkpoint_freq": "ckpt_every",
+    "eval_interval": "eval_every", "from_pretrained": "init_drafter", "logger": "report_to",
+}  # fmt: skip
+
+
 def _nearest(key: str, known: dict[str, Field[Any]]) -> str:
+    ours = OTHER_NAMES.get(key)
+    if ours is not None:
+        table = _table(known[ours])
+        where = f" (in [{table}])" if table else ""
+        return f"; other trainers call it that: here it is {ours!r}{where}"
     near = difflib.get_close_matches(key, sorted(known), 1, cutoff=0.6)
     if not near:
         return ""

@@ -18,7 +18,6 @@ torch.
 from __future__ import annotations
 
 import json
-import math
 import typing
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -26,7 +25,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from loader_server.wire.spec import SPEC_FIELDS, field_help
-from trainer.option_values import from_json, has_type, parse_int_list, to_json, type_name
+from trainer.option_values import (
+    RUN_LIMITS,
+    from_json,
+    has_type,
+    option_problem,
+    parse_int_list,
+    to_json,
+    type_name,
+)
 
 if TYPE_CHECKING:
     from dataclasses import Field
@@ -148,28 +155,6 @@ def spec_choices(name: str) -> tuple[str, ...]:
 DRAFTER = "Drafter and objective"
 OPTIM = "Optimizer and length"
 EVAL = "Evaluation, checkpoints, output"
-
-
-#: ``RunOptions`` field -> (lowest allowed value, whether the bound itself is allowed)
-RUN_LIMITS: dict[str, tuple[float, bool]] = {
-    "drafter_layers": (1, True), "block_size": (2, True), "anchors_per_doc": (1, True),
-    "tokens_per_anchor": (1, True), "dpace_alpha": (0, True),
-    "sliding_window": (1, True), "conv_kernel_size": (1, True), "conv_group_size": (1, True),
-    "selector_rank": (1, True), "selector_top_k": (1, True), "output_multiplier": (0, False),
-    "final_logit_softcapping": (0, False), "input_embedding_scale": (0, False),
-    "selector_alpha": (0, True),
-    "max_anchors": (0, True), "loss_chunk": (0, True), "mask_token_id": (0, True),
-    "gamma": (0, False), "lr": (0, False), "warmup": (0, True), "weight_decay": (0, True),
-    "grad_clip": (0, False), "steps": (1, True), "epochs": (1, True),
-    "max_nonfinite_steps": (0, True), "max_empty_steps": (0, True),
-    "grad_accum": (1, True), "token_budget": (1, True), "max_batch_size": (1, True),
-    "max_seq_len": (1, True), "cost_samples": (0, True), "eval_every": (0, True),
-    "num_eval_prompts": (0, True), "eval_new_tokens": (1, True), "ckpt_every": (0, True),
-    "eval_set_limit": (1, True), "eval_batch": (1, True),
-    "keep_checkpoints": (1, True), "timeout_s": (0, False), "profile_step": (0, True),
-    "collective_timeout_s": (0, False),
-    "peak_tflops": (0, False), "log_every_s": (0, True),
-}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -470,18 +455,12 @@ class RunOptions(TargetOptions):
                 "micro-batch only; with the default per-document draw, --tokens-per-anchor "
                 "bounds a micro-batch's blocks"
             )
-        if self.dpace_alpha > 1:
-            raise ValueError(f"--dpace-alpha must be in [0, 1], got {self.dpace_alpha}")
         by_name = {f.name: f for f in fields(self)}
-        for name, (low, inclusive) in RUN_LIMITS.items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            ok = math.isfinite(value) and (value >= low if inclusive else value > low)
-            if not ok:
+        for name in (*RUN_LIMITS, "dpace_alpha"):
+            why = option_problem(name, getattr(self, name))
+            if why:
                 flag = by_name[name].metadata.get("flag") or "--" + name.replace("_", "-")
-                need = f">= {low}" if inclusive else f"> {low}"
-                raise ValueError(f"{flag} must be {need}, got {value}")
+                raise ValueError(f"{flag} {why}")
 
     @classmethod
     def read(cls, run_dir: Path) -> RunOptions:

@@ -15,10 +15,9 @@ from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
-import tomllib
-
 from loader_server.data.dataset import SCAN_BYTES
 from loader_server.service.limits import SpecLimits
+from loader_server.wire.files import read_toml
 from loader_server.wire.protocol import DEFAULT_ENDPOINT
 from loader_server.wire.spec import INT32_MAX, BatchSpec, expand_profile
 
@@ -343,11 +342,9 @@ def load_config(path: str | Path | None) -> DaemonConfig:
         return base
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = read_toml(path, "a TOML config ([daemon], [spec])")
     except FileNotFoundError:
         raise ValueError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: invalid TOML ({e})") from None
     unknown_tables = sorted(set(data) - {"daemon", "spec"})
     loose = [k for k in unknown_tables if not isinstance(data[k], dict)]
     if loose:  # `dataset = ...` above any [table] header

@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from loader_server.wire.files import read_json
+
 OVERLONG = ("truncate", "drop")
 LAYOUTS = ("padded", "packed")
 COMPOSITIONS = ("bucketed", "sorted", "random")
@@ -413,11 +415,9 @@ def profile_fields(path: str | Path) -> dict[str, Any]:
     """
     p = Path(path)
     try:
-        doc = json.loads(p.read_text())
+        doc = read_json(p, "a cost profile (JSON from dflash-train calibrate)")
     except OSError as e:
         raise ValueError(f"cost profile {p}: cannot read it ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"cost profile {p}: not JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("version") != PROFILE_VERSION:
         got = doc.get("version") if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f"cost profile {p}: version must be {PROFILE_VERSION}, got {got!r}")

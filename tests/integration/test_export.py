@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 from dataclasses import replace
@@ -358,3 +359,37 @@ def test_init_drafter_refusals(folders, target, tmp_path):
     ):  # fmt: skip
         bad = edited_copy(src, tmp_path / name, config=lambda c, ch=change: {**c, **ch})
         assert needle in init_error(bad, target, tmp_path), name
+
+
+def test_a_damaged_drafter_folder_is_named_by_the_file_at_fault(folders, target, tmp_path):
+    """A config.json cut off, a model.safetensors cut short, an index that is not JSON: one
+    line naming the file and what it should be (with the parser's line and column), through
+    --init-drafter and `eval` alike (one reader: ``loader_server.wire.files``)."""
+    src = folders["fp32"]
+    cases = {}
+    cut = tmp_path / "cut-config"
+    shutil.copytree(src, cut)
+    text = (cut / "config.json").read_text()
+    (cut / "config.json").write_text(text[: len(text) // 2])
+    cases[cut] = rf"{cut}/config.json: not a drafter folder's config.json \(JSON\) \(.* at line"
+    short = tmp_path / "cut-weights"
+    shutil.copytree(src, short)
+    data = (short / "model.safetensors").read_bytes()
+    (short / "model.safetensors").write_bytes(data[: len(data) // 3])
+    cases[short] = rf"{short}/model.safetensors: not safetensors weights \("
+    for folder, says in cases.items():
+        assert re.search(says, init_error(folder, target, tmp_path)), folder
+
+
+def test_eval_of_a_run_killed_before_its_first_checkpoint_says_so(target, tmp_path):
+    """A run folder with a config.json and metrics but no checkpoint is a run, not a drafter
+    folder with no architectures."""
+    from trainer.eval.runner import load_drafter
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"run_dir": str(run), "endpoint": "x"}))
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(ValueError, match=r"a training run with no checkpoint yet \(stopped "
+                       r"before its first\): nothing to evaluate"):  # fmt: skip
+        load_drafter(run, target)

@@ -79,7 +79,7 @@ def test_config_file_then_flags_take_precedence(tmp_path):
         ("[spek]\n", "unknown table [spek]"),
         ("[spec]\ntoken_budget = 100\n", "token_budget 100 is below"),
         ("[daemon]\nshm_mode = 'rw'\n", "octal string"),
-        ("not toml [", "invalid TOML"),
+        ("not toml [", "not a TOML config ([daemon], [spec]) (Expected"),
     ],
 )
 def test_config_errors_name_the_file_and_key(tmp_path, text, error):

@@ -97,7 +97,34 @@ def test_a_run_s_config_json_repeats_the_run(tmp_path):
         (BASE + "token_budget = 3\n", r"run.toml:3: token_budget belongs in \[loader\]"),
         (BASE + "[optimiser]\nlr = 1\n", r"run.toml:3: unknown table \[optimiser\].*\[optimizer\]"),
         (BASE + "[drafter]\nblock_sise = 8\n", r"run.toml:4: .*'block_size'"),
-        ("lr = [", r"run.toml: invalid TOML"),
+        ("lr = [", r"run.toml: not TOML \(Invalid value"),
+        ("a = 1\nb = = 2\n", r"run.toml: not TOML \(.*line 2, column 5"),
+        # a value outside a choice or a range: at its line, as the flag would be refused
+        (BASE + "[target]\ntarget_shard = 'zero'\n", r"run.toml:4: target_shard must be one of"),
+        (BASE + "[optimizer]\nsteps = 0\n", r"run.toml:4: steps must be >= 1, got 0"),
+        (BASE + "[drafter]\n\ndpace_alpha = 2.0\n", r"run.toml:5: dpace_alpha must be in \[0, 1\]"),
+        (BASE + "[drafter]\nloss_weighting = 'dpac'\n", r"run.toml:4: .*one of decay, dpace"),
+        # one option under two spellings, or a flag and its alias
+        (
+            BASE + "[loader]\ntoken_budget = 4096\ntoken-budget = 8192\n",
+            r"run.toml:5: token-budget sets token_budget again \(first as 'token_budget' at "
+            r"line 4\)",
+        ),
+        (
+            BASE + "[drafter]\nanchors_per_doc = 4\nnum_anchors = 8\n",
+            r"run.toml:5: num_anchors sets anchors_per_doc again",
+        ),
+        # the names SpecForge's and speculators' configs use
+        (
+            BASE + "[optimizer]\nlearning_rate = 1e-4\n",
+            r"run.toml:4: unknown key 'learning_rate'; other trainers call it that: here it "
+            r"is 'lr'",
+        ),
+        (BASE + "output_dir = '/tmp/o'\n", r"run.toml:3: .*here it is 'run_dir'"),
+        (
+            BASE + "[optimizer]\nmax_grad_norm = 1.0\n",
+            r"here it is 'grad_clip' \(in \[optimizer\]\)",
+        ),
     ],
 )
 def test_a_bad_file_is_one_line_naming_file_line_and_key(tmp_path, text, says):
@@ -112,6 +139,10 @@ def test_a_bad_config_json_names_its_line(tmp_path):
     path = write(tmp_path, '{"run_dir": "/tmp/r",\n "lr": "x",\n "world_size": 2}', "config.json")
     with pytest.raises(ValueError, match=r"config.json:2: lr: must be float"):
         read_config(path)
+    cut = write(tmp_path, '{"run_dir": "/tmp/r",\n "lr": 0.1', "cut.json")
+    with pytest.raises(ValueError, match=r"cut.json: not a JSON object of options \(Expecting "
+                       r"',' delimiter at line 2 column 11\)"):  # fmt: skip
+        read_config(cut)
 
 
 @pytest.mark.parametrize(

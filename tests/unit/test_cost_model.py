@@ -90,7 +90,7 @@ def test_unreadable_profiles_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"missing\.json: cannot read it"):
         profile_fields(tmp_path / "missing.json")
     (tmp_path / "x.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"x\.json: not JSON"):
+    with pytest.raises(ValueError, match=r"x\.json: not a cost profile \(JSON .*\(Expecting"):
         profile_fields(tmp_path / "x.json")
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -12,6 +14,26 @@ def _sets(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) ->
     if not out:
         raise click.BadParameter("give at least one set, e.g. --sets humaneval", ctx, param)
     return out
+
+
+def _device_and_dtype(device: str, dtype: str) -> tuple[str, Any]:
+    """``--device`` and ``--dtype`` resolved: auto is cuda when there is one, and bf16 there
+    (fp32 on the CPU)."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "fp32" if device == "cpu" else "bf16"
+    return device, torch.bfloat16 if dtype == "bf16" else torch.float32
+
+
+def _labels(drafters: tuple[Path, ...], make: Callable[[tuple[Path, ...]], list[str]]) -> list[str]:
+    """A unique row label per drafter; the same drafter twice is a usage error."""
+    try:
+        return make(drafters)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
 
 @click.command("eval")
@@ -115,24 +137,14 @@ def eval_command(
     )  # fmt: skip
     # refused before the target loads (minutes for a large one), not after
     check_output(out, inputs=[*drafters, target], force=force)
-    try:
-        labels = drafter_labels(drafters)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+    labels = _labels(drafters, drafter_labels)
     prompt_sets = [load_set(*parse_set(s), wrap=wrap, limit=limit) for s in sets]
     names = [p.name for p in prompt_sets]
     if len(set(names)) != len(names):
         raise click.UsageError(f"--sets names a set twice: {', '.join(names)}")
     for p in prompt_sets:
         click.echo(p.describe())
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "fp32" if device == "cpu" else "bf16"
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    base, tokenizer, eos = load_base_target(target, device, torch_dtype)
+    base, tokenizer, eos = load_base_target(target, *_device_and_dtype(device, dtype))
     loaded = [load_drafter(d, base, label=lab) for d, lab in zip(drafters, labels, strict=True)]
     with atomic_output(out, folder=True, force=force, inputs=[*drafters, target]) as tmp:
         logs = out.with_name(out.name + ".logs")  # the engine's server logs, kept on failure

@@ -16,6 +16,7 @@ from typing import Any, TypeAlias
 
 import pyarrow as pa
 
+from loader_server.wire.files import file_error
 from trainer.data.corpus import REPORT_NAME
 from trainer.data.messages import CONV_KEYS, MalformedRow, as_row, not_object, short
 
@@ -313,7 +314,7 @@ def _read_arrow(path: Path) -> pa.Table:
         source.seek(0)
         return pa.ipc.open_stream(source).read_all()
     except (pa.ArrowInvalid, OSError) as e:
-        raise ValueError(f"{path}: not a readable Arrow IPC file ({e})") from e
+        raise file_error(path, "a readable Arrow IPC file or stream", e) from e
 
 
 def _table_chunks(path: Path, table: pa.Table, size: int) -> Iterator[tuple[list[int], pa.Table]]:

@@ -142,8 +142,14 @@ def load_drafter(path: Path, base: Target, *, label: str | None = None) -> Loade
     from trainer.hf.folder import config_from_folder, init_drafter, read_drafter_folder
 
     label = label or path.name
-    if (path / "checkpoints").is_dir():
-        src = read_trained_drafter(path)
+    if _is_run_folder(path):
+        try:
+            src = read_trained_drafter(path)
+        except FileNotFoundError:  # no checkpoint at all
+            raise ValueError(
+                f"{path}: a training run with no checkpoint yet (stopped before its first): "
+                "nothing to evaluate; resume it, or give an export folder"
+            ) from None
         target = Target(base.model, src.layer_ids)
         drafter = DFlashDrafter(src.config)
         drafter.load_state_dict(src.weights)
@@ -153,6 +159,13 @@ def load_drafter(path: Path, base: Target, *, label: str | None = None) -> Loade
     drafter = DFlashDrafter(config_from_folder(folder, target))
     init_drafter(drafter, folder, target)
     return LoadedDrafter(label, path, _on(drafter, base), target, path)
+
+
+def _is_run_folder(path: Path) -> bool:
+    """A ``dflash-train train`` run folder (checkpoints, metrics or the spec it was served),
+    not a drafter folder."""
+    return any((path / name).exists() for name in ("checkpoints", "metrics.jsonl",
+                                                   "loader_spec.json"))  # fmt: skip
 
 
 def _on(drafter: DFlashDrafter, base: Target) -> DFlashDrafter:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from loader_server.wire.files import read_json
 from trainer.files import atomic_output, check_output
 from trainer.hf import remote_code_paths
 from trainer.hf.folder import ARCHITECTURES, WEIGHTS, weight_names
@@ -61,7 +62,7 @@ def _target_from_run_config(run_dir: Path) -> dict[str, Any]:
             f"{path} is missing and the checkpoint records no target config: cannot tell the "
             "target's vocabulary, depth and RoPE"
         )
-    opts = TargetOptions.from_record(json.loads(path.read_text()), str(path))
+    opts = TargetOptions.from_record(read_json(path, "a run's config.json"), str(path))
     if opts.target == "tiny":
         return target_record(target_from_options(opts, "meta").config)
     target = Path(opts.target)
@@ -453,7 +454,8 @@ def _verifier_architectures(src: TrainedDrafter) -> list[str]:
     causal-LM class (the tiny target: ``Qwen3ForCausalLM``)."""
     file = Path(src.target_name) / "config.json"
     if file.is_file():
-        found = json.loads(file.read_text()).get("architectures")
+        config = read_json(file, "the target's config.json")
+        found = config.get("architectures") if isinstance(config, dict) else None
         if found:
             return [str(a) for a in found]
     return [f"{src.target['model_type'].capitalize()}ForCausalLM"]

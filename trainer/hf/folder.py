@@ -7,7 +7,6 @@ mapping into the DFlash dialect first, so both meet the same checks.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loader_server.wire.files import file_error, read_json
 from trainer.hf import ARCHITECTURES
 from trainer.hf.configuration_dflash import DFLASH_KEYS
 from trainer.hf.speculators import SPECULATORS_KEY, dflash_from_speculators
@@ -153,8 +153,11 @@ def read_drafter_folder(path: Path) -> DrafterFolder:
         raise FileNotFoundError(
             f"{path}: no config.json, so not a drafter folder (export makes one)"
         )
-    config = json.loads(file.read_text())
-    if isinstance(config, dict) and SPECULATORS_KEY in config:
+    config = read_json(file, "a drafter folder's config.json (JSON)")
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: a drafter's config is a JSON object, this is a "
+                         f"{type(config).__name__}")  # fmt: skip
+    if SPECULATORS_KEY in config:
         folder = DrafterFolder(Path(path), dflash_from_speculators(config, file), "speculators")
     else:
         folder = DrafterFolder(Path(path), config)
@@ -375,18 +378,26 @@ def config_from_folder(folder: DrafterFolder, target: Target) -> DrafterConfig:
 
 def read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder (``model.safetensors`` or a sharded index)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     index = folder / WEIGHTS_INDEX
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        doc = read_json(index, "a safetensors index (JSON)")
+        try:
+            files = sorted(set(doc["weight_map"].values()))
+        except (KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index}: no 'weight_map' object naming the shards") from None
     elif (folder / WEIGHTS).is_file():
         files = [WEIGHTS]
     else:
         raise FileNotFoundError(f"{folder}: neither {WEIGHTS} nor {WEIGHTS_INDEX}")
     out: dict[str, torch.Tensor] = {}
     for name in files:
-        out.update(load_file(str(folder / name)))
+        try:
+            out.update(load_file(str(folder / name)))
+        except SafetensorError as e:  # cut short, or not safetensors at all
+            raise file_error(folder / name, "safetensors weights", e) from None
     return out
 
 
