@@ -393,3 +393,35 @@ def test_eval_of_a_run_killed_before_its_first_checkpoint_says_so(target, tmp_pa
     with pytest.raises(ValueError, match=r"a training run with no checkpoint yet \(stopped "
                        r"before its first\): nothing to evaluate"):  # fmt: skip
         load_drafter(run, target)
+
+
+def test_a_released_folder_is_read_as_its_writer_computes_it_or_refused(
+    run_dir, folders, target, tmp_path, caplog
+):
+    """speculators' id for the target's depth is the last layer's output before the final
+    norm (vLLM's numbering); this trainer's last layer feature is after it: refused, not
+    computed otherwise. A MASK token other than the target's is said once, at start."""
+    spec = export_drafter(run_dir, tmp_path / "spec", dtype="fp32", fmt="speculators")
+    ids = json.loads((spec / "config.json").read_text())["aux_hidden_state_layer_ids"]
+    depth = target.num_layers
+    assert depth not in ids  # what export writes
+
+    def last(c):
+        return {**c, "aux_hidden_state_layer_ids": [*ids[:-1], depth]}
+
+    bad = edited_copy(spec, tmp_path / "prenorm", config=last)
+    why = init_error(bad, target, tmp_path)
+    assert f"aux_hidden_state_layer_ids holds {depth}, the target's depth" in why
+    assert "before the final norm" in why
+
+    def other_mask(c):
+        return {**c, "dflash_config": {**c["dflash_config"], "mask_token_id": 7}}
+
+    masked = edited_copy(folders["fp32"], tmp_path / "mask", config=other_mask)
+    with caplog.at_level(logging.WARNING, logger="trainer.hf.folder"):
+        for _ in range(2):  # read twice, said once
+            o, found = resolve_init_drafter(tiny_opts(init_drafter=masked))
+            drafter = build_drafter(target, o, torch.device("cpu"))
+            init_from_folder(drafter, found, target, train_config(replace(o, run_dir=tmp_path)))
+    said = [r.getMessage() for r in caplog.records if "MASK token is 7" in r.getMessage()]
+    assert len(said) == 1 and f"the target's {MASK}" in said[0], said

@@ -332,8 +332,12 @@ def _mask_token(mine: int | None, theirs: int | None, file: Path) -> int | None:
 
 
 def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: Target) -> None:
-    """The folder's shape, vocabulary and depth against this run's drafter and target."""
+    """The folder's shape, vocabulary and depth against this run's drafter and target; a
+    feature this trainer would compute otherwise than the folder's writer is refused, and
+    what it reads otherwise than the target says (the MASK token) said once."""
     file, cfg, c = folder.path / "config.json", drafter.config, folder.config
+    _check_last_layer(folder, target, file)
+    _say_mask_token(folder, target, file)
     fields = (
         ("hidden_size", c.get("hidden_size"), cfg.hidden_size),
         ("intermediate_size", c.get("intermediate_size"), cfg.intermediate_size),
@@ -359,6 +363,41 @@ def check_folder_against(folder: DrafterFolder, drafter: DFlashDrafter, target: 
             continue  # optional in released configs; the weights' shapes still decide
         if theirs != mine:
             raise ValueError(f"{file}: {key} {theirs} != {mine} (this run's drafter and target)")
+
+
+def _check_last_layer(folder: DrafterFolder, target: Target, file: Path) -> None:
+    """A speculators folder naming the target's depth (vLLM's numbering: the last layer's
+    output *before* the final norm) maps to this trainer's last layer id, whose feature is
+    the output *after* the norm (as Transformers reports it, and z-lab's dialect means):
+    the drafter would read another input than it was trained on. Refused, not mended."""
+    last = target.num_layers - 1
+    if folder.dialect == "speculators" and last in (folder.target_layer_ids or ()):
+        raise ValueError(
+            f"{file}: aux_hidden_state_layer_ids holds {last + 1}, the target's depth: in "
+            "speculators' and vLLM's numbering the last layer's output before the final "
+            "norm, which this trainer does not compute (its last layer's feature is after "
+            "the norm, as Transformers and z-lab's dialect have it), so the drafter would "
+            "read another input than it was trained on; it cannot be loaded here"
+        )
+
+
+def _say_mask_token(folder: DrafterFolder, target: Target, file: Path) -> None:
+    """Once per folder: a MASK token other than the target's own (the drafter drafts, and
+    engines serve it, with the folder's)."""
+    from trainer.model.target import mask_token_id
+
+    mine, theirs = mask_token_id(target), folder.mask_token_id
+    if mine is not None and theirs is not None and mine != theirs and file not in _SAID:
+        _SAID.add(file)
+        log.warning(
+            "%s: the drafter's MASK token is %d, the target's %d: it drafts with token %d's "
+            "embedding row, as it was trained (engines read the folder's too)",
+            file, theirs, mine, theirs,
+        )  # fmt: skip
+
+
+#: Folders whose reinterpretations were said (once each, whatever reads them again).
+_SAID: set[Path] = set()
 
 
 def config_from_folder(folder: DrafterFolder, target: Target) -> DrafterConfig:
