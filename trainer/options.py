@@ -24,6 +24,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from loader_server.wire.files import read_json
 from loader_server.wire.spec import SPEC_FIELDS, field_help
 from trainer.option_values import (
     RUN_LIMITS,
@@ -466,10 +467,7 @@ class RunOptions(TargetOptions):
     def read(cls, run_dir: Path) -> RunOptions:
         """The options a run was started with, from its ``config.json``."""
         path = Path(run_dir) / CONFIG_FILE
-        try:
-            record = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON ({e})") from e
+        record = read_json(path, "a run's config.json (JSON)")
         if not isinstance(record, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(record).__name__}")
         known = {f.name for f in fields(cls)} | set(RUN_FACTS) | set(RENAMED)

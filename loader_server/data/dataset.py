@@ -20,7 +20,6 @@ checked as it is served: the native fill refuses a value it could not serve exac
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from loader_server.data.chunks import (
     value_bytes,
 )
 from loader_server.data.shards import ShardError, ShardFile, fingerprint, open_shard
+from loader_server.wire.files import read_json
 
 log = logging.getLogger(__name__)
 
@@ -393,7 +393,7 @@ def _shard_files(root: Path) -> list[Path]:
     state = root / "state.json"
     if state.is_file():
         try:
-            names = [d["filename"] for d in json.loads(state.read_text())["_data_files"]]
+            names = [d["filename"] for d in read_json(state)["_data_files"]]
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise DatasetError(f"{state}: not a Hugging Face datasets state file ({e})") from e
         files = []

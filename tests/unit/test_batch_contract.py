@@ -163,7 +163,11 @@ def test_a_config_json_that_is_not_an_object(tmp_path):
     with pytest.raises(ValueError, match="expected a JSON object, got list"):
         RunOptions.read(tmp_path)
     (tmp_path / "config.json").write_text("{")
-    with pytest.raises(ValueError, match="not JSON"):
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json: not a run's config\.json \(JSON\) \("
+        r"Expecting property name enclosed in double quotes at line 1 column 2\)",
+    ):
         RunOptions.read(tmp_path)
 
 

@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 
 import pyarrow as pa
 
-from loader_server.wire.files import file_error
+from loader_server.wire.files import file_error, read_json
 from trainer.data.corpus import REPORT_NAME
 from trainer.data.messages import CONV_KEYS, MalformedRow, as_row, not_object, short
 
@@ -247,7 +247,7 @@ def _json_chunks(
         if "Extra data" in str(e):  # JSON Lines under a .json name
             yield from _jsonl_chunks(path, size, max_bytes)
             return
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
+        raise file_error(path, "JSON (a list of rows, or one under rows or data)", e) from e
     except RecursionError:
         raise ValueError(
             f"{path}: JSON nested too deeply to read (more than ~{sys.getrecursionlimit()} "
@@ -355,7 +355,7 @@ def _hf_shards(path: Path) -> pa.Table:
             f"(pip install datasets): it has no state.json listing its shards"
         )
     try:
-        files = [path / d["filename"] for d in json.loads(state.read_text())["_data_files"]]
+        files = [path / d["filename"] for d in read_json(state)["_data_files"]]
     except (ValueError, RecursionError, KeyError, TypeError) as e:
         raise ValueError(f"{state}: not a datasets state.json listing _data_files ({e!r})") from e
     return pa.concat_tables([_read_arrow(f) for f in files])
