@@ -408,3 +408,24 @@ def test_dpace_weights_follow_the_published_formula():
     full = dpace_weights(ce[:1], sup[:1], 1.0)[0]
     assert full.tolist() == [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]
     assert not dpace_weights(ce.requires_grad_(), sup, 0.5).requires_grad
+
+
+def test_the_objective_flags_offer_what_the_loss_config_takes():
+    """The options (the trainer's foundation, which imports no model code) and
+    ``LossConfig`` name the same choices for the objective's settings."""
+    from dataclasses import fields as dc_fields
+
+    from trainer.model.blocks import ANCHOR_DRAWS, NORMALIZATIONS, WEIGHTINGS
+
+    meta = {f.name: f.metadata for f in dc_fields(RunOptions)}
+    assert meta["anchor_draw"]["choices"] == ANCHOR_DRAWS
+    assert meta["loss_normalization"]["choices"] == NORMALIZATIONS
+    assert meta["loss_weighting"]["choices"] == WEIGHTINGS
+    defaults = RunOptions(endpoint="x", run_dir=Path("r"))
+    cfg = LossConfig()
+    assert (defaults.anchor_draw, defaults.loss_normalization, defaults.loss_weighting) == (
+        cfg.anchor_draw, cfg.normalization, cfg.weighting,
+    )  # fmt: skip
+    assert (defaults.tokens_per_anchor, defaults.max_anchors, defaults.dpace_alpha) == (
+        cfg.tokens_per_anchor, cfg.max_anchors, cfg.dpace_alpha,
+    )  # fmt: skip
