@@ -507,3 +507,61 @@ def _daemon_pid(out: Path) -> str:
         if "READY endpoint=" in line:
             return line.split("pid=")[1].split()[0]
     raise AssertionError("no READY line")
+
+
+def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
+    """Part 4's arms: packed with D-PACE, and stratified and packed under the old objective,
+    are their base spec's command with the objective's flags added; every run draws one
+    anchor per token at most (as Parts 1-3)."""
+    from benchmarks.experiment.run import OLD_OBJECTIVE
+
+    cfg = ExperimentConfig(out_dir=tmp_path, buckets="auto:8")
+    cmd = {s: train_command(cfg, s, seed=2) for s in SPECS}
+
+    def named(c: list[str]) -> list[str]:  # the run's own name left out
+        return ["X" if i and c[i - 1] in ("--job", "--run-dir") else a for i, a in enumerate(c)]
+
+    def without(c: list[str], flags: tuple[str, ...], name: str) -> list[str]:
+        c = named(c)
+        at = next(i for i in range(len(c)) if c[i : i + len(flags)] == list(flags))
+        return c[:at] + c[at + len(flags) :]
+
+    base = {s: named(cmd[s]) for s in ("packed", "stratified")}
+    assert (
+        without(cmd["packed-dpace"], ("--loss-weighting", "dpace"), "packed-dpace")
+        == base["packed"]
+    )
+    assert without(cmd["packed-old"], OLD_OBJECTIVE, "packed-old") == base["packed"]
+    assert without(cmd["stratified-old"], OLD_OBJECTIVE, "stratified-old") == base["stratified"]
+    assert all("--tokens-per-anchor" in c and c[c.index("--tokens-per-anchor") + 1] == "1"
+               for c in cmd.values())  # fmt: skip
+
+
+def test_a_vllm_measure_is_reused_only_for_its_checkpoint_target_and_prompts(tmp_path):
+    """The cache key (``served.measure_key``) follows the run's newest checkpoint (by its
+    manifest), the target and the prompts; a result of another key is measured again."""
+    from benchmarks.experiment.served import checkpoint_key, measure_key
+
+    run, target = tmp_path / "run", tmp_path / "target"
+    target.mkdir()
+    (target / "target.json").write_text('{"steps": 1200}')
+
+    def checkpoint(step: int, body: str) -> None:
+        (run / "checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+        (run / "manifests").mkdir(exist_ok=True)
+        (run / "manifests" / f"step-{step:08d}.json").write_text(body)
+
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        checkpoint_key(run)
+    checkpoint(300, '{"model.pt": "aa"}')
+    key = measure_key(run, target, [[1, 2]], [[3]], 32)
+    assert key == measure_key(run, target, [[1, 2]], [[3]], 32)
+    assert key != measure_key(run, target, [[1, 2]], [[3]], 64)
+    assert key != measure_key(run, target, [[1, 3]], [[3]], 32)
+    (target / "target.json").write_text('{"steps": 2400}')
+    other_target = measure_key(run, target, [[1, 2]], [[3]], 32)
+    assert other_target != key
+    (run / "manifests" / "step-00000300.json").write_text('{"model.pt": "bb"}')  # retrained
+    assert measure_key(run, target, [[1, 2]], [[3]], 32) != other_target
+    checkpoint(600, '{"model.pt": "bb"}')  # a newer checkpoint, same bytes: still another one
+    assert checkpoint_key(run).startswith("step-00000600:")

@@ -298,6 +298,38 @@ def test_resume_refuses_a_different_served_spec(target, samples, tmp_path):
         tr.run()
 
 
+def test_the_objective_is_recorded_and_a_resume_under_another_is_refused(target, samples, tmp_path):
+    """Checkpoints keep the objective that trained them (weighting, normalization, anchor
+    draw): a resume under another names the fields and the flags that continue it; the
+    export says which objective trained the drafter."""
+    from trainer.hf.export import export_drafter
+
+    dpace = LossConfig(block_size=B, anchors_per_doc=6, weighting="dpace")
+    from trainer.options import TargetOptions
+    from trainer.run import run_meta
+
+    first = make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=2, loss=dpace)
+    first.meta.update(run_meta(TargetOptions(), target))  # what dflash-train records
+    first.run()
+    old = LossConfig(block_size=B, anchors_per_doc=6, normalization="micro-batch")
+    again = make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=4, resume=True,
+                         loss=old)  # fmt: skip
+    again.meta.update(run_meta(TargetOptions(), target))
+    with pytest.raises(ValueError) as e:
+        again.run()
+    said = str(e.value)
+    assert "loss config differs from this run's in " in said
+    assert "weighting ('dpace' vs 'decay')" in said and "normalization ('step' vs" in said
+    assert "pass --loss-normalization step --loss-weighting dpace" in said
+    out = export_drafter(tmp_path, tmp_path / "export", dtype="fp32")
+    info = json.loads((out / "dflash_export.json").read_text())["trained_with"]
+    assert (info["weighting"], info["normalization"], info["anchor_draw"]) == (
+        "dpace", "step", "document",
+    )  # fmt: skip
+    assert info["dpace_alpha"] == 0.5 and "gamma" not in info
+    assert "trained with: weighting dpace" in (out / "README.md").read_text()
+
+
 def test_resume_refuses_other_target_layers(target, samples, tmp_path):
     first = make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=2)
     first.meta["layer_ids"] = [0, 1]
