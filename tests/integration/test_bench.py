@@ -30,3 +30,14 @@ def test_bench_reports_every_figure(corpus_path, tmp_path):
     assert 0 < r["first_batch_warm_s"] < 60 and r["sort_once"]["restart_s"] > 0
     assert r["next_p99_ms"] >= r["next_p50_ms"] > 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_anchor_draw_benchmark_reports_both_draws():
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_anchor_draw.py"), "--rows", "2",
+         "--repeat", "1"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "per document (default)" in res.stdout and "cap 2048 (old)" in res.stdout
+    assert "per document / old: blocks" in res.stdout
