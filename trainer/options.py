@@ -257,7 +257,7 @@ class RunOptions(TargetOptions):
         section=DRAFTER,
     )
     anchors_per_doc: int = opt(
-        512, "Anchors (blocks) drawn per document (the loader spec's name for it).",
+        512, "At most this many anchors (blocks) per document (the loader spec's name).",
         aliases=("--num-anchors",), section=DRAFTER,
     )  # fmt: skip
     tokens_per_anchor: int = opt(
@@ -320,7 +320,10 @@ class RunOptions(TargetOptions):
         False, "Train a MASK vector instead (NOT loadable by SGLang/vLLM/Transformers DFlash).",
         section=DRAFTER,
     )  # fmt: skip
-    gamma: float = opt(7.0, "Loss decay over block offsets: exp(-(k-1)/gamma).", section=DRAFTER)
+    gamma: float = opt(
+        7.0, "Loss decay over block offsets, exp(-(k-1)/gamma) (--loss-weighting decay).",
+        section=DRAFTER,
+    )  # fmt: skip
     lr: float = opt(6e-4, "Peak learning rate (AdamW).", section=OPTIM)
     warmup: float = opt(0.04, "Warm-up steps; < 1: a fraction of the run.", section=OPTIM)
     weight_decay: float = opt(0.01, "AdamW weight decay.", section=OPTIM)

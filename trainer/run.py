@@ -261,6 +261,12 @@ def fitting_prompts(
 def train_config(opts: RunOptions) -> TrainConfig:
     if opts.block_size is None:
         raise ValueError("block_size is unresolved: see resolve_init_drafter")
+    if opts.loss_weighting == "dpace" and opts.gamma != RunOptions.gamma:
+        log.warning("--gamma %g has no effect with --loss-weighting dpace (D-PACE's weights "
+                    "replace the position decay)", opts.gamma)  # fmt: skip
+    if opts.loss_weighting == "decay" and opts.dpace_alpha != RunOptions.dpace_alpha:
+        log.warning("--dpace-alpha %g has no effect with --loss-weighting decay",
+                    opts.dpace_alpha)  # fmt: skip
     return TrainConfig(
         run_dir=opts.run_dir,
         loss=LossConfig(
