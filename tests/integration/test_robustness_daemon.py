@@ -542,7 +542,6 @@ def test_out_of_range_positions_are_refused_with_their_value(daemons, position, 
         ({"max_batch_size": 2**30}, "max_batch_size 1073741824 exceeds this daemon's limit"),
         ({"token_budget": 2**30}, "token_budget 1073741824 exceeds this daemon's limit"),
         ({"grad_accum": 3000}, "3000 micro-batches per step, but the corpus has 2000 samples"),
-        ({"token_budget": 2**31}, r"token_budget must be an integer in \[1, 2147483647\]"),
         # the corpus's own reason, not "too few samples"
         (
             {"max_seq_len": 8, "overlong": "drop"},
@@ -556,6 +555,26 @@ def test_extreme_specs_are_refused_at_open(daemons, spec, text):
     c = LoaderClient(d.endpoint, job="x", rank=0, world_size=1, spec=spec, timeout_s=5)
     with pytest.raises(LoaderRequestError, match=text):  # an answer, not a timeout
         next(c)
+    assert d.proc.poll() is None
+
+
+def test_a_spec_outside_any_spec_s_bounds_is_the_client_s_own_error(daemons):
+    """What no daemon could take is refused where it is asked for (``check_fields``), and
+    the same sent raw is still the daemon's one-line refusal."""
+    d = daemons()
+    with pytest.raises(ValueError, match=r"token_budget must be an integer in \[1, 2147483647\]"):
+        LoaderClient(d.endpoint, job="x", rank=0, world_size=1, spec={"token_budget": 2**31})
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    try:
+        sock.send(P.encode("open", job="x", rank=0, world_size=1, spec={"token_budget": 2**31},
+                           pos=[0, 0, 0]))  # fmt: skip
+        assert sock.poll(5000), "no answer"
+        reply = P.decode(sock.recv())
+    finally:
+        sock.close()
+    assert reply["code"] == P.E_BAD_REQUEST and "token_budget must be an integer" in reply["msg"]
     assert d.proc.poll() is None
 
 

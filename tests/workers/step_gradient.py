@@ -15,6 +15,7 @@ drafter's gradients and the step's logged loss to
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.target import TinyTargetSpec, load_target
 from trainer.train.batches import Batch, pack_batch, pad_batch
 from trainer.train.config import TrainConfig
-from trainer.train.distributed import init_distributed, shutdown
+from trainer.train.distributed import barrier, init_distributed, shutdown
 from trainer.train.loop import Trainer
 from trainer.train.step import StepResult, StepSums, step_record
 
@@ -121,6 +122,11 @@ def one_cut(
         grads = {n: p.grad.detach().double().clone() for n, p in drafter.named_parameters()}
         name = f"{layout}-{str(dtype).split('.')[-1]}-{norm}-{weighting}-{cut}.pt"
         torch.save({"grads": grads, "loss": rec["loss"], "blocks": rec["blocks"]}, out / name)
+    # Each cut's DDP wrapper and writer threads go before the next (and before the process
+    # group at the end): a DDP reducer outliving its group aborts the process at exit.
+    trainer._close()
+    del trainer
+    gc.collect()
 
 
 def main() -> None:
@@ -133,6 +139,7 @@ def main() -> None:
                 for objective in OBJECTIVES:
                     for cut in CUTS[env.world_size]:
                         one_cut(out, env, layout, dtype, objective, cut)
+        barrier(env)
     finally:
         shutdown(env)
 
