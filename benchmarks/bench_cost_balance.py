@@ -62,9 +62,9 @@ from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.loss import draft_loss
 from trainer.model.target import Target, TinyTargetSpec, load_target
 from trainer.ops.calibrate import calibrate_run
+from trainer.sections import RunOptions
 from trainer.train import hostmem
 from trainer.train.batches import Batch, pad_batch
-from trainer.train.config import TrainConfig
 from trainer.train.distributed import local_env
 from trainer.train.loop import Trainer
 
@@ -146,9 +146,9 @@ def loss_config() -> LossConfig:
 
 def calibrate(corpus: Corpus, plan: EpochPlan, target, drafter, micro: int, run_dir: Path):
     """Train on the plan's micro-batches recording ``micro`` of them, then fit."""
-    cfg = TrainConfig(
-        run_dir=run_dir, loss=loss_config(), steps=micro + 2, lr=1e-4, warmup=0,
-        progress=False, cost_samples=micro, eval_new_tokens=1,
+    cfg = RunOptions(
+        endpoint="in-process", run_dir=run_dir, steps=micro + 2, lr=1e-4, warmup=0,
+        no_progress=True, cost_samples=micro, eval_new_tokens=1, **loss_config().options(),
     )  # fmt: skip
     Trainer(
         cfg, target=target, drafter=drafter, source=PlanSource(corpus, plan), env=local_env()

@@ -172,8 +172,8 @@ def _trained_drafter(target: Any, steps: int) -> Any:
     from trainer.model.verifier import greedy_generate
     from trainer.options import TargetOptions
     from trainer.run import run_meta
+    from trainer.sections import RunOptions
     from trainer.train.batches import ListSource
-    from trainer.train.config import TrainConfig
     from trainer.train.distributed import local_env
     from trainer.train.loop import Trainer
 
@@ -188,8 +188,9 @@ def _trained_drafter(target: Any, steps: int) -> Any:
     )
     torch.manual_seed(0)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-long-context-"))
-    tc = TrainConfig(run_dir=run_dir, loss=LossConfig(block_size=8, anchors_per_doc=8),
-                     steps=steps, lr=3e-3, warmup=2, progress=False, cost_samples=0)  # fmt: skip
+    loss = LossConfig(block_size=8, anchors_per_doc=8)
+    tc = RunOptions(endpoint="in-process", run_dir=run_dir, steps=steps, lr=3e-3, warmup=2,
+                    no_progress=True, cost_samples=0, **loss.options())  # fmt: skip
     Trainer(
         tc, target=target, drafter=DFlashDrafter(cfg), source=ListSource(docs, rows=4),
         env=local_env(), meta=run_meta(TargetOptions(), target),

@@ -29,8 +29,8 @@ def run(steps: int, report_to: str, run_dir: Path) -> dict[str, Any]:
     from trainer.model.blocks import LossConfig
     from trainer.model.drafter import DFlashDrafter, DrafterConfig
     from trainer.model.target import load_target
+    from trainer.sections import RunOptions
     from trainer.train.batches import ListSource
-    from trainer.train.config import TrainConfig
     from trainer.train.distributed import local_env
     from trainer.train.loop import Trainer
     from trainer.train.metrics import metrics_path, read_metrics
@@ -41,10 +41,11 @@ def run(steps: int, report_to: str, run_dir: Path) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     samples = [(torch.randint(0, 511, (48,), generator=g).tolist(), [0] * 8 + [1] * 40)
                for _ in range(64)]  # fmt: skip
-    cfg = TrainConfig(
-        run_dir=run_dir, loss=LossConfig(block_size=8, anchors_per_doc=6), steps=steps,
-        lr=3e-3, warmup=2, progress=False, cost_samples=0, ckpt_every=0,
+    cfg = RunOptions(
+        endpoint="in-process", run_dir=run_dir, steps=steps, lr=3e-3, warmup=2,
+        no_progress=True, cost_samples=0, ckpt_every=0,
         report_to=(report_to,) if report_to else (),
+        **LossConfig(block_size=8, anchors_per_doc=6).options(),
     )  # fmt: skip
     torch.manual_seed(0)
     drafter = DFlashDrafter(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,12 +17,20 @@ from trainer.hf.export import read_trained_drafter
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, apply_rotary, rotary
 from trainer.model.verifier import greedy_generate
-from trainer.options import RunOptions, TargetOptions
+from trainer.options import TargetOptions
 from trainer.run import run_meta
+from trainer.sections import RunOptions
 from trainer.train.batches import ListSource
-from trainer.train.config import TrainConfig
 from trainer.train.distributed import local_env
 from trainer.train.loop import Trainer
+
+
+def in_process(run_dir: Path, loss: LossConfig, **kw: Any) -> RunOptions:
+    """The options of a trainer run in this process (no loader, no progress bar): ``loss``
+    as its options, ``kw`` for the rest."""
+    return RunOptions(
+        endpoint="in-process", run_dir=run_dir, no_progress=True, **{**loss.options(), **kw}
+    )
 
 
 def greedy_samples(target, vocab: int, n: int = 8) -> list[tuple[list[int], list[int]]]:
@@ -40,10 +49,7 @@ def train_run(
     *, resume: bool = False,
 ) -> Path:  # fmt: skip
     """``steps`` optimizer steps of ``drafter`` on ``samples`` (4 rows per micro-batch)."""
-    tc = TrainConfig(
-        run_dir=run_dir, loss=loss, steps=steps, lr=3e-3, warmup=2, progress=False,
-        resume=resume,
-    )  # fmt: skip
+    tc = in_process(run_dir, loss, steps=steps, lr=3e-3, warmup=2, resume=resume)
     Trainer(
         tc, target=target, drafter=drafter, source=ListSource(samples, rows=4), env=local_env(),
         meta=run_meta(TargetOptions(), target),

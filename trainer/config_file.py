@@ -28,16 +28,8 @@ import tomllib
 
 from loader_server.wire.files import file_error
 from trainer.option_values import field_value, option_problem
-from trainer.options import (
-    DRAFTER,
-    EVAL,
-    OPTIM,
-    RENAMED,
-    RUN_FACTS,
-    SPEC,
-    TARGET,
-    RunOptions,
-)
+from trainer.options import DRAFTER, EVAL, OPTIM, RENAMED, RUN_FACTS, SPEC, TARGET
+from trainer.sections import RunOptions
 
 #: ``--help`` section -> TOML table ("" and None: the top, the run's own options).
 TABLES: dict[str, str | None] = {

@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import tempfile
 from dataclasses import fields, replace
 from pathlib import Path
@@ -22,15 +21,15 @@ import torch
 from loader_server.wire.spec import ANCHOR_RULE, check_fields, profile_fields
 from trainer.data.regen import load_prompts
 from trainer.data.tokenizer import load_tokenizer
-from trainer.eval.sets import BUILTIN, conversation, load_set, parse_set, render
+from trainer.eval.sets import conversation, load_set, parse_sets, render
 from trainer.files import check_output
 from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, read_drafter_folder
-from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.sharding import flat_values
-from trainer.model.target import TINY, Target, mask_token_id, target_record
+from trainer.model.target import Target, mask_token_id, target_record
 from trainer.option_values import parse_layer_types
-from trainer.options import RunOptions, TargetOptions, dflash2_fields
+from trainer.options import TargetOptions
+from trainer.sections import RunOptions
 from trainer.train import stop
 from trainer.train.checkpoint import (
     RunWriteError,
@@ -38,11 +37,11 @@ from trainer.train.checkpoint import (
     run_write_error,
     write_error_message,
 )
-from trainer.train.config import TrainConfig
 from trainer.train.distributed import init_distributed, shutdown
 from trainer.train.guards import WRITE_ERRNOS
 from trainer.train.loop import Trainer
 from trainer.train.target_shard import load_run_target
+from trainer.train.trackers import parse_names
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +115,7 @@ def resolve_mask_token(target: Target, opts: RunOptions) -> int | None:
         return None
     found = opts.mask_token_id
     if found is None:
-        found = mask_token_id(target, None if opts.target == "tiny" else opts.target)
+        found = mask_token_id(target, None if opts.tiny else opts.target)
     if found is None:
         raise ValueError(
             f"target {opts.target!r} names no mask token (no mask_token_id in its config, "
@@ -143,7 +142,7 @@ def build_drafter(target: Target, opts: RunOptions, device: torch.device | str) 
         layer_types=parse_layer_types(opts.layer_types, opts.sliding_window, opts.drafter_layers),
         sliding_window=opts.sliding_window,
         sliding_causal=not opts.sliding_bidirectional,
-        **dflash2_fields(opts),
+        **opts.dflash2_fields(),
     )
     log.info("drafter MASK: %s", "learned vector" if mask_id is None else f"token {mask_id}")
     with torch.random.fork_rng(devices=[]):
@@ -173,34 +172,11 @@ def eval_prompts(opts: RunOptions, vocab_size: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab_size, (16,), generator=g) for _ in range(opts.num_eval_prompts)]
 
 
-#: A comma that begins another set (``NAME=`` or the built-in ``humaneval``), so that a path
-#: holding a comma stays whole.
-_NEXT_SET = re.compile(rf",\s*(?=[A-Za-z0-9][\w.-]*\s*=|{BUILTIN}\s*(?:,|$))")
-
-
-def parse_eval_sets(values: tuple[str, ...]) -> list[tuple[str, Path | None]]:
-    """``--eval-sets`` (repeated, comma-separated) as ``(NAME, PATH)`` pairs
-    (``trainer.eval.sets.parse_set``), each name once."""
-    out: dict[str, Path | None] = {}
-    for value in values:
-        for text in _NEXT_SET.split(value):
-            if not text.strip():
-                continue
-            try:
-                name, path = parse_set(text)
-            except ValueError as e:
-                raise ValueError(f"--eval-sets {e}") from None
-            if name in out:
-                raise ValueError(f"--eval-sets: the set {name!r} is named twice")
-            out[name] = path
-    return list(out.items())
-
-
 def eval_tokenizer(opts: RunOptions) -> Any:
     """The target folder's tokenizer, which renders ``--eval-sets`` with its chat template;
     one line naming the option when the target has no tokenizer or no chat template."""
     why = "--eval-sets renders its prompts with the target's tokenizer and chat template"
-    if opts.target == TINY:
+    if opts.tiny:
         raise ValueError(
             f"{why}: --target tiny has neither; give --target DIR, a model folder with a "
             "tokenizer (dflash-train save-target DIR --tokenizer TOK writes the tiny one)"
@@ -223,7 +199,7 @@ def eval_set_prompts(opts: RunOptions, tokenizer: Any) -> dict[str, list[list[in
     rendered with the chat template, ``enable_thinking`` as ``--eval-thinking`` says."""
     thinking = opts.eval_thinking == "on"
     out: dict[str, list[list[int]]] = {}
-    for name, path in parse_eval_sets(opts.eval_sets):
+    for name, path in parse_sets(opts.eval_sets, "--eval-sets"):
         found = load_set(name, path, limit=opts.eval_set_limit)
         more = [p for p in found.prompts if len(p.turns) > 1]
         log.info("eval set %s%s", found.describe(), "; the first turn only" if more else "")
@@ -258,54 +234,19 @@ def fitting_prompts(
     return out
 
 
-def train_config(opts: RunOptions) -> TrainConfig:
+def check_run(opts: RunOptions) -> None:
+    """What a run refuses before anything starts (the length, the dashboards) and what it
+    says of options that have no effect."""
     if opts.block_size is None:
         raise ValueError("block_size is unresolved: see resolve_init_drafter")
+    opts.check_length()
+    parse_names(opts.report_to)  # an unknown tracker is refused before the target loads
     if opts.loss_weighting == "dpace" and opts.gamma != RunOptions.gamma:
         log.warning("--gamma %g has no effect with --loss-weighting dpace (D-PACE's weights "
                     "replace the position decay)", opts.gamma)  # fmt: skip
     if opts.loss_weighting == "decay" and opts.dpace_alpha != RunOptions.dpace_alpha:
         log.warning("--dpace-alpha %g has no effect with --loss-weighting decay",
                     opts.dpace_alpha)  # fmt: skip
-    return TrainConfig(
-        run_dir=opts.run_dir,
-        loss=LossConfig(
-            block_size=opts.block_size,
-            anchors_per_doc=opts.anchors_per_doc,
-            tokens_per_anchor=opts.tokens_per_anchor,
-            max_anchors=opts.max_anchors,
-            gamma=opts.gamma,
-            selector_alpha=1.0 if opts.selector_alpha is None else opts.selector_alpha,
-            weighting=opts.loss_weighting,
-            dpace_alpha=opts.dpace_alpha,
-            normalization=opts.loss_normalization,
-            anchor_draw=opts.anchor_draw,
-        ),
-        loss_chunk=opts.loss_chunk,
-        attention=opts.attention,
-        steps=opts.steps,
-        epochs=opts.epochs,
-        grad_accum=opts.grad_accum,
-        lr=opts.lr,
-        warmup=opts.warmup,
-        weight_decay=opts.weight_decay,
-        grad_clip=opts.grad_clip,
-        seed=opts.seed,
-        eval_every=opts.eval_every,
-        eval_new_tokens=opts.eval_new_tokens,
-        eval_batch=opts.eval_batch,
-        ckpt_every=opts.ckpt_every,
-        keep_checkpoints=opts.keep_checkpoints,
-        resume=opts.resume,
-        progress=not opts.no_progress,
-        log_every_s=opts.log_every_s,
-        cost_samples=opts.cost_samples,
-        profile_step=opts.profile_step,
-        peak_tflops=opts.peak_tflops,
-        report_to=opts.report_to,
-        max_nonfinite_steps=opts.max_nonfinite_steps,
-        max_empty_steps=opts.max_empty_steps,
-    )
 
 
 DEFAULT_DRAFTER_LAYERS, DEFAULT_BLOCK_SIZE = 1, 16
@@ -328,15 +269,15 @@ def resolve_init_drafter(opts: RunOptions) -> tuple[RunOptions, DrafterFolder | 
         raise ValueError("--sliding-bidirectional: no drafter layer is sliding (--sliding-window)")
     if opts.drafter is None:
         opts = replace(opts, drafter="dflash")
-    dflash2_fields(opts)  # DFlash2 flags need --drafter dflash2
+    opts.dflash2_fields()  # DFlash2 flags need --drafter dflash2
     return opts, folder
 
 
 def init_from_folder(
-    drafter: DFlashDrafter, folder: DrafterFolder, target: Target, cfg: TrainConfig
+    drafter: DFlashDrafter, folder: DrafterFolder, target: Target, opts: RunOptions
 ) -> None:
     """``--init-drafter``'s weights, unless ``--resume`` finds a checkpoint (which wins)."""
-    found = latest_checkpoint(cfg.run_dir) if cfg.resume else None
+    found = latest_checkpoint(opts.run_dir) if opts.resume else None
     if found is not None:
         log.info("--resume: %s wins over --init-drafter %s", found, folder.path)
         return
@@ -371,7 +312,7 @@ def run_meta(opts: TargetOptions, target: Target) -> dict[str, Any]:
         "target_config": target_record(target.config),
         "target_weights": weights_fingerprint(target.model),
     }
-    if opts.target == TINY:
+    if opts.tiny:
         tiny = [f.name for f in fields(TargetOptions) if f.name != "target"]
         meta["target_options"] = {k: getattr(opts, k) for k in tiny}
     return meta
@@ -382,8 +323,8 @@ def check_run_dir(opts: RunOptions) -> None:
     run reads (the target, ``--init-drafter``, ``--eval-prompts``, ``--eval-sets``,
     ``--cost-profile``)."""
     inputs = [opts.init_drafter, opts.eval_prompts, opts.cost_profile]
-    inputs += [path for _, path in parse_eval_sets(opts.eval_sets)]
-    if opts.target != TINY:
+    inputs += [path for _, path in parse_sets(opts.eval_sets, "--eval-sets")]
+    if not opts.tiny:
         inputs.append(Path(opts.target))
     check_output(opts.run_dir, inputs=[p for p in inputs if p is not None])
     check_writable(opts.run_dir)
@@ -433,13 +374,13 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
     """Run one rank; returns the summary on rank 0 (None elsewhere). SIGTERM stops it
     cleanly after the current step (``trainer.train.stop``)."""
     stop.install()
-    if opts.target != TINY and Path(opts.target).is_dir():  # as config.json and checkpoints
+    if not opts.tiny and Path(opts.target).is_dir():  # as config.json and checkpoints
         opts = replace(opts, target=str(Path(opts.target).resolve()))  # name it: from anywhere
     check_run_dir(opts)
     opts, folder = resolve_init_drafter(opts)
-    cfg = train_config(opts)  # validates before anything is started
+    check_run(opts)  # before anything is started
     spec = loader_spec(opts)
-    named = parse_eval_sets(opts.eval_sets)
+    named = parse_sets(opts.eval_sets, "--eval-sets")
     sets = eval_set_prompts(opts, eval_tokenizer(opts)) if named else {}  # before the target
     env = init_distributed(opts.device, opts.collective_timeout_s)
     _warn_collective_timeout(opts, env.is_main and env.distributed)
@@ -448,7 +389,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
         target, target_memory = load_run_target(opts, env)  # --target-shard
         drafter = build_drafter(target, opts, env.device)
         if folder is not None:
-            init_from_folder(drafter, folder, target, cfg)
+            init_from_folder(drafter, folder, target, opts)
         from client import LoaderClient
 
         client = LoaderClient(
@@ -462,7 +403,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
         )
         meta = run_meta(opts, target)
         trainer = Trainer(
-            cfg,
+            opts,
             target=target,
             drafter=drafter,
             source=client,
@@ -482,7 +423,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
             summary["pid"] = os.getpid()
             summary["target_memory"] = target_memory
             text = json.dumps(summary, indent=2) + "\n"
-            _writing(lambda: (cfg.run_dir / "summary.json").write_text(text), cfg.run_dir)
+            _writing(lambda: (opts.run_dir / "summary.json").write_text(text), opts.run_dir)
             return summary
         return None
     finally:

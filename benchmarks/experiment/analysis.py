@@ -371,8 +371,8 @@ def analyse(
 
     from loader_server.data.dataset import open_dataset
     from trainer.model.target import target_from_options
-    from trainer.options import RunOptions
     from trainer.run import build_drafter
+    from trainer.sections import RunOptions
 
     torch.set_num_threads(cfg.threads)
     lengths = open_dataset(train_path).lengths

@@ -340,8 +340,8 @@ def _train_long(sh: Any, dev: torch.device, seq: int, steps: int, run_dir: Path)
     from trainer.model.target import Target, TinyTargetSpec, build_tiny_model
     from trainer.options import TargetOptions
     from trainer.run import run_meta
+    from trainer.sections import RunOptions
     from trainer.train.batches import ListSource
-    from trainer.train.config import TrainConfig
     from trainer.train.distributed import local_env
     from trainer.train.loop import Trainer
 
@@ -360,8 +360,9 @@ def _train_long(sh: Any, dev: torch.device, seq: int, steps: int, run_dir: Path)
     shutil.rmtree(run_dir, ignore_errors=True)
     loss = LossConfig(block_size=sh.block, anchors_per_doc=sh.anchors_per_doc,
                       tokens_per_anchor=sh.tokens_per_anchor)  # fmt: skip
-    tc = TrainConfig(run_dir=run_dir, loss=loss, steps=steps, loss_chunk=sh.loss_chunk,
-                     progress=False, cost_samples=0)  # fmt: skip
+    tc = RunOptions(endpoint="in-process", run_dir=run_dir, steps=steps,
+                    loss_chunk=sh.loss_chunk, no_progress=True, cost_samples=0,
+                    **loss.options())  # fmt: skip
     Trainer(
         tc, target=target, drafter=DFlashDrafter(cfg).to(dev), source=ListSource(docs, rows=1),
         env=local_env(str(dev)), meta=run_meta(TargetOptions(), target),

@@ -45,8 +45,8 @@ def yarn_exports(work: Path) -> tuple[Path, dict[str, Path]]:
     from trainer.model.target import TinyTargetSpec, build_tiny_model, load_target
     from trainer.options import TargetOptions
     from trainer.run import run_meta
+    from trainer.sections import RunOptions
     from trainer.train.batches import ListSource
-    from trainer.train.config import TrainConfig
     from trainer.train.distributed import local_env
     from trainer.train.loop import Trainer
 
@@ -61,8 +61,9 @@ def yarn_exports(work: Path) -> tuple[Path, dict[str, Path]]:
     g = torch.Generator().manual_seed(0)
     docs = [(torch.randint(0, 511, (n,), generator=g).tolist(), [1] * n) for n in (64, 96, 128)]
     run_dir = work / "run"
-    tc = TrainConfig(run_dir=run_dir, loss=LossConfig(block_size=BLOCK, anchors_per_doc=8),
-                     steps=2, progress=False, cost_samples=0)  # fmt: skip
+    loss = LossConfig(block_size=BLOCK, anchors_per_doc=8)
+    tc = RunOptions(endpoint="in-process", run_dir=run_dir, steps=2, no_progress=True,
+                    cost_samples=0, **loss.options())  # fmt: skip
     Trainer(
         tc, target=target, drafter=DFlashDrafter(cfg), source=ListSource(docs, rows=3),
         env=local_env(), meta=run_meta(TargetOptions(target=str(folder)), target),

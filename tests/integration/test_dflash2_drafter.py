@@ -21,7 +21,7 @@ from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.verifier import DrafterProposer, greedy_generate, speculative_generate
 from trainer.options import DFLASH2_DEFAULTS
-from trainer.run import build_drafter, init_from_folder, resolve_init_drafter, train_config
+from trainer.run import build_drafter, init_from_folder, resolve_init_drafter
 from trainer.train import checkpoint as ckpt
 from trainer.train.distributed import local_env
 
@@ -89,7 +89,7 @@ def test_init_drafter_reads_a_dflash2_folder_back(folder, target, trained, sampl
     assert opts.drafter == "dflash2" and opts.selector_rank == 8 and opts.conv_group_size == 32
     drafter = build_drafter(target, opts, torch.device("cpu"))
     assert drafter.config == trained.config
-    init_from_folder(drafter, spec, target, train_config(replace(opts, run_dir=tmp_path)))
+    init_from_folder(drafter, spec, target, replace(opts, run_dir=tmp_path))
     for name, value in trained.state_dict().items():
         assert torch.equal(drafter.state_dict()[name], value), name
     prompt = torch.tensor(samples[0][0][:8])

@@ -28,8 +28,8 @@ from trainer.cli import main
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.verifier import DrafterProposer, evaluate_tau
-from trainer.options import RunOptions
 from trainer.run import eval_set_prompts, eval_tokenizer, fitting_prompts
+from trainer.sections import RunOptions
 from trainer.train.distributed import local_env
 from trainer.train.evaluation import Evaluator
 from trainer.train.metrics import metrics_path, read_metrics

@@ -30,13 +30,12 @@ from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DraftBlocks, DrafterConfig
 from trainer.model.target import target_from_options
 from trainer.model.verifier import DrafterProposer, greedy_generate, speculative_generate
-from trainer.options import RunOptions
 from trainer.run import (
     build_drafter,
     init_from_folder,
     resolve_init_drafter,
-    train_config,
 )
+from trainer.sections import RunOptions
 from trainer.train import checkpoint as ckpt
 from trainer.train.distributed import local_env
 
@@ -233,7 +232,7 @@ def test_init_drafter_round_trip(folders, trained, target, run_dir, tmp_path, ca
         assert opts.mask_token_id == MASK
         run_target = target_from_options(opts, "cpu", [0, 1, 2])
         drafter = build_drafter(run_target, opts, torch.device("cpu"))
-        init_from_folder(drafter, folder_spec, run_target, train_config(opts))
+        init_from_folder(drafter, folder_spec, run_target, opts)
         for name, value in trained.state_dict().items():
             want = value.bfloat16().float() if dtype == "bf16" else value
             assert torch.equal(drafter.state_dict()[name], want), (dtype, name)
@@ -241,13 +240,13 @@ def test_init_drafter_round_trip(folders, trained, target, run_dir, tmp_path, ca
     with torch.no_grad():  # the fp32 round trip: the same drafter, the same logits
         fresh = DFlashDrafter(trained.config)
         opts, spec = resolve_init_drafter(tiny_opts(init_drafter=folders["fp32"]))
-        init_from_folder(fresh, spec, target, train_config(replace(opts, run_dir=tmp_path)))
+        init_from_folder(fresh, spec, target, replace(opts, run_dir=tmp_path))
         assert torch.equal(fresh(target.embed_tokens, blocks), trained(target.embed_tokens, blocks))
 
     # --resume with a checkpoint: the checkpoint wins, the folder's weights are not loaded.
     resumed = DFlashDrafter(trained.config)
     before = {k: v.clone() for k, v in resumed.state_dict().items()}
-    cfg = train_config(tiny_opts(run_dir=run_dir, resume=True, block_size=B, drafter_layers=1))
+    cfg = tiny_opts(run_dir=run_dir, resume=True, block_size=B, drafter_layers=1)
     with caplog.at_level(logging.INFO, logger="trainer.run"):
         init_from_folder(resumed, spec, target, cfg)
     assert "wins over --init-drafter" in caplog.text
@@ -316,7 +315,7 @@ def init_error(folder: Path, target, tmp_path: Path, **opts) -> str:
     with pytest.raises(ValueError) as err:
         o, spec = resolve_init_drafter(tiny_opts(init_drafter=folder, **opts))
         drafter = build_drafter(target, o, torch.device("cpu"))
-        init_from_folder(drafter, spec, target, train_config(replace(o, run_dir=tmp_path)))
+        init_from_folder(drafter, spec, target, replace(o, run_dir=tmp_path))
     return str(err.value)
 
 
@@ -422,6 +421,6 @@ def test_a_released_folder_is_read_as_its_writer_computes_it_or_refused(
         for _ in range(2):  # read twice, said once
             o, found = resolve_init_drafter(tiny_opts(init_drafter=masked))
             drafter = build_drafter(target, o, torch.device("cpu"))
-            init_from_folder(drafter, found, target, train_config(replace(o, run_dir=tmp_path)))
+            init_from_folder(drafter, found, target, replace(o, run_dir=tmp_path))
     said = [r.getMessage() for r in caplog.records if "MASK token is 7" in r.getMessage()]
     assert len(said) == 1 and f"the target's {MASK}" in said[0], said

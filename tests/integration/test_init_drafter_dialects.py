@@ -24,7 +24,7 @@ from trainer.hf.speculators import dflash_from_speculators, speculators_config
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.options import DFLASH2_DEFAULTS
-from trainer.run import build_drafter, init_from_folder, resolve_init_drafter, train_config
+from trainer.run import build_drafter, init_from_folder, resolve_init_drafter
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ def init(folder: Path, target, tmp_path: Path, **opts):
     """``(options, drafter)`` of a run started with ``--init-drafter folder``."""
     o, spec = resolve_init_drafter(run_opts(init_drafter=folder, **opts))
     drafter = build_drafter(target, o, torch.device("cpu"))
-    init_from_folder(drafter, spec, target, train_config(replace(o, run_dir=tmp_path)))
+    init_from_folder(drafter, spec, target, replace(o, run_dir=tmp_path))
     return o, drafter, spec
 
 
@@ -176,7 +176,7 @@ def test_a_speculators_folder_is_checked_as_a_dflash_one(released, target, tmp_p
                 o, spec = resolve_init_drafter(run_opts(init_drafter=folder))
                 o = replace(o, block_size=B)
                 drafter = build_drafter(target, o, torch.device("cpu"))
-                init_from_folder(drafter, spec, target, train_config(replace(o, run_dir=tmp_path)))
+                init_from_folder(drafter, spec, target, replace(o, run_dir=tmp_path))
             else:
                 init(folder, target, tmp_path)
         message = str(err.value)

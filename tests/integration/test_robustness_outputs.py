@@ -19,6 +19,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import ROOT
+from drafters import in_process
 
 from loader_server.data.synth import SynthSpec, write_corpus
 from scripts.fixtures.tiny_chat import build_tokenizer, generate_conversations, write_jsonl
@@ -29,7 +30,6 @@ from trainer.model.verifier import greedy_generate
 from trainer.options import TargetOptions
 from trainer.run import run_meta
 from trainer.train.batches import ListSource
-from trainer.train.config import TrainConfig
 from trainer.train.distributed import local_env
 from trainer.train.loop import Trainer
 
@@ -91,8 +91,8 @@ def run_dir(target, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg)
     out = tmp_path_factory.mktemp("run")
-    tc = TrainConfig(run_dir=out, loss=LossConfig(block_size=B, anchors_per_doc=4), steps=9,
-                     lr=3e-3, warmup=1, progress=False, cost_samples=12)  # fmt: skip
+    tc = in_process(out, LossConfig(block_size=B, anchors_per_doc=4), steps=9, lr=3e-3,
+                    warmup=1, cost_samples=12)  # fmt: skip
     source = ListSource(samples, rows=3, grad_accum=2, epochs=3)
     Trainer(tc, target=target, drafter=drafter, source=source, env=local_env(),
             meta=run_meta(TargetOptions(), target)).run()  # fmt: skip

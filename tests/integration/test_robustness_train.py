@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from drafters import in_process
 
 from client import LoaderUnavailableError
 from loader_server.data.synth import SynthSpec, write_corpus
@@ -40,11 +41,11 @@ from trainer.cli import main
 from trainer.hf.export import export_drafter
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
-from trainer.options import RunOptions, TargetOptions
+from trainer.options import TargetOptions
 from trainer.run import eval_prompts, run_meta
+from trainer.sections import RunOptions
 from trainer.train import checkpoint as ckpt
 from trainer.train.batches import ListSource
-from trainer.train.config import TrainConfig
 from trainer.train.distributed import local_env
 from trainer.train.guards import LoaderFailedError, TrainingError
 from trainer.train.loop import Trainer
@@ -148,8 +149,8 @@ def samples() -> list[tuple[list[int], list[int]]]:
 
 
 def make_trainer(target, source, run_dir: Path, meta: dict | None = None, **kw) -> Trainer:
-    cfg = TrainConfig(**{"run_dir": run_dir, "loss": LossConfig(block_size=B, anchors_per_doc=6),
-                         "steps": 4, "lr": 3e-3, "warmup": 1, "progress": False, **kw})  # fmt: skip
+    cfg = in_process(run_dir, LossConfig(block_size=B, anchors_per_doc=6),
+                     **{"steps": 4, "lr": 3e-3, "warmup": 1, **kw})  # fmt: skip
     drafter_cfg = DrafterConfig.from_target(
         target.config, num_target_layers=len(target.layer_ids), block_size=B, mask_token_id=511
     )

@@ -25,7 +25,6 @@ from trainer.run import (
     build_drafter,
     init_from_folder,
     resolve_init_drafter,
-    train_config,
 )
 from trainer.train.distributed import local_env
 
@@ -145,7 +144,7 @@ def test_init_drafter_reads_the_rules_back(folder, target, trained, tmp_path):
     run_target = target
     drafter = build_drafter(run_target, opts, torch.device("cpu"))
     assert drafter.config.layer_types == KINDS and drafter.config.sliding_window == WINDOW
-    init_from_folder(drafter, spec, run_target, train_config(replace(opts, run_dir=tmp_path)))
+    init_from_folder(drafter, spec, run_target, replace(opts, run_dir=tmp_path))
     for name, value in trained.state_dict().items():
         assert torch.equal(drafter.state_dict()[name], value), name
 
@@ -252,7 +251,7 @@ def test_a_bidirectional_sliding_drafter_round_trips(bidirectional, folder, targ
     opts, spec = resolve_init_drafter(run_opts(init_drafter=bi))
     assert opts.sliding_bidirectional
     rebuilt = build_drafter(target, opts, torch.device("cpu"))
-    init_from_folder(rebuilt, spec, target, train_config(replace(opts, run_dir=tmp_path)))
+    init_from_folder(rebuilt, spec, target, replace(opts, run_dir=tmp_path))
     assert rebuilt.config == drafter.config
     # The causal export with the flag: they disagree.
     with pytest.raises(ValueError, match="drop --sliding-bidirectional"):

@@ -33,7 +33,8 @@ from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.sharding import drafter_params_estimate, shard_needed
 from trainer.model.target import target_from_options
 from trainer.model.weights import WeightsError, load_model
-from trainer.options import RunOptions, TargetOptions
+from trainer.options import TargetOptions
+from trainer.sections import RunOptions
 
 pytestmark = [pytest.mark.integration, pytest.mark.heavy(29)]
 __all__ = ["daemon"]  # the fixture (trainer_jobs)

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from drafters import in_process
 
 from trainer.cli import main
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.train import trackers
 from trainer.train.batches import ListSource
-from trainer.train.config import TrainConfig
 from trainer.train.distributed import local_env
 from trainer.train.loop import Trainer
 from trainer.train.metrics import metrics_path, read_metrics
@@ -42,10 +42,9 @@ def samples() -> list[tuple[list[int], list[int]]]:
 
 def train(target, run_dir: Path, report_to: tuple[str, ...]) -> list[dict]:
     """3 steps (tau at steps 0 and 3 on 2 prompts), no daemon; the metrics records."""
-    cfg = TrainConfig(
-        run_dir=run_dir, loss=LossConfig(block_size=8, anchors_per_doc=6), steps=STEPS,
-        lr=3e-3, warmup=1, eval_new_tokens=8, progress=False, cost_samples=0,
-        report_to=report_to,
+    cfg = in_process(
+        run_dir, LossConfig(block_size=8, anchors_per_doc=6), steps=STEPS, lr=3e-3, warmup=1,
+        eval_new_tokens=8, cost_samples=0, report_to=report_to,
     )  # fmt: skip
     torch.manual_seed(0)
     drafter = DFlashDrafter(DrafterConfig.from_target(
@@ -140,7 +139,7 @@ def test_wandb_offline_run_holds_every_step_and_the_options(run):
         pytest.approx(by_step(records, "loss"))
     )
     assert history[0]["eval/tau"] == pytest.approx(records[0]["tau"])
-    assert config["lr"] == 3e-3 and config["loss.block_size"] == 8
+    assert config["lr"] == 3e-3 and config["block_size"] == 8
     assert exits == [0]  # finished: the run's exit record
     assert not wandb_processes(), "a wandb service outlived the run"
 
@@ -205,7 +204,7 @@ def test_failing_trackers_are_one_warning_each_and_the_run_completes(
 def test_unknown_tracker_is_refused_naming_the_valid_ones(tmp_path):
     with pytest.raises(ValueError, match="'tensorbord' is not a tracker: choose from "
                        "tensorboard, wandb, mlflow"):  # fmt: skip
-        TrainConfig(run_dir=tmp_path, steps=1, report_to=("wandb,tensorbord",))
+        trackers.parse_names(("wandb,tensorbord",))
     args = ["train", "--endpoint", "ipc:///nowhere", "--run-dir", str(tmp_path / "r"),
             "--steps", "1", "--report-to", "neptune"]  # fmt: skip
     res = CliRunner().invoke(main, args)

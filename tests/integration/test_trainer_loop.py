@@ -7,21 +7,22 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from click.testing import CliRunner
+from drafters import in_process
 
 from trainer.cli import main
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.target import Target
 from trainer.model.verifier import greedy_generate
-from trainer.options import RunOptions
 from trainer.run import resolve_mask_token
+from trainer.sections import RunOptions
 from trainer.train import checkpoint as ckpt
 from trainer.train.batches import ListSource, pack_batch, pad_batch
-from trainer.train.config import TrainConfig
 from trainer.train.distributed import DistEnv, local_env
 from trainer.train.loop import Trainer
 from trainer.train.metrics import metrics_path, read_metrics
@@ -49,17 +50,13 @@ def make_drafter(target: Target, seed: int = 0) -> DFlashDrafter:
     return DFlashDrafter(cfg)
 
 
-def make_trainer(target, source, run_dir: Path, drafter_seed: int = 0, **kw) -> Trainer:
-    defaults = dict(
-        run_dir=run_dir,
-        loss=LossConfig(block_size=B, anchors_per_doc=6),
-        steps=10,
-        lr=3e-3,
-        warmup=2,
-        eval_new_tokens=16,
-        progress=False,
-    )
-    cfg = TrainConfig(**{**defaults, **kw})
+def make_trainer(
+    target, source, run_dir: Path, drafter_seed: int = 0,
+    loss: LossConfig | None = None, **kw: Any,
+) -> Trainer:  # fmt: skip
+    loss = loss or LossConfig(block_size=B, anchors_per_doc=6)
+    cfg = in_process(run_dir, loss, **{"steps": 10, "lr": 3e-3, "warmup": 2,
+                                       "eval_new_tokens": 16, **kw})  # fmt: skip
     prompts = [torch.tensor(s[0][:8]) for s in source_samples(source)[:2]]
     return Trainer(
         cfg,
@@ -194,7 +191,7 @@ def test_checkpoint_contents_and_retention(target, samples, tmp_path):
     assert saved.step == mine["step"] == 6
     assert mine["loader"] == {"version": 1, "position": 6}
     assert saved.optimizer is not None and saved.scheduler is not None
-    assert saved.loss_config == dataclasses.asdict(tr.cfg.loss)
+    assert saved.loss_config == dataclasses.asdict(tr.loss)
     assert set(mine["rng"]) >= {"torch", "python"}
     for k, v in tr.drafter.state_dict().items():
         assert torch.equal(saved.drafter[k], v), k

@@ -17,7 +17,8 @@ from client import LoaderClient
 from client.batch import TENSOR_FIELDS
 from trainer.cli import main
 from trainer.model.loss import LossOutput
-from trainer.options import RUN_FACTS, RunOptions, TargetOptions
+from trainer.options import RUN_FACTS, TargetOptions
+from trainer.sections import RunOptions
 from trainer.train.batches import Batch, BatchSource, ListSource, pack_batch, pad_batch
 from trainer.train.step import StepPeaks, StepSums
 

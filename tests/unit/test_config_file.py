@@ -16,7 +16,8 @@ from click.testing import CliRunner
 
 from trainer.cli import main
 from trainer.config_file import TABLES, read_config, settable, to_toml
-from trainer.options import RUN_LIMITS, RunOptions
+from trainer.option_values import RUN_LIMITS
+from trainer.sections import RunOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = 'endpoint = "ipc:///tmp/x.sock"\nrun_dir = "/tmp/run"\n'

@@ -581,3 +581,17 @@ def test_the_module_imports_no_torch_and_no_pyarrow():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_both_commands_read_a_set_list_by_one_grammar(tmp_path):
+    """``eval --sets`` and ``train --eval-sets``: a comma inside a path stays in it (a new set
+    begins only at NAME= or humaneval), each set once, errors naming the flag."""
+    from trainer.eval.sets import parse_sets
+
+    odd = tmp_path / "a,b.jsonl"
+    got = parse_sets((f"gsm8k={odd},humaneval", "mine=x.jsonl"), "--sets")
+    assert got == [("gsm8k", odd), ("humaneval", None), ("mine", Path("x.jsonl"))]
+    with pytest.raises(ValueError, match="--eval-sets: the set 'humaneval' is named twice"):
+        parse_sets(("humaneval,humaneval",), "--eval-sets")
+    with pytest.raises(ValueError, match=r"^--sets 'gsm8k': give the set's file as NAME=PATH"):
+        parse_sets(("gsm8k",), "--sets")

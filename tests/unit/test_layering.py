@@ -137,6 +137,7 @@ TRAINER_ROOMS = {
 }
 FOUNDATION = (
     "trainer/options.py",
+    "trainer/sections.py",
     "trainer/option_values.py",
     "trainer/files.py",
     "trainer/progress.py",

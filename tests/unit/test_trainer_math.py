@@ -37,11 +37,10 @@ from trainer.model.target import (
     build_tiny_model,
     default_layer_ids,
 )
-from trainer.options import RunOptions
 from trainer.run import loader_spec
+from trainer.sections import RunOptions
 from trainer.train.batches import Batch
 from trainer.train.clock import warmup_cosine
-from trainer.train.config import TrainConfig
 
 
 def _chunk(ctx_len: int, anchors: list[int], b: int, docs=None, blk_docs=None) -> BlockChunk:
@@ -278,7 +277,7 @@ def test_warmup_cosine():
     assert f(12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert f(20) == pytest.approx(0.1) and f(30) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="exactly one"):
-        TrainConfig(run_dir=Path("x"))
+        RunOptions(endpoint="x", run_dir=Path("x")).check_length()
 
 
 def _opts(**kw):

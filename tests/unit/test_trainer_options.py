@@ -17,7 +17,8 @@ from trainer.cli import main
 from trainer.cli.data import tokenize
 from trainer.files import atomic_output
 from trainer.model.blocks import LossConfig
-from trainer.options import RunOptions, TokenizeOptions
+from trainer.options import TokenizeOptions
+from trainer.sections import RunOptions
 from trainer.train.checkpoint import CheckpointRecord
 
 

@@ -26,8 +26,8 @@ import torch
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.target import TinyTargetSpec, load_target
+from trainer.sections import RunOptions
 from trainer.train.batches import Batch, pack_batch, pad_batch
-from trainer.train.config import TrainConfig
 from trainer.train.distributed import barrier, init_distributed, shutdown
 from trainer.train.loop import Trainer
 from trainer.train.step import StepResult, StepSums, step_record
@@ -107,9 +107,11 @@ def one_cut(
     drafter = DFlashDrafter(cfg).to(dtype)
     loss = LossConfig(block_size=B, anchors_per_doc=9, tokens_per_anchor=3, normalization=norm,
                       weighting=weighting)  # fmt: skip
-    train = TrainConfig(
-        run_dir=out / "runs" / f"{layout}-{norm}-{weighting}-{cut}-{env.rank}", loss=loss, steps=1,
-        grad_accum=len(mine), cost_samples=0, progress=False, log_every_s=0,
+    run_dir = out / "runs" / f"{layout}-{norm}-{weighting}-{cut}-{env.rank}"
+    train = RunOptions(
+        endpoint="in-process", run_dir=run_dir,
+        steps=1, grad_accum=len(mine), cost_samples=0, no_progress=True, log_every_s=0,
+        **loss.options(),
     )  # fmt: skip
     trainer = Trainer(train, target=target, drafter=drafter, source=CutSource(batches, len(mine)),
                       env=env)  # fmt: skip

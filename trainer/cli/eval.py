@@ -9,8 +9,17 @@ from typing import Any
 import click
 
 
-def _sets(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
-    out = [s.strip() for v in value for s in v.split(",") if s.strip()]
+def _sets(
+    ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
+) -> list[tuple[str, Path | None]]:
+    """``--sets`` by the grammar ``train --eval-sets`` reads too (``parse_sets``: a comma
+    inside a path stays in it), each set once."""
+    from trainer.eval.sets import parse_sets
+
+    try:
+        out = parse_sets(value, "--sets")
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix("--sets").lstrip(": "), ctx, param) from None
     if not out:
         raise click.BadParameter("give at least one set, e.g. --sets humaneval", ctx, param)
     return out
@@ -101,10 +110,10 @@ def _labels(drafters: tuple[Path, ...], make: Callable[[tuple[Path, ...]], list[
     "Its server logs go to OUT.logs/.",
 )  # fmt: skip
 def eval_command(
-    drafters: tuple[Path, ...], target: Path, sets: list[str], out: Path, force: bool,
-    thinking: str, wrap: str, limit: int | None, max_new_tokens: int, temperature: float,
-    top_p: float, top_k: int, seed: int, batch_size: int, device: str, dtype: str,
-    engine: str, vllm_python: Path | None,
+    drafters: tuple[Path, ...], target: Path, sets: list[tuple[str, Path | None]], out: Path,
+    force: bool, thinking: str, wrap: str, limit: int | None, max_new_tokens: int,
+    temperature: float, top_p: float, top_k: int, seed: int, batch_size: int, device: str,
+    dtype: str, engine: str, vllm_python: Path | None,
 ) -> None:  # fmt: skip
     """Measure DRAFTERS' acceptance length (tau) on public prompt sets.
 
@@ -125,7 +134,7 @@ def eval_command(
         load_drafter,
         nothing_measured,
     )
-    from trainer.eval.sets import load_set, parse_set, thinking_modes
+    from trainer.eval.sets import load_set, thinking_modes
     from trainer.files import atomic_output, check_output
     from trainer.model.speculate import Sampling
 
@@ -138,10 +147,7 @@ def eval_command(
     # refused before the target loads (minutes for a large one), not after
     check_output(out, inputs=[*drafters, target], force=force)
     labels = _labels(drafters, drafter_labels)
-    prompt_sets = [load_set(*parse_set(s), wrap=wrap, limit=limit) for s in sets]
-    names = [p.name for p in prompt_sets]
-    if len(set(names)) != len(names):
-        raise click.UsageError(f"--sets names a set twice: {', '.join(names)}")
+    prompt_sets = [load_set(name, path, wrap=wrap, limit=limit) for name, path in sets]
     for p in prompt_sets:
         click.echo(p.describe())
     base, tokenizer, eos = load_base_target(target, *_device_and_dtype(device, dtype))

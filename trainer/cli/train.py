@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from trainer.cli.flags import SectionedCommand, options_from
-from trainer.options import RunOptions
+from trainer.sections import RunOptions
 
 
 def _read_config(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:

@@ -57,7 +57,7 @@ import importlib.resources
 import json
 import re
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +130,31 @@ def parse_set(text: str) -> tuple[str, Path | None]:
     if not path:
         raise ValueError(f"{text!r}: no file after '='")
     return name, Path(path).expanduser()
+
+
+#: A comma that begins another set (``NAME=`` or the built-in ``humaneval``), so that a path
+#: holding a comma stays whole.
+_NEXT_SET = re.compile(rf",\s*(?=[A-Za-z0-9][\w.-]*\s*=|{BUILTIN}\s*(?:,|$))")
+
+
+def parse_sets(values: Iterable[str], flag: str) -> list[tuple[str, Path | None]]:
+    """A set list as ``eval --sets`` and ``train --eval-sets`` take it (repeated,
+    comma-separated) as ``(NAME, PATH)`` pairs (``parse_set``), each name once; a comma
+    inside a path stays in it (a new set begins only at ``NAME=`` or ``humaneval``).
+    ``flag`` names the option in errors."""
+    out: dict[str, Path | None] = {}
+    for value in values:
+        for text in _NEXT_SET.split(value):
+            if not text.strip():
+                continue
+            try:
+                name, path = parse_set(text)
+            except ValueError as e:
+                raise ValueError(f"{flag} {e}") from None
+            if name in out:
+                raise ValueError(f"{flag}: the set {name!r} is named twice")
+            out[name] = path
+    return list(out.items())
 
 
 def thinking_modes(text: str) -> list[bool]:

@@ -63,7 +63,7 @@ def _target_from_run_config(run_dir: Path) -> dict[str, Any]:
             "target's vocabulary, depth and RoPE"
         )
     opts = TargetOptions.from_record(read_json(path, "a run's config.json"), str(path))
-    if opts.target == "tiny":
+    if opts.tiny:
         return target_record(target_from_options(opts, "meta").config)
     target = Path(opts.target)
     if not (target / "config.json").is_file():

@@ -28,7 +28,8 @@ from trainer.model.drafter import (
 )
 from trainer.model.rope import check_scaling, scaling_from_config
 from trainer.option_values import layer_kinds, parse_int_list
-from trainer.options import DFLASH2_DEFAULTS, RunOptions
+from trainer.options import DFLASH2_DEFAULTS
+from trainer.sections import RunOptions
 
 if TYPE_CHECKING:
     from trainer.model.target import Target

@@ -37,6 +37,7 @@ import hashlib
 import math
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,6 +46,9 @@ from client.batch import Batch
 from loader_server.wire.spec import AnchorRule
 from trainer.model.docs import DocView
 from trainer.model.drafter import DraftBlocks, plan_chunks
+
+if TYPE_CHECKING:
+    from trainer.sections import LossSection
 
 #: How a step's loss is normalized: over the whole step (every micro-batch of every rank),
 #: or each micro-batch's mean alike (how speculators, DeepSpec and ModelOpt train).
@@ -101,6 +105,39 @@ class LossConfig:
                 "tokens_per_anchor bounds a micro-batch's anchors (about tokens / "
                 "tokens_per_anchor)"
             )
+
+    @classmethod
+    def from_options(cls, opts: LossSection, block_size: int | None) -> LossConfig:
+        """The loss config of a run's options (``trainer.sections.LossSection``; the block
+        size is the drafter's, resolved by ``trainer.run.resolve_init_drafter``)."""
+        if block_size is None:
+            raise ValueError("block_size is unresolved (trainer.run.resolve_init_drafter)")
+        return cls(
+            block_size=block_size,
+            anchors_per_doc=opts.anchors_per_doc,
+            tokens_per_anchor=opts.tokens_per_anchor,
+            max_anchors=opts.max_anchors,
+            gamma=opts.gamma,
+            selector_alpha=1.0 if opts.selector_alpha is None else opts.selector_alpha,
+            weighting=opts.loss_weighting,
+            dpace_alpha=opts.dpace_alpha,
+            normalization=opts.loss_normalization,
+            anchor_draw=opts.anchor_draw,
+        )
+
+    def options(self) -> dict[str, Any]:
+        """The run options (``trainer.sections.RunOptions`` fields) that make this config:
+        ``from_options``' inverse, the block size included."""
+        out = {
+            "block_size": self.block_size, "anchors_per_doc": self.anchors_per_doc,
+            "tokens_per_anchor": self.tokens_per_anchor, "max_anchors": self.max_anchors,
+            "gamma": self.gamma, "loss_weighting": self.weighting,
+            "dpace_alpha": self.dpace_alpha, "loss_normalization": self.normalization,
+            "anchor_draw": self.anchor_draw,
+        }  # fmt: skip
+        if self.selector_alpha != 1.0:  # DFlash2's; the option is unset for a dflash drafter
+            out["selector_alpha"] = self.selector_alpha
+        return out
 
     @property
     def anchor_rule(self) -> AnchorRule:

@@ -53,7 +53,7 @@ from torch import nn
 from trainer.model.rope import scaling_from_config
 from trainer.model.sharding import Lockstep, is_sharded, reset_after_stop, stopping_after
 from trainer.model.weights import Shard, load_model, meta_model
-from trainer.options import TargetOptions
+from trainer.options import TINY, TargetOptions
 
 if TYPE_CHECKING:  # transformers is imported where a model is built or loaded
     from transformers import (
@@ -66,7 +66,6 @@ if TYPE_CHECKING:  # transformers is imported where a model is built or loaded
 
 log = logging.getLogger(__name__)
 
-TINY = "tiny"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -472,7 +471,7 @@ def target_from_options(
 
 def meta_target(opts: TargetOptions, dtype: torch.dtype) -> PreTrainedModel:
     """The model ``opts`` names on the meta device (its shape and bytes, nothing loaded)."""
-    if opts.target == TINY:
+    if opts.tiny:
         return build_tiny_model(_tiny_spec(opts), "meta", dtype)
     return meta_model(_model_dir(opts.target), dtype)
 

@@ -46,19 +46,19 @@ import torch
 from loader_server.faults import fault_point
 from loader_server.wire.protocol import LoaderError
 from trainer.model.attention import resolve_backend
-from trainer.model.blocks import anchor_draw
+from trainer.model.blocks import LossConfig, anchor_draw
 from trainer.model.docs import DocView
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import draft_loss, zero_loss
 from trainer.model.phases import phase
 from trainer.model.target import Target
 from trainer.progress import StepProgress
+from trainer.sections import RunOptions
 from trainer.train import checkpoint as ckpt
 from trainer.train import hostmem, loader_failure, objective, resume, served_spec, stop
 from trainer.train.batches import Batch, BatchSource
 from trainer.train.cadence import Cadence
 from trainer.train.clock import Clock, SavedClock, lr_scheduler, start_clock, warmup_cosine
-from trainer.train.config import TrainConfig
 from trainer.train.costlog import CostLog
 from trainer.train.distributed import DistEnv, all_reduce
 from trainer.train.evaluation import Evaluator
@@ -94,7 +94,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        opts: RunOptions,
         *,
         target: Target,
         drafter: DFlashDrafter,
@@ -104,27 +104,29 @@ class Trainer:
         eval_sets: Mapping[str, Sequence[torch.Tensor]] | None = None,
         meta: dict[str, Any] | None = None,
     ) -> None:
-        self.cfg, self.env = cfg, env
+        opts.check_length()
+        self.opts, self.env = opts, env
+        self.loss = LossConfig.from_options(opts, opts.block_size)
         self.target, self.drafter, self.source = target, drafter, source
         self.meta = dict(meta or {})
         self.model = self._wrap(drafter)
         self.optimizer = torch.optim.AdamW(
-            drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+            drafter.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay
         )
-        self.attention = resolve_backend(cfg.attention, env.device)
+        self.attention = resolve_backend(opts.attention, env.device)
         self.evaluator = Evaluator(
-            target, drafter, eval_prompts, env=env, max_new_tokens=cfg.eval_new_tokens,
-            every=cfg.eval_every, sets=eval_sets, batch=cfg.eval_batch,
+            target, drafter, eval_prompts, env=env, max_new_tokens=opts.eval_new_tokens,
+            every=opts.eval_every, sets=eval_sets, batch=opts.eval_batch,
         )  # fmt: skip
-        self.cadence = Cadence(cfg.ckpt_every)
-        self.profiler = StepProfiler(cfg.profile_step, cfg.run_dir, env, cfg.peak_tflops)
-        self.metrics = MetricsWriter(metrics_path(cfg.run_dir), enabled=env.is_main)
-        self.trackers = Trackers(cfg.report_to, cfg.run_dir, env.is_main, asdict(cfg))
-        self.costs = CostLog(cfg.run_dir, env.rank, cfg.cost_samples, cfg.loss.anchor_rule,
+        self.cadence = Cadence(opts.ckpt_every)
+        self.profiler = StepProfiler(opts.profile_step, opts.run_dir, env, opts.peak_tflops)
+        self.metrics = MetricsWriter(metrics_path(opts.run_dir), enabled=env.is_main)
+        self.trackers = Trackers(opts.report_to, opts.run_dir, env.is_main, opts.to_record())
+        self.costs = CostLog(opts.run_dir, env.rank, opts.cost_samples, self.loss.anchor_rule,
                              env.device)  # fmt: skip
         self.stopper = Stopper(
-            max_nonfinite_steps=cfg.max_nonfinite_steps, max_empty_steps=cfg.max_empty_steps,
-            lr=cfg.lr, block_size=cfg.loss.block_size,
+            max_nonfinite_steps=opts.max_nonfinite_steps, max_empty_steps=opts.max_empty_steps,
+            lr=opts.lr, block_size=self.loss.block_size,
         )  # fmt: skip
         self._init_position()
 
@@ -132,9 +134,9 @@ class Trainer:
         """Where the run is; most of it known only once the loader answered (``_begin``)."""
         self.step = 0
         self.epoch = 0
-        self.grad_accum = self.cfg.grad_accum or 1  # the loader's spec decides (_begin)
+        self.grad_accum = self.opts.grad_accum or 1  # the loader's spec decides (_begin)
         # Known once the loader has answered (steps per epoch) with --epochs: see _begin().
-        self.total_steps: int | None = self.cfg.steps
+        self.total_steps: int | None = self.opts.steps
         self.total_micro: int | None = None  # the run's end on the clock
         self.clock = Clock(unit=self.env.world_size * self.grad_accum)
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -166,7 +168,7 @@ class Trainer:
             epoch=self.epoch,
             drafter=self.drafter.state_dict(),
             drafter_config=self.drafter.config.to_dict(),
-            loss_config=asdict(self.cfg.loss),
+            loss_config=asdict(self.loss),
             meta={**self.meta, "trained": asdict(self.tally)},
             optimizer=self.optimizer.state_dict(),
             scheduler=self.scheduler.state_dict(),
@@ -174,8 +176,8 @@ class Trainer:
         )
         loader, rng = position or (self.source.state_dict(), ckpt.rng_state())
         path = ckpt.save_checkpoint(
-            self.cfg.run_dir, self.step, self.env, record=record,
-            per_rank={"loader": loader, "rng": rng}, keep=self.cfg.keep_checkpoints,
+            self.opts.run_dir, self.step, self.env, record=record,
+            per_rank={"loader": loader, "rng": rng}, keep=self.opts.keep_checkpoints,
         )  # fmt: skip
         self.cadence.saved(self.step)
         return path
@@ -183,19 +185,19 @@ class Trainer:
     def maybe_resume(self) -> bool:
         """Load the newest complete checkpoint of the run if ``resume`` is set and one
         exists (torn ones are skipped, and said so)."""
-        found = ckpt.list_checkpoints(self.cfg.run_dir) if self.cfg.resume else []
+        found = ckpt.list_checkpoints(self.opts.run_dir) if self.opts.resume else []
         if not found:
-            if self.cfg.resume:
-                log.info("no checkpoint in %s: starting fresh", self.cfg.run_dir)
+            if self.opts.resume:
+                log.info("no checkpoint in %s: starting fresh", self.opts.run_dir)
             return False
-        checkpoint = resume.newest_complete(found, self.env, self.cfg.run_dir)
+        checkpoint = resume.newest_complete(found, self.env, self.opts.run_dir)
         resume.check_compatible(
             checkpoint, drafter_config=self.drafter.config.to_dict(),
-            loss_config=asdict(self.cfg.loss), meta=self.meta,
+            loss_config=asdict(self.loss), meta=self.meta,
         )  # fmt: skip
         self._restored = restored = resume.restore(
             checkpoint, drafter=self.drafter, optimizer=self.optimizer, source=self.source,
-            env=self.env, seed=self.cfg.seed, grad_accum=self.grad_accum,
+            env=self.env, seed=self.opts.seed, grad_accum=self.grad_accum,
         )  # fmt: skip
         self.step, self.epoch = restored.step, restored.epoch
         self.tally = Tally.from_meta(checkpoint.record.meta, self.step)
@@ -216,7 +218,7 @@ class Trainer:
         """Train to ``total_steps`` (resuming first if asked); returns the run summary.
         ``accepted`` is called once the run folder is known to take this run (a folder
         without checkpoints, or a resume whose checkpoint fits), before the first step."""
-        cfg = self.cfg
+        cfg = self.opts
         if not cfg.resume and ckpt.latest_checkpoint(cfg.run_dir) is not None:
             raise ValueError(
                 f"{cfg.run_dir} already has checkpoints: pass --resume to continue that run, "
@@ -255,7 +257,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self._close()
-        self.tally.check(cfg.loss.block_size, self.meta.get("loader_spec") or {})
+        self.tally.check(self.loss.block_size, self.meta.get("loader_spec") or {})
         return self._summary(end, resumed, time.perf_counter() - t_loop)
 
     def _first_record(self) -> None:
@@ -271,7 +273,7 @@ class Trainer:
         """The step loop. ``--epochs``: to the last step of the last epoch (the loader's
         end), wherever the estimate put it; ``--steps``: to the data of that many steps."""
         total = cast(int, self.total_micro)  # _begin fixed it
-        final = self.cfg.epochs is None and self.clock.micro >= total
+        final = self.opts.epochs is None and self.clock.micro >= total
         while not final:
             if stop.agreed(self.env):  # SIGTERM on any rank: all stop before this step
                 return "stopped"
@@ -282,7 +284,7 @@ class Trainer:
                 log.info("rank %d: the loader has no more batches", self.env.rank)
                 return "exhausted"
             final = self._last_epoch_done() or (
-                self.cfg.epochs is None and self.clock.micro >= total
+                self.opts.epochs is None and self.clock.micro >= total
             )
             if self.evaluator.due(self.step, final):
                 self.evaluator.add_to(rec)
@@ -300,7 +302,7 @@ class Trainer:
 
     def _summary(self, end: End, resumed: bool, wall: float) -> dict[str, Any]:
         summary = (
-            summarize(read_metrics(metrics_path(self.cfg.run_dir))) if self.env.is_main else {}
+            summarize(read_metrics(metrics_path(self.opts.run_dir))) if self.env.is_main else {}
         )
         summary.update(
             wall_steps_per_s=(self.step - self.cadence.first_step) / wall if wall > 0 else None,
@@ -321,14 +323,14 @@ class Trainer:
         Epochs differ by a step or so (their plans are cut afresh), so E x the first
         epoch's steps only estimates the run; this is where it really ends."""
         epoch, step, per_epoch = self._last_batch
-        last = self.cfg.epochs
+        last = self.opts.epochs
         return last is not None and epoch == last - 1 and step == per_epoch - 1
 
     def _loader_failed(self, e: LoaderError, unsaved: bool | None) -> LoaderFailedError:
         """The one-line error of a loader failure (``trainer.train.loader_failure``)."""
         return loader_failure.stop_error(
             e, step=self.step, endpoint=getattr(self.source, "endpoint", None),
-            run_dir=self.cfg.run_dir, unsaved=unsaved,
+            run_dir=self.opts.run_dir, unsaved=unsaved,
             save_final=lambda: self.save(self._step_start),
         )  # fmt: skip
 
@@ -363,10 +365,10 @@ class Trainer:
             steps_per_epoch=int(self.source.steps_per_epoch or 0),
             legs=getattr(self.source, "legs", ()),
         )  # fmt: skip
-        self.total_steps = total = self.cfg.total_steps(clock.steps_per_epoch)
+        self.total_steps = total = self.opts.total_steps(clock.steps_per_epoch)
         self.total_micro = total * clock.unit
-        warmup = self.cfg.warmup_steps(total)
-        factor = warmup_cosine(warmup, total, self.cfg.min_lr_ratio)
+        warmup = self.opts.warmup_steps(total)
+        factor = warmup_cosine(warmup, total)
         state = self._restored.scheduler_state if self._restored else None
         self.scheduler = lr_scheduler(self.optimizer, clock, factor, state)
         log.info(
@@ -379,7 +381,7 @@ class Trainer:
         the other ranks and the resumed checkpoint (``trainer.train.served_spec``), keep it
         with checkpoints."""
         spec = dict(self.source.effective_spec or {})
-        self.grad_accum = served_spec.served_grad_accum(spec, self.cfg.grad_accum)
+        self.grad_accum = served_spec.served_grad_accum(spec, self.opts.grad_accum)
         if not spec:
             return
         first = self._pending[0] if self._pending is not None else None
@@ -387,9 +389,9 @@ class Trainer:
         served_spec.check_ranks_agree(spec, where, self.env)  # first: a collective
         saved = self._restored.loader_spec if self._restored else None
         served_spec.check_checkpoint_spec(spec, saved)
-        served_spec.warn_other_anchor_rule(spec, self.cfg.loss, self.env)
+        served_spec.warn_other_anchor_rule(spec, self.loss, self.env)
         self.meta["loader_spec"] = spec
-        served_spec.record_spec(spec, self.cfg.run_dir, self.env)
+        served_spec.record_spec(spec, self.opts.run_dir, self.env)
 
     def _progress(self) -> StepProgress | None:
         """Rank 0's bar on a terminal, else its progress lines (``--log-every-s``)."""
@@ -397,14 +399,14 @@ class Trainer:
             return None
         per_step = self.env.world_size * self.grad_accum  # steps left, in this shape's steps
         left = -(-(self.total_micro - self.clock.micro) // per_step)
-        return StepProgress(self.step + max(left, 0), self.step, bar=self.cfg.progress,
-                            every_s=self.cfg.log_every_s)  # fmt: skip
+        return StepProgress(self.step + max(left, 0), self.step, bar=self.opts.progress,
+                            every_s=self.opts.log_every_s)  # fmt: skip
 
     # ---- one step ----------------------------------------------------------------------
 
     def _train_or_profile(self, it: Iterator[Batch]) -> StepResult:
         """One step; the one ``--profile-step`` names runs under ``torch.profiler``."""
-        block = self.cfg.loss.block_size
+        block = self.loss.block_size
         return self.profiler.run(
             self.step + 1,
             lambda: self.train_step(it),
@@ -414,7 +416,7 @@ class Trainer:
     def _record(self, raw: StepResult) -> dict[str, Any]:
         return step_record(
             raw, self.env, step=self.step, epoch=self.epoch,
-            normalization=self.cfg.loss.normalization,
+            normalization=self.loss.normalization,
         )  # fmt: skip
 
     def _micro_batches(self, it: Iterator[Batch]) -> Iterator[tuple[Batch, float]]:
@@ -484,7 +486,7 @@ class Trainer:
     def _step_gradients(self, it: Iterator[Batch]) -> tuple[StepSums, float]:
         """``step_gradients`` and the time this rank waited for its micro-batches."""
         wait = 0.0
-        sums = StepSums.zeros(self.cfg.loss.block_size - 1, self.env.device)
+        sums = StepSums.zeros(self.loss.block_size - 1, self.env.device)
         epoch_before = self.epoch
         # With several micro-batches the loader can fail after the first: keep where the
         # step began (the first step of a run saves nothing: its batch was peeked).
@@ -501,7 +503,7 @@ class Trainer:
         except LoaderError:
             self.epoch, self._step_start = epoch_before, start
             raise
-        if self.cfg.loss.normalization == "step":
+        if self.loss.normalization == "step":
             objective.normalize_gradients(self.drafter.parameters(), sums.weight, self.env)
         return sums, wait
 
@@ -512,7 +514,7 @@ class Trainer:
             raise RuntimeError("train_step() before the LR schedule exists (see run())")
         with phase("optimizer"):
             grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.drafter.parameters(), self.cfg.grad_clip
+                self.drafter.parameters(), self.opts.grad_clip
             )
             lr = cast(float, self.scheduler.get_last_lr()[0])  # the float cfg.lr, scheduled
             finite = self._all_finite(grad_norm, sums.ce)
@@ -525,7 +527,7 @@ class Trainer:
 
     def _micro_step(self, batch: Batch, sums: StepSums) -> None:
         """Forward and backward of one micro-batch, its sums added to ``sums``."""
-        cfg, dev = self.cfg, self.env.device
+        cfg, dev = self.opts, self.env.device
         self.epoch = int(batch.epoch)
         self._last_batch = (int(batch.epoch), int(batch.step), int(batch.steps_per_epoch))
         self._check_vocabulary(batch)
@@ -533,7 +535,7 @@ class Trainer:
         # Used up before the next next(): the client reuses the slot after that.
         with phase("copy"):
             on_dev = batch.to(dev, non_blocking=True)
-        draw = anchor_draw(cfg.loss, cfg.seed, self.env.rank, batch)
+        draw = anchor_draw(self.loss, cfg.seed, self.env.rank, batch)
         last = batch.micro == self.grad_accum - 1
         sync = (
             contextlib.nullcontext()
@@ -546,14 +548,14 @@ class Trainer:
                     self.target,
                     self.model,
                     on_dev,
-                    cfg.loss,
+                    self.loss,
                     draw,
                     chunk_size=cfg.loss_chunk,
                     attention=self.attention,
                     host_batch=batch,  # valid until the next next(): anchors planned there
                     on_chunks=self._fit_host_memory,
                 )
-                loss = objective.micro_loss(out, cfg.loss.normalization, self.grad_accum)
+                loss = objective.micro_loss(out, self.loss.normalization, self.grad_accum)
                 if loss is None:  # no block: a zero loss that runs the drafter (DDP)
                     loss = zero_loss(self.target, self.model)
             with phase("backward"):

@@ -33,7 +33,7 @@ from trainer.model.sharding import (
 )
 from trainer.model.target import Target, meta_target, run_dtype, target_from_options
 from trainer.option_values import parse_int_list
-from trainer.options import RunOptions
+from trainer.sections import RunOptions
 from trainer.train.distributed import DistEnv, all_reduce
 
 log = logging.getLogger(__name__)
