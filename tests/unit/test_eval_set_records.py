@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 
 from trainer.hf.export import best_step
-from trainer.run import parse_eval_sets
+from trainer.eval.sets import parse_sets
 from trainer.train.metrics import summarize
 from trainer.train.trackers import scalars
 
 
 def test_eval_sets_are_comma_separated_or_repeated_and_a_path_may_hold_a_comma():
-    got = parse_eval_sets(("gsm8k=a.jsonl, mt-bench=b,c.jsonl,humaneval", "mine=d.json"))
+    got = parse_sets(("gsm8k=a.jsonl, mt-bench=b,c.jsonl,humaneval", "mine=d.json"), "--eval-sets")
     assert got == [
         ("gsm8k", Path("a.jsonl")), ("mt-bench", Path("b,c.jsonl")), ("humaneval", None),
         ("mine", Path("d.json")),
     ]  # fmt: skip
-    assert parse_eval_sets(()) == []
+    assert parse_sets((), "--eval-sets") == []
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_eval_sets_are_comma_separated_or_repeated_and_a_path_may_hold_a_comma()
 )
 def test_a_bad_eval_set_is_one_line_naming_the_option(values, says):
     with pytest.raises(ValueError, match="^" + says.replace("(", r"\(")):
-        parse_eval_sets(values)
+        parse_sets(values, "--eval-sets")
 
 
 def test_set_figures_are_eval_scalars_and_their_last_value_is_in_the_summary():

@@ -67,7 +67,6 @@ if TYPE_CHECKING:  # transformers is imported where a model is built or loaded
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class TinyTargetSpec:
     """Shape of the random-weight Qwen3 built for ``--target tiny``."""
