@@ -273,6 +273,36 @@ def test_a_stopped_tokenize_leaves_nothing_behind(tok, tmp_path, sig):
     assert (where / "mine.txt").read_text() == "a user's file"
 
 
+def test_ctrl_c_while_the_pool_starts_ends_as_interrupted(tok, tmp_path, monkeypatch):
+    """The window the test above hits by chance (2 of ~1,400 runs under load): Ctrl-C after
+    the pool forked its workers and before its manager thread started. Here it lands there
+    every time; the run must end as interrupted, workers and output gone."""
+    from concurrent.futures import process
+
+    forked: list[int] = []
+    start = process._ExecutorManagerThread.start
+
+    def ctrl_c_then_start(thread):
+        forked.extend(thread.processes)  # the workers are forked by now
+        os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode: inside the window
+        start(thread)
+
+    monkeypatch.setattr(process._ExecutorManagerThread, "start", ctrl_c_then_start)
+    src = write_jsonl(tmp_path / "conv.jsonl", generate_conversations(50, seed=3, words=20))
+    out = tmp_path / "out"
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tokenize_corpus(
+                [src], out, tokenizer=tok, options=TokenizeOptions(workers=2), progress=False
+            )
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert len(forked) == 2
+    assert _gone_soon(forked) == []
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["conv.jsonl"]
+
+
 # ------------------------------------------------ regen --server: inputs and journal (2b)
 
 

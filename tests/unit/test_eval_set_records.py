@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.hf.export import best_step
 from trainer.eval.sets import parse_sets
+from trainer.hf.export import best_step
 from trainer.train.metrics import summarize
 from trainer.train.trackers import scalars
 

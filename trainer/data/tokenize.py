@@ -231,11 +231,20 @@ class _Runner:
         if not self.processes:
             self.pool.shutdown(wait=not abort, cancel_futures=True)
             return
+        procs = list((getattr(self.pool, "_processes", None) or {}).values())
+        # The pool forks its workers and then starts its manager thread; a Ctrl-C between
+        # the two leaves a thread that was never started, which ``shutdown`` cannot wait for.
+        manager = getattr(self.pool, "_executor_manager_thread", None)
+        started = manager is None or manager.ident is not None
         if abort:
-            procs = getattr(self.pool, "_processes", None) or {}  # pid -> Process
-            for proc in list(procs.values()):
+            for proc in procs:
                 proc.terminate()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=started, cancel_futures=True)
+        for proc in procs:  # reaped even when the pool could not wait for them
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
         if self._env is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
