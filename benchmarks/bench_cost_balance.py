@@ -61,10 +61,10 @@ from trainer.model.blocks import LossConfig, anchor_generator
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.loss import draft_loss
 from trainer.model.target import Target, TinyTargetSpec, load_target
-from trainer.ops.calibrate import calibrate_run
+from trainer.ops.calibrate import calibrate_run, fit_nnls, load_samples, relative_errors
 from trainer.sections import RunOptions
 from trainer.train import hostmem
-from trainer.train.batches import Batch, pad_batch
+from trainer.train.batches import Batch, pack_batch, pad_batch
 from trainer.train.distributed import local_env
 from trainer.train.loop import Trainer
 
@@ -72,9 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.baseline import plans_at
 
 VOCAB = 151_936
-BLOCK, PER_DOC, MAX_ANCHORS = 8, 1, 32
-# The planner before ranks were balanced by exact splits and swaps (issue 29's baseline).
-BASELINE = "157d561"
+BLOCK, PER_DOC = 8, 1
 PROMPT = 4  # unsupervised tokens at the start of every sample
 
 
@@ -90,12 +88,14 @@ class Corpus:
         rng = np.random.default_rng(seed)
         self.tokens = rng.integers(0, VOCAB - 1, int(self.offsets[-1]), dtype=np.int32)
 
-    def batch(self, ids: np.ndarray, **position: int) -> Batch:
+    def batch(self, ids: np.ndarray, layout: str, **position: int) -> Batch:
+        """The samples ``ids`` as the trainer receives them in ``layout``."""
         rows = []
         for i in ids.tolist():
             seq = self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist()
             rows.append((seq, [0] * PROMPT + [1] * (len(seq) - PROMPT)))
-        return pad_batch(rows, **position)
+        make = pack_batch if layout == "packed" else pad_batch
+        return make(rows, sample_ids=ids.tolist(), **position)
 
 
 class PlanSource:
@@ -104,7 +104,7 @@ class PlanSource:
     def __init__(self, corpus: Corpus, plan: EpochPlan) -> None:
         self.corpus, self.plan = corpus, plan
         self.steps_per_epoch = plan.num_micro
-        self.effective_spec = {"grad_accum": 1, "layout": "padded"}
+        self.effective_spec = {"grad_accum": 1, "layout": plan.spec.layout}
         self.position = 0
 
     def __iter__(self) -> Iterator[Batch]:
@@ -112,7 +112,7 @@ class PlanSource:
             m = self.position
             ids = self.plan.sample_ids[self.plan.offsets[m] : self.plan.offsets[m + 1]]
             self.position += 1
-            yield self.corpus.batch(ids, epoch=0, step=m, micro=0)
+            yield self.corpus.batch(ids, self.plan.spec.layout, epoch=0, step=m, micro=0)
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position}
@@ -138,14 +138,14 @@ def build_models(hidden: int) -> tuple[Target, DFlashDrafter]:
 
 
 def loss_config() -> LossConfig:
-    """The rule this benchmark was measured under: one anchor per document, at most
-    ``MAX_ANCHORS`` per micro-batch (the old per-micro-batch draw and its cap)."""
-    return LossConfig(block_size=BLOCK, anchors_per_doc=PER_DOC, tokens_per_anchor=1,
-                      max_anchors=MAX_ANCHORS, anchor_draw="micro-batch")  # fmt: skip
+    """The rule this benchmark is measured under: the trainer's per-document draw with one
+    anchor per document (``PER_DOC``), no cap, so a micro-batch's LM-head work follows its
+    document count, not its tokens."""
+    return LossConfig(block_size=BLOCK, anchors_per_doc=PER_DOC, tokens_per_anchor=1)
 
 
-def calibrate(corpus: Corpus, plan: EpochPlan, target, drafter, micro: int, run_dir: Path):
-    """Train on the plan's micro-batches recording ``micro`` of them, then fit."""
+def record_costs(corpus: Corpus, plan: EpochPlan, target, drafter, micro: int, run_dir: Path):
+    """Train on the plan's micro-batches (in its layout), recording ``micro`` of them."""
     cfg = RunOptions(
         endpoint="in-process", run_dir=run_dir, steps=micro + 2, lr=1e-4, warmup=0,
         no_progress=True, cost_samples=micro, eval_new_tokens=1, **loss_config().options(),
@@ -153,13 +153,28 @@ def calibrate(corpus: Corpus, plan: EpochPlan, target, drafter, micro: int, run_
     Trainer(
         cfg, target=target, drafter=drafter, source=PlanSource(corpus, plan), env=local_env()
     ).run()
-    return calibrate_run(run_dir, holdout=0.25)
+
+
+def cross_layout(runs: list[Path]) -> dict[str, dict[str, float]]:
+    """Fitted on one layout's micro-batches alone, the other layout's predicted: median and
+    p90 relative error (does the model carry across layouts, or only fit one?)."""
+    samples = load_samples(runs)
+    out = {}
+    for fit_on in samples.layouts:
+        mine = samples.layout == fit_on
+        coef = fit_nnls(samples.x[mine], samples.y[mine])
+        err = relative_errors(samples.x[~mine], samples.y[~mine], coef)
+        out[fit_on] = {
+            "median_rel_err": float(np.median(err)),
+            "p90_rel_err": float(np.quantile(err, 0.9)),
+        }
+    return out
 
 
 def time_micro(corpus: Corpus, plan: EpochPlan, m: int, target, drafter) -> float:
     """Forward + backward of micro-batch ``m``, as the trainer runs it (seconds)."""
     ids = plan.sample_ids[plan.offsets[m] : plan.offsets[m + 1]]
-    batch = corpus.batch(ids, epoch=0, step=m, micro=0)
+    batch = corpus.batch(ids, plan.spec.layout, epoch=0, step=m, micro=0)
     gen = anchor_generator(0, 0, 0, m, 0)
     t0 = time.perf_counter()
     out = draft_loss(target, drafter, batch, loss_config(), gen, on_chunks=hostmem.fit_chunks)
@@ -202,6 +217,21 @@ def noise_floor(times: dict[str, np.ndarray], seed: int, draws: int = 20_000) ->
     _, _, world, accum = next(iter(times.values())).shape
     sample = 1.0 + np.random.default_rng(seed).choice(jitter, (draws, world, accum))
     return imbalance(sample.mean(axis=2))
+
+
+def epoch_ratio_interval(
+    mine: np.ndarray, base: np.ndarray, seed: int, draws: int = 5000
+) -> tuple[float, float]:
+    """90% bootstrap interval of the ratio of two plans' mean per-step maxima (times the
+    exact ratio of their steps per epoch, the ratio of their epoch times), the sampled
+    steps of each plan resampled: how far the epoch-time column can be trusted."""
+    rng = np.random.default_rng(seed)
+    a, b = (t[0].sum(axis=2).max(axis=1) for t in (mine, base))  # [steps] per-step maxima
+    ia = rng.integers(0, a.size, (draws, a.size))
+    ib = rng.integers(0, b.size, (draws, b.size))
+    ratio = a[ia].mean(axis=1) / b[ib].mean(axis=1)
+    lo, hi = np.quantile(ratio, [0.05, 0.95])
+    return float(lo), float(hi)
 
 
 def imbalance(t: np.ndarray) -> float:
@@ -298,6 +328,15 @@ def run_shape(
             f"{r['ddp_epoch_s'] / tok['ddp_epoch_s']:>8.3f} "
             f"{r['padding_efficiency']:>6.3f} {r['step_mix_distance']:>6.3f}"
         )
+    for name, r in rows.items():
+        if name != "token-balanced":
+            k = r["steps_per_epoch"] / tok["steps_per_epoch"]
+            lo, hi = (
+                k * v for v in epoch_ratio_interval(times[name], times["token-balanced"], seed)
+            )
+            r["epoch_ratio"], r["epoch_ratio_90"] = r["ddp_epoch_s"] / tok["ddp_epoch_s"], [lo, hi]
+            print(f"{name}: DDP epoch {r['epoch_ratio']:.3f}x token-balanced (90% interval "
+                  f"over the sampled steps {lo:.3f}-{hi:.3f})")  # fmt: skip
     gap_tok = tok["imbalance_measured"] - floor
     for name, r in rows.items():
         if name == "token-balanced":
@@ -314,23 +353,61 @@ def run_shape(
     }  # fmt: skip
 
 
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(a) for a in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: comma-separated integers", param_hint=flag) from None
+
+
+def calibrate_layouts(corpus, tokens, layouts, target, drafter, calib, plot):
+    """Record ``calib`` micro-batches of each layout's token-balanced plan, fit the model to
+    all of them at once (hold-out error per layout), and fit each layout alone to predict
+    the other's. Returns the report, the profile's spec fields and the cross-layout errors."""
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        runs = []
+        for layout in layouts:
+            spec = dataclasses.replace(tokens, layout=layout)
+            runs.append(Path(tmp) / layout)
+            record_costs(corpus, plan_epoch(corpus.lengths, spec, epoch=0), target, drafter,
+                         calib, runs[-1])  # fmt: skip
+        report = calibrate_run(runs, holdout=0.25)
+        print(f"calibration ({time.perf_counter() - t0:.0f} s)\n{report.summary()}")
+        cross = cross_layout(runs) if len(runs) > 1 else {}
+        for fit_on, err in cross.items():
+            med, p90 = 100 * err["median_rel_err"], 100 * err["p90_rel_err"]
+            print(f"  fitted on {fit_on} alone, the other layout predicted: median {med:.1f}%, "
+                  f"p90 {p90:.1f}%")  # fmt: skip
+        if plot is not None and report.plot is not None:
+            shutil.copyfile(report.plot, plot)
+        fitted = profile_fields(report.profile)  # coefficients, anchor rule, kernel
+    return report, fitted, cross
+
+
 @click.command()
 @click.option("--samples", type=int, default=20_000, show_default=True)
 @click.option(
-    "--calibrate", "calib", type=int, default=240, show_default=True, help="Micro-batches."
-)
+    "--calibrate", "calib", type=int, default=240, show_default=True,
+    help="Micro-batches recorded per layout.",
+)  # fmt: skip
 @click.option(
     "--steps", type=int, default=20, show_default=True,
-    help="Timed steps per plan at grad_accum 1 (fewer at larger grad_accum: the same number "
-    "of micro-batches, at least 4 steps).",
+    help="Timed steps per plan, at every grad_accum (each step: 8 ranks x grad_accum "
+    "micro-batches, each timed twice).",
 )  # fmt: skip
 @click.option(
     "--grad-accum", "accums", default="1,4", show_default=True,
     help="Micro-batches per rank, comma-separated: each is planned and timed in turn.",
 )  # fmt: skip
 @click.option(
-    "--baseline", default=BASELINE, show_default=True,
-    help="Also time the cost-balanced plans of this commit's planner ('' to skip).",
+    "--layouts", default="packed,padded", show_default=True,
+    help="Layouts planned and timed (comma-separated); calibration fits them together.",
+)  # fmt: skip
+@click.option(
+    "--baseline", default="", show_default=True,
+    help="Also time the cost-balanced plans of this commit's planner (e.g. 157d561, the "
+    "scheduler before exact splits and swaps; padded only: it predates packed rows).",
 )  # fmt: skip
 @click.option("--hidden", type=int, default=64, show_default=True, help="Tiny target width.")
 @click.option("--threads", type=int, default=1, show_default=True)
@@ -341,49 +418,42 @@ def run_shape(
 )
 @click.option("--skip-reference", is_flag=True, help="Skip the 902K plan targets.")
 def main(
-    samples, calib, steps, accums, baseline, hidden, threads, seed, json_out, plot, skip_reference
-):
+    samples, calib, steps, accums, layouts, baseline, hidden, threads, seed, json_out, plot,
+    skip_reference,
+):  # fmt: skip
     torch.set_num_threads(threads)
-    try:
-        grad_accums = [int(a) for a in accums.split(",")]
-    except ValueError:
-        raise click.BadParameter(
-            f"{accums!r}: comma-separated integers", param_hint="--grad-accum"
-        ) from None
-    baseline = baseline or None
+    grad_accums = _ints(accums, "--grad-accum")
+    chosen = [x.strip() for x in layouts.split(",") if x.strip()]
+    if not chosen or set(chosen) - {"packed", "padded"}:
+        raise click.BadParameter(f"{layouts!r}: packed and/or padded", param_hint="--layouts")
     corpus = Corpus(samples, seed)
     tokens = BatchSpec(
         token_budget=4096, max_batch_size=64, max_seq_len=1024, world_size=8, seed=seed,
-        block_size=BLOCK, anchors_per_doc=PER_DOC, tokens_per_anchor=1, max_anchors=MAX_ANCHORS,
+        block_size=BLOCK, anchors_per_doc=PER_DOC, tokens_per_anchor=1, max_anchors=0,
     )  # fmt: skip
     target, drafter = build_models(hidden)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        token_plan = plan_epoch(corpus.lengths, tokens, epoch=0)
-        report = calibrate(corpus, token_plan, target, drafter, calib, Path(tmp))
-        print(f"calibration ({time.perf_counter() - t0:.0f} s)\n{report.summary()}")
-        fitted = profile_fields(report.profile)
-        if plot is not None and report.plot is not None:
-            shutil.copyfile(report.plot, plot)
+    report, fitted, cross = calibrate_layouts(corpus, tokens, chosen, target, drafter, calib, plot)
+    kernel = fitted["packed_attention"]  # the token-balanced plans are judged by it too
     result: dict[str, Any] = {
-        "fit": report.as_dict(), "coefficients": report.coefficients, "by_grad_accum": {},
+        "fit": report.as_dict(), "coefficients": report.coefficients, "cross_layout": cross,
+        "by_layout": {},
     }  # fmt: skip
-    for accum in grad_accums:
-        specs = {"token": dataclasses.replace(tokens, grad_accum=accum)}
-        specs["cost"] = dataclasses.replace(specs["token"], **fitted)
-        n = max(4, round(steps / accum))
-        result["by_grad_accum"][str(accum)] = run_shape(
-            corpus,
-            specs,
-            baseline,
-            n,
-            np.asarray(specs["cost"].coefficients),
-            seed,
-            target,
-            drafter,
-        )
+    for layout in chosen:
+        by_accum = result["by_layout"].setdefault(layout, {})
+        for accum in grad_accums:
+            specs = {
+                "token": dataclasses.replace(
+                    tokens, layout=layout, grad_accum=accum, packed_attention=kernel
+                )
+            }
+            specs["cost"] = dataclasses.replace(specs["token"], **fitted)
+            print(f"\n== {layout} rows, grad_accum {accum}")
+            by_accum[str(accum)] = run_shape(
+                corpus, specs, baseline or None if layout == "padded" else None, steps,
+                np.asarray(specs["cost"].coefficients), seed, target, drafter,
+            )  # fmt: skip
     if not skip_reference:
-        ref = reference_targets(baseline)
+        ref = reference_targets(None)
         print("\nplan targets on the 902K reference shape (world size 8); cost imb: by the")
         print("8B/H100 model")
         print(metrics.format_table(ref))

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from loader_server.wire.spec import ANCHOR_RULE, check_fields, profile_fields
+from loader_server.wire.spec import ANCHOR_RULE, COEFFICIENTS, check_fields, profile_fields
 from trainer.data.regen import load_prompts
 from trainer.data.tokenizer import load_tokenizer
 from trainer.eval.sets import conversation, load_set, parse_sets, render
 from trainer.files import check_output
 from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, read_drafter_folder
+from trainer.model.attention import packed_attention, resolve_backend
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.sharding import flat_values
 from trainer.model.target import Target, mask_token_id, target_record
@@ -37,7 +38,7 @@ from trainer.train.checkpoint import (
     run_write_error,
     write_error_message,
 )
-from trainer.train.distributed import init_distributed, shutdown
+from trainer.train.distributed import init_distributed, pick_device, shutdown
 from trainer.train.guards import WRITE_ERRNOS
 from trainer.train.loop import Trainer
 from trainer.train.target_shard import load_run_target
@@ -67,9 +68,10 @@ SPEC_OPTIONS = ("token_budget", "max_batch_size", "max_seq_len", "layout", "grad
 def loader_spec(opts: RunOptions) -> dict[str, Any]:
     """The BatchSpec fields the trainer asks for: its anchor rule (``ANCHOR_RULE``, always:
     the loader's cost model counts the block slots this trainer trains, and the spec the run
-    records is what it does, not the daemon's defaults), the ones the user set
-    (flags, then ``--spec``); the daemon's configured spec supplies every other field.
-    ``--spec`` may not contradict a trainer flag (grad_accum, the anchor rule). Every field
+    records is what it does, not the daemon's defaults), with a cost model the kernel its
+    packed rows run under (``packed_attention``), the ones the user set (flags, then
+    ``--spec``); the daemon's configured spec supplies every other field. ``--spec`` may not
+    contradict what the trainer does (grad_accum, the anchor rule, the kernel). Every field
     is checked as a daemon checks it (``loader_server.wire.spec.check_fields``), before the
     target loads: an unknown name (with the nearest known one) or a bad value costs a
     second, not a target's load."""
@@ -79,26 +81,42 @@ def loader_spec(opts: RunOptions) -> dict[str, Any]:
         raise ValueError("block_size is unresolved: see resolve_init_drafter")
     rule = {k: getattr(opts, k) for k in ANCHOR_RULE}
     extra = parse_spec_pairs(opts.spec_pairs)
-    for key, mine in (*rule.items(), ("grad_accum", spec.get("grad_accum"))):
-        if key in extra and mine is not None and extra[key] != mine:
+    profile = profile_fields(opts.cost_profile) if opts.cost_profile else {}
+    mine = dict(rule)
+    if profile or any(k in extra for k in (*COEFFICIENTS, "cost_budget")):
+        mine["packed_attention"] = packed_kernel(opts)
+    for key, value in (*mine.items(), ("grad_accum", spec.get("grad_accum"))):
+        if key in extra and value is not None and extra[key] != value:
             flag = "--" + key.replace("_", "-")
+            said = f"{flag} {value}"
+            if key == "packed_attention":  # no flag of its own: --attention decides it
+                flag, said = "--attention", f"--attention {opts.attention} ({value} here)"
             raise ValueError(
-                f"--spec {key}={extra[key]} contradicts {flag} {mine}: the loader must plan "
+                f"--spec {key}={extra[key]} contradicts {said}: the loader must plan "
                 f"with what this trainer does (set {flag} instead)"
             )
-    spec = {**rule, **spec, **extra}
-    if opts.cost_profile:
-        profile = profile_fields(opts.cost_profile)
-        theirs = {k: profile[k] for k in ANCHOR_RULE if k in profile}
-        if theirs != rule:
-            log.warning(
-                "cost profile %s was calibrated with anchor rule %s, this trainer draws %s: "
-                "its per-slot coefficient is applied to this trainer's block slots",
-                opts.cost_profile, theirs, rule,
-            )  # fmt: skip
+    spec = {**mine, **spec, **extra}
+    if profile:
+        _warn_other_profile(opts.cost_profile, profile, mine)
         spec = {**profile, **spec}
     check_fields(spec)  # a typo or a bad value is refused here, before the target loads
     return spec
+
+
+def packed_kernel(opts: RunOptions) -> str:
+    """What this trainer's packed rows' attention computes (``BatchSpec.packed_attention``),
+    from ``--attention`` on the device it will run on."""
+    device = pick_device(opts.device, 0, torch.cuda.is_available())
+    return packed_attention(resolve_backend(opts.attention, device))
+
+
+def _warn_other_profile(path: Any, profile: dict[str, Any], mine: dict[str, Any]) -> None:
+    theirs = {k: profile[k] for k in mine if k in profile}
+    if theirs != mine:
+        log.warning(
+            "cost profile %s was calibrated with %s, this trainer runs %s: its coefficients "
+            "are applied to what this trainer does", path, theirs, mine,
+        )  # fmt: skip
 
 
 def resolve_mask_token(target: Target, opts: RunOptions) -> int | None:

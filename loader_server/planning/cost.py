@@ -9,9 +9,12 @@ over features the planner knows from sample lengths alone (``features``):
 
 * ``tokens``: tokens as laid out: ``rows * L`` for a padded micro-batch (padding costs
   the linear layers as much as real tokens), the row's ``T`` for a packed one;
-* ``sq``: attention work, the sum over documents of length squared as laid out:
-  ``rows * L**2`` padded (each row attends over its padded length), ``sum(l_i**2)``
-  packed (varlen attention stays inside each document);
+* ``sq``: attention work, the pairs of positions attention computes: ``rows * L**2``
+  padded (each row attends over its padded length); packed, ``sum(l_i**2)`` under a
+  block-sparse kernel that stays inside each document (``packed_attention="documents"``:
+  the trainer's flex attention, its default on CUDA) or ``T**2`` under a dense mask over
+  the row (``"row"``: SDPA, the trainer's kernel elsewhere, where a packed row of 4,096
+  tokens costs several times its documents padded);
 * ``slots``: block slots through the drafter and the frozen LM head (the vocabulary
   projection, the largest single cost at a 151,936-token vocabulary): ``block_size`` times
   the sum of per-document anchors (``doc_anchors``), where a document of length ``l`` gets
@@ -68,10 +71,16 @@ def slots(rule: AnchorRule, anchor_sums: np.ndarray) -> np.ndarray:
 
 
 def features(
-    doc_lengths: np.ndarray, starts: np.ndarray, *, layout: str, rule: AnchorRule
+    doc_lengths: np.ndarray,
+    starts: np.ndarray,
+    *,
+    layout: str,
+    rule: AnchorRule,
+    packed_attention: str = "documents",
 ) -> np.ndarray:
     """[micro-batches, 4] float64 features (``FEATURES``) of micro-batches laid out as
-    consecutive runs of ``doc_lengths`` beginning at ``starts`` (non-empty runs)."""
+    consecutive runs of ``doc_lengths`` beginning at ``starts`` (non-empty runs), packed
+    rows' attention counted as ``packed_attention`` says."""
     x = np.asarray(doc_lengths, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
     out = np.empty((starts.size, len(FEATURES)), np.float64)
@@ -80,7 +89,7 @@ def features(
     anchors = np.add.reduceat(doc_anchors(rule, x), starts)
     if layout == "packed":
         tokens = np.add.reduceat(x, starts)
-        sq = np.add.reduceat(x * x, starts)
+        sq = tokens * tokens if packed_attention == "row" else np.add.reduceat(x * x, starts)
         slot_count = slots(rule, anchors)
     else:
         rows = np.diff(np.append(starts, x.size))

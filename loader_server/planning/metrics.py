@@ -117,7 +117,10 @@ def modelled_costs(plan: EpochPlan, coefficients: np.ndarray) -> np.ndarray:
     """Each micro-batch's cost under a cost model (``cost.FEATURES`` order), whatever the
     plan was cut and balanced by; the anchor rule is the plan spec's."""
     s = plan.spec
-    f = cost.features(plan.sample_lengths, plan.offsets[:-1], layout=s.layout, rule=s.anchor_rule)
+    f = cost.features(
+        plan.sample_lengths, plan.offsets[:-1], layout=s.layout, rule=s.anchor_rule,
+        packed_attention=s.packed_attention,
+    )  # fmt: skip
     return f @ np.asarray(coefficients, np.float64)
 
 

@@ -58,12 +58,14 @@ _TINY = 200
 
 @dataclass(frozen=True)
 class CostCut:
-    """The cost bound of a cut: coefficients (``cost.FEATURES`` order), the budget and
-    the anchor rule."""
+    """The cost bound of a cut: coefficients (``cost.FEATURES`` order), the budget, the
+    anchor rule, and whether a packed row's attention is its whole length squared
+    (``row_attention``: a dense mask) rather than its documents' (a block-sparse kernel)."""
 
     coefficients: tuple[float, float, float, float]
     budget: float
     rule: cm.AnchorRule
+    row_attention: bool = False
 
     def padded(self, rows: np.ndarray, longest: np.ndarray, anchors: np.ndarray) -> np.ndarray:
         """Modelled cost of padded micro-batches (elementwise; float64)."""
@@ -90,7 +92,9 @@ class CostCut:
         A row's cost is not a sum over its documents when the per-micro-batch anchor cap
         binds, so the slot term is charged in full to every row (``max_anchors`` block
         slots, as in a full row: the usual case) and the documents carry the rest; with no
-        cap, each document carries its own slots."""
+        cap, each document carries its own slots. Nor is it under ``row_attention``
+        (``T**2``): a document of ``l`` tokens is charged ``token_budget * l`` pairs, so a
+        row's charge is ``token_budget * T >= T**2``, exact for a full row."""
         c0, tok, attn, slot = self.coefficients
         x = lengths.astype(np.int64)
         block, cap = self.rule.block_size, self.rule.max_anchors
@@ -98,7 +102,8 @@ class CostCut:
         room = self.budget - fixed
         if room <= 0 or not (tok or attn or (slot and cap <= 0)):
             return x  # the documents' share of the cost is nothing: tokens alone bound rows
-        c = tok * x + attn * (x * x).astype(np.float64)
+        pairs = token_budget * x if self.row_attention else x * x
+        c = tok * x + attn * pairs.astype(np.float64)
         if cap <= 0:
             c = c + slot * block * cm.doc_anchors(self.rule, x)
         scaled = np.ceil(c * (token_budget / room)).astype(np.int64)

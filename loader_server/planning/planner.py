@@ -218,9 +218,7 @@ def redeal_rest(
     tokens = cum[np.append(starts[1:], x.size)] - cum[starts]  # empty micro-batches too
     cut = None
     if spec.cost_model_on:  # the budget the steps were cut by
-        c0, tok, attn, slot = spec.coefficients
-        budget = float(prior.stats["cost_budget"])
-        cut = packing.CostCut((c0, tok, attn, slot), budget, spec.anchor_rule)
+        cut = _cut(spec, float(prior.stats["cost_budget"]))
     batches = _Batches(
         prior.sample_ids[lo:], x, starts, prior.micro_lens[m0:m1], prior.micro_costs[m0:m1],
         tokens, prior.micro_buckets[m0:m1], prior.bucket_bounds, cut,
@@ -328,9 +326,12 @@ def cost_cut(lengths: np.ndarray, spec: BatchSpec) -> packing.CostCut | None:
     model, where the token budget is the only bound); ``cost_budget`` 0 is ``auto_budget``."""
     if not spec.cost_model_on:
         return None
-    budget = float(spec.cost_budget) or auto_budget(lengths, spec)
-    c0, tok, attn, slot = spec.coefficients
-    return packing.CostCut((c0, tok, attn, slot), budget, spec.anchor_rule)
+    return _cut(spec, float(spec.cost_budget) or auto_budget(lengths, spec))
+
+
+def _cut(spec: BatchSpec, budget: float) -> packing.CostCut:
+    row = spec.packed_attention == "row"
+    return packing.CostCut(spec.coefficients, budget, spec.anchor_rule, row_attention=row)
 
 
 def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
@@ -344,8 +345,9 @@ def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
     alike whatever their lengths; only those the row limit or a bucket's end leaves short
     are cheaper (the scheduler groups those). Packed: rows already mix lengths at random,
     so the budget is the cost of a full row of the corpus's average mix (token-weighted
-    mean length and anchors per token); only rows that drew more than their share of
-    costly documents are cut."""
+    mean length and anchors per token; under ``packed_attention="row"`` the row's own
+    length squared); only rows that drew more than their share of costly documents are
+    cut."""
     tb, rule = spec.token_budget, spec.anchor_rule
     floor = spec.row_cost(spec.max_seq_len)
     if lengths.size == 0:
@@ -356,6 +358,8 @@ def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
         tokens = float(hist @ values)
         per_token = (hist @ cost.doc_anchors(rule, values)) / tokens
         sq_per_token = float(hist @ (values * values)) / tokens
+        if spec.packed_attention == "row":
+            sq_per_token = float(tb)
         cap = rule.max_anchors
         slots = rule.block_size * (min(cap, tb * per_token) if cap > 0 else tb * per_token)
         c0, tok, attn, slot = spec.coefficients
@@ -378,9 +382,10 @@ def _costs(x: np.ndarray, starts: np.ndarray, spec: BatchSpec, layout: str) -> n
             return np.add.reduceat(x, starts).astype(np.float64)
         rows = np.diff(np.append(starts, x.size))
         return (rows * np.maximum.reduceat(x, starts)).astype(np.float64)
-    return cost.features(x, starts, layout=layout, rule=spec.anchor_rule) @ np.asarray(
-        spec.coefficients
+    f = cost.features(
+        x, starts, layout=layout, rule=spec.anchor_rule, packed_attention=spec.packed_attention
     )
+    return f @ np.asarray(spec.coefficients)
 
 
 def _empty_batches(

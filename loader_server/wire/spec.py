@@ -27,9 +27,11 @@ Effective length = ``min(len, max_seq_len)`` under ``overlong="truncate"``; unde
 longer samples are left out of the epoch (and reported). Empty samples are always left out.
 
 The trainer's anchor rule (``AnchorRule``) is part of the spec: the cost model's block-slot
-term counts the anchors the trainer draws. A *cost profile* (JSON, written by
-``dflash-train calibrate``) carries fitted coefficients and the anchor rule they were
-fitted under; ``profile_fields`` turns one into spec fields.
+term counts the anchors the trainer draws. So is the attention kernel it runs packed rows
+under (``packed_attention``): a block-sparse kernel (flex on CUDA) computes each document's
+``l**2`` pairs, a dense mask (SDPA) the whole row's ``T**2``. A *cost profile* (JSON,
+written by ``dflash-train calibrate``) carries fitted coefficients and the anchor rule and
+kernel they were fitted under; ``profile_fields`` turns one into spec fields.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ OVERLONG = ("truncate", "drop")
 LAYOUTS = ("padded", "packed")
 COMPOSITIONS = ("bucketed", "sorted", "random")
 ORDERS = ("stratified", "shuffled", "sequential")
+#: What a packed row's attention computes: each document's pairs, or the whole row's.
+PACKED_ATTENTION = ("documents", "row")
 MAX_AUTO_BUCKETS = 64
 #: Hard bounds of any spec: token counts and offsets are int32 in a batch.
 INT32_MAX = 2**31 - 1
@@ -153,6 +157,13 @@ class BatchSpec:
     cost_tok: float = _spec_field(1.0, "Cost model: per token as laid out.", number=True)
     cost_attn: float = _spec_field(0.0, "Cost model: per squared document length.", number=True)
     cost_slot: float = _spec_field(0.0, "Cost model: per drafter block slot.", number=True)
+    packed_attention: str = _spec_field(
+        "documents",
+        "Cost model: a packed row's attention work, the sum of its documents' squared "
+        "lengths (documents: a block-sparse kernel, the trainer's flex on CUDA) or its own "
+        "length squared (row: a dense mask, the trainer's SDPA).",
+        choices=PACKED_ATTENTION,
+    )  # fmt: skip
     cost_budget: float = _spec_field(
         0.0, "Max modelled cost of a micro-batch (0: auto).", number=True
     )
@@ -407,8 +418,9 @@ def write_profile(
 
 
 def profile_fields(path: str | Path) -> dict[str, Any]:
-    """The spec fields a cost profile sets: its four coefficients and its anchor rule (a
-    profile written before ``tokens_per_anchor`` existed: one anchor per token).
+    """The spec fields a cost profile sets: its four coefficients, its anchor rule (a
+    profile written before ``tokens_per_anchor`` existed: one anchor per token) and its
+    ``packed_attention`` (before it existed: ``documents``, the model then).
 
     Every problem is a ValueError that names the file and the key: unreadable or not
     JSON, another version, a missing or negative coefficient, a missing anchor-rule field.
@@ -438,4 +450,10 @@ def profile_fields(path: str | Path) -> dict[str, Any]:
                 f"cost profile {p}: anchor_rule.{name} must be an integer >= 0, got {v!r}"
             )
         out[name] = v
+    kernel = doc.get("packed_attention", "documents")
+    if kernel not in PACKED_ATTENTION:
+        raise ValueError(
+            f"cost profile {p}: packed_attention must be one of {PACKED_ATTENTION}, got {kernel!r}"
+        )
+    out["packed_attention"] = kernel
     return out

@@ -50,10 +50,50 @@ def write_profile(path: Path, coefficients=None, rule=None, **extra) -> Path:
     return path
 
 
+def test_a_dense_kernel_charges_a_packed_row_its_whole_length_squared():
+    lengths = np.array([40, 10, 100, 7, 33])
+    rule = AnchorRule(4, 20, 1, 0)
+    docs = cost.features(lengths, np.array([0, 2]), layout="packed", rule=rule)
+    row = cost.features(
+        lengths, np.array([0, 2]), layout="packed", rule=rule, packed_attention="row"
+    )
+    np.testing.assert_array_equal(row[:, 2], [50**2, 140**2])
+    np.testing.assert_array_equal(np.delete(row, 2, 1), np.delete(docs, 2, 1))
+    padded = dict(layout="padded", rule=rule)  # a padded row's attention is its own
+    np.testing.assert_array_equal(
+        cost.features(lengths, np.array([0, 2]), **padded, packed_attention="row"),
+        cost.features(lengths, np.array([0, 2]), **padded),
+    )
+
+
+@pytest.mark.parametrize("kernel", ["documents", "row"])
+def test_packed_rows_cut_by_cost_stay_within_the_budget_under_either_kernel(kernel):
+    """The cut charges a document its share of the row's attention (``token_budget * l``
+    under a dense kernel: ``T**2 <= token_budget * T``), so every row's modelled cost, with
+    the row's true ``T**2``, is within the budget; under a dense kernel rows are then cut
+    by their tokens, as a row's cost follows them."""
+    lengths = synth_lengths(SynthSpec(num_samples=20_000, seed=5, max_len=4096))
+    heavy = {"cost_c0": 0.0, "cost_tok": 1e-6, "cost_attn": 1e-9, "cost_slot": 2e-7}
+    spec = BatchSpec(token_budget=16384, max_seq_len=4096, world_size=8, layout="packed",
+                     packed_attention=kernel, block_size=8, anchors_per_doc=1,
+                     tokens_per_anchor=1, **heavy)  # fmt: skip
+    plan = plan_epoch(lengths, spec, epoch=0)
+    modelled = metrics.modelled_costs(plan, np.asarray(spec.coefficients))
+    np.testing.assert_allclose(modelled, plan.micro_costs)
+    assert (plan.micro_costs <= plan.stats["cost_budget"] * (1 + 1e-12)).all()
+    if kernel == "row":  # full rows, each at about the budget: its cost is its tokens'
+        assert plan.stats["padding_efficiency"] > 0.99
+        assert np.quantile(plan.micro_costs, 0.05) > 0.99 * plan.stats["cost_budget"]
+
+
 def test_profile_round_trips_into_a_spec(tmp_path):
     path = tmp_path / "p.json"
     write_profile_file(path, MODEL, RULE, units="seconds")
-    assert profile_fields(path) == {**MODEL, **RULE}
+    # A profile without packed_attention is from before it: documents, the model then.
+    assert profile_fields(path) == {**MODEL, **RULE, "packed_attention": "documents"}
+    write_profile_file(path, MODEL, RULE, packed_attention="row")
+    assert BatchSpec.from_dict({"cost_profile": str(path)}).packed_attention == "row"
+    write_profile_file(path, MODEL, RULE, units="seconds")
     spec = BatchSpec.from_dict({"cost_profile": str(path), "world_size": 8})
     assert spec.cost_model_on and spec.world_size == 8
     assert (spec.cost_attn, spec.anchor_rule) == (4e-10, (16, 512, 1, 2048))
@@ -74,6 +114,7 @@ def test_profile_round_trips_into_a_spec(tmp_path):
         (lambda d: d.update(version=2), "version must be 1, got 2"),
         (lambda d: d["anchor_rule"].pop("max_anchors"), "anchor_rule.max_anchors"),
         (lambda d: d.pop("anchor_rule"), "'anchor_rule'"),
+        (lambda d: d.update(packed_attention="dense"), "packed_attention must be one of"),
     ],
 )
 def test_bad_profiles_are_refused_naming_file_and_key(tmp_path, edit, message):
@@ -118,20 +159,23 @@ def test_daemon_config_and_plan_command_take_a_profile(tmp_path):
     assert bad.exit_code != 0 and "no.json" in bad.output
 
 
-def synthetic_run(run_dir: Path, coef: np.ndarray, n: int, noise: float, seed: int = 0) -> None:
-    """Timing records as the trainer writes them, with times from known coefficients."""
+def synthetic_run(
+    run_dir: Path, coef: np.ndarray, n: int, noise: float, seed: int = 0, layout: str = ""
+) -> None:
+    """Timing records as the trainer writes them, with times from known coefficients
+    (``layout``: all in one layout; default a third packed)."""
     rng = np.random.default_rng(seed)
     rule = [16, 512, 1, 2048]
     (run_dir / "costs").mkdir(parents=True)
     with (run_dir / "costs" / "rank0.jsonl").open("w") as f:
         for i in range(n):
-            layout = "packed" if i % 3 == 0 else "padded"
+            kind = layout or ("packed" if i % 3 == 0 else "padded")
             rows = int(rng.integers(1, 24))
             median = float(rng.choice([100, 400, 1500, 4000]))
             lengths = np.clip(rng.lognormal(np.log(median), 0.5, rows), 16, 8192).astype(int)
-            x = cost.features(lengths, np.zeros(1, np.int64), layout=layout, rule=AnchorRule(*rule))
+            x = cost.features(lengths, np.zeros(1, np.int64), layout=kind, rule=AnchorRule(*rule))
             t = float(x[0] @ coef) * (1 + noise * rng.standard_normal())
-            rec = {"rank": 0, "epoch": 0, "step": i, "micro": 0, "layout": layout,
+            rec = {"rank": 0, "epoch": 0, "step": i, "micro": 0, "layout": kind,
                    "doc_lengths": lengths.tolist(), "rule": rule, "anchors": 0,
                    "synced": False, "time_s": t}  # fmt: skip
             f.write(json.dumps(rec) + "\n")
@@ -146,10 +190,38 @@ def test_calibration_recovers_known_coefficients(tmp_path):
     assert report.n_holdout == 75 and report.median_rel_err < 0.03
     assert report.plot is not None and report.plot.stat().st_size > 0
     assert profile_fields(report.profile) == {
-        **report.coefficients, **RULE
+        **report.coefficients, **RULE, "packed_attention": "documents"
     }  # fmt: skip
     profile = json.loads(report.profile.read_text())
     assert profile["units"] == "seconds" and profile["fit"]["n_fit"] == 225
+
+
+def test_calibration_fits_several_runs_together_and_judges_each_layout(tmp_path):
+    true = np.array([MODEL[k] for k in COEFFICIENTS])
+    padded, packed = tmp_path / "padded", tmp_path / "packed"
+    synthetic_run(padded, true, n=120, noise=0.02, seed=1, layout="padded")
+    synthetic_run(packed, true, n=80, noise=0.02, seed=2, layout="packed")  # same record keys
+    report = calibrate_run([padded, packed], holdout=0.25, plot=False)
+    assert report.n_fit + report.n_holdout == 200  # the runs' records kept apart
+    got = np.array([report.coefficients[k] for k in COEFFICIENTS])
+    np.testing.assert_allclose(got, true, rtol=0.1)
+    assert set(report.by_layout) == {"padded", "packed"}
+    assert sum(n for n, _, _ in report.by_layout.values()) == report.n_holdout == 50
+    assert all(med < 0.03 for _, med, _ in report.by_layout.values())
+    profile = json.loads((padded / "cost_profile.json").read_text())
+    assert profile["source"] == [str(padded), str(packed)]
+    assert set(profile["fit"]["holdout_by_layout"]) == {"padded", "packed"}
+    r = CliRunner().invoke(train_cli, ["calibrate", str(padded), str(packed), "--no-plot"])
+    assert r.exit_code == 0, r.output
+    assert "  packed: median" in r.output and "  padded: median" in r.output
+    other = tmp_path / "other"
+    synthetic_run(other, true, n=20, noise=0.0)
+    lines = (other / "costs" / "rank0.jsonl").read_text().replace("[16,512,1,2048]", "[16,4,1,0]")
+    (other / "costs" / "rank0.jsonl").write_text(
+        lines.replace("[16, 512, 1, 2048]", "[16, 4, 1, 0]")
+    )
+    with pytest.raises(ValueError, match="mix anchor rules"):
+        load_samples([padded, other])
 
 
 def test_calibration_keeps_a_true_zero_at_zero(tmp_path):

@@ -41,6 +41,7 @@ from trainer.run import loader_spec
 from trainer.sections import RunOptions
 from trainer.train.batches import Batch
 from trainer.train.clock import warmup_cosine
+from trainer.train.served_spec import ServedSpecError, check_checkpoint_spec
 
 
 def _chunk(ctx_len: int, anchors: list[int], b: int, docs=None, blk_docs=None) -> BlockChunk:
@@ -321,6 +322,33 @@ def test_cost_profile_goes_into_the_requested_spec(tmp_path):
     assert (spec["max_anchors"], spec["tokens_per_anchor"]) == (64, 1)
     # A trainer with another rule: the spec follows the trainer, not the profile.
     assert {k: loader_spec(opts)[k] for k in RULE} == RULE
+
+
+def test_with_a_cost_model_the_spec_names_the_kernel_packed_rows_run_under(tmp_path):
+    """A dense mask (SDPA: the CPU's kernel, and any --attention sdpa) makes a packed row's
+    attention its whole length squared; flex, its documents'. The trainer says which when
+    it asks for a cost model, and a --spec saying otherwise is refused."""
+    assert "packed_attention" not in loader_spec(_opts())  # no cost model: no cost to model
+    costly = ("cost_attn=1e-9", "cost_tok=1e-6")
+    assert loader_spec(_opts(spec_pairs=costly))["packed_attention"] == "row"  # CPU: SDPA
+    flex = loader_spec(_opts(spec_pairs=costly, attention="flex"))
+    assert flex["packed_attention"] == "documents"
+    with pytest.raises(ValueError, match=r"packed_attention=documents contradicts --attention"):
+        loader_spec(_opts(spec_pairs=(*costly, "packed_attention=documents")))
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({
+        "version": 1, "packed_attention": "documents",
+        "coefficients": {"cost_c0": 0.1, "cost_tok": 1e-5, "cost_attn": 1e-9, "cost_slot": 0.0},
+        "anchor_rule": RULE,
+    }))  # fmt: skip
+    assert loader_spec(_opts(cost_profile=profile))["packed_attention"] == "row"  # the trainer's
+
+
+def test_a_checkpoint_from_before_a_spec_field_resumes_under_its_default():
+    served = {"token_budget": 4096, "tokens_per_anchor": 1, "packed_attention": "documents"}
+    check_checkpoint_spec(served, {"token_budget": 4096})
+    with pytest.raises(ServedSpecError, match="packed_attention"):
+        check_checkpoint_spec({**served, "packed_attention": "row"}, {"token_budget": 4096})
 
 
 def test_split_prompt():

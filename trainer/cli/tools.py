@@ -14,26 +14,35 @@ from trainer.options import TargetOptions
 
 
 @click.command()
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument(
+    "run_dirs", metavar="RUN_DIR...", nargs=-1, required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+)  # fmt: skip
 @click.option(
-    "--out", type=click.Path(dir_okay=False, path_type=Path), help="[RUN_DIR/cost_profile.json]"
-)
+    "--out", type=click.Path(dir_okay=False, path_type=Path),
+    help="[the first RUN_DIR's cost_profile.json]",
+)  # fmt: skip
 @click.option(
     "--holdout", type=float, default=0.2, show_default=True, help="Share of micro-batches held out."
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Of the hold-out split.")
 @click.option("--no-plot", is_flag=True, help="Skip RUN_DIR/cost_fit.png.")
-def calibrate(run_dir: Path, out: Path | None, holdout: float, seed: int, no_plot: bool) -> None:
-    """Fit the planner's cost model to the micro-batch times a training run recorded.
+def calibrate(
+    run_dirs: tuple[Path, ...], out: Path | None, holdout: float, seed: int, no_plot: bool
+) -> None:
+    """Fit the planner's cost model to the micro-batch times training runs recorded.
 
-    Reads RUN_DIR/costs/rank*.jsonl (written by `train`, see --cost-samples), fits
+    Reads each RUN_DIR/costs/rank*.jsonl (written by `train`, see --cost-samples), fits
     c0 + c_tok*tokens + c_attn*sum L^2 + c_slot*block slots by non-negative least squares
-    on relative error, reports the error on held-out micro-batches, and writes a cost
-    profile for `dflash-loader serve --cost-profile` / `train --cost-profile`.
+    on relative error, reports the error on held-out micro-batches (per layout too), and
+    writes a cost profile for `dflash-loader serve --cost-profile` / `train --cost-profile`.
+    Give a padded run and a packed run of the same setting to fit every term: packed rows
+    all hold about the token budget, so they alone cannot tell the fixed cost of a
+    micro-batch from its per-token cost.
     """
     from trainer.ops.calibrate import calibrate_run
 
-    report = calibrate_run(run_dir, out=out, holdout=holdout, seed=seed, plot=not no_plot)
+    report = calibrate_run(run_dirs, out=out, holdout=holdout, seed=seed, plot=not no_plot)
     click.echo(report.summary())
 
 

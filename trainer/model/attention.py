@@ -194,6 +194,14 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return "flex" if device.type == "cuda" and _flex_available() else "sdpa"
 
 
+def packed_attention(backend: str) -> str:
+    """What a packed row's attention computes under a resolved backend, as the loader's
+    cost model names it (``BatchSpec.packed_attention``): flex's block mask skips the tiles
+    between documents (``documents``); SDPA attends over the row under a dense mask
+    (``row``: the row's length squared, whatever its documents)."""
+    return "documents" if backend == "flex" else "row"
+
+
 def _flex_available() -> bool:
     try:
         from torch.nn.attention import flex_attention  # noqa: F401

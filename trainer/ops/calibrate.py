@@ -1,28 +1,34 @@
-"""``dflash-train calibrate RUN_DIR``: fit the planner's cost model to measured micro-batches.
+"""``dflash-train calibrate RUN_DIR...``: fit the planner's cost model to measured micro-batches.
 
-Input: the timings a training run recorded (``trainer.train.costlog``). Each micro-batch becomes
-a row of the planner's own features (``loader_server.planning.cost.features``: 1, tokens as laid
-out, sum of squared lengths, block slots under the trainer's anchor rule) and its measured
-time ``y``. The fit minimises *relative* squared error, ``sum(((X c - y) / y)**2)``, over
-``c >= 0`` (non-negative least squares: a negative coefficient would let the planner think
-some micro-batch shape is cheaper the bigger it gets). With four features the exact NNLS
-optimum is found by solving the weighted least squares on every one of the 15 non-empty
-feature subsets and keeping the best whose solution is non-negative: the NNLS optimum is
-the unconstrained optimum on its own support, and every candidate is feasible.
+Input: the timings training runs recorded (``trainer.train.costlog``); several runs are
+fitted together (a padded and a packed run make every coefficient identifiable: packed rows
+all hold about the token budget, so from them alone the fixed and the per-token costs of a
+micro-batch cannot be told apart). Each micro-batch becomes a row of the planner's own
+features (``loader_server.planning.cost.features``: 1, tokens as laid out, attention pairs
+under the kernel its packed rows ran under, block slots under the trainer's anchor rule)
+and its measured time ``y``. The fit minimises *relative* squared error,
+``sum(((X c - y) / y)**2)``, over ``c >= 0`` (non-negative least squares: a negative
+coefficient would let the planner think some micro-batch shape is cheaper the bigger it
+gets). With four features the exact NNLS optimum is found by solving the weighted least
+squares on every one of the 15 non-empty feature subsets and keeping the best whose
+solution is non-negative: the NNLS optimum is the unconstrained optimum on its own
+support, and every candidate is feasible.
 
 A random ``holdout`` share of the micro-batches (seeded) is left out of the fit and
-reported: median and 90th-percentile relative error of the predicted time. Micro-batches
-whose backward all-reduced gradients (``synced``: they include waiting for other ranks)
-are left out when at least ``MIN_SAMPLES`` others exist.
+reported: median and 90th-percentile relative error of the predicted time, over all and
+per layout. Micro-batches whose backward all-reduced gradients (``synced``: they include
+waiting for other ranks) are left out when at least ``MIN_SAMPLES`` others exist.
 
-Output: a cost profile (``loader_server.wire.spec.profile_text``; seconds), a predicted-vs-
-measured plot, and a report.
+Output: a cost profile (``loader_server.wire.spec.profile_text``; seconds; with the anchor
+rule and the packed-row kernel it was measured under), a predicted-vs-measured plot, and a
+report.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,13 +48,19 @@ MIN_SAMPLES = 8
 
 @dataclass(frozen=True)
 class Samples:
-    """Measured micro-batches: features ``[n, 4]``, seconds ``[n]``, and where they came from."""
+    """Measured micro-batches: features ``[n, 4]``, seconds ``[n]``, each one's layout
+    ``[n]``, and where they came from."""
 
     x: np.ndarray
     y: np.ndarray
+    layout: np.ndarray
     rule: AnchorRule
-    layouts: tuple[str, ...]
     synced_dropped: int
+    packed_attention: str = "documents"  # the kernel the packed rows ran under
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.layout.tolist())))
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,8 @@ class Report:
     synced_dropped: int
     profile: Path
     plot: Path | None
+    #: layout -> (hold-out micro-batches, median, p90 relative error) of that layout's
+    by_layout: dict[str, tuple[int, float, float]]
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +86,10 @@ class Report:
             "holdout_p90_rel_err": self.p90_rel_err,
             "fit_median_rel_err": self.fit_median_rel_err,
             "synced_dropped": self.synced_dropped,
+            "holdout_by_layout": {
+                k: {"n": n, "median_rel_err": med, "p90_rel_err": p90}
+                for k, (n, med, p90) in self.by_layout.items()
+            },
         }
 
     def summary(self) -> str:
@@ -84,26 +102,66 @@ class Report:
             "cost (s) = " + " + ".join(f"{c[n]:.4g}*{f}" for n, f in terms),
             f"hold-out relative error: median {100 * self.median_rel_err:.1f}%, "
             f"p90 {100 * self.p90_rel_err:.1f}% (fit: median {100 * self.fit_median_rel_err:.1f}%)",
-            f"profile: {self.profile}",
         ]
+        if len(self.by_layout) > 1:
+            lines += [
+                f"  {k}: median {100 * med:.1f}%, p90 {100 * p90:.1f}% ({n} held out)"
+                for k, (n, med, p90) in self.by_layout.items()
+            ]
+        lines.append(f"profile: {self.profile}")
         if self.plot is not None:
             lines.append(f"plot: {self.plot}")
         return "\n".join(lines)
 
 
-def load_samples(run_dir: Path) -> Samples:
-    """The recorded micro-batches of ``run_dir`` as features and times.
+def load_samples(run_dirs: Path | Sequence[Path]) -> Samples:
+    """The recorded micro-batches of one run or several, as features and times.
 
     ValueError naming the file and line for a malformed record, for records made under
-    different anchor rules, and for a run with too few records."""
+    different anchor rules, and for runs with too few records."""
+    dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else [Path(d) for d in run_dirs]
+    latest: dict[tuple[int, ...], dict[str, Any]] = {}
+    rules: dict[AnchorRule, str] = {}
+    kernels: dict[str, str] = {}  # of packed rows (a padded row's attention is its own)
+    for i, run_dir in enumerate(dirs):
+        for rec, where in _records(run_dir):
+            rules.setdefault(rec["rule"], where)
+            if rec["layout"] == "packed":
+                kernels.setdefault(rec["attention"], where)
+            latest[(i, *rec["key"])] = rec
+    for what, seen in (("anchor rules", rules), ("packed-row attention kernels", kernels)):
+        if len(seen) > 1:
+            (a, wa), (b, wb) = list(seen.items())[:2]
+            raise ValueError(
+                f"the timings mix {what} {a} ({wa}) and {b} ({wb}): calibrate one setting at a time"
+            )
+    records = list(latest.values())
+    unsynced = [r for r in records if not r.get("synced")]
+    dropped = 0
+    if len(unsynced) >= MIN_SAMPLES and len(unsynced) < len(records):
+        dropped = len(records) - len(unsynced)
+        records = unsynced
+    if len(records) < MIN_SAMPLES:
+        named = ", ".join(str(d) for d in dirs)
+        raise ValueError(
+            f"{named}: {len(records)} timed micro-batches; calibration needs at least "
+            f"{MIN_SAMPLES} (train more steps, or raise --cost-samples)"
+        )
+    rule = next(iter(rules))
+    x = np.concatenate([_features(r, rule) for r in records])
+    y = np.array([r["time_s"] for r in records], np.float64)
+    layout = np.array([r["layout"] for r in records])
+    return Samples(x, y, layout, rule, dropped, next(iter(kernels), "documents"))
+
+
+def _records(run_dir: Path) -> Iterator[tuple[dict[str, Any], str]]:
+    """Each timing record of ``run_dir`` and where it was read; a torn last line skipped."""
     files = sorted(cost_dir(run_dir).glob("rank*.jsonl"))
     if not files:
         raise ValueError(
             f"{run_dir} has no {cost_dir(run_dir).name}/rank*.jsonl: train with --cost-samples N "
             "(the default records 2000 micro-batches per rank) first"
         )
-    latest: dict[tuple[int, int, int, int], dict[str, Any]] = {}
-    rules: dict[AnchorRule, str] = {}
     for path in files:
         text = path.read_text()
         lines = text.splitlines()
@@ -112,42 +170,21 @@ def load_samples(run_dir: Path) -> Samples:
                 continue
             where = f"{path}:{lineno}"
             try:
-                rec = parse_record(line, where)
+                yield parse_record(line, where), where
             except ValueError:
                 if lineno == len(lines) and not text.endswith("\n"):
                     # the line a killed trainer was writing: the records before it stand
                     log.warning("%s: skipped a torn last line (the run was killed?)", where)
                     continue
                 raise
-            rules.setdefault(rec["rule"], where)
-            latest[rec["key"]] = rec
-    if len(rules) > 1:
-        (a, wa), (b, wb) = list(rules.items())[:2]
-        raise ValueError(
-            f"the run's timings mix anchor rules {a} ({wa}) and {b} ({wb}): calibrate one "
-            "setting at a time"
-        )
-    records = list(latest.values())
-    unsynced = [r for r in records if not r.get("synced")]
-    dropped = 0
-    if len(unsynced) >= MIN_SAMPLES and len(unsynced) < len(records):
-        dropped = len(records) - len(unsynced)
-        records = unsynced
-    if len(records) < MIN_SAMPLES:
-        raise ValueError(
-            f"{run_dir} has {len(records)} timed micro-batches; calibration needs at least "
-            f"{MIN_SAMPLES} (train more steps, or raise --cost-samples)"
-        )
-    rule = next(iter(rules))
-    x = np.concatenate([_features(r, rule) for r in records])
-    y = np.array([r["time_s"] for r in records], np.float64)
-    layouts = tuple(sorted({r["layout"] for r in records}))
-    return Samples(x, y, rule, layouts, dropped)
 
 
 def _features(rec: dict[str, Any], rule: AnchorRule) -> np.ndarray:
     lengths = np.asarray(rec["doc_lengths"], np.int64)
-    return cost.features(lengths, np.zeros(1, np.int64), layout=rec["layout"], rule=rule)
+    return cost.features(
+        lengths, np.zeros(1, np.int64), layout=rec["layout"], rule=rule,
+        packed_attention=rec["attention"],
+    )  # fmt: skip
 
 
 def fit_nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -177,29 +214,37 @@ def relative_errors(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> np.ndarra
 
 
 def calibrate_run(
-    run_dir: Path,
+    run_dirs: Path | Sequence[Path],
     *,
     out: Path | None = None,
     holdout: float = 0.2,
     seed: int = 0,
     plot: bool = True,
 ) -> Report:
-    """Fit, evaluate on the hold-out, write the profile (and the plot); return the report."""
+    """Fit, evaluate on the hold-out, write the profile (default: the first run's
+    ``cost_profile.json``) and the plot (its ``cost_fit.png``); return the report."""
     if not 0.0 <= holdout < 1.0:
         raise ValueError(f"holdout must be in [0, 1), got {holdout}")
-    samples = load_samples(run_dir)
+    dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else [Path(d) for d in run_dirs]
+    samples = load_samples(dirs)
     n = samples.y.size
     n_hold = max(0, min(round(holdout * n), n - MIN_SAMPLES))
     perm = np.random.default_rng(seed).permutation(n)
     held, used = perm[:n_hold], perm[n_hold:]
     coef = fit_nnls(samples.x[used], samples.y[used])
     fit_err = relative_errors(samples.x[used], samples.y[used], coef)
-    hold_err = relative_errors(samples.x[held], samples.y[held], coef) if n_hold else fit_err
+    judged = held if n_hold else used
+    hold_err = relative_errors(samples.x[judged], samples.y[judged], coef)
     coefficients = {name: float(v) for name, v in zip(COEFFICIENTS, coef, strict=True)}
     if not any(coefficients.values()):
-        raise ValueError(f"{run_dir}: the fit left every coefficient at 0 (times too noisy?)")
+        raise ValueError(f"{dirs[0]}: the fit left every coefficient at 0 (times too noisy?)")
     rule = samples.rule._asdict()
-    out = out or run_dir / "cost_profile.json"
+    out = out or dirs[0] / "cost_profile.json"
+    by_layout = {}
+    for layout in samples.layouts:
+        err = hold_err[samples.layout[judged] == layout]
+        if err.size:
+            by_layout[layout] = (int(err.size), float(np.median(err)), float(np.quantile(err, 0.9)))
     report = Report(
         coefficients=coefficients,
         rule=samples.rule,
@@ -210,13 +255,15 @@ def calibrate_run(
         fit_median_rel_err=float(np.median(fit_err)),
         synced_dropped=samples.synced_dropped,
         profile=out,
-        plot=run_dir / "cost_fit.png" if plot else None,
+        plot=dirs[0] / "cost_fit.png" if plot else None,
+        by_layout=by_layout,
     )
+    source = str(dirs[0]) if len(dirs) == 1 else [str(d) for d in dirs]
     text = profile_text(
         coefficients, rule, where=str(out), units="seconds", layouts=list(samples.layouts),
-        source=str(run_dir), fit=report.as_dict(),
+        packed_attention=samples.packed_attention, source=source, fit=report.as_dict(),
     )  # fmt: skip
-    inputs = [cost_dir(run_dir)]
+    inputs = [cost_dir(d) for d in dirs]
     with atomic_output(out, folder=False, force=True, inputs=inputs) as tmp:
         tmp.write_text(text)
     if report.plot is not None:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loader_server.wire.spec import AnchorRule
+from loader_server.wire.spec import PACKED_ATTENTION, AnchorRule
 
 LAYOUTS = ("padded", "packed")
 
@@ -32,21 +32,25 @@ def make_record(
     anchors: int,
     synced: bool,
     time_s: float,
+    attention: str = "documents",
 ) -> str:
     """One JSON line: where the micro-batch was (``(epoch, step, micro)``), what the cost
-    model needs of it (layout, document lengths, the anchor rule), and its measured time."""
+    model needs of it (layout, document lengths, the anchor rule, the kernel a packed row's
+    attention ran under: ``attention``, a ``packed_attention`` value), and its measured
+    time."""
     epoch, step, micro = position
     record = {
         "rank": rank, "epoch": epoch, "step": step, "micro": micro, "layout": layout,
         "doc_lengths": doc_lengths, "rule": rule, "anchors": anchors, "synced": synced,
-        "time_s": time_s,
+        "time_s": time_s, "attention": attention,
     }  # fmt: skip
     return json.dumps(record, separators=(",", ":")) + "\n"
 
 
 def parse_record(line: str, where: str) -> dict[str, Any]:
     """A record line, checked and typed (``key``: its ``(rank, epoch, step, micro)``,
-    ``rule`` an ``AnchorRule``); ValueError naming ``where`` for anything malformed."""
+    ``rule`` an ``AnchorRule``, ``attention`` ``documents`` where a record from before it
+    existed has none); ValueError naming ``where`` for anything malformed."""
     try:
         rec = json.loads(line)
         key = (int(rec["rank"]), int(rec["epoch"]), int(rec["step"]), int(rec["micro"]))
@@ -54,8 +58,14 @@ def parse_record(line: str, where: str) -> dict[str, Any]:
         lengths = [int(v) for v in rec["doc_lengths"]]
         seconds = float(rec["time_s"])
         layout = rec["layout"]
-    except (ValueError, KeyError, TypeError) as e:
+        attention = rec.get("attention", "documents")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{where}: not a micro-batch timing record ({e})") from None
-    if layout not in LAYOUTS or not lengths or not seconds > 0:
-        raise ValueError(f"{where}: bad layout, lengths or time in {line[:120]}")
-    return {**rec, "key": key, "rule": rule, "doc_lengths": lengths, "time_s": seconds}
+    if layout not in LAYOUTS or attention not in PACKED_ATTENTION:
+        raise ValueError(f"{where}: bad layout or attention in {line[:120]}")
+    if not lengths or not seconds > 0:
+        raise ValueError(f"{where}: bad lengths or time in {line[:120]}")
+    return {
+        **rec, "key": key, "rule": rule, "doc_lengths": lengths, "time_s": seconds,
+        "attention": attention,
+    }  # fmt: skip

@@ -4,11 +4,12 @@ Every rank appends one JSON line per micro-batch to ``RUN_DIR/costs/rank{R}.json
 its first ``cost_samples`` micro-batches (``--cost-samples``; 0: off), after the first
 ``WARMUP_STEPS`` optimizer steps of the process (allocator growth, kernel autotuning and
 lazy initialisation make those unrepresentative). A line holds what the planner's cost
-model needs (``layout``, the documents' lengths, the trainer's anchor rule) and the
-measured compute time: forward and backward of that micro-batch, the data wait excluded,
-synchronized on CUDA so the time is the GPU's and not the launch queue's. ``synced`` marks
-the micro-batch whose backward all-reduces gradients (the last of a step under DDP): its
-time includes waiting for the slowest rank, so calibration leaves those out when it can.
+model needs (``layout``, the documents' lengths, the trainer's anchor rule, the kernel its
+packed rows ran under) and the measured compute time: forward and backward of that
+micro-batch, the data wait excluded, synchronized on CUDA so the time is the GPU's and not
+the launch queue's. ``synced`` marks the micro-batch whose backward all-reduces gradients
+(the last of a step under DDP): its time includes waiting for the slowest rank, so
+calibration leaves those out when it can.
 
 Lines are written with the step and flushed at every optimizer step; a resumed run appends,
 and calibration keeps the last line of each ``(rank, epoch, step, micro)``.
@@ -41,8 +42,10 @@ class CostLog:
         limit: int,
         rule: Sequence[int],
         device: torch.device | str,
+        attention: str = "documents",
     ) -> None:
         self.limit, self.rule, self.device = limit, list(rule), torch.device(device)
+        self.attention = attention  # the packed rows' kernel: a packed_attention value
         self.path = rank_file(run_dir, rank)
         self.rank = rank
         self.written = 0
@@ -77,6 +80,7 @@ class CostLog:
             anchors=int(anchors),
             synced=bool(synced),
             time_s=elapsed,
+            attention=self.attention,
         )
         self._file.write(line)
         self.written += 1

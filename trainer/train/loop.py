@@ -45,7 +45,7 @@ import torch
 
 from loader_server.faults import fault_point
 from loader_server.wire.protocol import LoaderError
-from trainer.model.attention import resolve_backend
+from trainer.model.attention import packed_attention, resolve_backend
 from trainer.model.blocks import LossConfig, anchor_draw
 from trainer.model.docs import DocView
 from trainer.model.drafter import DFlashDrafter
@@ -123,7 +123,7 @@ class Trainer:
         self.metrics = MetricsWriter(metrics_path(opts.run_dir), enabled=env.is_main)
         self.trackers = Trackers(opts.report_to, opts.run_dir, env.is_main, opts.to_record())
         self.costs = CostLog(opts.run_dir, env.rank, opts.cost_samples, self.loss.anchor_rule,
-                             env.device)  # fmt: skip
+                             env.device, packed_attention(self.attention))  # fmt: skip
         self.stopper = Stopper(
             max_nonfinite_steps=opts.max_nonfinite_steps, max_empty_steps=opts.max_empty_steps,
             lr=opts.lr, block_size=self.loss.block_size,

@@ -82,7 +82,7 @@ def check_ranks_agree(spec: dict[str, Any], where: dict[str, Any], env: DistEnv)
 
 
 #: Spec fields newer than some checkpoints, with the value those checkpoints were served.
-SPEC_ADDED_LATER = {"tokens_per_anchor": 1}
+SPEC_ADDED_LATER = {"tokens_per_anchor": 1, "packed_attention": "documents"}
 
 
 def check_checkpoint_spec(spec: dict[str, Any], saved: dict[str, Any] | None) -> None:
