@@ -1,30 +1,33 @@
-"""Cost-balanced against token-balanced plans, measured on the real trainer, in one run.
+"""Cost-balanced against token-balanced plans, measured on the real trainer, in one run,
+in packed rows (the default layout) and padded.
 
     .venv/bin/python benchmarks/bench_cost_balance.py [--grad-accum 1,4] [--steps 20]
+        [--layouts packed,padded]
 
 What it does, on this machine (CPU, one thread):
 
 1. A tiny Qwen3 target with the real vocabulary (151,936 tokens: the LM head is the
    largest cost of a drafter block slot), a 1-layer DFlash drafter, block size 8, and a
    corpus of lognormal lengths (median 200, 16..1024 tokens). The spec: 4,096-token
-   micro-batches of at most 64 rows, world size 8, one micro-batch per rank per step;
-   the trainer's anchor rule: 1 anchor per document, at most 32 per micro-batch. That is
-   the case the cost model exists for, scaled down: a micro-batch of many short documents
-   carries up to 8x the anchors (LM-head work) of one of a few long ones at the same
-   token count. (With the reference 512/2,048 rule on 65,536-token micro-batches the
-   micro-batch cap binds nearly always and attention is the term that varies; on this
-   tiny target attention is too cheap to show that.)
-2. Calibration, for real: the trainer (``trainer.train.loop.Trainer``, one rank) trains on the
-   token-balanced plan's micro-batches with ``--cost-samples``, then ``dflash-train
-   calibrate`` fits the cost model to what it recorded (hold-out error printed).
-3. For each ``--grad-accum`` (default 1 and 4), three plans of the same corpus:
-   token-balanced (no cost model), cost-balanced by the planner of the ``--baseline``
-   commit (``benchmarks/baseline.py``: its own code, in a fresh interpreter; default the
-   commit before ranks were balanced by exact splits and swaps) and cost-balanced by this
-   checkout's. The same randomly chosen steps' micro-batches (``--steps`` of each plan at
-   grad_accum 1, proportionally fewer above, all 8 ranks) are timed for real, forward +
-   backward as the trainer runs them, each twice in a row, the plans interleaved step by
-   step. Per step, a rank's time is the sum of its micro-batches' (first) times.
+   micro-batches (padded: of at most 64 rows), world size 8; the trainer's anchor rule:
+   its per-document draw with 1 anchor per document and no cap, so a micro-batch's
+   LM-head work follows its document count, not its tokens: a micro-batch of many short
+   documents carries several times the anchors of one of a few long ones at the same
+   token count. That is the case the cost model exists for, scaled down. On this CPU the
+   trainer runs SDPA, whose dense mask makes a packed row's attention its whole length
+   squared (``packed_attention="row"``), recorded with the timings and fitted as such.
+2. Calibration, for real: the trainer (``trainer.train.loop.Trainer``, one rank) trains on
+   each layout's token-balanced plan, in that layout, with ``--cost-samples``; then
+   ``dflash-train calibrate`` fits each layout's profile to its own run (hold-out error
+   printed). How far a fit carries across layouts is printed too: each layout's fit
+   predicting the other's micro-batches, and one fit of both runs judged per layout.
+3. For each layout and ``--grad-accum`` (default 1 and 4), the token-balanced and the
+   cost-balanced plan of the same corpus (``--baseline REV``: also the cost-balanced plan
+   of commit REV's planner, padded, run by its own code: ``benchmarks/baseline.py``).
+   ``--steps`` randomly chosen steps of each plan (8 ranks x grad_accum micro-batches
+   each) are timed for real, forward + backward as the trainer runs them in the plan's
+   layout, each micro-batch twice in a row, the plans interleaved step by step. Per
+   step, a rank's time is the sum of its micro-batches' (first) times.
 4. Reported, side by side: measured rank imbalance (mean over steps of max/mean of the
    ranks' times), the noise floor (the same micro-batches timed twice in a row give each
    timing's jitter, ``(t1 - t2) / (t1 + t2) * sqrt(2)`` relative to the pair's mean, less
@@ -32,9 +35,10 @@ What it does, on this machine (CPU, one thread):
    deviations drawn at random are 8 ranks with equal work: the mean of their max/mean
    over 20,000 draws is what jitter alone makes of a perfect plan. Back to back, because
    this VM's speed drifts by several percent over minutes, as the ranks of one step would
-   not), the simulated DDP epoch time (steps per epoch x mean per-step maximum) and its
-   ratio to the token-balanced plan's, and the plan targets on the 902K reference shape
-   with the cost model on at grad_accum 1 and 4 (baseline commit's and this checkout's).
+   not), the simulated DDP epoch time (steps per epoch x mean per-step maximum), its
+   ratio to the token-balanced plan's with a 90% bootstrap interval over the sampled
+   steps, and the plan targets on the 902K reference shape with the cost model on at
+   grad_accum 1 and 4.
 """
 
 from __future__ import annotations
@@ -361,28 +365,35 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def calibrate_layouts(corpus, tokens, layouts, target, drafter, calib, plot):
-    """Record ``calib`` micro-batches of each layout's token-balanced plan, fit the model to
-    all of them at once (hold-out error per layout), and fit each layout alone to predict
-    the other's. Returns the report, the profile's spec fields and the cross-layout errors."""
+    """Record ``calib`` micro-batches of each layout's token-balanced plan (in that layout)
+    and fit each layout's own profile; then say how far a fit carries across layouts: one
+    layout's fit predicting the other's micro-batches, and one fit of both judged per
+    layout. Returns ``{layout: (report, spec fields)}`` and the cross-layout errors."""
+    fits, cross = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
         runs = []
         for layout in layouts:
+            t0 = time.perf_counter()
             spec = dataclasses.replace(tokens, layout=layout)
             runs.append(Path(tmp) / layout)
             record_costs(corpus, plan_epoch(corpus.lengths, spec, epoch=0), target, drafter,
                          calib, runs[-1])  # fmt: skip
-        report = calibrate_run(runs, holdout=0.25)
-        print(f"calibration ({time.perf_counter() - t0:.0f} s)\n{report.summary()}")
-        cross = cross_layout(runs) if len(runs) > 1 else {}
-        for fit_on, err in cross.items():
-            med, p90 = 100 * err["median_rel_err"], 100 * err["p90_rel_err"]
-            print(f"  fitted on {fit_on} alone, the other layout predicted: median {med:.1f}%, "
-                  f"p90 {p90:.1f}%")  # fmt: skip
-        if plot is not None and report.plot is not None:
-            shutil.copyfile(report.plot, plot)
-        fitted = profile_fields(report.profile)  # coefficients, anchor rule, kernel
-    return report, fitted, cross
+            report = calibrate_run(runs[-1], holdout=0.25)
+            took = time.perf_counter() - t0
+            print(f"calibration, {layout} ({took:.0f} s)\n{report.summary()}")
+            fits[layout] = (report, profile_fields(report.profile))  # coefficients, rule, kernel
+        if plot is not None and fits[layouts[0]][0].plot is not None:
+            shutil.copyfile(fits[layouts[0]][0].plot, plot)
+        if len(runs) > 1:
+            cross = cross_layout(runs)
+            for fit_on, err in cross.items():
+                med, p90 = 100 * err["median_rel_err"], 100 * err["p90_rel_err"]
+                print(f"fitted on {fit_on} alone, the other layout predicted: median "
+                      f"{med:.1f}%, p90 {p90:.1f}%")  # fmt: skip
+            joint = calibrate_run(runs, out=Path(tmp) / "joint.json", holdout=0.25, plot=False)
+            print(f"one fit of both layouts:\n{joint.summary()}")
+            cross["joint"] = joint.as_dict()
+    return fits, cross
 
 
 @click.command()
@@ -432,23 +443,22 @@ def main(
         block_size=BLOCK, anchors_per_doc=PER_DOC, tokens_per_anchor=1, max_anchors=0,
     )  # fmt: skip
     target, drafter = build_models(hidden)
-    report, fitted, cross = calibrate_layouts(corpus, tokens, chosen, target, drafter, calib, plot)
-    kernel = fitted["packed_attention"]  # the token-balanced plans are judged by it too
-    result: dict[str, Any] = {
-        "fit": report.as_dict(), "coefficients": report.coefficients, "cross_layout": cross,
-        "by_layout": {},
-    }  # fmt: skip
+    fits, cross = calibrate_layouts(corpus, tokens, chosen, target, drafter, calib, plot)
+    result: dict[str, Any] = {"cross_layout": cross, "by_layout": {}}
     for layout in chosen:
-        by_accum = result["by_layout"].setdefault(layout, {})
+        report, fitted = fits[layout]
+        out = result["by_layout"][layout] = {
+            "fit": report.as_dict(), "coefficients": report.coefficients,
+            "packed_attention": fitted["packed_attention"],
+        }  # fmt: skip
         for accum in grad_accums:
-            specs = {
-                "token": dataclasses.replace(
-                    tokens, layout=layout, grad_accum=accum, packed_attention=kernel
-                )
-            }
-            specs["cost"] = dataclasses.replace(specs["token"], **fitted)
+            token = dataclasses.replace(
+                tokens, layout=layout, grad_accum=accum,
+                packed_attention=fitted["packed_attention"],  # the token plans judged by it too
+            )  # fmt: skip
+            specs = {"token": token, "cost": dataclasses.replace(token, **fitted)}
             print(f"\n== {layout} rows, grad_accum {accum}")
-            by_accum[str(accum)] = run_shape(
+            out[f"grad_accum {accum}"] = run_shape(
                 corpus, specs, baseline or None if layout == "padded" else None, steps,
                 np.asarray(specs["cost"].coefficients), seed, target, drafter,
             )  # fmt: skip

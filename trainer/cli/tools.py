@@ -36,9 +36,8 @@ def calibrate(
     c0 + c_tok*tokens + c_attn*sum L^2 + c_slot*block slots by non-negative least squares
     on relative error, reports the error on held-out micro-batches (per layout too), and
     writes a cost profile for `dflash-loader serve --cost-profile` / `train --cost-profile`.
-    Give a padded run and a packed run of the same setting to fit every term: packed rows
-    all hold about the token budget, so they alone cannot tell the fixed cost of a
-    micro-batch from its per-token cost.
+    Calibrate on runs of the layout you train (packed rows and padded ones run different
+    attention kernels); several RUN_DIRs are fitted together.
     """
     from trainer.ops.calibrate import calibrate_run
 

@@ -1,9 +1,10 @@
 """``dflash-train calibrate RUN_DIR...``: fit the planner's cost model to measured micro-batches.
 
 Input: the timings training runs recorded (``trainer.train.costlog``); several runs are
-fitted together (a padded and a packed run make every coefficient identifiable: packed rows
-all hold about the token budget, so from them alone the fixed and the per-token costs of a
-micro-batch cannot be told apart). Each micro-batch becomes a row of the planner's own
+fitted together (jobs of one setting; runs of both layouts only where their attention
+kernels cost alike per pair of positions: on CPU a packed row's dense mask costs 2-4x the
+causal kernel's per pair, so a fit of both is a compromise, which the per-layout hold-out
+error shows). Each micro-batch becomes a row of the planner's own
 features (``loader_server.planning.cost.features``: 1, tokens as laid out, attention pairs
 under the kernel its packed rows ran under, block slots under the trainer's anchor rule)
 and its measured time ``y``. The fit minimises *relative* squared error,
