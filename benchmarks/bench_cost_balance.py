@@ -1,7 +1,7 @@
 """Cost-balanced against token-balanced plans, measured on the real trainer, in one run,
 in packed rows (the default layout) and padded.
 
-    .venv/bin/python benchmarks/bench_cost_balance.py [--grad-accum 1,4] [--steps 20]
+    .venv/bin/python benchmarks/bench_cost_balance.py [--grad-accum 1,4] [--steps 12]
         [--layouts packed,padded]
 
 What it does, on this machine (CPU, one thread):
@@ -403,7 +403,7 @@ def calibrate_layouts(corpus, tokens, layouts, target, drafter, calib, plot):
     help="Micro-batches recorded per layout.",
 )  # fmt: skip
 @click.option(
-    "--steps", type=int, default=20, show_default=True,
+    "--steps", type=int, default=12, show_default=True,
     help="Timed steps per plan, at every grad_accum (each step: 8 ranks x grad_accum "
     "micro-batches, each timed twice).",
 )  # fmt: skip
