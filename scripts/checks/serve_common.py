@@ -62,6 +62,32 @@ def sh(*args: str, log: Path | None = None, env: dict[str, str] | None = None) -
     return out.stdout
 
 
+#: The widest gap between the drafter's top two logits at which another fp32 implementation
+#: of the same drafter may pick the other token: vLLM's target computes the drafter's
+#: context features with its own kernels, and a near-tie can fall either way (measured: a
+#: sliding-window drafter's one differing step had its top two 5.5e-4 apart). A flip moves
+#: that step's acceptance and every later step of its prompt.
+NEAR_TIE = 1e-2
+#: The narrowest near-ties of a prompt that a replay tries flipping.
+TIES_TRIED = 4
+
+
+@dataclass(frozen=True)
+class PromptSteps:
+    """One prompt's served draft steps as vLLM's counters count them (steps, accepted
+    drafts, accepted drafts by position), and its near-ties: ``(gap, step, position)`` of
+    each draft position that decided a step (the accepted ones and the first rejected
+    one) where the drafter's top two logits lie within ``NEAR_TIE``, narrowest first."""
+
+    drafts: int
+    accepted: int
+    per_position: dict[int, int]
+    ties: list[tuple[float, int, int]]
+
+    def counts(self) -> tuple[int, int, dict[int, int]]:
+        return self.drafts, self.accepted, self.per_position
+
+
 class Verifier:
     """The trainer's verifier (``trainer.model.verifier``) with the exported drafter, its
     weights as the folder holds them, and the target's EOS ids as the trainer takes them."""
@@ -89,23 +115,88 @@ class Verifier:
 
     def run(
         self, prompts: list[list[int]], max_new: int, stops: list[list[int]]
-    ) -> tuple[Any, list[list[int]], dict[int, int]]:
+    ) -> tuple[Any, list[list[int]], list[PromptSteps]]:
         """The TauReport over ``prompts`` (each also ending at its ``stops``), the output
-        tokens, and the accepted drafts by position over the served steps (as vLLM's
-        ``spec_decode_num_accepted_tokens_per_pos`` counts them)."""
-        import torch
+        tokens, and each prompt's served steps (``PromptSteps``)."""
+        from trainer.model.verifier import TauReport
 
-        from trainer.model.verifier import TauReport, speculative_generate
-
-        rep, tokens, per_pos = TauReport(), [], {}
+        rep, tokens, steps = TauReport(), [], []
         for p, stop in zip(prompts, stops, strict=True):
-            r = speculative_generate(
-                self.target, self.proposer, torch.tensor(p), block_size=self.block,
-                max_new_tokens=max_new, eos_token_ids=self.eos + tuple(stop),
-            )  # fmt: skip
+            r, s = self.generate(p, max_new, stop)
             rep.add(r)
             tokens.append(r.tokens.tolist())
-            for length in r.acceptance_lengths[: r.served_steps]:
-                for k in range(length - 1):
-                    per_pos[k] = per_pos.get(k, 0) + 1
-        return rep, tokens, per_pos
+            steps.append(s)
+        return rep, tokens, steps
+
+    def generate(
+        self, prompt: list[int], max_new: int, stop: list[int], flip: tuple[int, int] | None = None
+    ) -> tuple[Any, PromptSteps]:
+        """One prompt's ``SpecResult`` and ``PromptSteps``; ``flip=(step, position)`` drafts
+        the drafter's second choice there instead of its first (a near-tie decided the
+        other way)."""
+        import torch
+
+        from trainer.model.verifier import speculative_generate
+
+        recorder = _GapRecorder(self.proposer, flip)
+        r = speculative_generate(
+            self.target, recorder, torch.tensor(prompt), block_size=self.block,
+            max_new_tokens=max_new, eos_token_ids=self.eos + tuple(stop),
+        )  # fmt: skip
+        served = r.acceptance_lengths[: r.served_steps]
+        per_pos: dict[int, int] = {}
+        for length in served:
+            for k in range(length - 1):
+                per_pos[k] = per_pos.get(k, 0) + 1
+        # a step that accepted j drafts was decided at positions 0..j (j: the rejected one,
+        # when there is one); the steps after the served ones are not compared
+        ties = sorted(
+            (gap, step, pos)
+            for step, (gaps, n) in enumerate(zip(recorder.gaps, served, strict=False))
+            for pos, gap in enumerate(gaps[:n])
+            if gap < NEAR_TIE
+        )
+        return r, PromptSteps(len(served), sum(served) - len(served), per_pos, ties)
+
+    def explain(
+        self, prompt: list[int], max_new: int, stop: list[int], ours: PromptSteps,
+        theirs: tuple[int, int, dict[int, int]],
+    ) -> tuple[float, int, int] | None:  # fmt: skip
+        """The near-tie of ``ours`` (narrowest first, ``TIES_TRIED`` of them) which, decided
+        the other way, gives exactly the counts ``theirs`` (another engine's), or None."""
+        for gap, step, pos in ours.ties[:TIES_TRIED]:
+            if self.generate(prompt, max_new, stop, flip=(step, pos))[1].counts() == theirs:
+                return gap, step, pos
+        return None
+
+
+def pooled_positions(steps: list[PromptSteps]) -> dict[int, int]:
+    """Accepted drafts by position over all of ``steps``' prompts."""
+    out: dict[int, int] = {}
+    for s in steps:
+        for k, n in s.per_position.items():
+            out[k] = out.get(k, 0) + n
+    return out
+
+
+class _GapRecorder:
+    """A proposer that drafts as ``inner`` (the trainer's ``DrafterProposer``) does, but
+    its second choice at ``flip=(step, position)``, and keeps, for each DFlash draft, the
+    gap between the drafter's top two logits at every draft position (DFlash2's selector
+    walk: no gaps, ``inf``)."""
+
+    def __init__(self, inner: Any, flip: tuple[int, int] | None = None) -> None:
+        self.inner, self.flip = inner, flip
+        self.gaps: list[list[float]] = []
+
+    def propose(self, committed: Any, ctx: Any, num: int) -> Any:
+        drafts = self.inner.propose(committed, ctx, num)
+        if self.inner.drafter.candidate_selector is not None:
+            self.gaps.append([float("inf")] * num)
+            return drafts
+        top2 = self.inner.logits(committed, ctx).float().topk(2, dim=-1)
+        self.gaps.append((top2.values[:, 0] - top2.values[:, 1]).tolist())
+        if self.flip is not None and self.flip[0] == len(self.gaps) - 1:
+            drafts = drafts.clone()
+            drafts[self.flip[1]] = top2.indices[self.flip[1], 1]
+        return drafts
