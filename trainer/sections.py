@@ -223,10 +223,10 @@ class LossSection(Options):
         choices=("step", "micro-batch"), section=DRAFTER,
     )  # fmt: skip
     loss_weighting: str = opt(
-        "decay",
-        "Weight of block offset k: decay, exp(-(k-1)/gamma); dpace, D-PACE's confidence "
-        "weights (speculators' DFlash default): each slot weighs the expected accepted "
-        "length it would still buy.",
+        "dpace",
+        "Weight of block offset k: dpace, D-PACE's confidence weights (speculators' DFlash "
+        "default; ours since docs/EXPERIMENT.md Part 4): each slot weighs the expected "
+        "accepted length it would still buy; decay, exp(-(k-1)/gamma) (before Part 4).",
         choices=("decay", "dpace"), section=DRAFTER,
     )  # fmt: skip
     dpace_alpha: float = opt(

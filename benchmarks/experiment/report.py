@@ -32,6 +32,7 @@ COLORS = {
     "packed": "tab:purple",
     "frozen": "tab:brown",
     "packed-dpace": "tab:pink",
+    "packed-gamma3": "tab:olive",
     "stratified-old": "tab:cyan",
     "packed-old": "tab:gray",
 }
@@ -43,6 +44,7 @@ LABELS = {
     "packed": "ours, packed rows",
     "frozen": "sorted, batch order not shuffled",
     "packed-dpace": "ours, packed rows, D-PACE",
+    "packed-gamma3": "ours, packed rows, decay gamma 3",
     "stratified-old": "bucketed + stratified, old objective",
     "packed-old": "ours, packed rows, old objective",
 }

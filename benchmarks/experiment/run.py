@@ -90,17 +90,23 @@ SPECS: dict[str, tuple[str, ...]] = {
     "packed": ("layout=packed",),
     "frozen": ("layout=padded", "composition=sorted", "order=sequential"),
     "packed-dpace": ("layout=packed",),
+    "packed-gamma3": ("layout=packed",),
     "stratified-old": ("layout=padded", "buckets={buckets}", "order=stratified"),
     "packed-old": ("layout=packed",),
 }
 #: The old objective (Part 3's): each micro-batch's mean alike, anchors per rank and
 #: micro-batch (docs/TRAINER.md, "One objective, however a step is cut").
 OLD_OBJECTIVE = ("--loss-normalization", "micro-batch", "--anchor-draw", "micro-batch")
-#: Trainer flags of the specs that train another objective than the trainer's default.
+#: The position decay of Parts 1-3 (``exp(-(k-1)/7)``), named: the trainer's default
+#: weighting is D-PACE since Part 4.
+DECAY = ("--loss-weighting", "decay")
+#: Trainer flags of each spec's objective (``DECAY`` unless listed). Every spec names its
+#: weighting as it names its layout: a spec trains the same runs whatever the defaults.
 OBJECTIVES: dict[str, tuple[str, ...]] = {
     "packed-dpace": ("--loss-weighting", "dpace"),
-    "stratified-old": OLD_OBJECTIVE,
-    "packed-old": OLD_OBJECTIVE,
+    "packed-gamma3": (*DECAY, "--gamma", "3"),
+    "stratified-old": (*DECAY, *OLD_OBJECTIVE),
+    "packed-old": (*DECAY, *OLD_OBJECTIVE),
 }
 #: Pairs compared besides every spec minus the reference: (spec, minus spec), where both ran.
 CONTRASTS = (
@@ -108,6 +114,8 @@ CONTRASTS = (
     ("stratified", "stratified-old"),  # what the step normalization does to padded rows
     ("packed", "packed-old"),  # ... and to packed rows
     ("packed-dpace", "packed"),  # D-PACE's weights against the position decay
+    ("packed-gamma3", "packed"),  # a steeper decay: is D-PACE's gain its early weight?
+    ("packed-dpace", "packed-gamma3"),  # ... or its per-block adaptivity
 )
 CORPORA = ("synthetic", "text")
 DEFAULT_SPECS = {
@@ -282,7 +290,7 @@ def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
         "--block-size", str(cfg.block_size), "--anchors-per-doc", str(cfg.anchors_per_doc),
         "--tokens-per-anchor", str(cfg.tokens_per_anchor),
         "--lr", str(cfg.lr), "--seed", str(seed), "--no-progress", "--resume",
-        *OBJECTIVES.get(spec, ()),
+        *OBJECTIVES.get(spec, DECAY),
     ]  # fmt: skip
     if cfg.corpus == "synthetic":
         cmd += ["--tiny-vocab", "512", "--num-eval-prompts", "0"]

@@ -510,10 +510,12 @@ def _daemon_pid(out: Path) -> str:
 
 
 def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
-    """Part 4's arms: packed with D-PACE, and stratified and packed under the old objective,
-    are their base spec's command with the objective's flags added; every run draws one
-    anchor per token at most (as Parts 1-3)."""
-    from benchmarks.experiment.run import OLD_OBJECTIVE
+    """Part 4's arms: packed with D-PACE or a steeper decay, and stratified and packed under
+    the old objective, are their base spec's command with the objective's flags changed;
+    every spec names its weighting (the position decay unless it is an arm: the trainer's
+    default is D-PACE since Part 4, and a spec trains the same runs whatever the default);
+    every run draws one anchor per token at most (as Parts 1-3)."""
+    from benchmarks.experiment.run import DECAY, OLD_OBJECTIVE
 
     cfg = ExperimentConfig(out_dir=tmp_path, buckets="auto:8")
     cmd = {s: train_command(cfg, s, seed=2) for s in SPECS}
@@ -521,20 +523,20 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     def named(c: list[str]) -> list[str]:  # the run's own name left out
         return ["X" if i and c[i - 1] in ("--job", "--run-dir") else a for i, a in enumerate(c)]
 
-    def without(c: list[str], flags: tuple[str, ...], name: str) -> list[str]:
+    def without(c: list[str], flags: tuple[str, ...]) -> list[str]:
         c = named(c)
         at = next(i for i in range(len(c)) if c[i : i + len(flags)] == list(flags))
         return c[:at] + c[at + len(flags) :]
 
-    base = {s: named(cmd[s]) for s in ("packed", "stratified")}
-    assert (
-        without(cmd["packed-dpace"], ("--loss-weighting", "dpace"), "packed-dpace")
-        == base["packed"]
-    )
-    assert without(cmd["packed-old"], OLD_OBJECTIVE, "packed-old") == base["packed"]
-    assert without(cmd["stratified-old"], OLD_OBJECTIVE, "stratified-old") == base["stratified"]
-    assert all("--tokens-per-anchor" in c and c[c.index("--tokens-per-anchor") + 1] == "1"
-               for c in cmd.values())  # fmt: skip
+    base = {s: without(cmd[s], DECAY) for s in ("packed", "stratified")}
+    assert without(cmd["packed-dpace"], ("--loss-weighting", "dpace")) == base["packed"]
+    assert without(cmd["packed-gamma3"], (*DECAY, "--gamma", "3")) == base["packed"]
+    assert without(cmd["packed-old"], (*DECAY, *OLD_OBJECTIVE)) == base["packed"]
+    assert without(cmd["stratified-old"], (*DECAY, *OLD_OBJECTIVE)) == base["stratified"]
+    for spec, c in cmd.items():
+        weighting = c[c.index("--loss-weighting") + 1]
+        assert weighting == ("dpace" if spec == "packed-dpace" else "decay"), spec
+        assert c[c.index("--tokens-per-anchor") + 1] == "1", spec
 
 
 def test_a_vllm_measure_is_reused_only_for_its_checkpoint_target_and_prompts(tmp_path):

@@ -308,7 +308,9 @@ def test_the_objective_is_recorded_and_a_resume_under_another_is_refused(target,
     first = make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=2, loss=dpace)
     first.meta.update(run_meta(TargetOptions(), target))  # what dflash-train records
     first.run()
-    old = LossConfig(block_size=B, anchors_per_doc=6, normalization="micro-batch")
+    old = LossConfig(
+        block_size=B, anchors_per_doc=6, normalization="micro-batch", weighting="decay"
+    )
     again = make_trainer(target, ListSource(samples, rows=4), tmp_path, steps=4, resume=True,
                          loss=old)  # fmt: skip
     again.meta.update(run_meta(TargetOptions(), target))

@@ -66,7 +66,9 @@ def hidden_of(target, drafter, feats, ids, anchors) -> torch.Tensor:
 
 def test_loss_is_position_weighted_mean(target, drafter):
     batch = pad_batch(random_docs(3))
-    cfg = LossConfig(block_size=B, anchors_per_doc=3, tokens_per_anchor=1, gamma=2.0)
+    cfg = LossConfig(
+        block_size=B, anchors_per_doc=3, tokens_per_anchor=1, gamma=2.0, weighting="decay"
+    )
     out = draft_loss(target, drafter, batch, cfg, torch.Generator().manual_seed(5))
     # Recompute by hand with the same anchors, one document at a time.
     plan = plan_blocks(batch, cfg, torch.Generator().manual_seed(5))

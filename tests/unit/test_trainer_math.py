@@ -178,13 +178,15 @@ def test_plan_blocks_hand_checked():
         max_seqlen=10, num_tokens=10,
     )  # fmt: skip
     # B=2: supervised anchors with a + 2 <= 10.
-    plan = plan_blocks(batch, LossConfig(block_size=2, gamma=2.0, tokens_per_anchor=1), _draw())
+    cfg = LossConfig(block_size=2, gamma=2.0, tokens_per_anchor=1, weighting="decay")
+    plan = plan_blocks(batch, cfg, _draw())
     assert plan.blk_anchor.tolist() == [1, 2, 3, 4, 5, 6, 8]
     assert plan.labels[:, 0].tolist() == [102, 103, 104, 105, 106, 107, 109]
     # loss_mask[7] == 0 drops offset 1 of anchor 6.
     assert plan.weights[:, 0].tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
     # B=4 needs 8 supervised tokens (there are 8) and a + 4 <= 10.
-    plan = plan_blocks(batch, LossConfig(block_size=4, gamma=2.0, tokens_per_anchor=1), _draw())
+    cfg = LossConfig(block_size=4, gamma=2.0, tokens_per_anchor=1, weighting="decay")
+    plan = plan_blocks(batch, cfg, _draw())
     e = math.exp(-0.5)
     assert plan.blk_anchor.tolist() == [1, 2, 3, 4, 5, 6]
     assert plan.labels[4].tolist() == [106, 107, 108]

@@ -57,7 +57,7 @@ def test_a_checkpoint_record_written_before_the_rename_reads_under_the_new_name(
     record = CheckpointRecord.from_shared(old, tmp_path / "model.pt")
     # ... and fields newer than it mean what it trained: the old objective and its cap.
     legacy = LossConfig(tokens_per_anchor=1, max_anchors=2048, normalization="micro-batch",
-                        anchor_draw="micro-batch")  # fmt: skip
+                        anchor_draw="micro-batch", weighting="decay")  # fmt: skip
     assert record.loss_config == dataclasses.asdict(legacy)
     no_step = {k: v for k, v in old.items() if k != "step"}
     with pytest.raises(ValueError, match=r"model\.pt: not a drafter checkpoint \(no step\)"):

@@ -75,7 +75,7 @@ class LossConfig:
     gamma: float = 7.0
     # DFlash2: weight of the selector's K-way cross-entropy next to the unary one.
     selector_alpha: float = 1.0
-    weighting: str = "decay"
+    weighting: str = "dpace"
     dpace_alpha: float = 0.5  # D-PACE's confidence smoothing: q~ = (1 - a) q + a
     normalization: str = "step"
     anchor_draw: str = "document"
