@@ -540,13 +540,19 @@ def _forgetting(
 
 
 def _eval_loss_config(saved: dict[str, Any], anchors_per_doc: int) -> Any:
-    """One measure for every run, whatever it trained: the position-decay weights, every
-    document's ``anchors_per_doc`` anchors drawn from each batch's fixed generator."""
+    """One measure for every run, whatever it trained: the position-decay weights of
+    Parts 1-3 (``MEASURE_GAMMA``, whatever the run's weighting or gamma), every document's
+    ``anchors_per_doc`` anchors drawn from each batch's fixed generator."""
     from trainer.model.blocks import LossConfig
 
-    keep = ("block_size", "gamma", "selector_alpha")
+    keep = ("block_size", "selector_alpha")
     return LossConfig(**{k: saved[k] for k in keep}, anchors_per_doc=anchors_per_doc,
-                      tokens_per_anchor=1, anchor_draw="micro-batch")  # fmt: skip
+                      tokens_per_anchor=1, anchor_draw="micro-batch", weighting="decay",
+                      gamma=MEASURE_GAMMA)  # fmt: skip
+
+
+#: The held-out measure's position decay (the trainer's default gamma before Part 4).
+MEASURE_GAMMA = 7.0
 
 
 def _corpus_facts(
