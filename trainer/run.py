@@ -260,8 +260,9 @@ def check_run(opts: RunOptions) -> None:
     opts.check_length()
     parse_names(opts.report_to)  # an unknown tracker is refused before the target loads
     if opts.loss_weighting == "dpace" and opts.gamma != RunOptions.gamma:
-        log.warning("--gamma %g has no effect with --loss-weighting dpace (D-PACE's weights "
-                    "replace the position decay)", opts.gamma)  # fmt: skip
+        log.warning("--gamma %g has no effect with --loss-weighting dpace (the default: "
+                    "D-PACE's weights replace the position decay; --loss-weighting decay "
+                    "uses it)", opts.gamma)  # fmt: skip
     if opts.loss_weighting == "decay" and opts.dpace_alpha != RunOptions.dpace_alpha:
         log.warning("--dpace-alpha %g has no effect with --loss-weighting decay",
                     opts.dpace_alpha)  # fmt: skip

@@ -194,3 +194,22 @@ def test_regen_limit_zero_is_refused_not_an_empty_corpus(tmp_path):
     res = CliRunner().invoke(main, ["regen", str(src), str(tmp_path / "o.arrow"), "--limit", "0"])
     assert res.exit_code == 1 and "limit must be >= 1, got 0" in res.output, res.output
     assert not (tmp_path / "o.arrow").exists()
+
+
+def test_a_weighting_s_unused_option_is_named(caplog, tmp_path):
+    """D-PACE is the default: --gamma alone says it has no effect and how to use it;
+    --dpace-alpha under the decay likewise; the defaults say nothing."""
+    from trainer.run import check_run
+
+    def said(**kw) -> str:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="trainer.run"):
+            check_run(RunOptions(endpoint="x", run_dir=tmp_path, block_size=16, steps=1, **kw))
+        return caplog.text
+
+    assert RunOptions.loss_weighting == LossConfig().weighting == "dpace"
+    assert "no effect" not in said()
+    assert "--gamma 3 has no effect" in said(gamma=3.0)
+    assert "--loss-weighting decay uses it" in said(gamma=3.0)
+    assert "no effect" not in said(gamma=3.0, loss_weighting="decay")
+    assert "--dpace-alpha 0.3 has no effect" in said(dpace_alpha=0.3, loss_weighting="decay")
