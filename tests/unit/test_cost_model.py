@@ -312,3 +312,27 @@ def test_default_cost_model_plans_what_the_planner_planned_before(kwargs):
         for a in (p.sample_ids, p.offsets, p.micro_lens, p.micro_costs, p.micro_buckets):
             h.update(np.ascontiguousarray(a).tobytes())
     assert h.hexdigest()[:32] == BEFORE_COST_MODEL[kwargs]
+
+
+def test_full_rows_price_their_tokens_not_a_constant():
+    """Full packed rows all hold the same tokens, so a constant per micro-batch fits their
+    times exactly as well as a term that scales with the row: the fit takes the scaling
+    term, which prices the shorter rows a cost cut makes nearer their cost (which scaling
+    term, tokens or T^2, full rows cannot tell; a padded run or rows of varied length
+    can), where the constant prices half a row as dear as a full one."""
+    rng = np.random.default_rng(0)
+    n = 200
+    t = np.full(n, 4096.0)  # full rows of the row kernel: sq = T^2
+    slots = rng.integers(20, 300, n).astype(float)
+    x = np.column_stack([np.ones(n), t, t * t, slots])
+    y = (3.5e-8 * t * t + 1e-3 * slots) * (1 + 0.01 * rng.standard_normal(n))
+    c = fit_nnls(x, y)
+    assert c[0] == 0.0 and c[3] == pytest.approx(1e-3, rel=0.05)
+    half = np.array([1.0, 2048.0, 2048.0**2, 150.0])
+    true = 3.5e-8 * 2048**2 + 1e-3 * 150
+    assert half @ c < 1.6 * true  # the constant's fit: 2.5x
+    # where the sizes vary, a real constant is kept
+    t = rng.integers(200, 4097, n).astype(float)
+    x = np.column_stack([np.ones(n), t, t * t, slots])
+    y = (0.05 + 3e-5 * t + 1e-3 * slots) * (1 + 0.01 * rng.standard_normal(n))
+    assert fit_nnls(x, y)[0] == pytest.approx(0.05, rel=0.1)
