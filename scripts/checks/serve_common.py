@@ -190,13 +190,14 @@ class _GapRecorder:
         self.gaps: list[list[float]] = []
 
     def propose(self, committed: Any, ctx: Any, num: int) -> Any:
-        drafts = self.inner.propose(committed, ctx, num)
         if self.inner.drafter.candidate_selector is not None:
             self.gaps.append([float("inf")] * num)
-            return drafts
-        top2 = self.inner.logits(committed, ctx).float().topk(2, dim=-1)
+            return self.inner.propose(committed, ctx, num)
+        # one forward: a DFlash drafter drafts its logits' argmax (``DrafterProposer``)
+        logits = self.inner.logits(committed, ctx)
+        drafts = logits.argmax(-1)
+        top2 = logits.float().topk(2, dim=-1)
         self.gaps.append((top2.values[:, 0] - top2.values[:, 1]).tolist())
         if self.flip is not None and self.flip[0] == len(self.gaps) - 1:
-            drafts = drafts.clone()
             drafts[self.flip[1]] = top2.indices[self.flip[1], 1]
         return drafts
