@@ -45,7 +45,11 @@ ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_interm
                                # the objective before it was one however a step is cut
                                "tokens_per_anchor": 1, "loss_weighting": "decay",
                                "dpace_alpha": 0.5, "loss_normalization": "micro-batch",
-                               "anchor_draw": "micro-batch"}  # fmt: skip
+                               "anchor_draw": "micro-batch",
+                               # before targets served by an engine
+                               "target_engine": "none", "engine_url": None,
+                               "vllm_python": None, "engine_dir": None,
+                               "engine_inflight": 32, "engine_timeout_s": 300.0}  # fmt: skip
 #: Options renamed since: old key -> new key (both spellings are read).
 RENAMED = {"num_anchors": "anchors_per_doc"}
 
@@ -116,6 +120,8 @@ class Options:
 TARGET = "Target (tiny: a seeded random Qwen3)"
 #: ``--target``'s value for the seeded random Qwen3 (``trainer.model.target``).
 TINY = "tiny"
+#: ``--target-engine``: the target in each rank, or served by vLLM (``trainer.engine``).
+ENGINES = ("none", "vllm")
 
 
 @dataclass(frozen=True, kw_only=True)

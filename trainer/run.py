@@ -7,6 +7,7 @@ trainer) read in order and each can be swapped in tests. The options arrive as o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,13 +33,14 @@ from trainer.option_values import parse_layer_types
 from trainer.options import TargetOptions
 from trainer.sections import RunOptions
 from trainer.train import stop
+from trainer.train.batches import BatchSource
 from trainer.train.checkpoint import (
     RunWriteError,
     latest_checkpoint,
     run_write_error,
     write_error_message,
 )
-from trainer.train.distributed import init_distributed, pick_device, shutdown
+from trainer.train.distributed import DistEnv, init_distributed, pick_device, shutdown
 from trainer.train.guards import WRITE_ERRNOS
 from trainer.train.loop import Trainer
 from trainer.train.target_shard import load_run_target
@@ -173,6 +175,13 @@ def build_drafter(target: Target, opts: RunOptions, device: torch.device | str) 
 
 
 def eval_prompts(opts: RunOptions, vocab_size: int) -> list[torch.Tensor]:
+    if opts.engine:  # the verifier needs the decoder, which runs in the engine
+        log.info(
+            "--target-engine %s: tau is not measured while training (measure an "
+            "export with `dflash-train eval --engine vllm`)",
+            opts.target_engine,
+        )
+        return []
     if opts.eval_prompts is not None:
         if opts.eval_prompts.is_dir():
             raise ValueError(f"--eval-prompts {opts.eval_prompts} is a folder, not a JSONL file")
@@ -329,7 +338,7 @@ def run_meta(opts: TargetOptions, target: Target) -> dict[str, Any]:
         "target": opts.target,
         "layer_ids": target.layer_ids,
         "target_config": target_record(target.config),
-        "target_weights": weights_fingerprint(target.model),
+        "target_weights": weights_fingerprint(target.weights_module),
     }
     if opts.tiny:
         tiny = [f.name for f in fields(TargetOptions) if f.name != "target"]
@@ -403,49 +412,65 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
     sets = eval_set_prompts(opts, eval_tokenizer(opts)) if named else {}  # before the target
     env = init_distributed(opts.device, opts.collective_timeout_s)
     _warn_collective_timeout(opts, env.is_main and env.distributed)
-    client = None
     try:
-        target, target_memory = load_run_target(opts, env)  # --target-shard
-        drafter = build_drafter(target, opts, env.device)
-        if folder is not None:
-            init_from_folder(drafter, folder, target, opts)
-        from client import LoaderClient
+        with contextlib.ExitStack() as stack:
+            target: Target
+            if opts.engine:  # the decoder in a vLLM server, its head here (trainer.engine)
+                from trainer.engine.side import engine_side
 
-        client = LoaderClient(
-            opts.endpoint,
-            job=opts.job,
-            rank=env.rank,
-            world_size=env.world_size,
-            spec=spec,
-            epochs=opts.epochs,
-            timeout_s=opts.timeout_s,
-        )
-        meta = run_meta(opts, target)
-        trainer = Trainer(
-            opts,
-            target=target,
-            drafter=drafter,
-            source=client,
-            env=env,
-            eval_prompts=eval_prompts(opts, target.vocab_size),
-            eval_sets=fitting_prompts(sets, target.config.max_position_embeddings, opts),
-            meta=meta,
-        )
+                target, feed = stack.enter_context(engine_side(opts, env))
+                target_memory: dict[str, Any] = {}
+            else:
+                target, target_memory = load_run_target(opts, env)  # --target-shard
+            drafter = build_drafter(target, opts, env.device)
+            if folder is not None:
+                init_from_folder(drafter, folder, target, opts)
+            from client import LoaderClient
 
-        def accepted() -> None:  # only now: a refused run leaves config.json as it was
-            if env.is_main:
-                _writing(lambda: opts.write(spec, env.world_size), opts.run_dir)
-
-        summary = trainer.run(accepted)
-        if env.is_main:
-            summary["world_size"] = env.world_size
-            summary["pid"] = os.getpid()
-            summary["target_memory"] = target_memory
-            text = json.dumps(summary, indent=2) + "\n"
-            _writing(lambda: (opts.run_dir / "summary.json").write_text(text), opts.run_dir)
-            return summary
-        return None
+            client = LoaderClient(
+                opts.endpoint,
+                job=opts.job,
+                rank=env.rank,
+                world_size=env.world_size,
+                spec=spec,
+                epochs=opts.epochs,
+                timeout_s=opts.timeout_s,
+            )
+            source: BatchSource = feed(client) if opts.engine else client
+            stack.callback(source.close)  # before the engine side: its requests end first
+            return _train(opts, env, spec, target, drafter, source, sets, target_memory)
     finally:
-        if client is not None:
-            client.close()
         shutdown(env)
+
+
+def _train(
+    opts: RunOptions, env: DistEnv, spec: dict[str, Any], target: Target,
+    drafter: DFlashDrafter, source: BatchSource, sets: dict[str, list[list[int]]],
+    target_memory: dict[str, Any],
+) -> dict[str, Any] | None:  # fmt: skip
+    """The run itself, once its target, drafter and source are there."""
+    meta = run_meta(opts, target)
+    trainer = Trainer(
+        opts,
+        target=target,
+        drafter=drafter,
+        source=source,
+        env=env,
+        eval_prompts=eval_prompts(opts, target.vocab_size),
+        eval_sets=fitting_prompts(sets, target.config.max_position_embeddings, opts),
+        meta=meta,
+    )
+
+    def accepted() -> None:  # only now: a refused run leaves config.json as it was
+        if env.is_main:
+            _writing(lambda: opts.write(spec, env.world_size), opts.run_dir)
+
+    summary = trainer.run(accepted)
+    if env.is_main:
+        summary["world_size"] = env.world_size
+        summary["pid"] = os.getpid()
+        summary["target_memory"] = target_memory
+        text = json.dumps(summary, indent=2) + "\n"
+        _writing(lambda: (opts.run_dir / "summary.json").write_text(text), opts.run_dir)
+        return summary
+    return None

@@ -28,6 +28,7 @@ from trainer.options import (
     CONFIG_FILE,
     DFLASH2_DEFAULTS,
     DRAFTER,
+    ENGINES,
     EVAL,
     OPTIM,
     RENAMED,
@@ -83,6 +84,47 @@ class TargetSection(TargetOptions):
         "every rank.",
         choices=("none", "fsdp", "auto"), section=TARGET,  # trainer.model.sharding.SHARD_MODES
     )  # fmt: skip
+    target_engine: str = opt(
+        "none",
+        "Where the target's features come from: none (the target runs in each rank) or vllm "
+        "(a vLLM server computes them; the trainer reads only the target folder's embedding, "
+        "final norm and LM head, and measures no tau while training).",
+        choices=ENGINES, section=TARGET,
+    )  # fmt: skip
+    engine_url: str | None = opt(
+        None,
+        "--target-engine vllm: a vLLM server you run, serving --target with the flags in "
+        "docs/TRAINER.md; unset: rank 0 starts one with --vllm-python.",
+        section=TARGET,
+    )
+    vllm_python: Path | None = opt(
+        None,
+        "--target-engine vllm without --engine-url: the python of vLLM's virtualenv, which "
+        "rank 0 runs the server with.",
+        path={"exists": True, "dir_okay": False}, section=TARGET,
+    )  # fmt: skip
+    engine_dir: Path | None = opt(
+        None,
+        "Where this machine finds the hidden-state files the server writes (its "
+        "shared_storage_path as mounted here) [the path the server names; a started "
+        "server: a new folder in /dev/shm].",
+        show_default=False, section=TARGET,
+    )  # fmt: skip
+    engine_inflight: int = opt(
+        32, "Documents each rank keeps in flight to the engine, read ahead of the plan.",
+        section=TARGET,
+    )  # fmt: skip
+    engine_timeout_s: float = opt(
+        300.0,
+        "How long a server that stopped answering is waited for before the run stops (after "
+        "a final checkpoint; --resume continues).",
+        section=TARGET,
+    )
+
+    @property
+    def engine(self) -> bool:
+        """The target's features come from an engine, not from a target in this process."""
+        return self.target_engine != "none"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -427,12 +469,42 @@ class RunOptions(
                 "micro-batch only; with the default per-document draw, --tokens-per-anchor "
                 "bounds a micro-batch's blocks"
             )
+        self._check_engine()
         by_name = {f.name: f for f in fields(self)}
         for name in (*RUN_LIMITS, "dpace_alpha"):
             why = option_problem(name, getattr(self, name))
             if why:
                 flag = by_name[name].metadata.get("flag") or "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} {why}")
+
+    def _check_engine(self) -> None:
+        """The engine's options go together (``trainer.engine``): each refusal names them."""
+        if not self.engine:
+            given = [f for f in ("engine_url", "vllm_python", "engine_dir")
+                     if getattr(self, f) is not None]  # fmt: skip
+            if given:
+                flag = "--" + given[0].replace("_", "-")
+                raise ValueError(f"{flag} is an engine option: add --target-engine vllm")
+            return
+        why = f"--target-engine {self.target_engine}"
+        if self.tiny:
+            raise ValueError(
+                f"{why} serves a model folder: save the tiny target with `dflash-train "
+                "save-target DIR` and pass --target DIR"
+            )
+        if (self.engine_url is None) == (self.vllm_python is None):
+            raise ValueError(
+                f"{why} needs one of --engine-url (a server you run) and --vllm-python (a "
+                "server this run starts)"
+            )
+        if self.target_shard != "none":
+            raise ValueError(f"{why}: the trainer holds no decoder to shard (--target-shard)")
+        if self.eval_prompts is not None or self.eval_sets:
+            flag = "--eval-prompts" if self.eval_prompts is not None else "--eval-sets"
+            raise ValueError(
+                f"{flag}: tau is measured with the target's decoder, which runs in the engine "
+                f"under {why}: measure an export with `dflash-train eval --engine vllm`"
+            )
 
     @classmethod
     def read(cls, run_dir: Path) -> RunOptions:

@@ -156,6 +156,23 @@ def vllm_server(
     """vLLM's server (``vllm_command``) in a session of its own, its output in ``log``,
     ``env`` added to its environment; its URL once ``/health`` answers. ``echo`` shows the
     command and the start-up time."""
+    with vllm_process(
+        vllm_python, target, log, drafter, speculators, num_speculative_tokens,
+        max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes, extra=extra,
+        echo=echo, startup_timeout_s=startup_timeout_s, **env,
+    ) as (url, _):  # fmt: skip
+        yield url
+
+
+@contextlib.contextmanager
+def vllm_process(
+    vllm_python: str, target: Path, log: Path, drafter: Path | None = None,
+    speculators: bool = False, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS, *,
+    max_model_len: int = MAX_MODEL_LEN, kv_cache_memory_bytes: int = KV_CACHE_MEMORY_BYTES,
+    extra: Sequence[str] = (), echo: Callable[[str], None] = _print,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S, **env: str,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:  # fmt: skip
+    """``vllm_server``, yielding its process too (its owner watches it)."""
     port = free_port()
     cmd = vllm_command(vllm_python, target, port, drafter, speculators, num_speculative_tokens,
                        max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -171,7 +188,7 @@ def vllm_server(
         t0 = time.perf_counter()
         wait_http(url + "/health", proc, log, timeout=startup_timeout_s)
         echo(f"   vLLM up in {time.perf_counter() - t0:.1f} s ({log})")
-        yield url
+        yield url, proc
     finally:
         stop_group(proc)
 

@@ -329,9 +329,8 @@ def draft_loss(
     if plan is None:
         target.keep_pace()  # a sharded target's ranks all run this micro-batch's forward
         return _empty(b, num_tokens, target.device)
-    positions = batch.position_ids if batch.layout == "packed" else None
     with phase("target"):
-        feats = target.train_features(batch.input_ids, positions, attention)
+        feats = target.batch_features(batch, attention)
     device = feats.device
     with phase("blocks"):
         blocks = draft_blocks(plan, feats, chunk_size, b)

@@ -64,6 +64,8 @@ if TYPE_CHECKING:  # transformers is imported where a model is built or loaded
         Qwen3ForCausalLM,
     )
 
+    from client.batch import Batch
+
 log = logging.getLogger(__name__)
 
 
@@ -190,6 +192,11 @@ class Target:
         return next(self.model.parameters()).device
 
     @property
+    def weights_module(self) -> nn.Module:
+        """What identifies this target's weights (``trainer.run.weights_fingerprint``)."""
+        return self.model
+
+    @property
     def feature_size(self) -> int:
         return self.hidden_size * len(self.layer_ids)
 
@@ -210,6 +217,13 @@ class Target:
             input_ids, position_ids, cache, stop_early=False, mask=attention_mask
         )
         return feats, out.last_hidden_state
+
+    def batch_features(self, batch: Batch, attention: str = "sdpa") -> torch.Tensor:
+        """The features ``[R, T, n*H]`` a micro-batch is trained on: ``train_features`` of
+        its ids (with its positions when packed). One entry point for every kind of target
+        (``trainer.engine.target.EngineTarget`` hands out what an engine computed)."""
+        positions = batch.position_ids if batch.layout == "packed" else None
+        return self.train_features(batch.input_ids, positions, attention)
 
     @torch.no_grad()
     def train_features(

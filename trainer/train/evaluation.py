@@ -53,6 +53,8 @@ class Evaluator:
         if batch < 1:
             raise ValueError(f"eval batch must be >= 1, got {batch}")
         self.target, self.drafter, self.env = target, drafter, env
+        # Known on every rank alike (the shares below may be empty on some): none, no tau.
+        self.active = bool(prompts) or any(bool(group) for group in (sets or {}).values())
         share = slice(env.rank, None, env.world_size)
         # None: the held-out prompts; every rank has the same groups in the same order
         self.groups: list[tuple[str | None, list[torch.Tensor]]] = [
@@ -71,7 +73,7 @@ class Evaluator:
         published), ``tau_pooled`` (committed tokens over all steps), ``tau_served`` and
         ``tau_committed`` over all ranks' held-out prompts, and ``tau/NAME`` and
         ``tau_pooled/NAME`` over each set's; None when there are no prompts at all."""
-        if not self.env.distributed and not any(prompts for _, prompts in self.groups):
+        if not self.active:
             return None
         verifier = BatchedVerifier(
             self.target, self.drafter, max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos

@@ -31,6 +31,7 @@ from loader_server.wire.protocol import (
     LoaderUnavailableError,
     ProtocolError,
 )
+from trainer.engine.client import EngineError
 from trainer.train import checkpoint as ckpt
 from trainer.train.distributed import DistEnv, control_all_reduce
 from trainer.train.guards import LoaderFailedError, ServedSpecError
@@ -78,7 +79,7 @@ def agree(fetch: Fetch, env: DistEnv, error: LoaderError | None = None) -> Fetch
 
 def describe(e: LoaderError, endpoint: object | None) -> str:
     """What failed, naming the endpoint."""
-    if isinstance(e, PeerLoaderFailure):
+    if isinstance(e, PeerLoaderFailure | EngineError):
         return str(e)
     if isinstance(e, LoaderUnavailableError):
         what = str(e)
@@ -120,6 +121,8 @@ def stop_error(
         fix = f"bring rank {e.rank}'s loader back (its error says what failed)"
     elif isinstance(e, LoaderUnavailableError):
         fix = "start the daemon again"
+    elif isinstance(e, EngineError):
+        fix = "bring the vLLM server back (or fix what it refused)"
     else:
         fix = "fix that"
     resume = f"{fix}, then rerun the same command with --resume"

@@ -1,0 +1,106 @@
+"""The vLLM server that computes the target's hidden states: its flags (the same for a
+server the trainer starts and one a user runs: ``server_flags``), and the one the trainer
+starts and owns (``owned_server``).
+
+The flags: the ``extract_hidden_states`` speculative method, which runs the target's
+prefill and caches the chosen layers' outputs (``num_speculative_tokens`` 1, the layer ids
+in ``draft_model_config.hf_config``: vLLM reads nothing else there), the connector that
+writes them to files (``DFlashHiddenStatesConnector``, from ``PLUGIN_DIR`` on the server's
+``PYTHONPATH``), and prefix caching off (a cached prefix is not computed, so its states
+would be missing).
+
+A server the trainer starts runs on rank 0's machine, with the CPU settings of
+``trainer.eval.engine.vllm_command`` (fp32, eager; what this project can test), and writes
+its files to a fresh folder under ``/dev/shm`` (memory, not disk), removed when it stops.
+A GPU server with tensor parallelism is one the user runs with these flags
+(docs/TRAINER.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from trainer.eval.engine import MAX_MODEL_LEN, tail, vllm_process
+
+PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
+CONNECTOR = "DFlashHiddenStatesConnector"
+CONNECTOR_MODULE = "dflash_hidden_states"
+
+
+def speculative_config(engine_ids: list[int]) -> dict[str, Any]:
+    """``--speculative-config`` of a server extracting vLLM layer ids ``engine_ids``."""
+    hf = {"eagle_aux_hidden_state_layer_ids": list(engine_ids)}
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": hf}}  # fmt: skip
+
+
+def kv_transfer_config(states_dir: Path) -> dict[str, Any]:
+    """``--kv-transfer-config``: the connector, writing its files into ``states_dir``."""
+    return {"kv_connector": CONNECTOR, "kv_role": "kv_producer",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_connector_extra_config": {"shared_storage_path": str(states_dir)}}  # fmt: skip
+
+
+def server_flags(engine_ids: list[int], states_dir: Path) -> list[str]:
+    """The flags a vLLM server needs beside its model's (the server's ``PYTHONPATH`` must
+    hold ``PLUGIN_DIR``)."""
+    return ["--speculative-config", json.dumps(speculative_config(engine_ids)),
+            "--kv-transfer-config", json.dumps(kv_transfer_config(states_dir)),
+            "--no-enable-prefix-caching"]  # fmt: skip
+
+
+def states_folder() -> Path:
+    """A fresh folder for a started server's files: in ``/dev/shm`` where there is one."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="dflash-engine-", dir=shm if shm.is_dir() else None))
+
+
+class OwnedServer:
+    """What the trainer knows of the server it started: its URL, folder and process."""
+
+    def __init__(self, url: str, states_dir: Path, proc: subprocess.Popen[bytes],
+                 log: Path) -> None:  # fmt: skip
+        self.url, self.states_dir, self.proc, self.log = url, states_dir, proc, log
+
+    def ended(self) -> str | None:
+        """None while the server runs; else its exit and the end of its log."""
+        if self.proc.poll() is None:
+            return None
+        return (
+            f"the vLLM server this run started exited with {self.proc.returncode} "
+            f"(its log, {self.log}):\n{tail(self.log, 15)}"
+        )
+
+
+@contextlib.contextmanager
+def owned_server(
+    vllm_python: str, target: Path, engine_ids: list[int], log: Path, *,
+    states_dir: Path | None = None, max_model_len: int = MAX_MODEL_LEN,
+) -> Iterator[OwnedServer]:  # fmt: skip
+    """vLLM serving ``target``'s hidden states, started here and stopped (its process group)
+    when the block ends; its files' folder removed then too when it was made here."""
+    made = states_dir is None
+    folder = states_folder() if states_dir is None else Path(states_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with vllm_process(
+            vllm_python, target, log, max_model_len=max_model_len,
+            extra=server_flags(engine_ids, folder), echo=_log, PYTHONPATH=str(PLUGIN_DIR),
+        ) as (url, proc):  # fmt: skip
+            yield OwnedServer(url, folder, proc, log)
+    finally:
+        if made:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _log(line: str) -> None:
+    import logging
+
+    logging.getLogger(__name__).info(line.strip())

@@ -1,0 +1,86 @@
+"""A run's engine side: the ``EngineTarget``, the server (started by rank 0, or the user's
+at ``--engine-url``) and the client each rank fetches its features with.
+
+With ``--vllm-python`` rank 0 starts the server on its machine and tells the other ranks
+its URL and folder (one broadcast; a server that does not start is every rank's error, not
+a wait for a collective's timeout). A job over several machines runs its own server and
+passes ``--engine-url``, with ``--engine-dir`` where the files appear on each machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer.engine.client import EngineError, StateClient
+from trainer.engine.feed import EngineFeed
+from trainer.engine.server import owned_server
+from trainer.engine.target import EngineTarget
+from trainer.model.target import run_dtype
+from trainer.option_values import parse_int_list
+from trainer.sections import RunOptions
+from trainer.train.batches import BatchSource
+from trainer.train.distributed import DistEnv
+
+#: The log of a server a run starts, in its run folder.
+SERVER_LOG = "vllm-engine.log"
+
+
+def run_tag(run_dir: Path) -> str:
+    """A short name of the run folder, in the request ids (several runs on one server)."""
+    return hashlib.blake2b(str(Path(run_dir).resolve()).encode(), digest_size=4).hexdigest()
+
+
+@contextlib.contextmanager
+def engine_side(
+    opts: RunOptions, env: DistEnv
+) -> Iterator[tuple[EngineTarget, Callable[[BatchSource], EngineFeed]]]:
+    """The run's ``EngineTarget`` and what wraps its loader client into an ``EngineFeed``;
+    the server (when started here) stopped and its files removed on leaving."""
+    target = EngineTarget(
+        Path(opts.target), parse_int_list(opts.layers), env.device, run_dtype(env.device)
+    )
+    with contextlib.ExitStack() as stack:
+        url, folder = opts.engine_url, opts.engine_dir
+        alive: Callable[[], str | None] | None = None
+        if url is None:
+            assert opts.vllm_python is not None  # RunOptions checks it
+            found: list[Any] = [None]
+            if env.is_main:
+                opts.run_dir.mkdir(parents=True, exist_ok=True)
+                try:
+                    server = stack.enter_context(owned_server(
+                        str(opts.vllm_python), Path(opts.target), target.engine_ids,
+                        opts.run_dir / SERVER_LOG, states_dir=opts.engine_dir,
+                        max_model_len=_context(opts, target),
+                    ))  # fmt: skip
+                    found = [(server.url, str(server.states_dir))]
+                    alive = server.ended
+                except RuntimeError as e:
+                    found = [str(e)]
+            if env.distributed:
+                dist.broadcast_object_list(found, src=0)
+            if not isinstance(found[0], tuple):
+                raise EngineError(f"the vLLM server could not start (rank 0): {found[0]}")
+            url, folder = found[0][0], Path(found[0][1])
+        client = StateClient(
+            url, tag=run_tag(opts.run_dir), rank=env.rank, num_states=len(target.engine_ids),
+            hidden_size=target.hidden_size, inflight=opts.engine_inflight,
+            timeout_s=opts.engine_timeout_s, states_dir=folder, alive=alive,
+        )  # fmt: skip
+        try:
+            yield target, lambda source: EngineFeed(source, target, client)
+        finally:
+            client.close()
+
+
+def _context(opts: RunOptions, target: EngineTarget) -> int:
+    """The started server's ``--max-model-len``: the loader's longest sample and the one
+    token it generates, within the target's positions."""
+    longest = opts.max_seq_len or 4096
+    return min(longest + 1, int(target.config.max_position_embeddings))
