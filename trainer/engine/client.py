@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from loader_server.wire.protocol import LoaderError
 
@@ -122,7 +123,7 @@ class StateClient:
             path = self._request(tokens, what, deadline)
             try:
                 states = self._read(path)
-            except (OSError, ValueError, RuntimeError) as e:  # e.g. a server killed mid-write
+            except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # killed mid-write
                 self._drop(path)
                 self._wait(f"its states file {path} could not be read ({e})", deadline)
                 continue

@@ -1,0 +1,251 @@
+"""``train --target-engine vllm`` against a stand-in server (``tests/data/fake_vllm_states.py``,
+vLLM's conventions, computed with Transformers): the features reach the loss as the
+colocated target's do, exactly once across a trainer's kill, through a server that dies
+and comes back, and never wrong; nothing is left in the states folder. The real vLLM:
+``make serve-check`` (``scripts/checks/serve_engine_states.py``)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from trainer_jobs import daemon, env, run, train_cmd
+
+from trainer.eval.engine import free_port
+from trainer.model.target import TinyTargetSpec, build_tiny_model
+
+__all__ = ["daemon"]  # the fixture, re-used from the 2-rank integration tests
+
+STAND_IN = Path(__file__).resolve().parents[1] / "data" / "fake_vllm_states.py"
+LAYERS = "0,1,3"  # our ids: the first and the last layer (vLLM's 1, 2 and 4)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("target") / "tiny"
+    build_tiny_model(TinyTargetSpec()).save_pretrained(out)
+    return out
+
+
+class StandIn:
+    """The stand-in server on a fixed port (restartable there), its files in ``states``."""
+
+    def __init__(self, target: Path, states: Path, **environ: str) -> None:
+        self.target, self.states, self.port = target, states, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        states.mkdir(exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start(**environ)
+
+    def start(self, **environ: str) -> None:
+        cmd = [sys.executable, str(STAND_IN), "--model", str(self.target), "--port",
+               str(self.port), "--layer-ids", "1,2,4", "--states", str(self.states),
+               "--max-model-len", "300"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, env={**env(), **environ})
+        deadline = time.monotonic() + 60
+        import urllib.request
+
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/v1/models", timeout=2).read()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the stand-in server did not start") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def files(self) -> list[str]:
+        return sorted(p.name for p in self.states.iterdir())
+
+
+@pytest.fixture
+def stand_in(target_dir, tmp_path):
+    s = StandIn(target_dir, tmp_path / "states")
+    yield s
+    s.stop()
+
+
+def train(
+    endpoint: str, run_dir: Path, target: Path, *extra: str, steps: int = 6,
+    fault: str | None = None, check: bool = True,
+) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", endpoint,
+           "--job", run_dir.name, "--run-dir", str(run_dir), "--steps", str(steps),
+           "--block-size", "8", "--anchors-per-doc", "8", "--token-budget", "1024",
+           "--max-seq-len", "256", "--lr", "3e-3", "--warmup", "2", "--grad-accum", "2",
+           "--num-eval-prompts", "0", "--no-progress", "--target", str(target),
+           "--layers", LAYERS, "--ckpt-every", "2", *extra]  # fmt: skip
+    environ = {**env(), **({"DFLASH_FAULT": fault} if fault else {})}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=240)
+    if check:
+        assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r.get("loss") is not None}
+
+
+def engine(s: StandIn, *more: str) -> tuple[str, ...]:
+    return ("--target-engine", "vllm", "--engine-url", s.url, "--engine-dir", str(s.states),
+            *more)  # fmt: skip
+
+
+def test_engine_features_train_the_colocated_run(daemon, stand_in, target_dir, tmp_path):
+    """Packed rows (the daemon's default) and padded: the same losses step for step as the
+    target in the trainer, and the states folder empty after the run."""
+    for layout in ("packed", "padded"):
+        colo = train(daemon.endpoint, tmp_path / f"colo-{layout}", target_dir, "--layout", layout)
+        assert colo.returncode == 0
+        train(daemon.endpoint, tmp_path / f"eng-{layout}", target_dir, "--layout", layout,
+              *engine(stand_in))  # fmt: skip
+        want, got = losses(tmp_path / f"colo-{layout}"), losses(tmp_path / f"eng-{layout}")
+        assert sorted(got) == sorted(want) == list(range(1, 7))
+        for step, loss in want.items():
+            assert got[step] == pytest.approx(loss, rel=1e-6), (layout, step)
+        assert stand_in.files() == []
+
+
+def test_two_ranks_fed_by_one_server(daemon, stand_in, target_dir, tmp_path):
+    """Two ranks (torchrun, gloo), each fetching its own micro-batches' features from the
+    one server: the colocated 2-rank run's losses."""
+    logs = {}
+    for name, extra in (("colo", ()), ("eng", engine(stand_in))):
+        run_dir = tmp_path / name
+        cmd = train_cmd(daemon.endpoint, run_dir, name, 4, "--target", str(target_dir),
+                        "--layers", LAYERS, "--num-eval-prompts", "0", *extra)  # fmt: skip
+        run(cmd, tmp_path / f"{name}.log")
+        logs[name] = losses(run_dir)
+    assert sorted(logs["eng"]) == [1, 2, 3, 4]
+    for step, loss in logs["colo"].items():
+        assert logs["eng"][step] == pytest.approx(loss, rel=1e-6), step
+    assert stand_in.files() == []
+
+
+def test_a_killed_trainer_resumes_exactly_and_leaves_no_files(daemon, stand_in, target_dir,
+                                                               tmp_path):  # fmt: skip
+    """Killed (SIGKILL) as step 5 starts, with requests read ahead in flight: --resume from
+    checkpoint 4 logs the uninterrupted run's losses, and the killed process's files are
+    gone once the resumed run has run."""
+    whole = tmp_path / "whole"
+    train(daemon.endpoint, whole, target_dir, *engine(stand_in))
+    run = tmp_path / "killed"
+    res = train(daemon.endpoint, run, target_dir, *engine(stand_in), fault="step=5", check=False)
+    assert res.returncode == -signal.SIGKILL
+    train(daemon.endpoint, run, target_dir, *engine(stand_in), "--resume")
+    want, got = losses(whole), losses(run)
+    assert sorted(got) == list(range(1, 7))
+    for step in range(1, 7):
+        assert got[step] == pytest.approx(want[step], rel=1e-6), step
+    assert stand_in.files() == []
+
+
+def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path):
+    """The server exits after its 6th reply with that file half written, and comes back 3 s
+    later: one warning, the document asked for again, and the uninterrupted losses."""
+    states = tmp_path / "states"
+    steady = StandIn(target_dir, states)
+    try:
+        train(daemon.endpoint, tmp_path / "whole", target_dir, *engine(steady))
+    finally:
+        steady.stop()
+    flaky = StandIn(target_dir, states, FAKE_STATES_DIE_AFTER="6")
+    restarted = []
+
+    def restart() -> None:
+        assert flaky.proc is not None
+        flaky.proc.wait(120)
+        time.sleep(3)
+        flaky.start()
+        restarted.append(True)
+
+    import threading
+
+    t = threading.Thread(target=restart)
+    t.start()
+    try:
+        res = train(daemon.endpoint, tmp_path / "flaky", target_dir, *engine(flaky))
+    finally:
+        t.join(130)
+        flaky.stop()
+    assert restarted
+    assert res.stderr.count("is not answering") == 1, res.stderr[-3000:]
+    assert "is answering again" in res.stderr
+    want, got = losses(tmp_path / "whole"), losses(tmp_path / "flaky")
+    for step in range(1, 7):
+        assert got[step] == pytest.approx(want[step], rel=1e-6), step
+    assert sorted(p.name for p in states.iterdir()) == []
+
+
+def test_a_server_gone_for_good_stops_the_run_after_a_final_checkpoint(daemon, target_dir,
+                                                                        tmp_path):  # fmt: skip
+    """The server exits after 60 replies (three steps' documents) and never comes back: one
+    line naming the URL and the timeout, the checkpoint that holds the last step, and how
+    to go on."""
+    s = StandIn(target_dir, tmp_path / "states", FAKE_STATES_DIE_AFTER="60")
+    try:
+        res = train(daemon.endpoint, tmp_path / "run", target_dir,
+                    *engine(s, "--engine-timeout-s", "3"), check=False)  # fmt: skip
+    finally:
+        s.stop()
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert s.url in last and "no answer for 3 s (--engine-timeout-s" in last, last
+    assert "bring the vLLM server back" in last and "--resume" in last, last
+    assert "checkpoint step-" in last, last
+    assert "Traceback" not in res.stderr
+
+
+def test_states_of_other_tokens_are_refused(daemon, target_dir, tmp_path):
+    s = StandIn(target_dir, tmp_path / "states", FAKE_STATES_WRONG_TOKENS="1")
+    try:
+        res = train(daemon.endpoint, tmp_path / "run", target_dir, *engine(s), check=False)
+    finally:
+        s.stop()
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert "returned states for other tokens than sample" in last, last
+    assert "refusing a wrong feature" in last
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--target-engine", "vllm", "--target", "tiny"], "save-target DIR"),
+        (["--target-engine", "vllm"], "needs one of --engine-url"),
+        (["--engine-url", "http://x"], "--engine-url is an engine option"),
+        (
+            ["--target-engine", "vllm", "--engine-url", "http://x", "--target-shard", "fsdp"],
+            "no decoder to shard",
+        ),
+        (
+            ["--target-engine", "vllm", "--engine-url", "http://x", "--eval-sets", "humaneval"],
+            "dflash-train eval --engine vllm",
+        ),
+        (
+            ["--target-engine", "vllm", "--engine-url", "http://x", "--engine-inflight", "0"],
+            "--engine-inflight must be >= 1",
+        ),
+    ],
+)
+def test_engine_options_that_do_not_go_together(flags, says, target_dir, tmp_path):
+    if "--target" not in flags:
+        flags = [*flags, "--target", str(target_dir)]
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", "ipc:///nowhere",
+           "--run-dir", str(tmp_path / "run"), "--steps", "1", *flags]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=120)
+    assert res.returncode != 0
+    assert says in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
