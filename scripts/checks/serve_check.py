@@ -60,7 +60,14 @@ from typing import Any
 
 from scripts.checks.long_context_check import run as long_context_checks
 from scripts.checks.serve_common import COMPARISON, PY, TRAIN, Check, Phases, sh
-from scripts.checks.serve_drafters import DRAFTERS, dflash2_checks, drafter_checks
+from scripts.checks.serve_drafters import DRAFTERS, dflash2_checks, drafter_checks, drafter_tag
+from scripts.checks.serve_engine_states import (
+    ENGINE_DRAFTER,
+    TWIN,
+    engine_flags,
+    states_checks,
+    training_check,
+)
 from scripts.servers.chat_server import running
 from trainer.eval.engine import complete, vllm_server
 
@@ -151,6 +158,12 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
         checks += drafter_checks(
             args, work, phases, name, flags, corpus, target, prompts, plain, plain_stop, stops
         )
+    checks += states_checks(args, work, phases, target, prompts)
+    checks += drafter_checks(
+        args, work, phases, ENGINE_DRAFTER, DRAFTERS[TWIN] + engine_flags(args.vllm_python),
+        corpus, target, prompts, plain, plain_stop, stops,
+    )  # fmt: skip
+    checks.append(training_check(work, drafter_tag(ENGINE_DRAFTER), drafter_tag(TWIN)))
     checks += dflash2_checks(args, work, phases, corpus, target, prompts, plain)
     with phases("long context: a YaRN target's exports in vLLM's config reader"):
         checks += long_context_checks(args.vllm_python, work / "long-context")

@@ -96,6 +96,11 @@ def train_and_export(
     return run_dir, export, summary, rss
 
 
+def drafter_tag(name: str) -> str:
+    """A drafter's name in its files (``run-TAG``, ``drafter-TAG``)."""
+    return name.replace(",", "").replace(" ", "-")
+
+
 def drafter_checks(
     args: argparse.Namespace,
     work: Path,
@@ -111,7 +116,7 @@ def drafter_checks(
 ) -> list[Check]:
     """Train the drafter ``flags`` describe, export it, serve it with vLLM and compare
     vLLM's output and acceptance with plain greedy and the trainer's verifier."""
-    tag = name.replace(",", "").replace(" ", "-")
+    tag = drafter_tag(name)
     no_stops: list[list[int]] = [[] for _ in prompts]
     run_dir, export, summary, rss = train_and_export(args, work, phases, name, tag, flags, corpus,
                                                      target)  # fmt: skip

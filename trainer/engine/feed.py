@@ -10,9 +10,10 @@ batch as the trainer's own memory (``client.batch``), so reading ahead is only h
 batches longer; the daemon, its plan and its exactly-once bookkeeping are unchanged, and
 the engine is a dependency of the trainers alone (a URL and a folder), as the target was.
 
-``EngineFeed`` is a ``BatchSource``: it pulls micro-batches from the loader until
-``inflight`` documents are in flight (one request each), and yields a micro-batch once
-all its documents' states are in, after giving the features to the ``EngineTarget``. Its
+``EngineFeed`` is a ``BatchSource``: at each ``next()`` it pulls micro-batches from the
+loader until ``inflight`` documents are ahead (one request each, in flight or answered),
+and yields the oldest micro-batch once all its documents' states are in, after giving the
+features to the ``EngineTarget``. The states held are bounded by the same number. Its
 ``state_dict`` is the loader's position after the last micro-batch it *yielded*, not the
 last it read: a checkpoint resumes at the next batch to train, and what was read ahead is
 read again by the resumed run (the same documents, the same features). A loader error met
@@ -108,17 +109,19 @@ class EngineFeed:
 
     # ---- reading ahead -----------------------------------------------------------------
 
-    def _in_flight(self) -> int:
-        return sum(not f.done() for item in self._queue for f in item.states)
+    def _ahead(self) -> int:
+        """Documents read ahead: asked for, or answered and waiting for their step."""
+        return sum(len(item.states) for item in self._queue)
 
     def _read_ahead(self) -> None:
-        """Read micro-batches until ``inflight`` documents are in flight, ``max_ahead``
-        micro-batches wait, or the loader ended (kept until it is reached)."""
+        """Read micro-batches until ``inflight`` documents are ahead (in flight or held:
+        the host memory the states take is bounded by it too), ``max_ahead`` micro-batches
+        wait, or the loader ended (kept until it is reached); at least one."""
         assert self._it is not None
         while (
             self._ended is None
             and len(self._queue) < self.max_ahead
-            and (not self._queue or self._in_flight() < self.client.inflight)
+            and (not self._queue or self._ahead() < self.client.inflight)
         ):
             try:
                 batch = next(self._it)

@@ -1,0 +1,99 @@
+"""serve-check's engine checks (``train --target-engine vllm``, ``trainer.engine``), with
+the real vLLM:
+
+* vLLM's hidden states of the held-out prompts, extracted for every layer of the target
+  (so ids 0 and ``L - 1`` too; the last normed by the trainer), equal the target's own
+  features (``Target.features``, Transformers, fp32) to ``STATES_TOL``; its states folder
+  is empty once the client closed, and gone once the server stopped;
+* ``ENGINE_DRAFTER``: the ``full attention`` drafter's run again, its features from a
+  server the run starts (``--vllm-python``): the same losses step for step as that
+  colocated run (``LOSS_TOL`` relative, over all of serve-check's steps), and its export
+  served by vLLM like every drafter (``drafter_checks``: weights, output, acceptance equal
+  to the verifier's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from scripts.checks.serve_common import Check, Phases
+
+#: The colocated drafter whose run the engine-fed one repeats.
+TWIN = "full attention"
+ENGINE_DRAFTER = "full attention, features from vLLM"
+STATES_TOL = 1e-5
+#: Relative: fp32 features that agree to ~1e-6 (vLLM's kernels, not Transformers') move
+#: the trained weights apart a little more each step.
+LOSS_TOL = 1e-4
+
+
+def engine_flags(vllm_python: str) -> list[str]:
+    return ["--target-engine", "vllm", "--vllm-python", vllm_python]
+
+
+def states_checks(
+    args: argparse.Namespace, work: Path, phases: Phases, target: Path, prompts: list[list[int]]
+) -> list[Check]:
+    import torch
+
+    from trainer.engine.client import StateClient
+    from trainer.engine.server import owned_server
+    from trainer.engine.states import engine_layer_ids
+    from trainer.model.target import load_target
+
+    with phases("engine: vLLM's hidden states == the target's features, every layer"):
+        tgt = load_target(str(target))
+        layers = list(range(tgt.num_layers))
+        tgt = load_target(str(target), layer_ids=layers)
+        ids = engine_layer_ids(layers, tgt.num_layers)
+        with owned_server(args.vllm_python, target, ids, work / "vllm-states.log") as server:
+            folder = server.states_dir
+            client = StateClient(server.url, tag="serve-check", rank=0, num_states=len(ids),
+                                 hidden_size=tgt.hidden_size, inflight=8,
+                                 states_dir=folder, alive=server.ended)  # fmt: skip
+            got = [f.result() for f in [client.submit(torch.tensor(p)) for p in prompts]]
+            client.close()
+            left = sorted(p.name for p in folder.iterdir())
+        worst = [0.0] * len(layers)
+        for p, states in zip(prompts, got, strict=True):
+            feats, _ = tgt.features(torch.tensor([p]))
+            ours = feats[0].view(len(p), len(layers), -1)
+            for k in layers:
+                theirs = states[:, k].float()
+                if k == tgt.num_layers - 1:  # vLLM's is before the final norm
+                    theirs = tgt.base.norm(theirs)
+                worst[k] = max(worst[k], float((theirs - ours[:, k]).abs().max()))
+        ok = max(worst) <= STATES_TOL and not left and not folder.exists()
+        detail = (
+            f"{len(prompts)} prompts, max |diff| by layer "
+            + ", ".join(f"{k}: {w:.1e}" for k, w in zip(layers, worst, strict=True))
+            + f" (<= {STATES_TOL:g}); {len(left)} files left, folder "
+            + ("removed" if not folder.exists() else "still there")
+        )
+        print(f"   {detail}")
+    return [Check("engine: vLLM's states == the target's features (layers 0..L-1)", ok, detail)]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r.get("loss") is not None}
+
+
+def training_check(work: Path, tag: str, twin_tag: str) -> Check:
+    """The engine-fed run's losses against its colocated twin's."""
+    ours, theirs = losses(work / f"run-{tag}"), losses(work / f"run-{twin_tag}")
+    same_steps = sorted(ours) == sorted(theirs) and bool(ours)
+    rel = [abs(ours[s] - theirs[s]) / abs(theirs[s]) for s in theirs if s in ours]
+    worst = max(rel, default=float("inf"))
+    first = next((s for s in sorted(theirs) if s in ours and
+                  abs(ours[s] - theirs[s]) / abs(theirs[s]) > 1e-6), None)  # fmt: skip
+    detail = (
+        f"{len(rel)} steps, max relative loss difference {worst:.1e} (<= {LOSS_TOL:g}); "
+        f"step 1: {ours.get(1, float('nan')):.6f} vs {theirs.get(1, float('nan')):.6f}; "
+        f"first step beyond 1e-6: {first}"
+    )
+    print(f"   {detail}")
+    ok = same_steps and worst <= LOSS_TOL
+    return Check(f"{ENGINE_DRAFTER}: losses == the colocated run's", ok, detail)
