@@ -249,3 +249,20 @@ def test_engine_options_that_do_not_go_together(flags, says, target_dir, tmp_pat
     assert says in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_engine_command_prints_the_server_the_run_expects(target_dir, stand_in):
+    """``dflash-train engine-command``: vLLM's ids for the run's --layers (ours + 1), the
+    connector on PYTHONPATH, its folder, prefix caching off; bad layers refused."""
+    cmd = [sys.executable, "-m", "trainer.cli", "engine-command", str(target_dir), "--layers",
+           LAYERS, "--states-dir", str(stand_in.states), "--max-model-len", "513"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=60)
+    assert res.returncode == 0, res.stderr
+    line = res.stdout.strip()
+    assert line.startswith("PYTHONPATH=") and "trainer/engine/vllm_plugin" in line
+    assert '"eagle_aux_hidden_state_layer_ids": [1, 2, 4]' in line
+    assert f'"shared_storage_path": "{stand_in.states}"' in line
+    assert "--no-enable-prefix-caching" in line and "--max-model-len 513" in line
+    bad = subprocess.run([*cmd[:6], "0,4", *cmd[7:]], capture_output=True, text=True,
+                         env=env(), timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--layers: layer ids [0, 4] must be in 0..3" in bad.stderr

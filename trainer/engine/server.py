@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer.eval.engine import MAX_MODEL_LEN, tail, vllm_process
+from trainer.eval.engine import KV_CACHE_MEMORY_BYTES, MAX_MODEL_LEN, tail, vllm_process
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
 CONNECTOR = "DFlashHiddenStatesConnector"
@@ -54,6 +54,23 @@ def server_flags(engine_ids: list[int], states_dir: Path) -> list[str]:
     return ["--speculative-config", json.dumps(speculative_config(engine_ids)),
             "--kv-transfer-config", json.dumps(kv_transfer_config(states_dir)),
             "--no-enable-prefix-caching"]  # fmt: skip
+
+
+def serve_command(
+    target: Path, engine_ids: list[int], states_dir: Path, *, port: int = 8000,
+    tensor_parallel_size: int = 1, max_model_len: int | None = None,
+) -> str:  # fmt: skip
+    """The shell command of a vLLM server a run can use (``--engine-url``): ``vllm serve``
+    of ``target`` with ``server_flags`` and this project's connector on its
+    ``PYTHONPATH`` (copy ``PLUGIN_DIR`` next to a server on another machine)."""
+    import shlex
+
+    cmd = ["vllm", "serve", str(target), "--port", str(port),
+           "--tensor-parallel-size", str(tensor_parallel_size)]  # fmt: skip
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    cmd += server_flags(engine_ids, states_dir)
+    return f"PYTHONPATH={shlex.quote(str(PLUGIN_DIR))} " + " ".join(map(shlex.quote, cmd))
 
 
 def states_folder() -> Path:
@@ -83,6 +100,7 @@ class OwnedServer:
 def owned_server(
     vllm_python: str, target: Path, engine_ids: list[int], log: Path, *,
     states_dir: Path | None = None, max_model_len: int = MAX_MODEL_LEN,
+    kv_cache_memory_bytes: int = KV_CACHE_MEMORY_BYTES,
 ) -> Iterator[OwnedServer]:  # fmt: skip
     """vLLM serving ``target``'s hidden states, started here and stopped (its process group)
     when the block ends; its files' folder removed then too when it was made here."""
@@ -92,6 +110,7 @@ def owned_server(
     try:
         with vllm_process(
             vllm_python, target, log, max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
             extra=server_flags(engine_ids, folder), echo=_log, PYTHONPATH=str(PLUGIN_DIR),
         ) as (url, proc):  # fmt: skip
             yield OwnedServer(url, folder, proc, log)

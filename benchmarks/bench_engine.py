@@ -1,0 +1,200 @@
+"""Target features from a vLLM server (``trainer.engine``) against the target's forward in
+the trainer, on the same documents, and the trainer's data wait when fed by the engine.
+
+    .venv/bin/python benchmarks/bench_engine.py --vllm-python VENV/bin/python \\
+        [--docs 256 --inflight 1,8,32,64 --targets tiny,larger --train-steps 12]
+
+For each target (``tiny``: the 4-layer, 128-wide Qwen3 of the tests; ``larger``: 8 layers,
+512 wide, vocabulary 8192, fp32 on CPU), ``--docs`` documents of lengths drawn around 200
+tokens (40 to 600):
+
+* colocated: ``Target.train_features`` over packed rows of up to 2,048 tokens (what a
+  rank runs per micro-batch), every layer up to the deepest feature; tokens/s;
+* engine: the same documents through ``StateClient`` (one request each, the file read,
+  checked and removed) with ``k`` requests in flight, against one vLLM server started for
+  the target (``owned_server``: fp32, eager); tokens/s and the ratio to colocated.
+
+Then (``--train-steps`` > 0) the tiny target's training run, colocated and engine-fed
+(``--vllm-python``: the run starts its server), on the loader daemon with a synthetic
+corpus: median step time, median ``data_wait_frac`` and the losses' largest relative
+difference. Everything shares this machine's cores: on 2 cores the server, the client
+and the trainer take turns, so the ratios here are of a CPU box, not of a GPU server
+beside GPU trainers (docs/TRAINER.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+SPECS = {
+    "tiny": {},
+    "larger": {"vocab_size": 8192, "hidden_size": 512, "num_layers": 8, "num_heads": 8,
+               "num_kv_heads": 4, "intermediate_size": 1536},
+}  # fmt: skip
+
+
+def documents(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lens = np.clip(rng.lognormal(np.log(200), 0.5, n).astype(int), 40, 600)
+    return [rng.integers(0, vocab, int(k)).tolist() for k in lens]
+
+
+def packed_rows(docs: list[list[int]], budget: int = 2048) -> list[list[list[int]]]:
+    rows: list[list[list[int]]] = [[]]
+    for d in docs:
+        if sum(map(len, rows[-1])) + len(d) > budget and rows[-1]:
+            rows.append([])
+        rows[-1].append(d)
+    return rows
+
+
+def colocated(target, docs: list[list[int]]) -> float:
+    import torch
+
+    rows = packed_rows(docs)
+    tensors = [
+        (torch.tensor([[t for d in r for t in d]]), torch.cat([torch.arange(len(d)) for d in r]))
+        for r in rows
+    ]
+    tensors = [(ids, pos[None]) for ids, pos in tensors]
+    target.train_features(*tensors[0])  # warm-up
+    t0 = time.perf_counter()
+    for ids, pos in tensors:
+        target.train_features(ids, pos)
+    return sum(map(len, docs)) / (time.perf_counter() - t0)
+
+
+def through_engine(client_of, docs: list[list[int]], inflight: int) -> float:
+    import torch
+
+    client = client_of(inflight)
+    try:
+        client.submit(torch.tensor(docs[0])).result()  # warm-up
+        t0 = time.perf_counter()
+        futures = [client.submit(torch.tensor(d)) for d in docs]
+        for f in futures:
+            f.result()
+        return sum(map(len, docs)) / (time.perf_counter() - t0)
+    finally:
+        client.close()
+
+
+def _client(server, num_states: int, hidden_size: int, inflight: int):
+    from trainer.engine.client import StateClient
+
+    return StateClient(server.url, tag="bench", rank=0, num_states=num_states,
+                       hidden_size=hidden_size, inflight=inflight, states_dir=server.states_dir,
+                       alive=server.ended)  # fmt: skip
+
+
+def features_table(vllm_python: str, names: list[str], n_docs: int, inflights: list[int],
+                   work: Path) -> list[dict]:  # fmt: skip
+    import torch
+
+    from trainer.engine.server import owned_server
+    from trainer.engine.states import engine_layer_ids
+    from trainer.model.target import Target, TinyTargetSpec, build_tiny_model
+
+    rows = []
+    for name in names:
+        spec = TinyTargetSpec(**SPECS[name])
+        folder = work / f"target-{name}"
+        model = build_tiny_model(spec)
+        model.save_pretrained(folder)
+        torch.set_num_threads(os.cpu_count() or 1)
+        target = Target(model)
+        docs = documents(n_docs, spec.vocab_size)
+        base = colocated(target, docs)
+        rows.append({"target": name, "mode": "colocated", "inflight": "-", "tok_s": base,
+                     "ratio": 1.0})  # fmt: skip
+        print(f"{name:7s} colocated          {base:9.0f} tok/s", flush=True)
+        ids = engine_layer_ids(target.layer_ids, target.num_layers)
+        with owned_server(vllm_python, folder, ids, work / f"vllm-{name}.log",
+                          kv_cache_memory_bytes=1 << 30) as server:  # fmt: skip
+            client_of = functools.partial(_client, server, len(ids), spec.hidden_size)
+            for k in inflights:
+                tok_s = through_engine(client_of, docs, k)
+                rows.append({"target": name, "mode": "engine", "inflight": k, "tok_s": tok_s,
+                             "ratio": tok_s / base})  # fmt: skip
+                print(f"{name:7s} engine, {k:3d} in flight {tok_s:9.0f} tok/s  "
+                      f"{tok_s / base:5.2f}x colocated", flush=True)  # fmt: skip
+    return rows
+
+
+def training(vllm_python: str, steps: int, work: Path) -> list[dict]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from loader_server.data.synth import SynthSpec, write_corpus
+    from scripts.servers.daemon_process import DaemonProcess
+    from trainer.model.target import TinyTargetSpec, build_tiny_model
+
+    corpus = work / "corpus.arrow"
+    write_corpus(corpus, SynthSpec(num_samples=2000, seed=3, median_len=200, max_len=600,
+                                   vocab_size=512, content="learnable"))  # fmt: skip
+    target = work / "target-train"
+    build_tiny_model(TinyTargetSpec()).save_pretrained(target)
+    out = []
+    engine = ["--target-engine", "vllm", "--vllm-python", vllm_python]
+    for mode, extra in (("colocated", []), ("engine", engine)):
+        endpoint = f"ipc://{work}/loader-{mode}.sock"
+        daemon = DaemonProcess(corpus, endpoint, "--token-budget", "2048", "--max-seq-len", "600",
+                               log_path=work / f"daemon-{mode}.log")  # fmt: skip
+        run_dir = work / f"run-{mode}"
+        try:
+            cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", endpoint,
+                   "--job", mode, "--run-dir", str(run_dir), "--steps", str(steps),
+                   "--target", str(target), "--block-size", "8", "--num-eval-prompts", "0",
+                   "--cost-samples", "0", "--no-progress", *extra]  # fmt: skip
+            with open(work / f"train-{mode}.log", "wb") as log:
+                subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+        finally:
+            daemon.stop()
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        recs = [r for r in recs if r.get("loss") is not None]
+        later = recs[2:] or recs  # the first steps start the server's and the trainer's caches
+        out.append({
+            "mode": mode, "step_s": statistics.median(r["step_time_s"] for r in later),
+            "wait_frac": statistics.median(r["data_wait_frac"] for r in later),
+            "losses": {r["step"]: r["loss"] for r in recs},
+        })  # fmt: skip
+    colo, eng = out
+    worst = max(abs(eng["losses"][s] - v) / abs(v) for s, v in colo["losses"].items())
+    for r in out:
+        print(f"train {r['mode']:9s} step {r['step_s']:.3f} s (median, steps 3..), "
+              f"data_wait_frac {r['wait_frac']:.3f}", flush=True)  # fmt: skip
+    print(f"train engine/colocated step time {eng['step_s'] / colo['step_s']:.2f}x; losses' "
+          f"largest relative difference {worst:.1e}")  # fmt: skip
+    return out
+
+
+@click.command()
+@click.option("--vllm-python", required=True, help="Python of vLLM's virtualenv.")
+@click.option("--docs", default=256, show_default=True)
+@click.option("--inflight", default="1,8,32,64", show_default=True)
+@click.option("--targets", default="tiny,larger", show_default=True)
+@click.option("--train-steps", default=12, show_default=True, help="0: no training runs.")
+@click.option("--json-out", type=click.Path(path_type=Path), help="Also write the rows as JSON.")
+def main(vllm_python: str, docs: int, inflight: str, targets: str, train_steps: int,
+         json_out: Path | None) -> None:  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        work = Path(tmp)
+        rows = features_table(vllm_python, targets.split(","), docs,
+                              [int(k) for k in inflight.split(",")], work)  # fmt: skip
+        runs = training(vllm_python, train_steps, work) if train_steps else []
+    if json_out is not None:
+        json_out.write_text(json.dumps({"features": rows, "training": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
