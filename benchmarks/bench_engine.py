@@ -17,7 +17,9 @@ tokens (40 to 600):
 Then (``--train-steps`` > 0) the tiny target's training run, colocated and engine-fed
 (``--vllm-python``: the run starts its server), on the loader daemon with a synthetic
 corpus: median step time, median ``data_wait_frac`` and the losses' largest relative
-difference. Everything shares this machine's cores: on 2 cores the server, the client
+difference; one thread each (a server beside the trainer on the same cores: two
+OpenMP pools spinning on 2 cores slow the trainer's step 17x). Everything shares this
+machine's cores: on 2 cores the server, the client
 and the trainer take turns, so the ratios here are of a CPU box, not of a GPU server
 beside GPU trainers (docs/TRAINER.md).
 """
@@ -157,7 +159,8 @@ def training(vllm_python: str, steps: int, work: Path) -> list[dict]:
                    "--target", str(target), "--block-size", "8", "--num-eval-prompts", "0",
                    "--cost-samples", "0", "--no-progress", *extra]  # fmt: skip
             with open(work / f"train-{mode}.log", "wb") as log:
-                subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+                subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
         finally:
             daemon.stop()
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
