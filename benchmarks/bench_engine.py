@@ -38,6 +38,8 @@ from pathlib import Path
 
 import click
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts.servers
+
 SPECS = {
     "tiny": {},
     "larger": {"vocab_size": 8192, "hidden_size": 512, "num_layers": 8, "num_heads": 8,
@@ -187,13 +189,14 @@ def training(vllm_python: str, steps: int, work: Path) -> list[dict]:
 @click.option("--inflight", default="1,8,32,64", show_default=True)
 @click.option("--targets", default="tiny,larger", show_default=True)
 @click.option("--train-steps", default=12, show_default=True, help="0: no training runs.")
+@click.option("--features/--no-features", default=True, help="The features/s table.")
 @click.option("--json-out", type=click.Path(path_type=Path), help="Also write the rows as JSON.")
 def main(vllm_python: str, docs: int, inflight: str, targets: str, train_steps: int,
-         json_out: Path | None) -> None:  # fmt: skip
+         features: bool, json_out: Path | None) -> None:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         work = Path(tmp)
-        rows = features_table(vllm_python, targets.split(","), docs,
-                              [int(k) for k in inflight.split(",")], work)  # fmt: skip
+        ks = [int(k) for k in inflight.split(",")]
+        rows = features_table(vllm_python, targets.split(","), docs, ks, work) if features else []
         runs = training(vllm_python, train_steps, work) if train_steps else []
     if json_out is not None:
         json_out.write_text(json.dumps({"features": rows, "training": runs}, indent=1))
