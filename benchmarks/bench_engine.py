@@ -2,7 +2,7 @@
 the trainer, on the same documents, and the trainer's data wait when fed by the engine.
 
     .venv/bin/python benchmarks/bench_engine.py --vllm-python VENV/bin/python \\
-        [--docs 256 --inflight 1,8,32,64 --targets tiny,larger --train-steps 12]
+        [--docs 256 --inflight 1,8,32,64 --targets tiny,larger --train-steps 20]
 
 For each target (``tiny``: the 4-layer, 128-wide Qwen3 of the tests; ``larger``: 8 layers,
 512 wide, vocabulary 8192, fp32 on CPU), ``--docs`` documents of lengths drawn around 200
@@ -15,13 +15,13 @@ tokens (40 to 600):
   the target (``owned_server``: fp32, eager); tokens/s and the ratio to colocated.
 
 Then (``--train-steps`` > 0) the tiny target's training run, colocated and engine-fed
-(``--vllm-python``: the run starts its server), on the loader daemon with a synthetic
-corpus: median step time, median ``data_wait_frac`` and the losses' largest relative
-difference; one thread each (a server beside the trainer on the same cores: two
-OpenMP pools spinning on 2 cores slow the trainer's step 17x). Everything shares this
-machine's cores: on 2 cores the server, the client
-and the trainer take turns, so the ratios here are of a CPU box, not of a GPU server
-beside GPU trainers (docs/TRAINER.md).
+(``--vllm-python``: the run starts its server) with each ``--train-inflight`` read-ahead,
+on the loader daemon with a synthetic corpus: median step time, median
+``data_wait_frac`` and the losses' largest relative difference; one thread each (a
+server beside the trainer on the same cores: two OpenMP pools spinning on 2 cores slow
+the trainer's step 17x). Everything shares this machine's cores: on 2 cores the server,
+the client and the trainer take turns, so the ratios here are of a CPU box, not of a GPU
+server beside GPU trainers (docs/TRAINER.md).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def features_table(vllm_python: str, names: list[str], n_docs: int, inflights: l
     return rows
 
 
-def training(vllm_python: str, steps: int, work: Path) -> list[dict]:
+def training(vllm_python: str, steps: int, work: Path, inflights: list[int]) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from loader_server.data.synth import SynthSpec, write_corpus
     from scripts.servers.daemon_process import DaemonProcess
@@ -150,7 +150,9 @@ def training(vllm_python: str, steps: int, work: Path) -> list[dict]:
     build_tiny_model(TinyTargetSpec()).save_pretrained(target)
     out = []
     engine = ["--target-engine", "vllm", "--vllm-python", vllm_python]
-    for mode, extra in (("colocated", []), ("engine", engine)):
+    modes: list[tuple[str, list[str]]] = [("colocated", [])]
+    modes += [(f"engine-{k}", [*engine, "--engine-inflight", str(k)]) for k in inflights]
+    for mode, extra in modes:
         endpoint = f"ipc://{work}/loader-{mode}.sock"
         daemon = DaemonProcess(corpus, endpoint, "--token-budget", "2048", "--max-seq-len", "600",
                                log_path=work / f"daemon-{mode}.log")  # fmt: skip
@@ -173,13 +175,12 @@ def training(vllm_python: str, steps: int, work: Path) -> list[dict]:
             "wait_frac": statistics.median(r["data_wait_frac"] for r in later),
             "losses": {r["step"]: r["loss"] for r in recs},
         })  # fmt: skip
-    colo, eng = out
-    worst = max(abs(eng["losses"][s] - v) / abs(v) for s, v in colo["losses"].items())
+    colo = out[0]
     for r in out:
-        print(f"train {r['mode']:9s} step {r['step_s']:.3f} s (median, steps 3..), "
-              f"data_wait_frac {r['wait_frac']:.3f}", flush=True)  # fmt: skip
-    print(f"train engine/colocated step time {eng['step_s'] / colo['step_s']:.2f}x; losses' "
-          f"largest relative difference {worst:.1e}")  # fmt: skip
+        worst = max(abs(r["losses"][s] - v) / abs(v) for s, v in colo["losses"].items())
+        print(f"train {r['mode']:10s} step {r['step_s']:.3f} s (median, steps 3..) "
+              f"{r['step_s'] / colo['step_s']:.2f}x colocated, data_wait_frac "
+              f"{r['wait_frac']:.3f}, losses within {worst:.1e}", flush=True)  # fmt: skip
     return out
 
 
@@ -188,16 +189,19 @@ def training(vllm_python: str, steps: int, work: Path) -> list[dict]:
 @click.option("--docs", default=256, show_default=True)
 @click.option("--inflight", default="1,8,32,64", show_default=True)
 @click.option("--targets", default="tiny,larger", show_default=True)
-@click.option("--train-steps", default=12, show_default=True, help="0: no training runs.")
+@click.option("--train-steps", default=20, show_default=True, help="0: no training runs.")
 @click.option("--features/--no-features", default=True, help="The features/s table.")
+@click.option("--train-inflight", default="1,8,32", show_default=True,
+              help="--engine-inflight of the engine-fed training runs.")  # fmt: skip
 @click.option("--json-out", type=click.Path(path_type=Path), help="Also write the rows as JSON.")
 def main(vllm_python: str, docs: int, inflight: str, targets: str, train_steps: int,
-         features: bool, json_out: Path | None) -> None:  # fmt: skip
+         features: bool, train_inflight: str, json_out: Path | None) -> None:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         work = Path(tmp)
         ks = [int(k) for k in inflight.split(",")]
         rows = features_table(vllm_python, targets.split(","), docs, ks, work) if features else []
-        runs = training(vllm_python, train_steps, work) if train_steps else []
+        train_ks = [int(k) for k in train_inflight.split(",")]
+        runs = training(vllm_python, train_steps, work, train_ks) if train_steps else []
     if json_out is not None:
         json_out.write_text(json.dumps({"features": rows, "training": runs}, indent=1))
 
