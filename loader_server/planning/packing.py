@@ -90,21 +90,24 @@ class CostCut:
         token budget. int64, at most ``token_budget``.
 
         A row's cost is not a sum over its documents when the per-micro-batch anchor cap
-        binds, so the slot term is charged in full to every row (``max_anchors`` block
-        slots, as in a full row: the usual case) and the documents carry the rest; with no
-        cap, each document carries its own slots. Nor is it under ``row_attention``
-        (``T**2``): a document of ``l`` tokens is charged ``token_budget * l`` pairs, so a
-        row's charge is ``token_budget * T >= T**2``, exact for a full row."""
+        binds, so where a row within the budget can reach the cap the slot term is charged
+        in full to every row (``max_anchors`` block slots, as in a full row: the usual
+        case) and the documents carry the rest. Where it cannot (the cap's slots alone cost
+        more than the budget leaves: every row that fits has fewer anchors than the cap),
+        or with no cap, each document carries its own slots, which is then exact. Nor is a
+        row's cost a sum under ``row_attention`` (``T**2``): a document of ``l`` tokens is
+        charged ``token_budget * l`` pairs, so a row's charge is ``token_budget * T >=
+        T**2``, exact for a full row."""
         c0, tok, attn, slot = self.coefficients
         x = lengths.astype(np.int64)
         block, cap = self.rule.block_size, self.rule.max_anchors
-        fixed = c0 + (slot * block * cap if cap > 0 else 0.0)
-        room = self.budget - fixed
-        if room <= 0 or not (tok or attn or (slot and cap <= 0)):
+        capped = cap > 0 and c0 + slot * block * cap <= self.budget  # the cap can bind
+        room = self.budget - c0 - (slot * block * cap if capped else 0.0)
+        if room <= 0 or not (tok or attn or (slot and not capped)):
             return x  # the documents' share of the cost is nothing: tokens alone bound rows
         pairs = token_budget * x if self.row_attention else x * x
         c = tok * x + attn * pairs.astype(np.float64)
-        if cap <= 0:
+        if not capped:
             c = c + slot * block * cm.doc_anchors(self.rule, x)
         scaled = np.ceil(c * (token_budget / room)).astype(np.int64)
         return np.minimum(np.maximum(x, scaled), token_budget)

@@ -131,3 +131,30 @@ def test_the_engine_stops_its_server_s_process_group(tmp_path, monkeypatch):
         from trainer.eval.engine import read_counters
 
         read_counters(url)
+
+
+def test_a_server_does_not_outlive_the_process_that_started_it(tmp_path, monkeypatch):
+    """kill -9 of the process that started the server (a trainer owning its engine, a
+    check): the server, in a session of its own, gets SIGTERM from the kernel
+    (``PR_SET_PDEATHSIG``) and exits; vLLM's API server then stops its engine core."""
+    _engine(tmp_path, monkeypatch)  # writes the stand-in interpreter and the folders
+    script = (
+        "import sys, time\nfrom pathlib import Path\n"
+        "from trainer.eval.engine import vllm_server\n"
+        f"with vllm_server({str(tmp_path / 'python')!r}, Path({str(tmp_path / 'target')!r}), "
+        f"Path({str(tmp_path / 'vllm.log')!r}), startup_timeout_s=60, echo=lambda _: None) "
+        "as url:\n    print(url, flush=True)\n    time.sleep(600)\n"
+    )
+    starter = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    try:
+        assert starter.stdout is not None and starter.stdout.readline().startswith("http://")
+        server = int((tmp_path / "pids").read_text().split()[0])
+        assert _alive(server)
+    finally:
+        starter.kill()
+        starter.wait()
+    deadline = time.monotonic() + 10
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(server)

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from loader_server.data.synth import SynthSpec, synth_lengths
@@ -184,8 +184,19 @@ def check_random_access(plan: EpochPlan) -> None:
     np.testing.assert_array_equal(whole, plan.sample_ids)
 
 
+#: Found by the property test: a cost budget below the anchor cap's slots (every row that
+#: fits has fewer anchors than the cap), where the packer charged no slots at all and put
+#: two documents of 0.5 each in a row of budget 0.98.
+CAP_ABOVE_BUDGET = BatchSpec(
+    token_budget=19, max_batch_size=1, max_seq_len=19, layout="packed", cost_tok=0.0,
+    cost_slot=0.25, target_efficiency=0.5,
+    block_size=2, anchors_per_doc=1, tokens_per_anchor=1, max_anchors=6, seed=0,
+)  # fmt: skip
+
+
 @settings(max_examples=120, deadline=None)
 @given(lengths_st, specs(), st.integers(0, 5))
+@example(np.array([4, 6, 19]), CAP_ABOVE_BUDGET, 0)
 def test_plan_invariants(lengths, spec, epoch):
     plan = plan_epoch(lengths, spec, epoch=epoch)
     check_invariants(plan, lengths, spec)

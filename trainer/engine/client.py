@@ -87,6 +87,7 @@ class StateClient:
         self._lock = threading.Lock()
         self._outage = False  # warned that the server does not answer
         self._swept: Path | None = None  # the folder stale files were removed from
+        self._closing = False  # close() began: nothing is retried
         self.model, self.max_model_len = self._served_model()
         self._pool = ThreadPoolExecutor(inflight, thread_name_prefix="engine")
         self.requests = 0  # documents asked for (and answered)
@@ -109,8 +110,10 @@ class StateClient:
         return self._pool.submit(self._states, tokens, what)
 
     def close(self) -> None:
-        """Let the requests in flight finish (each removes its file), then remove every
-        file of this run and rank still in the folder."""
+        """Let the requests in flight finish (each removes its file; one the server does
+        not answer is given up at once, not retried: a server a peer rank started may be
+        stopping), then remove every file of this run and rank still in the folder."""
+        self._closing = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._swept is not None:
             self._sweep(self._swept, everyone=True)
@@ -208,6 +211,8 @@ class StateClient:
         ended = self._alive() if self._alive is not None else None
         if ended is not None:
             raise EngineError(f"{self.url}: {ended}")
+        if self._closing:
+            raise EngineError(f"{self.url}: {reason} (closing: not retried)")
         with self._lock:
             self.retries += 1
             if not self._outage:

@@ -11,7 +11,9 @@ would be missing).
 
 A server the trainer starts runs on rank 0's machine, with the CPU settings of
 ``trainer.eval.engine.vllm_command`` (fp32, eager; what this project can test), and writes
-its files to a fresh folder under ``/dev/shm`` (memory, not disk), removed when it stops.
+its files to the run's folder under ``/dev/shm`` (memory, not disk), removed when it stops;
+it is SIGTERMed if the trainer dies (``trainer.eval.engine``), and a run resumed after a
+kill finds that folder again and removes what the killed run left in it.
 A GPU server with tensor parallelism is one the user runs with these flags
 (docs/TRAINER.md).
 """
@@ -73,10 +75,15 @@ def serve_command(
     return f"PYTHONPATH={shlex.quote(str(PLUGIN_DIR))} " + " ".join(map(shlex.quote, cmd))
 
 
-def states_folder() -> Path:
-    """A fresh folder for a started server's files: in ``/dev/shm`` where there is one."""
+def states_folder(tag: str | None = None) -> Path:
+    """The folder of a started server's files, in ``/dev/shm`` where there is one:
+    ``dflash-engine-TAG`` (a run's: the run resumed after a kill finds it again, and
+    removes what the killed one left there), or a fresh one."""
     shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix="dflash-engine-", dir=shm if shm.is_dir() else None))
+    base = shm if shm.is_dir() else Path(tempfile.gettempdir())
+    if tag is None:
+        return Path(tempfile.mkdtemp(prefix="dflash-engine-", dir=base))
+    return base / f"dflash-engine-{tag}"
 
 
 class OwnedServer:
@@ -99,13 +106,14 @@ class OwnedServer:
 @contextlib.contextmanager
 def owned_server(
     vllm_python: str, target: Path, engine_ids: list[int], log: Path, *,
-    states_dir: Path | None = None, max_model_len: int = MAX_MODEL_LEN,
+    states_dir: Path | None = None, tag: str | None = None, max_model_len: int = MAX_MODEL_LEN,
     kv_cache_memory_bytes: int = KV_CACHE_MEMORY_BYTES,
 ) -> Iterator[OwnedServer]:  # fmt: skip
     """vLLM serving ``target``'s hidden states, started here and stopped (its process group)
-    when the block ends; its files' folder removed then too when it was made here."""
+    when the block ends, or when this process dies; its files go to ``states_dir``, else to
+    ``states_folder(tag)``, removed when the block ends."""
     made = states_dir is None
-    folder = states_folder() if states_dir is None else Path(states_dir)
+    folder = states_folder(tag) if states_dir is None else Path(states_dir)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with vllm_process(

@@ -57,7 +57,7 @@ def engine_side(
                     server = stack.enter_context(owned_server(
                         str(opts.vllm_python), Path(opts.target), target.engine_ids,
                         opts.run_dir / SERVER_LOG, states_dir=opts.engine_dir,
-                        max_model_len=_context(opts, target),
+                        tag=run_tag(opts.run_dir), max_model_len=_context(opts, target),
                     ))  # fmt: skip
                     found = [(server.url, str(server.states_dir))]
                     alive = server.ended

@@ -36,6 +36,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -141,6 +142,17 @@ def vllm_command(
     return cmd + list(extra)
 
 
+def _end_with_parent() -> None:
+    """In the server's process before it runs vLLM: SIGTERM it when the process that
+    started it dies (Linux ``PR_SET_PDEATHSIG``), so a killed trainer or check leaves no
+    server behind (vLLM's API server stops its engine core and workers on SIGTERM); the
+    server runs in a session of its own, which a signal to its starter's group misses."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+
+
 def _print(line: str) -> None:
     print(line, flush=True)
 
@@ -181,7 +193,12 @@ def vllm_process(
     full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **env}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+            preexec_fn=_end_with_parent,
         )
     url = f"http://127.0.0.1:{port}"
     try:
