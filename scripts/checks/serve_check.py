@@ -67,6 +67,7 @@ from scripts.checks.serve_engine_states import (
     engine_flags,
     states_checks,
     training_check,
+    two_ranks_check,
 )
 from scripts.servers.chat_server import running
 from trainer.eval.engine import complete, vllm_server
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
         corpus, target, prompts, plain, plain_stop, stops,
     )  # fmt: skip
     checks.append(training_check(work, drafter_tag(ENGINE_DRAFTER), drafter_tag(TWIN)))
+    checks.append(two_ranks_check(args, work, phases, corpus, target))
     checks += dflash2_checks(args, work, phases, corpus, target, prompts, plain)
     with phases("long context: a YaRN target's exports in vLLM's config reader"):
         checks += long_context_checks(args.vllm_python, work / "long-context")

@@ -97,3 +97,41 @@ def training_check(work: Path, tag: str, twin_tag: str) -> Check:
     print(f"   {detail}")
     ok = same_steps and worst <= LOSS_TOL
     return Check(f"{ENGINE_DRAFTER}: losses == the colocated run's", ok, detail)
+
+
+def two_ranks_check(args: argparse.Namespace, work: Path, phases: Phases, corpus: Path,
+                    target: Path) -> Check:  # fmt: skip
+    """Two ranks (torchrun, gloo) fed by one server rank 0 starts: the run trains its steps,
+    and when it ends no vLLM process and no states folder is left."""
+    import os
+    import subprocess
+    import sys
+
+    from scripts.checks.serve_common import sh
+    from scripts.servers.daemon_process import DaemonProcess
+    from trainer.engine.server import states_folder
+    from trainer.engine.side import run_tag
+
+    run_dir = work / "run-engine-two-ranks"
+    with phases("engine: two ranks fed by one server the run starts"):
+        endpoint = f"ipc://{work}/loader-engine-two.sock"
+        daemon = DaemonProcess(corpus, endpoint, "--token-budget", "2048", "--max-seq-len", "512",
+                               log_path=work / "daemon-engine-two.log")  # fmt: skip
+        try:
+            sh(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", "-m", "trainer.cli", "train", "--endpoint", endpoint, "--target", str(target),
+               "--job", "engine-two", "--run-dir", str(run_dir), "--steps", "8",
+               "--block-size", "8", "--no-progress", "--cost-samples", "0",
+               *engine_flags(args.vllm_python), log=work / "train-engine-two.log",
+               env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        finally:
+            daemon.stop()
+        steps = sorted(losses(run_dir))
+        left = subprocess.run(["pgrep", "-f", f"api_server --model {target}"],
+                              capture_output=True, text=True).stdout.split()  # fmt: skip
+        folder = states_folder(run_tag(run_dir))
+    ok = steps == list(range(1, 9)) and not left and not folder.exists()
+    detail = (f"steps {steps[:1]}..{steps[-1:]} trained; vLLM processes left {len(left)}; "
+              f"states folder {'left' if folder.exists() else 'removed'}")  # fmt: skip
+    print(f"   {detail}")
+    return Check("engine: two ranks, one server the run starts and stops", ok, detail)
