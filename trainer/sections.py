@@ -107,8 +107,8 @@ class TargetSection(TargetOptions):
         None,
         "Where this machine finds the hidden-state files the server writes (its "
         "shared_storage_path as mounted here) [the path the server names; a started "
-        "server: a new folder in /dev/shm].",
-        show_default=False, section=TARGET,
+        "server: the run's folder in /dev/shm].",
+        path={"exists": True, "file_okay": False}, show_default=False, section=TARGET,
     )  # fmt: skip
     engine_inflight: int = opt(
         32, "Documents each rank keeps in flight to the engine, read ahead of the plan.",
@@ -496,6 +496,10 @@ class RunOptions(
             raise ValueError(
                 f"{why} needs one of --engine-url (a server you run) and --vllm-python (a "
                 "server this run starts)"
+            )
+        if self.engine_url is not None and not self.engine_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"--engine-url {self.engine_url!r}: give the server's URL, e.g. http://HOST:8000"
             )
         if self.target_shard != "none":
             raise ValueError(f"{why}: the trainer holds no decoder to shard (--target-shard)")

@@ -219,6 +219,20 @@ def test_states_of_other_tokens_are_refused(daemon, target_dir, tmp_path):
     assert "refusing a wrong feature" in last
 
 
+def test_an_engine_dir_where_the_files_are_not_is_named(daemon, stand_in, target_dir, tmp_path):
+    """The server writes where this machine does not look: one line naming the file, the
+    folder looked in and --engine-dir, at the first document (not 300 s of retries)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    res = train(daemon.endpoint, tmp_path / "run", target_dir, "--target-engine", "vllm",
+                "--engine-url", stand_in.url, "--engine-dir", str(elsewhere),
+                check=False)  # fmt: skip
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert f"which is not in {elsewhere} here: give --engine-dir" in last, last
+    assert "Traceback" not in res.stderr and "not answering" not in res.stderr
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
@@ -236,6 +250,14 @@ def test_states_of_other_tokens_are_refused(daemon, target_dir, tmp_path):
         (
             ["--target-engine", "vllm", "--engine-url", "http://x", "--engine-inflight", "0"],
             "--engine-inflight must be >= 1",
+        ),
+        (
+            ["--target-engine", "vllm", "--engine-url", "localhost:8000"],
+            "give the server's URL, e.g. http://HOST:8000",
+        ),
+        (
+            ["--target-engine", "vllm", "--engine-url", "http://x", "--engine-dir", "/nowhere/x"],
+            "'/nowhere/x' does not exist",
         ),
     ],
 )

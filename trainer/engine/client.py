@@ -126,6 +126,13 @@ class StateClient:
             path = self._request(tokens, what, deadline)
             try:
                 states = self._read(path)
+            except FileNotFoundError:
+                # The server makes the lock before it replies: none means another folder.
+                raise EngineError(
+                    f"{self.url} wrote {what}'s states to {path.name}, which is not in "
+                    f"{path.parent} here: give --engine-dir, the folder where this machine "
+                    "sees the server's shared_storage_path"
+                ) from None
             except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # killed mid-write
                 self._drop(path)
                 self._wait(f"its states file {path} could not be read ({e})", deadline)
