@@ -93,8 +93,8 @@ class TargetSection(TargetOptions):
     )  # fmt: skip
     engine_url: str | None = opt(
         None,
-        "--target-engine vllm: a vLLM server you run, serving --target with the flags in "
-        "docs/TRAINER.md; unset: rank 0 starts one with --vllm-python.",
+        "--target-engine vllm: a vLLM server you run, serving --target as `dflash-train "
+        "engine-command` prints; unset: rank 0 starts one with --vllm-python.",
         section=TARGET,
     )
     vllm_python: Path | None = opt(
