@@ -390,6 +390,12 @@ def _warn_collective_timeout(opts: RunOptions, warn: bool) -> None:
     """While one rank's client waits for its daemon (``--timeout-s``), the others wait in a
     collective: a shorter collective timeout ends the job before the loader's own error."""
     t = opts.collective_timeout_s
+    if warn and t is not None and opts.engine and t <= opts.engine_timeout_s:
+        log.warning(
+            "--collective-timeout-s %g is not longer than --engine-timeout-s %g: a rank "
+            "waiting for the engine leaves the others in a collective until it fails, "
+            "before the engine's own error (and the final checkpoint)", t, opts.engine_timeout_s,
+        )  # fmt: skip
     if warn and t is not None and t <= opts.timeout_s:
         log.warning(
             "--collective-timeout-s %g is not longer than --timeout-s %g: a rank whose loader "

@@ -151,16 +151,19 @@ def test_a_killed_trainer_resumes_exactly_and_leaves_no_files(daemon, stand_in, 
     assert stand_in.files() == []
 
 
-def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path):
-    """The server exits after its 6th reply with that file half written, and comes back 3 s
-    later: one warning, the document asked for again, and the uninterrupted losses."""
+@pytest.mark.parametrize("unwritten", ["0", "1"])
+def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path, unwritten):
+    """The server exits after its 6th reply with that file half written (or not written
+    at all, its lock there), and comes back 3 s later: one warning, the document asked
+    for again, and the uninterrupted losses."""
     states = tmp_path / "states"
     steady = StandIn(target_dir, states)
     try:
         train(daemon.endpoint, tmp_path / "whole", target_dir, *engine(steady))
     finally:
         steady.stop()
-    flaky = StandIn(target_dir, states, FAKE_STATES_DIE_AFTER="6")
+    flaky = StandIn(target_dir, states, FAKE_STATES_DIE_AFTER="6",
+                    FAKE_STATES_DIE_UNWRITTEN=unwritten)  # fmt: skip
     restarted = []
 
     def restart() -> None:
@@ -186,6 +189,63 @@ def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path):
     for step in range(1, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
     assert sorted(p.name for p in states.iterdir()) == []
+
+
+def test_a_server_still_starting_is_waited_for(daemon, target_dir, tmp_path):
+    """The trainer starts first; the server answers only some seconds later: waited for
+    (one warning), then the run trains as usual."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    states = tmp_path / "states"
+    states.mkdir()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", daemon.endpoint,
+           "--job", "late", "--run-dir", str(run_dir), "--steps", "2", "--block-size", "8",
+           "--token-budget", "1024", "--max-seq-len", "256", "--num-eval-prompts", "0",
+           "--no-progress", "--target", str(target_dir), "--layers", LAYERS,
+           "--target-engine", "vllm", "--engine-url", url, "--engine-dir", str(states)]  # fmt: skip
+    trainer = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env())
+    time.sleep(4)
+    late = StandIn.__new__(StandIn)
+    late.target, late.states, late.port, late.url, late.proc = target_dir, states, port, url, None
+    try:
+        late.start()
+        _, err = trainer.communicate(timeout=240)
+    finally:
+        late.stop()
+    assert trainer.returncode == 0, err[-3000:]
+    assert err.count("is not answering") == 1 and "is answering again" in err
+    assert sorted(losses(run_dir)) == [1, 2]
+
+
+def test_the_next_micro_batch_is_asked_for_while_one_trains(target_dir, stand_in):
+    """The feed itself, against the stand-in: with 3 documents a micro-batch and 2 in
+    flight, every micro-batch it yields has the next one's first documents already asked
+    for, so the engine computes while the step trains (not only when asked)."""
+    import torch
+
+    from trainer.engine.client import StateClient
+    from trainer.engine.feed import EngineFeed
+    from trainer.engine.target import EngineTarget
+    from trainer.train.batches import ListSource
+
+    g = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 500, (40,), generator=g).tolist(), [1] * 40) for _ in range(12)]
+    source = ListSource(samples, rows=3, layout="packed", epochs=1)
+    target = EngineTarget(target_dir, [0, 1, 3], "cpu", torch.float32)
+    client = StateClient(stand_in.url, tag="feed", rank=0, num_states=3, hidden_size=128,
+                         inflight=2, states_dir=stand_in.states)  # fmt: skip
+    feed = EngineFeed(source, target, client)
+    asked_at_yield = []
+    for k, batch in enumerate(feed):
+        asked_at_yield.append(client.asked)  # documents asked for so far
+        assert target.batch_features(batch).shape == (1, 120, 3 * 128)
+        assert k == batch.step
+    feed.close()
+    assert len(asked_at_yield) == 4
+    for k, asked in enumerate(asked_at_yield[:-1]):
+        assert asked > 3 * (k + 1), (k, asked_at_yield)  # some of micro-batch k+1's asked
+    assert stand_in.files() == []
 
 
 def test_a_server_gone_for_good_stops_the_run_after_a_final_checkpoint(daemon, target_dir,

@@ -48,3 +48,18 @@ def test_a_batch_and_its_states_must_agree():
     batch = pad_batch([([1, 2], [1, 1])])
     with pytest.raises(ValueError, match="states for a batch of 1"):
         assemble(batch, [], [0], torch.float32)
+
+
+def test_a_server_the_run_starts_serves_one_machine(monkeypatch):
+    """--vllm-python starts the server on rank 0's machine (127.0.0.1, its /dev/shm): a job
+    whose ranks span machines is refused, naming what to do instead."""
+    from trainer.engine.client import EngineError
+    from trainer.engine.side import _one_machine
+    from trainer.train.distributed import DistEnv
+
+    env = DistEnv(rank=0, world_size=16, local_rank=0, device=torch.device("cpu"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(EngineError, match="--engine-url and --engine-dir"):
+        _one_machine(env)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    _one_machine(env)  # one machine: fine

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import http.client
 import itertools
 import json
 import logging
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between tries while the server does not answer (doubling up to the second).
 RETRY_S = (0.5, 2.0)
+#: How long a closing client still waits for a file being written (then it gives it up).
+CLOSE_GRACE_S = 10.0
 
 
 class EngineError(LoaderError):
@@ -87,11 +90,12 @@ class StateClient:
         self._lock = threading.Lock()
         self._outage = False  # warned that the server does not answer
         self._swept: Path | None = None  # the folder stale files were removed from
-        self._closing = False  # close() began: nothing is retried
-        self.model, self.max_model_len = self._served_model()
-        self._pool = ThreadPoolExecutor(inflight, thread_name_prefix="engine")
-        self.requests = 0  # documents asked for (and answered)
+        self._closing = 0.0  # when close() began (0: not yet): nothing is retried then
+        self.asked = 0  # documents submitted
+        self.requests = 0  # documents answered
         self.retries = 0  # tries that found no server, or a file that could not be read
+        self._pool = ThreadPoolExecutor(inflight, thread_name_prefix="engine")
+        self.model, self.max_model_len = self._served_model()
 
     # ---- the public side ---------------------------------------------------------------
 
@@ -100,23 +104,27 @@ class StateClient:
         document in errors (``sample 17 of epoch 0 step 3``)."""
         n = int(ids.numel())
         if self.max_model_len is not None and n > self.max_model_len - 1:
-            raise EngineError(
+            refused: Future[torch.Tensor] = Future()  # raised when its micro-batch is reached
+            refused.set_exception(EngineError(
                 f"{what} has {n} tokens; the server at {self.url} takes prompts of at most "
                 f"{self.max_model_len - 1} (its --max-model-len {self.max_model_len} less "
                 "the one token it generates): serve the target with a longer --max-model-len, "
                 "or give the loader a --max-seq-len that fits"
-            )
+            ))  # fmt: skip
+            return refused
         tokens = [int(t) for t in ids.tolist()]
+        self.asked += 1
         return self._pool.submit(self._states, tokens, what)
 
     def close(self) -> None:
         """Let the requests in flight finish (each removes its file; one the server does
         not answer is given up at once, not retried: a server a peer rank started may be
         stopping), then remove every file of this run and rank still in the folder."""
-        self._closing = True
+        self._closing = time.monotonic()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._swept is not None:
-            self._sweep(self._swept, everyone=True)
+        folder = self._swept or self.states_dir
+        if folder is not None and folder.is_dir():
+            self._sweep(folder, everyone=True)
 
     # ---- one document ------------------------------------------------------------------
 
@@ -125,7 +133,7 @@ class StateClient:
         while True:
             path = self._request(tokens, what, deadline)
             try:
-                states = self._read(path)
+                lock = open(str(path) + ".lock")  # noqa: SIM115 (closed below)
             except FileNotFoundError:
                 # The server makes the lock before it replies: none means another folder.
                 raise EngineError(
@@ -133,6 +141,11 @@ class StateClient:
                     f"{path.parent} here: give --engine-dir, the folder where this machine "
                     "sees the server's shared_storage_path"
                 ) from None
+            try:
+                states = self._read(path, lock, deadline)
+            except EngineError:
+                self._drop(path)
+                raise
             except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # killed mid-write
                 self._drop(path)
                 self._wait(f"its states file {path} could not be read ({e})", deadline)
@@ -155,14 +168,15 @@ class StateClient:
                     reply = json.loads(r.read())
             except urllib.error.HTTPError as e:
                 text = e.read()[:300].decode(errors="replace")
-                if e.code < 500:
+                if e.code < 500 and e.code not in (408, 429):
                     raise EngineError(
                         f"{self.url} refused {what} ({len(tokens)} tokens): HTTP {e.code}: {text}"
                     ) from None
                 self._wait(f"HTTP {e.code}: {text}", deadline)
                 continue
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-                self._wait(str(getattr(e, "reason", e)), deadline)
+            except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
+                # no server, a reply cut short (killed mid-body), or one that is not JSON
+                self._wait(str(getattr(e, "reason", e)) or type(e).__name__, deadline)
                 continue
             self._answering()
             params = reply.get("kv_transfer_params") or {}
@@ -186,12 +200,27 @@ class StateClient:
                     self._sweep(local.parent, everyone=False)
         return local
 
-    @staticmethod
-    def _read(path: Path) -> dict[str, torch.Tensor]:
+    def _read(self, path: Path, lock: Any, deadline: float) -> dict[str, torch.Tensor]:
+        """The file, once its writer let go of its lock (it holds ``LOCK_EX`` until the
+        file is whole, which takes milliseconds); a writer stuck past the deadline (past
+        ``CLOSE_GRACE_S`` once the client is closing) is an ``EngineError``. A missing
+        file (the server died before writing it) is an ``OSError``: asked for again."""
         from safetensors.torch import load_file
 
-        with open(str(path) + ".lock") as lock:
-            fcntl.flock(lock, fcntl.LOCK_SH)  # the writer holds LOCK_EX until the file is whole
+        with lock:
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if self._closing and time.monotonic() > self._closing + CLOSE_GRACE_S:
+                        raise EngineError(f"{path}: not written yet (closing)") from None
+                    if time.monotonic() > deadline:
+                        raise EngineError(
+                            f"{path}: the server has been writing it for more than "
+                            f"{self.timeout_s:.0f} s (--engine-timeout-s)"
+                        ) from None
+                    time.sleep(0.002)
             return load_file(str(path), device="cpu")
 
     def _check(self, states: dict[str, Any], tokens: list[int], what: str, path: Path) -> None:

@@ -10,10 +10,11 @@ batch as the trainer's own memory (``client.batch``), so reading ahead is only h
 batches longer; the daemon, its plan and its exactly-once bookkeeping are unchanged, and
 the engine is a dependency of the trainers alone (a URL and a folder), as the target was.
 
-``EngineFeed`` is a ``BatchSource``: at each ``next()`` it pulls micro-batches from the
-loader until ``inflight`` documents are ahead (one request each, in flight or answered),
-and yields the oldest micro-batch once all its documents' states are in, after giving the
-features to the ``EngineTarget``. The states held are bounded by the same number. Its
+``EngineFeed`` is a ``BatchSource``: at each ``next()`` it takes the oldest micro-batch
+read ahead, pulls micro-batches from the loader until ``inflight`` documents are ahead
+besides it (one request each, in flight or answered: what the engine computes while it
+trains), and yields it once all its documents' states are in, after giving the features
+to the ``EngineTarget``. The states held are bounded by that number and one micro-batch's. Its
 ``state_dict`` is the loader's position after the last micro-batch it *yielded*, not the
 last it read: a checkpoint resumes at the next batch to train, and what was read ahead is
 read again by the resumed run (the same documents, the same features). A loader error met
@@ -42,10 +43,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Ahead:
-    """A micro-batch read ahead: the loader's state after it, its documents' requests."""
+    """A micro-batch read ahead: the loader's state and shape changes after it, its
+    documents' requests."""
 
     batch: Batch
     state: dict[str, Any]
+    legs: Any
     states: list[Future[Any]]
 
 
@@ -61,19 +64,38 @@ class EngineFeed:
         self._queue: deque[_Ahead] = deque()
         self._ended: BaseException | None = None  # StopIteration or the loader's error
         self._state: dict[str, Any] | None = None  # after the last yielded micro-batch
+        self._yielded: _Ahead | None = None  # the last yielded micro-batch
         self._it: Iterator[Batch] | None = None
 
     # ---- BatchSource -------------------------------------------------------------------
 
     @property
     def steps_per_epoch(self) -> int | None:
+        """Of the last micro-batch yielded (the loader's may be an epoch further on)."""
+        last = self._yielded
+        if last is not None and last.batch.steps_per_epoch:
+            return int(last.batch.steps_per_epoch)
         return self.source.steps_per_epoch
 
     @property
     def effective_spec(self) -> dict[str, Any] | None:
         return self.source.effective_spec
 
-    def __getattr__(self, name: str) -> Any:  # endpoint, legs, resized: the loader's
+    @property
+    def legs(self) -> Any:
+        """The shape changes as of the last micro-batch yielded."""
+        last = self._yielded
+        return last.legs if last is not None else getattr(self.source, "legs", ())
+
+    @property
+    def spec(self) -> Any:
+        return getattr(self.source, "spec", None)
+
+    @spec.setter
+    def spec(self, value: Any) -> None:  # resume adjusts the loader client's request
+        self.source.spec = value  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:  # endpoint, resized: the loader's
         if name.startswith("_") or name in ("source", "target", "client", "max_ahead"):
             raise AttributeError(name)
         return getattr(self.source, name)
@@ -84,7 +106,7 @@ class EngineFeed:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._drop_ahead()
         self.source.load_state_dict(state)
-        self._state = None
+        self._state, self._yielded = None, None
 
     def close(self) -> None:
         self._drop_ahead()
@@ -101,10 +123,11 @@ class EngineFeed:
                     return
                 raise ended
             item = self._queue.popleft()
+            self._read_ahead()  # what the engine computes while this micro-batch trains
             states = [f.result() for f in item.states]  # EngineError: the run stops
             self.target.hold(item.batch, assemble(item.batch, states, self.target.columns,
                                                   self.target.dtype))  # fmt: skip
-            self._state = item.state
+            self._state, self._yielded = item.state, item
             yield item.batch
 
     # ---- reading ahead -----------------------------------------------------------------
@@ -128,7 +151,8 @@ class EngineFeed:
             except (StopIteration, LoaderError) as e:
                 self._ended = e
                 break
-            self._queue.append(_Ahead(batch, self.source.state_dict(), self._request(batch)))
+            legs = getattr(self.source, "legs", ())
+            self._queue.append(_Ahead(batch, self.source.state_dict(), legs, self._request(batch)))
 
     def _request(self, batch: Batch) -> list[Future[Any]]:
         docs = DocView.of(batch)

@@ -10,12 +10,12 @@ passes ``--engine-url``, with ``--engine-dir`` where the files appear on each ma
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from trainer.engine.client import EngineError, StateClient
 from trainer.engine.feed import EngineFeed
@@ -25,7 +25,7 @@ from trainer.model.target import run_dtype
 from trainer.option_values import parse_int_list
 from trainer.sections import RunOptions
 from trainer.train.batches import BatchSource
-from trainer.train.distributed import DistEnv
+from trainer.train.distributed import DistEnv, control_broadcast
 
 #: The log of a server a run starts, in its run folder.
 SERVER_LOG = "vllm-engine.log"
@@ -50,7 +50,8 @@ def engine_side(
         alive: Callable[[], str | None] | None = None
         if url is None:
             assert opts.vllm_python is not None  # RunOptions checks it
-            found: list[Any] = [None]
+            _one_machine(env)
+            found: Any = None
             if env.is_main:
                 opts.run_dir.mkdir(parents=True, exist_ok=True)
                 try:
@@ -59,15 +60,16 @@ def engine_side(
                         opts.run_dir / SERVER_LOG, states_dir=opts.engine_dir,
                         tag=run_tag(opts.run_dir), max_model_len=_context(opts, target),
                     ))  # fmt: skip
-                    found = [(server.url, str(server.states_dir))]
+                    found = (server.url, str(server.states_dir), server.proc.pid)
                     alive = server.ended
-                except RuntimeError as e:
-                    found = [str(e)]
-            if env.distributed:
-                dist.broadcast_object_list(found, src=0)
-            if not isinstance(found[0], tuple):
-                raise EngineError(f"the vLLM server could not start (rank 0): {found[0]}")
-            url, folder = found[0][0], Path(found[0][1])
+                except Exception as e:  # every rank says it, none waits in a collective
+                    found = str(e)
+            found = control_broadcast(found, env)
+            if not isinstance(found, tuple):
+                raise EngineError(f"the vLLM server could not start (rank 0): {found}")
+            url, folder = found[0], Path(found[1])
+            if not env.is_main:
+                alive = functools.partial(_exited, int(found[2]))
         client = StateClient(
             url, tag=run_tag(opts.run_dir), rank=env.rank, num_states=len(target.engine_ids),
             hidden_size=target.hidden_size, inflight=opts.engine_inflight,
@@ -77,6 +79,25 @@ def engine_side(
             yield target, lambda source: EngineFeed(source, target, client)
         finally:
             client.close()
+
+
+def _one_machine(env: DistEnv) -> None:
+    """A server the run starts serves rank 0's machine only (its address is 127.0.0.1, its
+    folder that machine's memory): a job over several machines runs its own server."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    if local != env.world_size:
+        raise EngineError(
+            f"--vllm-python starts a server on rank 0's machine, which the job's other "
+            f"machines cannot reach ({env.world_size} ranks, {local} here): run a server "
+            "(`dflash-train engine-command`) and give every rank --engine-url and --engine-dir"
+        )
+
+
+def _exited(pid: int) -> str | None:
+    """For the ranks beside rank 0: whether the server rank 0 started has exited."""
+    return None if Path(f"/proc/{pid}").exists() else (
+        f"the vLLM server rank 0 started (pid {pid}) exited (rank 0's log says why)"
+    )  # fmt: skip
 
 
 def _context(opts: RunOptions, target: EngineTarget) -> int:

@@ -17,6 +17,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -120,6 +121,15 @@ def control_all_reduce(t: torch.Tensor, env: DistEnv, op: str = "sum") -> torch.
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         dist.all_reduce(t, op=reduce_op, group=_CONTROL)
     return t
+
+
+def control_broadcast(obj: Any, env: DistEnv) -> Any:
+    """Rank 0's ``obj`` on every rank (a picklable value), over the host-side group."""
+    if not env.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_CONTROL)
+    return box[0]
 
 
 def barrier(env: DistEnv) -> None:
