@@ -208,7 +208,7 @@ class StateClient:
         from safetensors.torch import load_file
 
         with lock:
-            while True:
+            for k in itertools.count():
                 try:
                     fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
                     break
@@ -220,7 +220,7 @@ class StateClient:
                             f"{path}: the server has been writing it for more than "
                             f"{self.timeout_s:.0f} s (--engine-timeout-s)"
                         ) from None
-                    time.sleep(0.002)
+                    time.sleep(min(0.0002 * 2**k, 0.02))  # usually written within ms
             return load_file(str(path), device="cpu")
 
     def _check(self, states: dict[str, Any], tokens: list[int], what: str, path: Path) -> None:
