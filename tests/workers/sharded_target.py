@@ -14,6 +14,7 @@ in lockstep), and the parameter bytes each rank holds. Writes ``OUT/rank-R.json`
 
 import copy
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -140,6 +141,13 @@ def main() -> None:
     results = {d.name: check(d, rank) for d in dirs}
     (out / f"rank-{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
+    # Measured: in about 1 run in 10, a rank aborts ("terminate called without an active
+    # exception", SIGABRT) in the interpreter's teardown, after both ranks destroyed the
+    # process group and wrote their results (this worker builds three sharded models, one
+    # on an HSDP mesh). What the test checks is written by then: end without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
