@@ -92,7 +92,6 @@ class StateClient:
         self._swept: Path | None = None  # the folder stale files were removed from
         self._closing = 0.0  # when close() began (0: not yet): nothing is retried then
         self.asked = 0  # documents submitted
-        self.requests = 0  # documents answered
         self.retries = 0  # tries that found no server, or a file that could not be read
         self._pool = ThreadPoolExecutor(inflight, thread_name_prefix="engine")
         self.model, self.max_model_len = self._served_model()
@@ -152,8 +151,6 @@ class StateClient:
                 continue
             self._drop(path)
             self._check(states, tokens, what, path)
-            with self._lock:
-                self.requests += 1
             return states["hidden_states"]
 
     def _request(self, tokens: list[int], what: str, deadline: float) -> Path:

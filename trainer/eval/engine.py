@@ -158,21 +158,9 @@ def _print(line: str) -> None:
 
 
 @contextlib.contextmanager
-def vllm_server(
-    vllm_python: str, target: Path, log: Path, drafter: Path | None = None,
-    speculators: bool = False, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS, *,
-    max_model_len: int = MAX_MODEL_LEN, kv_cache_memory_bytes: int = KV_CACHE_MEMORY_BYTES,
-    extra: Sequence[str] = (), echo: Callable[[str], None] = _print,
-    startup_timeout_s: float = STARTUP_TIMEOUT_S, **env: str,
-) -> Iterator[str]:  # fmt: skip
-    """vLLM's server (``vllm_command``) in a session of its own, its output in ``log``,
-    ``env`` added to its environment; its URL once ``/health`` answers. ``echo`` shows the
-    command and the start-up time."""
-    with vllm_process(
-        vllm_python, target, log, drafter, speculators, num_speculative_tokens,
-        max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes, extra=extra,
-        echo=echo, startup_timeout_s=startup_timeout_s, **env,
-    ) as (url, _):  # fmt: skip
+def vllm_server(*args: Any, **kwargs: Any) -> Iterator[str]:
+    """``vllm_process`` (the same arguments), yielding its URL only."""
+    with vllm_process(*args, **kwargs) as (url, _):
         yield url
 
 
@@ -184,7 +172,9 @@ def vllm_process(
     extra: Sequence[str] = (), echo: Callable[[str], None] = _print,
     startup_timeout_s: float = STARTUP_TIMEOUT_S, **env: str,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:  # fmt: skip
-    """``vllm_server``, yielding its process too (its owner watches it)."""
+    """vLLM's server (``vllm_command``) in a session of its own, its output in ``log``,
+    ``env`` added to its environment; its URL and process once ``/health`` answers (its
+    owner may watch the process). ``echo`` shows the command and the start-up time."""
     port = free_port()
     cmd = vllm_command(vllm_python, target, port, drafter, speculators, num_speculative_tokens,
                        max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
