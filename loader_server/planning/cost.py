@@ -11,10 +11,10 @@ over features the planner knows from sample lengths alone (``features``):
   the linear layers as much as real tokens), the row's ``T`` for a packed one;
 * ``sq``: attention work, the pairs of positions attention computes: ``rows * L**2``
   padded (each row attends over its padded length); packed, ``sum(l_i**2)`` under a
-  block-sparse kernel that stays inside each document (``packed_attention="documents"``:
-  the trainer's flex attention, its default on CUDA) or ``T**2`` under a dense mask over
-  the row (``"row"``: SDPA, the trainer's kernel elsewhere, where a packed row of 4,096
-  tokens costs several times its documents padded);
+  kernel that stays inside each document (``packed_attention="documents"``: the
+  trainer's flex attention, and its SDPA, which runs a forward per document) or ``T**2``
+  under a dense mask over the row (``"row"``: what the trainer's SDPA did before, where a
+  packed row of 4,096 tokens cost several times its documents padded);
 * ``slots``: block slots through the drafter and the frozen LM head (the vocabulary
   projection, the largest single cost at a 151,936-token vocabulary): ``block_size`` times
   the sum of per-document anchors (``doc_anchors``), where a document of length ``l`` gets

@@ -279,6 +279,56 @@ def test_packed_target_features_equal_per_document(target):
         start += len(ids)
 
 
+def test_packed_target_features_under_sdpa_run_one_document_at_a_time(target):
+    """Under SDPA an unsharded target runs each document of a packed row as a forward of its
+    own (a document starts where the positions stop counting up by one), so no dense
+    ``[T, T]`` mask is built: the forwards are the documents', and each document's
+    features equal its own padded row's."""
+    samples = random_docs(4)
+    packed = pack_batch(samples)
+    seen: list[int] = []
+
+    def count(_module, _args, kwargs):
+        seen.append(int(kwargs["input_ids"].shape[1]))
+
+    hook = target.base.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        feats = target.train_features(packed.input_ids, packed.position_ids)
+    finally:
+        hook.remove()
+    assert seen == [len(ids) for ids, _ in samples]
+    start = 0
+    for ids, _ in samples:
+        alone = target.train_features(torch.tensor(ids)[None])
+        assert torch.allclose(feats[0, start : start + len(ids)], alone[0], atol=1e-6)
+        start += len(ids)
+
+
+def test_a_gpt_oss_target_s_packed_documents_are_each_alone(tmp_path):
+    """GPT-OSS (sliding layers, attention sinks): Transformers' dense mask over a packed row
+    let the later documents' features drift from the document alone (by ~0.05 here); one
+    forward per document gives each exactly its own."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=64, num_hidden_layers=3, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )  # fmt: skip
+    GptOssForCausalLM(config).save_pretrained(tmp_path / "gptoss")
+    gpt = load_target(str(tmp_path / "gptoss"), layer_ids=[0, 1])
+    samples = random_docs(3)
+    packed = pack_batch(samples)
+    feats = gpt.train_features(packed.input_ids, packed.position_ids)
+    start = 0
+    for ids, _ in samples:
+        alone = gpt.train_features(torch.tensor(ids)[None])
+        assert torch.equal(feats[0, start : start + len(ids)], alone[0])
+        start += len(ids)
+
+
 def test_packed_target_features_under_flex_equal_per_document(target):
     """``attention="flex"``: a packed row runs block-sparse under Transformers'
     flex_attention (no dense ``[T, T]`` mask) and gives each document's own features; the

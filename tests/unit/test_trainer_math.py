@@ -327,23 +327,24 @@ def test_cost_profile_goes_into_the_requested_spec(tmp_path):
 
 
 def test_with_a_cost_model_the_spec_names_the_kernel_packed_rows_run_under(tmp_path):
-    """A dense mask (SDPA: the CPU's kernel, and any --attention sdpa) makes a packed row's
-    attention its whole length squared; flex, its documents'. The trainer says which when
-    it asks for a cost model, and a --spec saying otherwise is refused."""
+    """Both kernels attend within documents (SDPA one document at a time, flex over a block
+    mask), so a packed row's attention costs its documents' squared lengths. The trainer
+    says so when it asks for a cost model, and a --spec (or a profile calibrated when SDPA
+    attended over the whole row) saying otherwise is refused or overruled."""
     assert "packed_attention" not in loader_spec(_opts())  # no cost model: no cost to model
     costly = ("cost_attn=1e-9", "cost_tok=1e-6")
-    assert loader_spec(_opts(spec_pairs=costly))["packed_attention"] == "row"  # CPU: SDPA
+    assert loader_spec(_opts(spec_pairs=costly))["packed_attention"] == "documents"  # SDPA
     flex = loader_spec(_opts(spec_pairs=costly, attention="flex"))
     assert flex["packed_attention"] == "documents"
-    with pytest.raises(ValueError, match=r"packed_attention=documents contradicts --attention"):
-        loader_spec(_opts(spec_pairs=(*costly, "packed_attention=documents")))
+    with pytest.raises(ValueError, match=r"packed_attention=row contradicts --attention"):
+        loader_spec(_opts(spec_pairs=(*costly, "packed_attention=row")))
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps({
-        "version": 1, "packed_attention": "documents",
+        "version": 1, "packed_attention": "row",
         "coefficients": {"cost_c0": 0.1, "cost_tok": 1e-5, "cost_attn": 1e-9, "cost_slot": 0.0},
         "anchor_rule": RULE,
     }))  # fmt: skip
-    assert loader_spec(_opts(cost_profile=profile))["packed_attention"] == "row"  # the trainer's
+    assert loader_spec(_opts(cost_profile=profile))["packed_attention"] == "documents"
 
 
 def test_a_checkpoint_from_before_a_spec_field_resumes_under_its_default():

@@ -196,10 +196,14 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 def packed_attention(backend: str) -> str:
     """What a packed row's attention computes under a resolved backend, as the loader's
-    cost model names it (``BatchSpec.packed_attention``): flex's block mask skips the tiles
-    between documents (``documents``); SDPA attends over the row under a dense mask
-    (``row``: the row's length squared, whatever its documents)."""
-    return "documents" if backend == "flex" else "row"
+    cost model names it (``BatchSpec.packed_attention``): ``documents`` under both, flex's
+    block mask skipping the tiles between documents and SDPA running each document apart
+    (the drafter's chunks and the target's forwards). The loader still plans ``row`` (the
+    row's length squared, whatever its documents) for a profile calibrated when SDPA
+    attended over the whole row under a dense mask."""
+    if backend not in ("sdpa", "flex"):
+        raise ValueError(f"attention must be 'sdpa' or 'flex', got {backend!r}")
+    return "documents"
 
 
 def _flex_available() -> bool:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -234,16 +235,32 @@ class Target:
     ) -> torch.Tensor:
         """Features ``[R, T, n*H]`` only: the decoder stops after the deepest chosen layer,
         and neither the other layers' hidden states nor the LM head are computed.
-        ``attention`` ``"flex"``: a packed row (``position_ids`` given) runs under
-        ``flex_attention``, block-sparse over its documents, instead of SDPA's dense
-        ``[T, T]`` mask; padded rows (no ``position_ids``) keep SDPA's causal kernel."""
+        A packed row (``position_ids`` given) runs under ``flex_attention`` (block-sparse
+        over its documents) or, under SDPA, a document at a time (``_per_document``; the
+        ranks of a sharded target in lockstep). Padded rows keep SDPA's causal kernel."""
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
         if position_ids is not None:
             require_packed_rows()
         kernel = "flex_attention" if attention == "flex" and position_ids is not None else None
+        if kernel is None and position_ids is not None:
+            with self.lockstep():
+                return self._per_document(input_ids, position_ids)
         with self._attention(kernel):
             return self._run(input_ids, position_ids, None, stop_early=True)[0]
+
+    def _per_document(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Packed rows' features, a forward per document (one starts where the positions stop
+        counting up by one, Transformers' rule): each document exactly alone, at the cost of
+        its squared length, not the row's (CPU: 2.7x faster, docs/BENCHMARKS.md "Against
+        speculators"; Transformers' dense mask let a GPT-OSS target's documents mix)."""
+        rows = []  # [1, T] in training; any number of rows alike
+        for ids, pos in zip(input_ids, position_ids, strict=True):
+            cut = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist()
+            run = [self._run(ids[None, a:b], pos[None, a:b], None, stop_early=True)[0]
+                   for a, b in itertools.pairwise([0, *cut, pos.numel()])]  # fmt: skip
+            rows.append(torch.cat(run, dim=1))
+        return torch.cat(rows, dim=0)
 
     @contextlib.contextmanager
     def _attention(self, kernel: str | None) -> Iterator[None]:
