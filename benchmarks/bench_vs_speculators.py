@@ -20,7 +20,8 @@ scripts/checks/serve_check.sh --venv-only``): vLLM's CPU build and speculators 0
 * **Settings** (``RaceSettings``, printed): the same drafter, target layers, packed row
   per step, anchors per row, D-PACE, AdamW, warm-up and cosine, seed and epochs; what could
   not be matched is printed too (``UNMATCHED``).
-* **Pairs**: ``--pairs`` times, interleaved (pair ``k`` runs ours first when ``k`` is even,
+* **Pairs**: ``--pairs`` times (``--more``: added to the pairs of ``results.json``, with
+  the next seeds), interleaved (pair ``k`` runs ours first when ``k`` is even,
   theirs first when odd) with seed ``k``: our trainer on our loader daemon (colocated
   target), then speculators' ``train`` through ``benchmarks/peer/speculators_cpu.py`` (the
   CPU patches it lists), both with ``--threads`` torch threads. Measured: training tokens/s
@@ -324,6 +325,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", required=True, help="The serve-check virtualenv's python.")
     ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-vs-speculators"))
     ap.add_argument("--pairs", type=int, default=3, help="Interleaved pairs (seeds 0..N-1).")
+    ap.add_argument("--more", action="store_true",
+                    help="Add --pairs pairs (the next seeds) to those of --work's results.json "
+                    "of the same settings, and report them all.")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="Tiny random target, no acceptance.")
     ap.add_argument("--threads", type=int, default=2, help="Torch threads of each trainer.")
     ap.add_argument("--epochs", type=int, default=2)
@@ -358,13 +362,14 @@ def main() -> None:
     _say("== settings (both): " + json.dumps(base.describe()))
     for line in UNMATCHED:
         _say(f"   not matched: {line}")
-    runs: list[dict[str, Any]] = []
-    for k in range(args.pairs):
+    runs: list[dict[str, Any]] = earlier(work / "results.json", base) if args.more else []
+    first = len(runs)
+    for k in range(first, first + args.pairs):
         s = RaceSettings(**{**base.describe(), "seed": k})
         order = ("ours", "theirs") if k % 2 == 0 else ("theirs", "ours")
         pair: dict[str, Any] = {"seed": k, "order": list(order)}
         for who in order:
-            _say(f"== pair {k + 1}/{args.pairs}: {who}")
+            _say(f"== pair {k + 1}/{first + args.pairs}: {who}")
             pair[who] = (
                 run_ours(work, setup, s, args.threads) if who == "ours"
                 else run_theirs(work, setup, data, s, args.threads, args.vllm_python)
@@ -388,7 +393,20 @@ def main() -> None:
     (work / "results.json").write_text(json.dumps(
         {"settings": base.describe(), "unmatched": UNMATCHED, "data": data, "runs": runs,
          "summary": summary}, indent=1) + "\n")  # fmt: skip
-    report(summary, args.pairs)
+    report(summary, len(runs))
+
+
+def earlier(path: Path, base: RaceSettings) -> list[dict[str, Any]]:
+    """The pairs of an earlier run's ``results.json`` (seeds 0..N-1), refused unless it
+    trained with ``base``'s settings."""
+    old = json.loads(path.read_text())
+    if old["settings"] != json.loads(json.dumps(base.describe())):
+        sys.exit(f"--more: {path} was run with other settings:\n{old['settings']}\n"
+                 f"now: {base.describe()}")  # fmt: skip
+    runs = list(old["runs"])
+    if [p["seed"] for p in runs] != list(range(len(runs))):
+        sys.exit(f"--more: {path}'s pairs are not seeds 0..{len(runs) - 1}")
+    return runs
 
 
 def summarize(runs: list[dict[str, Any]], data: dict[str, Any]) -> dict[str, Any]:
