@@ -14,8 +14,10 @@ What it does, on this machine (CPU, one thread):
    LM-head work follows its document count, not its tokens: a micro-batch of many short
    documents carries several times the anchors of one of a few long ones at the same
    token count. That is the case the cost model exists for, scaled down. On this CPU the
-   trainer runs SDPA, whose dense mask makes a packed row's attention its whole length
-   squared (``packed_attention="row"``), recorded with the timings and fitted as such.
+   trainer runs SDPA, a target forward per packed document (``packed_attention=
+   "documents"``, recorded with the timings): each document also carries that forward's
+   fixed cost, the model's ``documents`` term (here one anchor per document, so it is
+   ``slots / 8`` and the fit gives it to either).
 2. Calibration, for real: the trainer (``trainer.train.loop.Trainer``, one rank) trains on
    each layout's token-balanced plan, in that layout, with ``--cost-samples``; then
    ``dflash-train calibrate`` fits each layout's profile to its own run (hold-out error
@@ -26,8 +28,12 @@ What it does, on this machine (CPU, one thread):
    of commit REV's planner, padded, run by its own code: ``benchmarks/baseline.py``).
    ``--steps`` randomly chosen steps of each plan (8 ranks x grad_accum micro-batches
    each) are timed for real, forward + backward as the trainer runs them in the plan's
-   layout, each micro-batch twice in a row, the plans interleaved step by step. Per
-   step, a rank's time is the sum of its micro-batches' (first) times.
+   layout, each micro-batch twice in a row, the plans interleaved step by step, and within
+   a step the ranks interleaved (each rank's first micro-batch, then each one's second:
+   real ranks run at once, so the VM's drift over seconds must not fall on one rank;
+   timed rank after rank at grad_accum 4 it did, and a rank's micro-batches erred
+   together, ``rank_coupling``). Per step, a rank's time is the sum of its micro-batches'
+   (first) times.
 4. Reported, side by side: measured rank imbalance (mean over steps of max/mean of the
    ranks' times), the noise floor (the same micro-batches timed twice in a row give each
    timing's jitter, ``(t1 - t2) / (t1 + t2) * sqrt(2)`` relative to the pair's mean, less
@@ -204,7 +210,7 @@ def measure(plans: dict[str, EpochPlan], steps: int, corpus: Corpus, target, dra
         time_micro(corpus, p, 0, target, drafter)
     for k in range(steps):
         for name, p in plans.items():  # interleaved: drift hits both plans alike
-            for r, g in np.ndindex(world, accum):
+            for g, r in np.ndindex(accum, world):  # ranks interleaved (module docstring)
                 m = p.index(int(chosen[name][k]), r, g)
                 for rep in range(2):  # back to back: the pair differs by jitter alone
                     times[name][rep, k, r, g] = time_micro(corpus, p, m, target, drafter)
@@ -238,6 +244,35 @@ def epoch_ratio_interval(
     return float(lo), float(hi)
 
 
+def modelled_grid(plan: EpochPlan, steps: np.ndarray, coef) -> np.ndarray:
+    """[steps, world, grad_accum] modelled cost of the micro-batches of ``steps``."""
+    costs = metrics.modelled_costs(plan, coef)
+    world, accum = plan.spec.world_size, plan.spec.grad_accum
+    out = np.empty((steps.size, world, accum))
+    for k, step in enumerate(steps.tolist()):
+        for r, g in np.ndindex(world, accum):
+            out[k, r, g] = costs[plan.index(step, r, g)]
+    return out
+
+
+def rank_coupling(times: np.ndarray, modelled: np.ndarray) -> float:
+    """How much a rank's micro-batches of one step err together: the variance over
+    (step, rank) of the mean of their log(measured / modelled) deviations, the step's mean
+    taken out, over what independent deviations of the same spread would give (1: as
+    independent, what the noise floor assumes; above 1: a rank's micro-batches share
+    timing drift, which the floor does not count). ``times``, ``modelled``: [steps, world,
+    grad_accum]. NaN at grad_accum 1."""
+    _, world, accum = times.shape
+    if accum < 2:
+        return float("nan")
+    d = np.log(times / modelled)
+    d = d - d.mean(axis=(1, 2), keepdims=True)
+    rank_means = d.mean(axis=2)
+    within = (d - rank_means[..., None]).var() * accum / (accum - 1)
+    # independent: a rank's mean varies by within / accum, less the step's mean's share
+    return float(rank_means.var() / (within / accum * (world - 1) / world))
+
+
 def imbalance(t: np.ndarray) -> float:
     """Mean over steps of max/mean of the ranks' times (``t``: [steps, world])."""
     return float((t.max(axis=1) / t.mean(axis=1)).mean())
@@ -249,7 +284,13 @@ def reference_targets(baseline: str | None) -> dict[str, dict[str, Any]]:
     not measured here), at grad_accum 1 and 4; ``baseline``: also that commit's
     cost-balanced plans."""
     lengths = synth_lengths(SynthSpec(num_samples=902_000))
-    h100 = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
+    h100 = {
+        "cost_c0": 0.02,
+        "cost_tok": 2.3e-5,
+        "cost_attn": 4e-10,
+        "cost_slot": 3.6e-6,
+        "cost_doc": 0.0,
+    }  # flex: one target forward per row, no cost per document
     model = np.array(list(h100.values()))
     out = {}
     for accum in (1, 4):
@@ -296,7 +337,7 @@ def run_shape(
     plans["cost-balanced"] = plan_epoch(corpus.lengths, specs["cost"], epoch=0)
     accum = specs["cost"].grad_accum
     t0 = time.perf_counter()
-    times, _ = measure(plans, steps, corpus, target, drafter, seed)
+    times, chosen = measure(plans, steps, corpus, target, drafter, seed)
     timed = 2 * steps * 8 * accum * len(plans)
     print(f"\ngrad_accum {accum}: timed {timed} micro-batches ({time.perf_counter() - t0:.0f} s)")
     floor = noise_floor(times, seed)
@@ -314,6 +355,7 @@ def run_shape(
             "ddp_epoch_s": float(p.num_steps * per_step_max),
             "padding_efficiency": float(p.stats["padding_efficiency"]),
             "step_mix_distance": metrics.step_mix_distance(p),
+            "rank_coupling": rank_coupling(times[name][0], modelled_grid(p, chosen[name], coef)),
         }
     print(
         f"world size 8 x grad_accum {accum}, {steps} sampled steps per plan, each timed twice; "
@@ -341,6 +383,9 @@ def run_shape(
             r["epoch_ratio"], r["epoch_ratio_90"] = r["ddp_epoch_s"] / tok["ddp_epoch_s"], [lo, hi]
             print(f"{name}: DDP epoch {r['epoch_ratio']:.3f}x token-balanced (90% interval "
                   f"over the sampled steps {lo:.3f}-{hi:.3f})")  # fmt: skip
+    coupling = ", ".join(f"{n} {r['rank_coupling']:.2f}" for n, r in rows.items())
+    print(f"rank coupling (1: a rank's micro-batches err independently, as the floor assumes): "
+          f"{coupling}")  # fmt: skip
     gap_tok = tok["imbalance_measured"] - floor
     for name, r in rows.items():
         if name == "token-balanced":

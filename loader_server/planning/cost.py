@@ -3,7 +3,7 @@
 In data-parallel training every optimizer step waits for its slowest rank, so the plan
 should balance *time*, not tokens. A DFlash micro-batch's time is modelled as
 
-    cost = c0 + c_tok * tokens + c_attn * sq + c_slot * slots
+    cost = c0 + c_tok * tokens + c_attn * sq + c_slot * slots + c_doc * documents
 
 over features the planner knows from sample lengths alone (``features``):
 
@@ -25,11 +25,18 @@ over features the planner knows from sample lengths alone (``features``):
   every position supervised: the loader sees lengths, not loss masks, and calibration
   (``dflash-train calibrate``, which fits on these same features) absorbs the corpus's
   supervised fraction into ``c_slot``;
+* ``documents``: the documents of a packed row, the rows of a padded micro-batch. Under
+  SDPA the trainer runs the target once per packed document (``Target._per_document``),
+  so each document carries a forward's fixed cost (measured on this CPU at a hidden-64
+  target: about 6 ms, some 1,500 tokens' worth, ``docs/PLANNER.md``); a padded
+  micro-batch's rows run in one forward, where the term is near 0 and the fit says so.
+  Where every document draws one anchor it equals ``slots / block_size`` and a fit cannot
+  tell the two apart (either carries it);
 * ``c0``: the fixed cost of a micro-batch (kernel launches, its share of the optimizer
   step and of communication).
 
 The coefficients live in the batch spec (``loader_server.wire.spec``: ``cost_c0``,
-``cost_tok``, ``cost_attn``, ``cost_slot``, with the anchor rule ``block_size``,
+``cost_tok``, ``cost_attn``, ``cost_slot``, ``cost_doc``, with the anchor rule ``block_size``,
 ``anchors_per_doc``, ``tokens_per_anchor``, ``max_anchors``);
 the defaults (``c_tok = 1``, the rest 0) make the cost the token count, which is exactly
 the planner without a cost model. A *cost profile* (JSON, written by ``dflash-train
@@ -44,12 +51,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from loader_server.wire.spec import AnchorRule
+from loader_server.wire.spec import COEFFICIENTS, AnchorRule, Coefficients
 
-#: Spec fields of the coefficients, in the order of the feature columns.
-COEFFICIENTS = ("cost_c0", "cost_tok", "cost_attn", "cost_slot")
-#: Feature columns of ``features`` (what each coefficient multiplies).
-FEATURES = ("one", "tokens", "sq", "slots")
+#: Feature columns of ``features`` (what each coefficient of ``COEFFICIENTS`` multiplies).
+FEATURES = ("one", "tokens", "sq", "slots", "documents")
+assert len(FEATURES) == len(COEFFICIENTS)
 
 
 def doc_anchors(rule: AnchorRule, lengths: np.ndarray) -> np.ndarray:
@@ -78,7 +84,7 @@ def features(
     rule: AnchorRule,
     packed_attention: str = "documents",
 ) -> np.ndarray:
-    """[micro-batches, 4] float64 features (``FEATURES``) of micro-batches laid out as
+    """[micro-batches, 5] float64 features (``FEATURES``) of micro-batches laid out as
     consecutive runs of ``doc_lengths`` beginning at ``starts`` (non-empty runs), packed
     rows' attention counted as ``packed_attention`` says."""
     x = np.asarray(doc_lengths, dtype=np.int64)
@@ -87,39 +93,39 @@ def features(
     if starts.size == 0:
         return out
     anchors = np.add.reduceat(doc_anchors(rule, x), starts)
+    docs = np.diff(np.append(starts, x.size))
     if layout == "packed":
         tokens = np.add.reduceat(x, starts)
         sq = tokens * tokens if packed_attention == "row" else np.add.reduceat(x * x, starts)
-        slot_count = slots(rule, anchors)
+        terms = (tokens, sq, slots(rule, anchors), docs)
     else:
-        rows = np.diff(np.append(starts, x.size))
-        tokens, sq, slot_count = padded_terms(rows, np.maximum.reduceat(x, starts), anchors, rule)
+        terms = padded_terms(docs, np.maximum.reduceat(x, starts), anchors, rule)
     out[:, 0] = 1.0
-    out[:, 1] = tokens
-    out[:, 2] = sq
-    out[:, 3] = slot_count
+    out[:, 1:] = np.stack(terms, 1)
     return out
 
 
 def padded_terms(
     rows: np.ndarray, longest: np.ndarray, anchors: np.ndarray, rule: AnchorRule
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, sq, slots) of padded micro-batches of ``rows`` rows ``longest`` wide whose
-    documents draw ``anchors`` anchors, elementwise: the one statement of the padded
-    features (float64, exact below 2^53)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, sq, slots, documents) of padded micro-batches of ``rows`` rows ``longest``
+    wide whose documents draw ``anchors`` anchors, elementwise: the one statement of the
+    padded features (float64, exact below 2^53)."""
     tokens = rows * np.asarray(longest).astype(np.float64)
-    return tokens, tokens * longest, slots(rule, anchors)
+    return tokens, tokens * longest, slots(rule, anchors), np.asarray(rows, np.float64)
 
 
 def modelled(
-    coefficients: tuple[float, float, float, float],
+    coefficients: Coefficients,
     tokens: np.ndarray,
     sq: np.ndarray,
     slots: np.ndarray,
+    documents: np.ndarray,
 ) -> np.ndarray:
-    """The cost model itself: ``c0 + c_tok*tokens + c_attn*sq + c_slot*slots``."""
-    c0, tok, attn, slot = coefficients
-    return c0 + tok * tokens + attn * sq + slot * slots
+    """The cost model itself: ``c0 + c_tok*tokens + c_attn*sq + c_slot*slots +
+    c_doc*documents``."""
+    c0, tok, attn, slot, doc = coefficients
+    return c0 + tok * tokens + attn * sq + slot * slots + doc * documents
 
 
 def uniform_features(lengths: np.ndarray, rows: np.ndarray, *, rule: AnchorRule) -> np.ndarray:

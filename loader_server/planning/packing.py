@@ -62,7 +62,7 @@ class CostCut:
     anchor rule, and whether a packed row's attention is its whole length squared
     (``row_attention``: a dense mask) rather than its documents' (a block-sparse kernel)."""
 
-    coefficients: tuple[float, float, float, float]
+    coefficients: cm.Coefficients
     budget: float
     rule: cm.AnchorRule
     row_attention: bool = False
@@ -86,8 +86,9 @@ class CostCut:
 
     def scaled(self, lengths: np.ndarray, token_budget: int) -> np.ndarray:
         """Each document's share of a packed row in token units: the larger of its tokens
-        and its modelled cost scaled so that the room the cost budget leaves maps to the
-        token budget. int64, at most ``token_budget``.
+        and its modelled cost (its own terms, ``cost_doc`` included) scaled so that the
+        room the cost budget leaves maps to the token budget. int64, at most
+        ``token_budget``.
 
         A row's cost is not a sum over its documents when the per-micro-batch anchor cap
         binds, so where a row within the budget can reach the cap the slot term is charged
@@ -98,15 +99,15 @@ class CostCut:
         row's cost a sum under ``row_attention`` (``T**2``): a document of ``l`` tokens is
         charged ``token_budget * l`` pairs, so a row's charge is ``token_budget * T >=
         T**2``, exact for a full row."""
-        c0, tok, attn, slot = self.coefficients
+        c0, tok, attn, slot, doc = self.coefficients
         x = lengths.astype(np.int64)
         block, cap = self.rule.block_size, self.rule.max_anchors
         capped = cap > 0 and c0 + slot * block * cap <= self.budget  # the cap can bind
         room = self.budget - c0 - (slot * block * cap if capped else 0.0)
-        if room <= 0 or not (tok or attn or (slot and not capped)):
+        if room <= 0 or not (tok or attn or doc or (slot and not capped)):
             return x  # the documents' share of the cost is nothing: tokens alone bound rows
         pairs = token_budget * x if self.row_attention else x * x
-        c = tok * x + attn * pairs.astype(np.float64)
+        c = tok * x + attn * pairs.astype(np.float64) + doc
         if not capped:
             c = c + slot * block * cm.doc_anchors(self.rule, x)
         scaled = np.ceil(c * (token_budget / room)).astype(np.int64)

@@ -345,9 +345,9 @@ def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
     alike whatever their lengths; only those the row limit or a bucket's end leaves short
     are cheaper (the scheduler groups those). Packed: rows already mix lengths at random,
     so the budget is the cost of a full row of the corpus's average mix (token-weighted
-    mean length and anchors per token; under ``packed_attention="row"`` the row's own
-    length squared); only rows that drew more than their share of costly documents are
-    cut."""
+    mean length, anchors and documents per token; under ``packed_attention="row"`` the
+    row's own length squared); only rows that drew more than their share of costly
+    documents are cut."""
     tb, rule = spec.token_budget, spec.anchor_rule
     floor = spec.row_cost(spec.max_seq_len)
     if lengths.size == 0:
@@ -362,8 +362,9 @@ def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
             sq_per_token = float(tb)
         cap = rule.max_anchors
         slots = rule.block_size * (min(cap, tb * per_token) if cap > 0 else tb * per_token)
-        c0, tok, attn, slot = spec.coefficients
-        return max(c0 + tok * tb + attn * tb * sq_per_token + slot * slots, floor)
+        docs = tb * float(hist.sum()) / tokens
+        c0, tok, attn, slot, doc = spec.coefficients
+        return max(c0 + tok * tb + attn * tb * sq_per_token + slot * slots + doc * docs, floor)
     mass = np.cumsum(hist * values)
     lo, hi = (int(v) for v in np.searchsorted(mass, mass[-1] * np.array([0.05, 0.95])))
     lo = max(lo, -(-tb // spec.max_batch_size), 1)  # rows = tb // l <= max_batch_size

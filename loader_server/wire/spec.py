@@ -60,7 +60,11 @@ INT32_MAX = 2**31 - 1
 #: The hand-set boundaries of the pipeline this project replaces (6 buckets up to 8192).
 REFERENCE_BUCKETS = (770, 1216, 1728, 2432, 3296)
 #: Spec fields of the cost model's coefficients, in the order of its feature columns.
-COEFFICIENTS = ("cost_c0", "cost_tok", "cost_attn", "cost_slot")
+COEFFICIENTS = ("cost_c0", "cost_tok", "cost_attn", "cost_slot", "cost_doc")
+#: The cost model's coefficients, in ``COEFFICIENTS`` order.
+Coefficients = tuple[float, float, float, float, float]
+#: Coefficients a profile may lack (written before they existed: 0, the model then).
+OPTIONAL_COEFFICIENTS = ("cost_doc",)
 PROFILE_VERSION = 1
 
 
@@ -157,6 +161,12 @@ class BatchSpec:
     cost_tok: float = _spec_field(1.0, "Cost model: per token as laid out.", number=True)
     cost_attn: float = _spec_field(0.0, "Cost model: per squared document length.", number=True)
     cost_slot: float = _spec_field(0.0, "Cost model: per drafter block slot.", number=True)
+    cost_doc: float = _spec_field(
+        0.0,
+        "Cost model: per document (a packed row's documents, each its own target forward "
+        "under SDPA; a padded micro-batch's rows).",
+        number=True,
+    )
     packed_attention: str = _spec_field(
         "documents",
         "Cost model: a packed row's attention work, the sum of its documents' squared "
@@ -208,10 +218,10 @@ class BatchSpec:
             )
 
     @property
-    def coefficients(self) -> tuple[float, float, float, float]:
+    def coefficients(self) -> Coefficients:
         """The cost model's coefficients in ``COEFFICIENTS`` order."""
-        c0, tok, attn, slot = (float(getattr(self, n)) for n in COEFFICIENTS)
-        return (c0, tok, attn, slot)
+        c0, tok, attn, slot, doc = (float(getattr(self, n)) for n in COEFFICIENTS)
+        return (c0, tok, attn, slot, doc)
 
     @property
     def anchor_rule(self) -> AnchorRule:
@@ -224,17 +234,18 @@ class BatchSpec:
     def cost_model_on(self) -> bool:
         """False for the default model (cost = tokens, budget = token budget): the planner
         then runs its token-only path, bit for bit as without a cost model."""
-        default = (self.cost_c0, self.cost_tok, self.cost_attn, self.cost_slot) == (0, 1, 0, 0)
+        default = self.coefficients == (0, 1, 0, 0, 0)
         return not (default and self.cost_budget in (0, self.token_budget))
 
     def row_cost(self, length: int) -> float:
         """Modelled cost of a micro-batch of one row (document) of ``length`` tokens."""
-        c0, tok, attn, slot = self.coefficients
+        c0, tok, attn, slot, doc = self.coefficients
         rule = self.anchor_rule
         anchors = rule.anchors(length)
         if rule.max_anchors:
             anchors = min(anchors, rule.max_anchors)
-        return c0 + tok * length + attn * float(length) ** 2 + slot * rule.block_size * anchors
+        slots = rule.block_size * anchors
+        return c0 + tok * length + attn * float(length) ** 2 + slot * slots + doc
 
     @property
     def micro_per_step(self) -> int:
@@ -418,9 +429,10 @@ def write_profile(
 
 
 def profile_fields(path: str | Path) -> dict[str, Any]:
-    """The spec fields a cost profile sets: its four coefficients, its anchor rule (a
-    profile written before ``tokens_per_anchor`` existed: one anchor per token) and its
-    ``packed_attention`` (before it existed: ``documents``, the model then).
+    """The spec fields a cost profile sets: its coefficients (a profile written before
+    ``cost_doc`` existed: 0), its anchor rule (before ``tokens_per_anchor`` existed: one
+    anchor per token) and its ``packed_attention`` (before it existed: ``documents``, the
+    model then).
 
     Every problem is a ValueError that names the file and the key: unreadable or not
     JSON, another version, a missing or negative coefficient, a missing anchor-rule field.
@@ -438,9 +450,9 @@ def profile_fields(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"cost profile {p}: needs 'coefficients' and 'anchor_rule' objects")
     out: dict[str, Any] = {}
     for name in COEFFICIENTS:
-        if name not in coef:
+        if name not in coef and name not in OPTIONAL_COEFFICIENTS:
             raise ValueError(f"cost profile {p}: coefficient {name!r} is missing")
-        out[name] = coef[name]
+        out[name] = coef.get(name, 0.0)
     check_coefficients(out, f"cost profile {p}")
     rule = {"tokens_per_anchor": 1, **rule}
     for name in ANCHOR_RULE:

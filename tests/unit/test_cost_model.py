@@ -22,7 +22,13 @@ from trainer.cli import main as train_cli
 from trainer.ops.calibrate import calibrate_run, fit_nnls, load_samples
 
 # Of the order of an 8B target on one H100 (seconds): per token, per L^2, per block slot.
-MODEL = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
+MODEL = {
+    "cost_c0": 0.02,
+    "cost_tok": 2.3e-5,
+    "cost_attn": 4e-10,
+    "cost_slot": 3.6e-6,
+    "cost_doc": 5e-4,
+}  # and per document (a target forward each, under SDPA)
 RULE = {"block_size": 16, "anchors_per_doc": 512, "tokens_per_anchor": 1, "max_anchors": 2048}
 
 
@@ -32,13 +38,14 @@ def test_features_follow_layout_and_anchor_rule():
     f = cost.features(lengths, np.array([0, 2]), layout="padded", rule=rule)
     # Micro 0: rows 40, 10 -> 2 x 40 tokens, 2 x 40^2; anchors min(20, 37) + min(20, 7) = 27,
     # capped at 25, x 4 slots. Micro 1: 3 x 100; anchors 20 + 0 (7 < 2*4) + 20 = 40 -> 25.
-    np.testing.assert_array_equal(f[0], [1, 80, 3200, 100])
-    np.testing.assert_array_equal(f[1], [1, 300, 30000, 100])
+    # Documents: the rows, 2 and 3.
+    np.testing.assert_array_equal(f[0], [1, 80, 3200, 100, 2])
+    np.testing.assert_array_equal(f[1], [1, 300, 30000, 100, 3])
     packed = cost.features(
         lengths, np.array([0, 2]), layout="packed", rule=rule._replace(max_anchors=0)
     )
-    np.testing.assert_array_equal(packed[0], [1, 50, 1700, 4 * 27])
-    np.testing.assert_array_equal(packed[1], [1, 140, 100**2 + 49 + 33**2, 4 * 40])
+    np.testing.assert_array_equal(packed[0], [1, 50, 1700, 4 * 27, 2])
+    np.testing.assert_array_equal(packed[1], [1, 140, 100**2 + 49 + 33**2, 4 * 40, 3])
     # One anchor per 5 candidates: ceil(37/5) + ceil(7/5) = 8 + 2; 20 (ceil(97/5)) + 0 + 6.
     sparse = cost.features(lengths, np.array([0, 2]), layout="packed", rule=AnchorRule(4, 20, 5, 0))
     np.testing.assert_array_equal(sparse[:, 3], [4 * 10, 4 * 26])
@@ -84,6 +91,37 @@ def test_packed_rows_cut_by_cost_stay_within_the_budget_under_either_kernel(kern
     if kernel == "row":  # full rows, each at about the budget: its cost is its tokens'
         assert plan.stats["padding_efficiency"] > 0.99
         assert np.quantile(plan.micro_costs, 0.05) > 0.99 * plan.stats["cost_budget"]
+
+
+def test_a_profile_from_before_the_document_term_prices_documents_at_nothing(tmp_path):
+    old = {k: v for k, v in MODEL.items() if k != "cost_doc"}
+    path = write_profile(tmp_path / "old.json", coefficients=old)
+    assert profile_fields(path)["cost_doc"] == 0.0
+    assert BatchSpec.from_dict({"cost_profile": str(path)}).coefficients[4] == 0.0
+
+
+def test_the_document_term_cuts_rows_of_many_documents():
+    """Per document a fixed cost (the target's forward per packed document under SDPA):
+    the cut gives rows of many short documents fewer tokens, and every row's modelled
+    cost, documents counted, stays within the budget."""
+    lengths = synth_lengths(SynthSpec(num_samples=20_000, seed=5, max_len=4096))
+    base = dict(token_budget=16384, max_seq_len=4096, world_size=8, layout="packed",
+                block_size=8, anchors_per_doc=4096, tokens_per_anchor=16, cost_c0=0.0,
+                cost_tok=1e-5, cost_attn=0.0, cost_slot=0.0)  # fmt: skip
+    spec = BatchSpec(**base, cost_doc=0.02)  # a document costs 2,000 tokens' worth
+    plan = plan_epoch(lengths, spec, epoch=0)
+    modelled = metrics.modelled_costs(plan, np.asarray(spec.coefficients))
+    np.testing.assert_allclose(modelled, plan.micro_costs)
+    assert (plan.micro_costs <= plan.stats["cost_budget"] * (1 + 1e-12)).all()
+    docs = np.diff(plan.offsets)
+    tokens = np.add.reduceat(plan.sample_lengths, plan.offsets[:-1])
+    many = docs >= np.quantile(docs, 0.9)
+    assert tokens[many].mean() < 0.9 * tokens[~many].mean()
+    # Without the term the same rows are filled by their tokens alone.
+    flat = plan_epoch(lengths, BatchSpec(**base), epoch=0)
+    flat_docs = np.diff(flat.offsets)
+    flat_tokens = np.add.reduceat(flat.sample_lengths, flat.offsets[:-1])
+    assert flat_tokens[flat_docs >= np.quantile(flat_docs, 0.9)].mean() > 0.95 * 16384
 
 
 def test_profile_round_trips_into_a_spec(tmp_path):
@@ -225,7 +263,7 @@ def test_calibration_fits_several_runs_together_and_judges_each_layout(tmp_path)
 
 
 def test_calibration_keeps_a_true_zero_at_zero(tmp_path):
-    true = np.array([0.01, 3e-5, 0.0, 2e-6])
+    true = np.array([0.01, 3e-5, 0.0, 2e-6, 0.0])
     synthetic_run(tmp_path, true, n=200, noise=0.0)
     report = calibrate_run(tmp_path, plot=False)
     assert report.coefficients["cost_attn"] == pytest.approx(0.0, abs=1e-15)

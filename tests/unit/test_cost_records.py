@@ -24,7 +24,7 @@ def write_records(run_dir, n: int, tail: str = "") -> None:
 def test_a_torn_last_line_is_skipped(tmp_path):
     write_records(tmp_path, 12, tail='{"rank": 0, "epoch": 0, "st')
     samples = load_samples(tmp_path)
-    assert samples.x.shape == (12, 4) and samples.rule == (8, 4, 1, 64)  # a 3-value rule: old
+    assert samples.x.shape == (12, 5) and samples.rule == (8, 4, 1, 64)  # a 3-value rule: old
 
 
 def test_a_malformed_line_before_the_end_is_an_error_naming_it(tmp_path):

@@ -316,6 +316,7 @@ SPEC_KEYS = {
     "cost_tok": float,
     "cost_attn": float,
     "cost_slot": float,
+    "cost_doc": float,
     "cost_budget": float,
     "block_size": int,
     "anchors_per_doc": int,

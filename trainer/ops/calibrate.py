@@ -6,12 +6,12 @@ kernels cost alike per pair of positions: on CPU a packed row's dense mask costs
 causal kernel's per pair, so a fit of both is a compromise, which the per-layout hold-out
 error shows). Each micro-batch becomes a row of the planner's own
 features (``loader_server.planning.cost.features``: 1, tokens as laid out, attention pairs
-under the kernel its packed rows ran under, block slots under the trainer's anchor rule)
-and its measured time ``y``. The fit minimises *relative* squared error,
+under the kernel its packed rows ran under, block slots under the trainer's anchor rule,
+documents) and its measured time ``y``. The fit minimises *relative* squared error,
 ``sum(((X c - y) / y)**2)``, over ``c >= 0`` (non-negative least squares: a negative
 coefficient would let the planner think some micro-batch shape is cheaper the bigger it
-gets). With four features the exact NNLS optimum is found by solving the weighted least
-squares on every one of the 15 non-empty feature subsets and keeping the best whose
+gets). With five features the exact NNLS optimum is found by solving the weighted least
+squares on every one of the 31 non-empty feature subsets and keeping the best whose
 solution is non-negative: the NNLS optimum is the unconstrained optimum on its own
 support, and every candidate is feasible. Of those, a fit without the constant term is
 preferred where it is within ``SCALING_SLACK`` of the best (``fit_nnls``): full packed
@@ -46,13 +46,13 @@ from trainer.train.cost_records import cost_dir, parse_record
 
 log = logging.getLogger(__name__)
 
-#: Fewest micro-batches a fit (training part) needs: 4 coefficients, with room to spare.
+#: Fewest micro-batches a fit (training part) needs: 5 coefficients, with room to spare.
 MIN_SAMPLES = 8
 
 
 @dataclass(frozen=True)
 class Samples:
-    """Measured micro-batches: features ``[n, 4]``, seconds ``[n]``, each one's layout
+    """Measured micro-batches: features ``[n, 5]``, seconds ``[n]``, each one's layout
     ``[n]``, and where they came from."""
 
     x: np.ndarray
