@@ -28,23 +28,26 @@ What it does, on this machine (CPU, one thread):
    of commit REV's planner, padded, run by its own code: ``benchmarks/baseline.py``).
    ``--steps`` randomly chosen steps of each plan (8 ranks x grad_accum micro-batches
    each) are timed for real, forward + backward as the trainer runs them in the plan's
-   layout, each micro-batch twice in a row, the plans interleaved step by step, and within
-   a step the ranks interleaved (each rank's first micro-batch, then each one's second:
-   real ranks run at once, so the VM's drift over seconds must not fall on one rank;
-   timed rank after rank at grad_accum 4 it did, and a rank's micro-batches erred
-   together, ``rank_coupling``). Per step, a rank's time is the sum of its micro-batches'
-   (first) times.
+   layout, the plans interleaved step by step. Each step is timed twice over (all its
+   micro-batches, then all again), and within a pass the ranks are interleaved (each
+   rank's first micro-batch, then each one's second...): real ranks run at once, so the
+   VM's drift over seconds must not fall on one rank. Timed rank after rank, it did: at
+   grad_accum 4 a rank's micro-batches erred together (``rank_coupling`` 2.0-2.3, printed
+   with every run). Per step, a rank's time is the sum of its micro-batches' (first)
+   times.
 4. Reported, side by side: measured rank imbalance (mean over steps of max/mean of the
-   ranks' times), the noise floor (the same micro-batches timed twice in a row give each
-   timing's jitter, ``(t1 - t2) / (t1 + t2) * sqrt(2)`` relative to the pair's mean, less
-   its median (the second run's warm-cache bias); 8 ranks of ``grad_accum`` such
-   deviations drawn at random are 8 ranks with equal work: the mean of their max/mean
-   over 20,000 draws is what jitter alone makes of a perfect plan. Back to back, because
-   this VM's speed drifts by several percent over minutes, as the ranks of one step would
-   not), the simulated DDP epoch time (steps per epoch x mean per-step maximum), its
-   ratio to the token-balanced plan's with a 90% bootstrap interval over the sampled
-   steps, and the plan targets on the 902K reference shape with the cost model on at
-   grad_accum 1 and 4.
+   ranks' times), the noise floor (each micro-batch's two timings give its timing noise,
+   ``(t1 - t2) / (t1 + t2) * sqrt(2)`` relative to the pair's mean, less its median (the
+   second pass's warm-cache bias); 8 ranks of ``grad_accum`` such deviations drawn at
+   random are 8 ranks with equal work: the mean of their max/mean over 20,000 draws is
+   what noise alone makes of a perfect plan. A pass apart, not back to back: this VM's
+   speed also drifts over a second or two (deviations from the model of micro-batches
+   timed one after the other correlate, 0.37-0.41), which a measured step carries and a
+   back-to-back pair cancelled, so the floor left it out; over minutes it drifts by
+   several percent, as the ranks of one step would not), the simulated DDP epoch time
+   (steps per epoch x mean per-step maximum), its ratio to the token-balanced plan's with
+   a 90% bootstrap interval over the sampled steps, and the plan targets on the 902K
+   reference shape with the cost model on at grad_accum 1 and 4.
 """
 
 from __future__ import annotations
@@ -196,8 +199,8 @@ def time_micro(corpus: Corpus, plan: EpochPlan, m: int, target, drafter) -> floa
 
 
 def measure(plans: dict[str, EpochPlan], steps: int, corpus: Corpus, target, drafter, seed: int):
-    """[plan] -> (times [2, steps, world, grad_accum]) for the sampled steps, each
-    micro-batch timed twice in a row."""
+    """[plan] -> (times [2, steps, world, grad_accum]) for the sampled steps, each step's
+    micro-batches timed in turn, then all of them again."""
     rng = np.random.default_rng(seed)
     spec = next(iter(plans.values())).spec
     world, accum = spec.world_size, spec.grad_accum
@@ -210,9 +213,9 @@ def measure(plans: dict[str, EpochPlan], steps: int, corpus: Corpus, target, dra
         time_micro(corpus, p, 0, target, drafter)
     for k in range(steps):
         for name, p in plans.items():  # interleaved: drift hits both plans alike
-            for g, r in np.ndindex(accum, world):  # ranks interleaved (module docstring)
-                m = p.index(int(chosen[name][k]), r, g)
-                for rep in range(2):  # back to back: the pair differs by jitter alone
+            for rep in range(2):  # the step twice: the pair differs by the noise within it
+                for g, r in np.ndindex(accum, world):  # ranks interleaved (module docstring)
+                    m = p.index(int(chosen[name][k]), r, g)
                     times[name][rep, k, r, g] = time_micro(corpus, p, m, target, drafter)
     return times, chosen
 
