@@ -32,7 +32,7 @@ What it does, on this machine (CPU, one thread):
    micro-batches, then all again), and within a pass the ranks are interleaved (each
    rank's first micro-batch, then each one's second...): real ranks run at once, so the
    VM's drift over seconds must not fall on one rank. Timed rank after rank, it did: at
-   grad_accum 4 a rank's micro-batches erred together (``rank_coupling`` 2.0-2.3, printed
+   grad_accum 4 a rank's micro-batches erred together (``rank_coupling`` 2.3-2.4, printed
    with every run). Per step, a rank's time is the sum of its micro-batches' (first)
    times.
 4. Reported, side by side: measured rank imbalance (mean over steps of max/mean of the

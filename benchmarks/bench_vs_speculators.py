@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))  # scripts/ and benchmarks/ are not installed
 from benchmarks.peer.speculators_format import (  # noqa: E402
     UNMATCHED,
     RaceSettings,
+    anchor_candidates,
     our_flags,
     speculators_flags,
     target_states,
@@ -346,8 +347,9 @@ def main() -> None:
     setup = quick_setup(work) if args.quick else text_setup(work, args.vllm_python, args.threads)
     layers = json.loads((Path(setup["target"]) / "config.json").read_text())["num_hidden_layers"]
     train = open_dataset(setup["train"])
-    supervised = np.array([int(np.count_nonzero(train.loss_mask(i))) for i in range(len(train))])
-    k = tokens_per_anchor(supervised, train.num_tokens, args.tokens_per_step, args.anchors)
+    block = RaceSettings.block_size  # the field's default: the race's block size
+    cands = np.array([anchor_candidates(train.loss_mask(i), block) for i in range(len(train))])
+    k = tokens_per_anchor(cands, train.num_tokens, args.tokens_per_step, args.anchors)
     base = RaceSettings(
         layer_ids=tuple(default_layer_ids(layers)), mask_token_id=setup["mask_token_id"],
         epochs=args.epochs, tokens_per_step=args.tokens_per_step, anchors=args.anchors,

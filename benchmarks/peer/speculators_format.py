@@ -206,14 +206,24 @@ def write_our_corpus(rows: Sequence[tuple[np.ndarray, np.ndarray]], path: Path) 
     return path
 
 
+def anchor_candidates(loss_mask: np.ndarray, block_size: int) -> int:
+    """The positions our trainer may anchor a block at in a document of this loss mask:
+    supervised ones with a whole block after them (``t + block_size <= length``), none in
+    a document of fewer than ``2 * block_size`` supervised tokens (``trainer.model.blocks.
+    sample_anchors``, ``anchor_counts``)."""
+    m = np.asarray(loss_mask).astype(bool)
+    if int(m.sum()) < 2 * block_size:
+        return 0
+    return int(m[: max(m.size - block_size + 1, 0)].sum())
+
+
 def tokens_per_anchor(
-    supervised: np.ndarray, tokens: int, tokens_per_step: int, anchors: int
+    candidates: np.ndarray, tokens: int, tokens_per_step: int, anchors: int
 ) -> int:
-    """Our ``--tokens-per-anchor`` K whose per-document draw (``ceil(s / K)`` anchors for a
-    document of ``s`` supervised positions) averages closest to ``anchors`` per row of
-    ``tokens_per_step`` over a corpus of ``tokens`` tokens whose documents have
-    ``supervised`` positions each."""
-    sup = np.asarray(supervised, dtype=np.int64)
+    """Our ``--tokens-per-anchor`` K whose per-document draw (``ceil(c / K)`` anchors for a
+    document of ``c`` anchor candidates, ``anchor_candidates``) averages closest to
+    ``anchors`` per row of ``tokens_per_step`` over a corpus of ``tokens`` tokens."""
+    sup = np.asarray(candidates, dtype=np.int64)
     rows = max(tokens / tokens_per_step, 1.0)
     k = np.arange(1, max(int(sup.max(initial=1)), 1) + 1)
     per_row = np.ceil(sup[None, :] / k[:, None]).sum(axis=1) / rows

@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.peer.speculators_format import (
     RaceSettings,
+    anchor_candidates,
     our_flags,
     read_speculators_data,
     speculators_flags,
@@ -26,6 +27,8 @@ from benchmarks.peer.speculators_format import (
     write_speculators_data,
 )
 from loader_server.data.dataset import open_dataset
+from loader_server.wire.spec import AnchorRule
+from trainer.model.blocks import sample_anchors
 from trainer.model.target import TinyTargetSpec, build_tiny_model
 
 SPEC = TinyTargetSpec(vocab_size=97, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1,
@@ -117,6 +120,27 @@ def test_layer_ids_and_the_split() -> None:
             assert int((n_train + n_val) * train_ratio(n_train, n_val)) == n_train
     with pytest.raises(ValueError, match="at least one"):
         train_ratio(5, 0)
+
+
+def test_anchor_candidates_are_the_positions_our_trainer_draws_from() -> None:
+    """One anchor per candidate (``tokens_per_anchor`` 1): the trainer's own draw takes
+    every position ``anchor_candidates`` counts, in documents long and short, with
+    prompts and supervised gaps."""
+    rng = np.random.default_rng(1)
+    block = 4
+    lengths = np.array([40, 9, 12, 30, 7, 64])
+    masks = [rng.random(n) < 0.7 for n in lengths]
+    masks[1][:] = True  # 9 supervised: above 2 * block, but few with room for a block
+    masks[4][:] = True  # 7 supervised: below 2 * block, no anchor
+    width = int(lengths.max())
+    lm = torch.zeros(len(masks), width, dtype=torch.bool)
+    for i, m in enumerate(masks):
+        lm[i, : m.size] = torch.from_numpy(m)
+    rule = AnchorRule(block, width, 1, 0)
+    _, valid = sample_anchors(lm, torch.from_numpy(lengths), torch.Generator(), rule=rule)
+    got = [anchor_candidates(m, block) for m in masks]
+    assert got == valid.sum(1).tolist()
+    assert got[4] == 0 and got[1] == 6
 
 
 def test_tokens_per_anchor_matches_their_anchors_per_row() -> None:
