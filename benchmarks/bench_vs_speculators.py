@@ -190,9 +190,13 @@ def _env(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
 
 
-def run_ours(work: Path, setup: dict[str, Any], s: RaceSettings, threads: int) -> dict[str, Any]:
-    """Our trainer on our loader daemon; its metrics and the daemon's peak RSS."""
-    run_dir = work / "runs" / f"ours-seed{s.seed}"
+def run_ours(
+    work: Path, setup: dict[str, Any], s: RaceSettings, threads: int, engine: str | None = None
+) -> dict[str, Any]:
+    """Our trainer on our loader daemon; its metrics and the daemon's peak RSS. ``engine``:
+    online, the target's features from a vLLM server the run starts with that python
+    (``--target-engine vllm``), not from the target in the step."""
+    run_dir = work / "runs" / f"ours{'-online' if engine else ''}-seed{s.seed}"
     if run_dir.exists():
         import shutil
 
@@ -203,6 +207,8 @@ def run_ours(work: Path, setup: dict[str, Any], s: RaceSettings, threads: int) -
     cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", daemon.endpoint,
            "--target", str(setup["target"]), "--run-dir", str(run_dir / "run"),
            "--num-eval-prompts", "0", "--no-progress", *our_flags(s)]  # fmt: skip
+    if engine:
+        cmd += ["--target-engine", "vllm", "--vllm-python", engine]
     try:
         t0 = time.perf_counter()
         with open(run_dir / "train.log", "wb") as log:
@@ -330,6 +336,10 @@ def main() -> None:
                     help="Add --pairs pairs (the next seeds) to those of --work's results.json "
                     "of the same settings, and report them all.")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="Tiny random target, no acceptance.")
+    ap.add_argument("--online", action="store_true",
+                    help="Also run ours online in every pair: the target's features from a vLLM "
+                    "server the run starts (--target-engine vllm). Theirs has no online run "
+                    "here: its hidden-state connector is CUDA-only.")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2, help="Torch threads of each trainer.")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--tokens-per-step", type=int, default=4096)
@@ -368,21 +378,24 @@ def main() -> None:
     first = len(runs)
     for k in range(first, first + args.pairs):
         s = RaceSettings(**{**base.describe(), "seed": k})
-        order = ("ours", "theirs") if k % 2 == 0 else ("theirs", "ours")
+        order: tuple[str, ...] = ("ours", "theirs") if k % 2 == 0 else ("theirs", "ours")
+        order += ("ours-online",) if args.online else ()
         pair: dict[str, Any] = {"seed": k, "order": list(order)}
         for who in order:
             _say(f"== pair {k + 1}/{first + args.pairs}: {who}")
-            pair[who] = (
-                run_ours(work, setup, s, args.threads) if who == "ours"
-                else run_theirs(work, setup, data, s, args.threads, args.vllm_python)
-            )  # fmt: skip
+            if who == "theirs":
+                pair[who] = run_theirs(work, setup, data, s, args.threads, args.vllm_python)
+            else:
+                engine = args.vllm_python if who == "ours-online" else None
+                pair[who] = run_ours(work, setup, s, args.threads, engine)
             r = pair[who]
             _say(f"   {r['steps']} steps, {r['tokens']} tokens, {r['tokens'] / r['step_s']:.0f} "
                  f"tokens/s, wall {r['wall_s']:.1f} s, peak RSS {r['rss_peak_gb']:.2f} GiB, "
                  f"{r['anchors_per_step']:.1f} anchors a step, "
                  f"own final loss {r['final_loss']:.3f}")  # fmt: skip
         if setup["prompts"] is not None:
-            for who, spec in (("ours", False), ("theirs", True)):
+            for who in pair["order"]:
+                spec = who == "theirs"  # served as speculators' checkpoint
                 counts = served(args.vllm_python, setup["target"], Path(pair[who]["drafter"]),
                                 spec, s.block_size, setup["prompts"],
                                 work / "runs" / f"vllm-{who}-seed{k}.log")  # fmt: skip
@@ -440,35 +453,56 @@ def summarize(runs: list[dict[str, Any]], data: dict[str, Any]) -> dict[str, Any
     theirs_tps = out["tokens_per_s"]["theirs"]
     out["tokens_per_s_without_target"] = {"ours": alone, "theirs": theirs_tps,
                                           "ratio": _ratio(alone, theirs_tps)}  # fmt: skip
-    if all("served" in p["ours"] for p in runs):
-        from benchmarks.experiment.stats import paired_tau
+    out["tau"] = _tau(runs, "ours")
+    if all("ours-online" in p for p in runs):  # --online: ours fed by vLLM, against the same
+        for name in ("tokens_per_s", "rss_peak_gb"):
+            online = col("ours-online", measures[name])
+            theirs = out[name]["theirs"]
+            out[f"online {name}"] = {"ours": online, "theirs": theirs,
+                                     "ratio": _ratio(online, theirs)}  # fmt: skip
+        online = col("ours-online", lambda r: r["wall_s"])
+        out["online wall_with_generation_s"] = {"ours": online, "theirs": theirs_e2e,
+                                                "ratio": _ratio(online, theirs_e2e)}  # fmt: skip
+        out["online tau"] = _tau(runs, "ours-online")
+    return {k: v for k, v in out.items() if v is not None}
 
-        ours_t, theirs_t = col("ours", lambda r: r["tau"]), col("theirs", lambda r: r["tau"])
-        counts = {w: [np.array(p[w]["served"]) for p in runs] for w in ("ours", "theirs")}
-        out["tau"] = {"ours": ours_t, "theirs": theirs_t, "ratio": _ratio(ours_t, theirs_t),
-                      "difference": paired_tau(counts["ours"], counts["theirs"])}  # fmt: skip
-    return out
+
+def _tau(runs: list[dict[str, Any]], ours: str) -> dict[str, Any] | None:
+    """Served tau of ``ours`` (a run of each pair) and theirs, the ratio, and the paired
+    difference with its interval (None where the pairs measured none)."""
+    if not all("served" in p[ours] for p in runs):
+        return None
+    from benchmarks.experiment.stats import paired_tau
+
+    ours_t = [float(p[ours]["tau"]) for p in runs]
+    theirs_t = [float(p["theirs"]["tau"]) for p in runs]
+    counts = {w: [np.array(p[w]["served"]) for p in runs] for w in (ours, "theirs")}
+    return {"ours": ours_t, "theirs": theirs_t, "ratio": _ratio(ours_t, theirs_t),
+            "difference": paired_tau(counts[ours], counts["theirs"])}  # fmt: skip
 
 
 def report(summary: dict[str, Any], pairs: int) -> None:
     _say(f"\n== ours / theirs over {pairs} interleaved pairs (per pair: mean [min, max])")
     _say(f"{'measure':<24} {'ours':>22} {'theirs':>22} {'ours/theirs':>26}")
     for name, m in summary.items():
-        if name == "tau" or not isinstance(m, dict):
+        if name.endswith("tau") or not isinstance(m, dict):
             continue
         row = [f"{statistics.mean(m[w]):.4g} [{min(m[w]):.4g}, {max(m[w]):.4g}]"
                for w in ("ours", "theirs")]  # fmt: skip
         r = m["ratio"]
         _say(f"{name:<24} {row[0]:>22} {row[1]:>22} "
              f"{r['mean']:>8.3f} [{r['min']:.3f}, {r['max']:.3f}]")  # fmt: skip
-    if "tau" in summary:
-        t = summary["tau"]
+    for key, label in (("tau", "vLLM-served tau"), ("online tau", "online: vLLM-served tau")):
+        if key not in summary:
+            continue
+        t = summary[key]
         d = t["difference"]
-        _say(f"{'vLLM-served tau':<24} {statistics.mean(t['ours']):>22.3f} "
+        _say(f"{label:<24} {statistics.mean(t['ours']):>22.3f} "
              f"{statistics.mean(t['theirs']):>22.3f} {t['ratio']['mean']:>8.3f} "
              f"[{t['ratio']['min']:.3f}, {t['ratio']['max']:.3f}]")  # fmt: skip
-        _say(f"tau ours - theirs: {d['mean']:+.3f}, 95% interval [{d['lo']:+.3f}, {d['hi']:+.3f}]"
-             f" ({'separates' if d['separates'] else 'does not separate'})")  # fmt: skip
+        verdict = "separates" if d["separates"] else "does not separate"
+        _say(f"{key} ours - theirs: {d['mean']:+.3f}, 95% interval [{d['lo']:+.3f}, "
+             f"{d['hi']:+.3f}] ({verdict})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -211,3 +211,36 @@ def test_settings_reach_both_trainers(tmp_path: Path) -> None:
     assert named["--train-data-ratio"] == ["0.9"] and named["--on-missing"] == ["raise"]
     with pytest.raises(ValueError, match="warmup"):
         RaceSettings(layer_ids=(0,), mask_token_id=1, warmup=4)
+
+
+def test_the_summary_sets_ours_offline_and_online_against_theirs() -> None:
+    """Two pairs with an online run each: every ratio is ours / theirs per pair, the wall
+    time with their hidden-state generation added, tau with its paired difference."""
+    from benchmarks.bench_vs_speculators import summarize
+
+    def run(tokens: int, step_s: float, wall: float, rss: float, accepted: int) -> dict:
+        served = [[10, accepted], [10, accepted]]  # two prompts, (drafts, accepted)
+        tau = 1 + 2 * accepted / 20
+        return {"tokens": tokens, "step_s": step_s, "wall_s": wall, "rss_peak_gb": rss,
+                "steps": 10, "epochs": 1, "served": served, "tau": tau}  # fmt: skip
+
+    runs = [
+        {"ours": run(1000, 1.0, 10.0, 0.5, 15), "theirs": run(1000, 2.0, 20.0, 1.0, 16),
+         "ours-online": run(1000, 4.0, 30.0, 0.25, 15)},
+        {"ours": run(1000, 1.0, 10.0, 0.5, 14), "theirs": run(1000, 2.0, 20.0, 1.0, 16),
+         "ours-online": run(1000, 4.0, 30.0, 0.25, 16)},
+    ]  # fmt: skip
+    out = summarize(runs, {"generation_s": 10.0, "target_epoch_s": 0.5})
+    assert out["tokens_per_s"]["ratio"]["mean"] == pytest.approx(2.0)
+    assert out["online tokens_per_s"]["ratio"]["mean"] == pytest.approx(0.5)
+    assert out["online rss_peak_gb"]["ratio"]["mean"] == pytest.approx(0.25)
+    assert out["wall_with_generation_s"]["ratio"]["mean"] == pytest.approx(10 / 30)
+    assert out["online wall_with_generation_s"]["ratio"]["mean"] == pytest.approx(1.0)
+    assert out["tau"]["difference"]["mean"] == pytest.approx(-0.15)
+    assert out["online tau"]["difference"]["mean"] == pytest.approx(-0.05)
+    # Without online runs, or without served tau, those rows are absent.
+    offline = [{k: v for k, v in p.items() if k != "ours-online"} for p in runs]
+    assert not any(
+        k.startswith("online")
+        for k in summarize(offline, {"generation_s": 1.0, "target_epoch_s": 0.5})
+    )
