@@ -381,6 +381,13 @@ KEEP_CHUNKS = 2  # chunks per micro-batch drafted without activation checkpointi
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+#: Standard deviation of the drafter's projections at initialisation: Transformers'
+#: ``initializer_range`` of Qwen3, Llama and GPT-OSS, which the reference drafter and
+#: speculators' start from. PyTorch's default (``1/sqrt(3 fan_in)``: 0.036 for a 256-wide
+#: layer) trained drafters that accepted less (docs/TRAINER.md, "Initialisation").
+INIT_STD = 0.02
+
+
 class DFlashDrafter(nn.Module):
     """Projection of target features, K decoder layers, final norm (and, opt-in, a learned
     MASK vector). A dflash2 drafter also holds its ``candidate_selector``, which the head
@@ -402,6 +409,21 @@ class DFlashDrafter(nn.Module):
             if cfg.variant == "dflash2"
             else None
         )
+        self._init_projections()
+
+    def _init_projections(self) -> None:
+        """Every projection of ``fc`` and the layers' attention and MLP drawn from N(0,
+        ``INIT_STD``), in module order; the norms start at 1, and DFlash2's own parts
+        (convolutions that start as the identity, the selector) keep their own start
+        (docs/TRAINER.md, "Initialisation")."""
+        layers = cast(list[DrafterLayer], list(self.layers))
+        parts: list[nn.Module] = [m for x in layers for m in (x.self_attn, x.mlp)]
+        with torch.no_grad():
+            for m in (self.fc, *(x for part in parts for x in part.modules())):
+                if isinstance(m, nn.Linear):
+                    m.weight.normal_(0.0, INIT_STD)
+                    if m.bias is not None:
+                        m.bias.zero_()
 
     def block_inputs(self, embed: nn.Module, anchor_ids: torch.Tensor) -> torch.Tensor:
         """``[anchor, MASK x (B-1)]`` embeddings for ``anchor_ids [n]``: ``[n*B, H]``."""

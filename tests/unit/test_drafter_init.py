@@ -1,0 +1,43 @@
+"""The drafter's initialisation: every projection of ``fc`` and the decoder layers starts
+from N(0, 0.02) whatever the width (PyTorch's default, ``1/sqrt(3 fan_in)``, would give
+0.102 at width 32 and 0.0255 at 512), the norms at 1, and the same seed gives the same
+weights (docs/TRAINER.md, "Initialisation")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trainer.model.drafter import INIT_STD, DFlashDrafter, DrafterConfig
+
+
+def config(width: int) -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=width, intermediate_size=2 * width, num_heads=4, num_kv_heads=2,
+        head_dim=width // 4, num_target_layers=3, num_layers=2, block_size=4, mask_token_id=5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [32, 512])
+def test_every_projection_starts_at_the_init_std(width: int) -> None:
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config(width))
+    linears = [(n, m) for n, m in drafter.named_modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 1 + 2 * 7  # fc, and q, k, v, o, gate, up, down per layer
+    for name, m in linears:
+        std = m.weight.std().item()  # 512 draws or more: within 10%
+        assert abs(std - INIT_STD) < 0.1 * INIT_STD, (name, std)
+        assert abs(m.weight.mean().item()) < 5 * INIT_STD / m.weight.numel() ** 0.5, name
+    norms = [m for m in drafter.modules() if type(m).__name__ == "RMSNorm"]
+    assert norms and all(bool((m.weight == 1).all()) for m in norms)
+
+
+def test_the_same_seed_gives_the_same_drafter() -> None:
+    def weights(seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(seed)
+        return DFlashDrafter(config(64)).state_dict()
+
+    a, b, c = weights(3), weights(3), weights(4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["fc.weight"], c["fc.weight"])
