@@ -345,6 +345,9 @@ def main() -> None:
     ap.add_argument("--tokens-per-step", type=int, default=4096)
     ap.add_argument("--anchors", type=int, default=128, help="Per packed row.")
     ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--tokens-per-anchor", type=int, default=0,
+                    help="Our anchor rate (0: chosen from the corpus to average --anchors a "
+                    "row; the first six pairs ran 14).")  # fmt: skip
     args = ap.parse_args()
     work = args.work / ("quick" if args.quick else "text")
     work.mkdir(parents=True, exist_ok=True)
@@ -359,7 +362,9 @@ def main() -> None:
     train = open_dataset(setup["train"])
     block = RaceSettings.block_size  # the field's default: the race's block size
     cands = np.array([anchor_candidates(train.loss_mask(i), block) for i in range(len(train))])
-    k = tokens_per_anchor(cands, train.num_tokens, args.tokens_per_step, args.anchors)
+    k = args.tokens_per_anchor or tokens_per_anchor(
+        cands, train.num_tokens, args.tokens_per_step, args.anchors
+    )
     base = RaceSettings(
         layer_ids=tuple(default_layer_ids(layers)), mask_token_id=setup["mask_token_id"],
         epochs=args.epochs, tokens_per_step=args.tokens_per_step, anchors=args.anchors,
