@@ -28,7 +28,7 @@ over features the planner knows from sample lengths alone (``features``):
 * ``documents``: the documents of a packed row, the rows of a padded micro-batch. Under
   SDPA the trainer runs the target once per packed document (``Target._per_document``),
   so each document carries a forward's fixed cost (measured on this CPU at a hidden-64
-  target: about 6 ms, some 1,500 tokens' worth, ``docs/PLANNER.md``); a padded
+  target: about 6 ms a document, ``docs/PLANNER.md``); a padded
   micro-batch's rows run in one forward, where the term is near 0 and the fit says so.
   Where every document draws one anchor it equals ``slots / block_size`` and a fit cannot
   tell the two apart (either carries it);
