@@ -41,3 +41,39 @@ def test_the_same_seed_gives_the_same_drafter() -> None:
     a, b, c = weights(3), weights(3), weights(4)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["fc.weight"], c["fc.weight"])
+
+
+def test_adamw_moves_a_smaller_start_further_relative_to_its_size() -> None:
+    """The mechanism behind the start (docs/TRAINER.md, "Initialisation"): AdamW's step is
+    about the learning rate whatever a weight's scale, so the same steps change a 256-wide
+    drafter's attention and MLP far more, relative to their start, from N(0, 0.02) than
+    from PyTorch's default (std 0.036 there), which training then barely leaves."""
+    from trainer.model.drafter import DraftBlocks
+
+    cfg = config(256)
+    torch.manual_seed(0)
+    feats = torch.randn(1, 64, 3 * 256)
+    ids = torch.randint(0, 32, (1, 64))
+    embed = nn.Embedding(32, 256)
+    anchors = [4, 20, 36, 50]
+    blocks = DraftBlocks.one_document(feats, anchors, ids[0, anchors])
+
+    def moved(default_start: bool) -> float:
+        torch.manual_seed(1)
+        drafter = DFlashDrafter(cfg)
+        if default_start:  # PyTorch's own start, as before 2026-12-06
+            for m in drafter.modules():
+                if isinstance(m, nn.Linear):
+                    m.reset_parameters()
+        start = drafter.layers[0].self_attn.q_proj.weight.detach().clone()
+        opt = torch.optim.AdamW(drafter.parameters(), lr=6e-4, betas=(0.9, 0.95))
+        for _ in range(20):
+            opt.zero_grad()
+            drafter(embed, blocks).pow(2).mean().backward()
+            opt.step()
+        now = drafter.layers[0].self_attn.q_proj.weight.detach()
+        return float((now - start).norm() / start.norm())
+
+    default, normal = moved(True), moved(False)
+    assert 0.0 < default < normal
+    assert normal / default > 1.4  # about the ratio of the starts' scales, 0.036 / 0.02
