@@ -11,7 +11,8 @@ is held. ``GET /v1/models`` names the model and its ``max_model_len``.
 
 ``python fake_vllm_states.py --model DIR --port N --layer-ids 1,2,4 --states DIR
 [--max-model-len N]``; ``$FAKE_STATES_DIE_AFTER=N``: exit (as a kill would) after the
-N-th reply, its file half written (``$FAKE_STATES_DIE_UNWRITTEN=1``: not written at all);
+N-th reply, its file half written (``$FAKE_STATES_DIE_UNWRITTEN=1``: not written at all,
+half of it in a ``.tmpXXXXXX`` file, as safetensors' ``save_file`` cut short leaves it);
 ``$FAKE_STATES_WRONG_TOKENS=1``: files name other token
 ids than asked for.
 """
@@ -110,6 +111,8 @@ def main() -> None:
             if dying:  # as a kill mid-write: half a file (or none), the lock released by the exit
                 if os.environ.get("FAKE_STATES_DIE_UNWRITTEN") != "1":
                     path.write_bytes(b"\x00" * 7)
+                else:  # save_file writes a temporary file and renames it when whole
+                    (folder / f".tmp{uuid.uuid4().hex[:6]}").write_bytes(b"\x00" * 7)
                 os._exit(1)
             tokens = torch.tensor([(t + 1) % 7 for t in ids] if wrong else ids)
             time.sleep(0.01)  # the write lands after the reply, as vLLM's thread's does

@@ -154,8 +154,9 @@ def test_a_killed_trainer_resumes_exactly_and_leaves_no_files(daemon, stand_in, 
 @pytest.mark.parametrize("unwritten", ["0", "1"])
 def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path, unwritten):
     """The server exits after its 6th reply with that file half written (or not written
-    at all, its lock there), and comes back 3 s later: one warning, the document asked
-    for again, and the uninterrupted losses."""
+    at all, its lock there and half of it in safetensors' temporary file), and comes back
+    3 s later: one warning, the document asked for again, the uninterrupted losses, and
+    nothing left in the folder."""
     states = tmp_path / "states"
     steady = StandIn(target_dir, states)
     try:
@@ -189,6 +190,8 @@ def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path, unwritte
     for step in range(1, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
     assert sorted(p.name for p in states.iterdir()) == []
+    if unwritten == "1":
+        assert "a killed server left half written" in res.stderr
 
 
 def test_a_server_still_starting_is_waited_for(daemon, target_dir, tmp_path):

@@ -63,3 +63,30 @@ def test_a_server_the_run_starts_serves_one_machine(monkeypatch):
         _one_machine(env)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     _one_machine(env)  # one machine: fine
+
+
+def test_a_killed_writers_temporary_files_are_swept_and_nothing_else(tmp_path):
+    """``sweep_orphans``: safetensors' temporary files untouched since the server was found
+    gone are removed; one written since (the new server's, mid-write), the documents'
+    files and locks, and a folder of that name are kept."""
+    import os
+
+    from trainer.engine.client import sweep_orphans
+
+    def made(name: str, mtime: float, *, folder: bool = False) -> None:
+        p = tmp_path / name
+        p.mkdir() if folder else p.write_bytes(b"\0" * 7)
+        os.utime(p, (mtime, mtime))
+
+    gone = 1_000_000.0
+    made(".tmpAAAAAA", gone - 5)
+    made(".tmpBBBBBB", gone + 1)
+    made("cmpl-dflash-x-r0-1-0-0-ab.safetensors", gone - 5)
+    made("cmpl-dflash-x-r0-1-0-0-ab.safetensors.lock", gone - 5)
+    made(".tmpCCCCCC", gone - 5, folder=True)
+    assert sweep_orphans(tmp_path, gone) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".tmpBBBBBB", ".tmpCCCCCC",
+        "cmpl-dflash-x-r0-1-0-0-ab.safetensors", "cmpl-dflash-x-r0-1-0-0-ab.safetensors.lock",
+    ]  # fmt: skip
+    assert sweep_orphans(tmp_path / "absent", gone) == 0

@@ -18,7 +18,9 @@ every file of this run and rank once the client closes.
 A server that stops answering (killed, restarting) is waited for: one warning line, then
 the same request again every second or two until ``timeout_s`` has passed without an
 answer, then ``EngineError`` (a ``LoaderError``: the run stops after a final checkpoint and
-``--resume`` continues where it stopped). A server the trainer started and that exited is
+``--resume`` continues where it stopped). Once a server that was not listening answers
+again, the temporary files its killed process left half written (safetensors' ``.tmp*``)
+are removed (``sweep_orphans``). A server the trainer started and that exited is
 an ``EngineError`` at once, with its log. A refusal (HTTP 4xx: a document longer than the
 server's context) is one at once too, naming the document.
 """
@@ -89,6 +91,7 @@ class StateClient:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._outage = False  # warned that the server does not answer
+        self._gone_since: float | None = None  # wall time no server was first listening
         self._swept: Path | None = None  # the folder stale files were removed from
         self._closing = 0.0  # when close() began (0: not yet): nothing is retried then
         self.asked = 0  # documents submitted
@@ -173,7 +176,8 @@ class StateClient:
                 continue
             except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
                 # no server, a reply cut short (killed mid-body), or one that is not JSON
-                self._wait(str(getattr(e, "reason", e)) or type(e).__name__, deadline)
+                why = str(getattr(e, "reason", e)) or type(e).__name__
+                self._wait(why, deadline, gone=_no_server(e))
                 continue
             self._answering()
             params = reply.get("kv_transfer_params") or {}
@@ -239,8 +243,9 @@ class StateClient:
 
     # ---- a server that does not answer -------------------------------------------------
 
-    def _wait(self, reason: str, deadline: float) -> None:
-        """Back off before the next try; EngineError once the server is gone for good."""
+    def _wait(self, reason: str, deadline: float, *, gone: bool = False) -> None:
+        """Back off before the next try; EngineError once the server is gone for good.
+        ``gone``: no server took the connection (not a busy one's refusal)."""
         ended = self._alive() if self._alive is not None else None
         if ended is not None:
             raise EngineError(f"{self.url}: {ended}")
@@ -248,6 +253,8 @@ class StateClient:
             raise EngineError(f"{self.url}: {reason} (closing: not retried)")
         with self._lock:
             self.retries += 1
+            if gone and self._gone_since is None:
+                self._gone_since = time.time()
             if not self._outage:
                 self._outage = True
                 log.warning(
@@ -267,6 +274,10 @@ class StateClient:
                 if self._outage:
                     self._outage = False
                     log.warning("engine %s is answering again", self.url)
+                    gone, self._gone_since = self._gone_since, None
+                    folder = self._swept or self.states_dir
+                    if gone is not None and folder is not None:
+                        sweep_orphans(folder, gone)
 
     def _served_model(self) -> tuple[str, int | None]:
         """The model name the server serves and its context length (``/v1/models``),
@@ -278,7 +289,7 @@ class StateClient:
                     models = json.loads(r.read())["data"]
                 break
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-                self._wait(str(getattr(e, "reason", e)), deadline)
+                self._wait(str(getattr(e, "reason", e)), deadline, gone=_no_server(e))
             except (KeyError, ValueError) as e:
                 raise EngineError(f"{self.url}/v1/models: not a vLLM answer ({e})") from None
         self._answering()
@@ -307,3 +318,31 @@ class StateClient:
                     removed += 1
         if removed:
             log.info("removed %d hidden-state files left in %s", removed, folder)
+
+
+def _no_server(e: BaseException) -> bool:
+    """The connection was refused or cut: no process serves (a busy server's 503 or a
+    timeout is not that)."""
+    return isinstance(getattr(e, "reason", e), (ConnectionRefusedError, ConnectionResetError))
+
+
+#: How safetensors (0.8, whose ``save_file`` vLLM's connector calls) names the file it
+#: writes before renaming it to the one asked for.
+WRITER_TEMP = ".tmp*"
+
+
+def sweep_orphans(folder: Path, before: float) -> int:
+    """Remove the writer's temporary files in ``folder`` last written before ``before``
+    (wall time): a server killed mid-write leaves one, under a name no request can claim
+    (a document's states, up to hundreds of MB in ``/dev/shm``). Called once a server that
+    was not listening answers again, with the moment it was first found gone: a file
+    untouched since then is the dead process's, and the new one writes after it."""
+    removed = 0
+    for p in folder.glob(WRITER_TEMP):
+        with contextlib.suppress(FileNotFoundError):
+            if p.is_file() and p.stat().st_mtime < before:
+                p.unlink()
+                removed += 1
+    if removed:
+        log.warning("removed %d file(s) a killed server left half written in %s", removed, folder)
+    return removed
