@@ -76,7 +76,7 @@ RUN_LIMITS: dict[str, tuple[float, bool]] = {
     "sliding_window": (1, True), "conv_kernel_size": (1, True), "conv_group_size": (1, True),
     "selector_rank": (1, True), "selector_top_k": (1, True), "output_multiplier": (0, False),
     "final_logit_softcapping": (0, False), "input_embedding_scale": (0, False),
-    "selector_alpha": (0, True),
+    "selector_alpha": (0, True), "init_std": (0, True),
     "max_anchors": (0, True), "loss_chunk": (0, True), "mask_token_id": (0, True),
     "gamma": (0, False), "lr": (0, False), "warmup": (0, True), "weight_decay": (0, True),
     "grad_clip": (0, False), "steps": (1, True), "epochs": (1, True),

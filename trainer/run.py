@@ -167,7 +167,7 @@ def build_drafter(target: Target, opts: RunOptions, device: torch.device | str) 
     log.info("drafter MASK: %s", "learned vector" if mask_id is None else f"token {mask_id}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(opts.seed)  # same init on every rank (DDP also broadcasts it)
-        drafter = DFlashDrafter(cfg)
+        drafter = DFlashDrafter(cfg, init_std=opts.init_std)
     if drafter.mask_embedding is not None:
         with torch.no_grad():
             drafter.mask_embedding.copy_(target.embed_tokens.weight.float().mean(0).cpu())

@@ -205,6 +205,14 @@ class DrafterSection(Options):
         path={"exists": True, "file_okay": False},
         section=DRAFTER,
     )
+    init_std: float | None = opt(
+        None,
+        "Standard deviation of the normal start of the drafter's projections (fc, attention, "
+        "MLP) [0.02, Transformers' initializer_range, as the reference drafters]; 0: "
+        "PyTorch's default start (uniform, 1/sqrt(3 fan_in)), which accepted less "
+        "(docs/TRAINER.md, 'Initialisation'). --init-drafter's weights replace it.",
+        section=DRAFTER,
+    )
     mask_token_id: int | None = opt(
         None,
         "Token id whose frozen target embedding is the MASK slot (default: the target's "

@@ -91,6 +91,7 @@ SPECS: dict[str, tuple[str, ...]] = {
     "frozen": ("layout=padded", "composition=sorted", "order=sequential"),
     "packed-dpace": ("layout=packed",),
     "packed-gamma3": ("layout=packed",),
+    "packed-dpace-torchinit": ("layout=packed",),
     "stratified-old": ("layout=padded", "buckets={buckets}", "order=stratified"),
     "packed-old": ("layout=packed",),
 }
@@ -105,6 +106,8 @@ DECAY = ("--loss-weighting", "decay")
 OBJECTIVES: dict[str, tuple[str, ...]] = {
     "packed-dpace": ("--loss-weighting", "dpace"),
     "packed-gamma3": (*DECAY, "--gamma", "3"),
+    # the drafter's start before 2026-12-06: PyTorch's default (docs/TRAINER.md)
+    "packed-dpace-torchinit": ("--loss-weighting", "dpace", "--init-std", "0"),
     "stratified-old": (*DECAY, *OLD_OBJECTIVE),
     "packed-old": (*DECAY, *OLD_OBJECTIVE),
 }
@@ -116,6 +119,7 @@ CONTRASTS = (
     ("packed-dpace", "packed"),  # D-PACE's weights against the position decay
     ("packed-gamma3", "packed"),  # a steeper decay: is D-PACE's gain its early weight?
     ("packed-dpace", "packed-gamma3"),  # ... or its per-block adaptivity
+    ("packed-dpace", "packed-dpace-torchinit"),  # the N(0, 0.02) start against PyTorch's
 )
 CORPORA = ("synthetic", "text")
 DEFAULT_SPECS = {

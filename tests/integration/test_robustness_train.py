@@ -304,6 +304,8 @@ def test_a_moved_target_resumes_with_a_warning(target, samples, tmp_path, caplog
         ("max_nonfinite_steps", -1, "--max-nonfinite-steps"),
         ("max_empty_steps", -1, "--max-empty-steps"),
         ("token_budget", 0, "--token-budget"),
+        ("init_std", -0.1, "--init-std"),
+        ("init_std", float("nan"), "--init-std"),
     ],
 )
 def test_out_of_range_counts_are_refused_naming_the_flag(tmp_path, name, value, flag):

@@ -511,7 +511,8 @@ def _daemon_pid(out: Path) -> str:
 
 def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     """Part 4's arms: packed with D-PACE or a steeper decay, and stratified and packed under
-    the old objective, are their base spec's command with the objective's flags changed;
+    the old objective, are their base spec's command with the objective's flags changed (and
+    D-PACE from PyTorch's default start, with ``--init-std 0``);
     every spec names its weighting (the position decay unless it is an arm: the trainer's
     default is D-PACE since Part 4, and a spec trains the same runs whatever the default);
     every run draws one anchor per token at most (as Parts 1-3)."""
@@ -531,11 +532,12 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     base = {s: without(cmd[s], DECAY) for s in ("packed", "stratified")}
     assert without(cmd["packed-dpace"], ("--loss-weighting", "dpace")) == base["packed"]
     assert without(cmd["packed-gamma3"], (*DECAY, "--gamma", "3")) == base["packed"]
+    assert without(cmd["packed-dpace-torchinit"], ("--init-std", "0")) == named(cmd["packed-dpace"])
     assert without(cmd["packed-old"], (*DECAY, *OLD_OBJECTIVE)) == base["packed"]
     assert without(cmd["stratified-old"], (*DECAY, *OLD_OBJECTIVE)) == base["stratified"]
     for spec, c in cmd.items():
         weighting = c[c.index("--loss-weighting") + 1]
-        assert weighting == ("dpace" if spec == "packed-dpace" else "decay"), spec
+        assert weighting == ("dpace" if spec.startswith("packed-dpace") else "decay"), spec
         assert c[c.index("--tokens-per-anchor") + 1] == "1", spec
 
 

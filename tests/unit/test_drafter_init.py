@@ -1,7 +1,7 @@
 """The drafter's initialisation: every projection of ``fc`` and the decoder layers starts
-from N(0, 0.02) whatever the width (PyTorch's default, ``1/sqrt(3 fan_in)``, would give
-0.102 at width 32 and 0.0255 at 512), the norms at 1, and the same seed gives the same
-weights (docs/TRAINER.md, "Initialisation")."""
+from N(0, 0.02) (``--init-std``) whatever the width (PyTorch's default, ``1/sqrt(3
+fan_in)``, would give 0.102 at width 32 and 0.0255 at 512), the norms at 1, and the same
+seed gives the same weights (docs/TRAINER.md, "Initialisation")."""
 
 from __future__ import annotations
 
@@ -33,6 +33,33 @@ def test_every_projection_starts_at_the_init_std(width: int) -> None:
     assert norms and all(bool((m.weight == 1).all()) for m in norms)
 
 
+@pytest.mark.parametrize("std", [0.0, 0.05])
+def test_init_std_sets_the_start_and_0_keeps_pytorchs(std: float) -> None:
+    """``--init-std``: another normal start, or 0 for PyTorch's default (uniform within
+    ``1/sqrt(fan_in)``: std ``1/sqrt(3 fan_in)``), the start before 2026-12-06."""
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config(256), init_std=std)
+    for name, m in drafter.named_modules():
+        if isinstance(m, nn.Linear):
+            fan_in = m.weight.shape[1]
+            want = std or (3 * fan_in) ** -0.5
+            assert abs(m.weight.std().item() - want) < 0.1 * want, name
+            if not std:
+                assert m.weight.abs().max().item() <= fan_in**-0.5, name
+
+
+def test_a_negative_std_is_refused_and_the_help_names_the_default() -> None:
+    """(The flag's refusal: ``test_out_of_range_counts_are_refused_naming_the_flag``.)"""
+    from dataclasses import fields
+
+    from trainer.sections import DrafterSection
+
+    with pytest.raises(ValueError, match="init_std must be >= 0"):
+        DFlashDrafter(config(32), init_std=-0.1)
+    (help_text,) = [f.metadata["help"] for f in fields(DrafterSection) if f.name == "init_std"]
+    assert f"[{INIT_STD}," in help_text  # the help's default is the drafter's
+
+
 def test_the_same_seed_gives_the_same_drafter() -> None:
     def weights(seed: int) -> dict[str, torch.Tensor]:
         torch.manual_seed(seed)
@@ -60,11 +87,7 @@ def test_adamw_moves_a_smaller_start_further_relative_to_its_size() -> None:
 
     def moved(default_start: bool) -> float:
         torch.manual_seed(1)
-        drafter = DFlashDrafter(cfg)
-        if default_start:  # PyTorch's own start, as before 2026-12-06
-            for m in drafter.modules():
-                if isinstance(m, nn.Linear):
-                    m.reset_parameters()
+        drafter = DFlashDrafter(cfg, init_std=0.0 if default_start else None)
         start = drafter.layers[0].self_attn.q_proj.weight.detach().clone()
         opt = torch.optim.AdamW(drafter.parameters(), lr=6e-4, betas=(0.9, 0.95))
         for _ in range(20):

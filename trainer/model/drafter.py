@@ -225,7 +225,9 @@ class RMSNorm(nn.Module):
 class DrafterAttention(nn.Module):
     """Block queries over ``[context keys ; block keys]`` (Qwen3 style: q/k RMS-norm, RoPE)."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, *, init_std: float | None = None) -> None:
+        """``init_std``: the projections' start (None: ``INIT_STD``; 0: PyTorch's default,
+        drawn as each ``nn.Linear`` is made)."""
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
@@ -267,7 +269,9 @@ class DrafterAttention(nn.Module):
 
 
 class DrafterMLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, *, init_std: float | None = None) -> None:
+        """``init_std``: the projections' start (None: ``INIT_STD``; 0: PyTorch's default,
+        drawn as each ``nn.Linear`` is made)."""
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -393,7 +397,9 @@ class DFlashDrafter(nn.Module):
     MASK vector). A dflash2 drafter also holds its ``candidate_selector``, which the head
     (``trainer.model.loss``) and the verifier use on what ``forward`` returns."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, *, init_std: float | None = None) -> None:
+        """``init_std``: the projections' start (None: ``INIT_STD``; 0: PyTorch's default,
+        drawn as each ``nn.Linear`` is made)."""
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
@@ -409,11 +415,15 @@ class DFlashDrafter(nn.Module):
             if cfg.variant == "dflash2"
             else None
         )
-        self._init_projections()
+        std = INIT_STD if init_std is None else init_std
+        if std < 0:
+            raise ValueError(f"init_std must be >= 0, got {std}")
+        if std > 0:
+            self._init_projections(std)
 
-    def _init_projections(self) -> None:
+    def _init_projections(self, std: float) -> None:
         """Every projection of ``fc`` and the layers' attention and MLP drawn from N(0,
-        ``INIT_STD``), in module order; the norms start at 1, and DFlash2's own parts
+        ``std``), in module order; the norms start at 1, and DFlash2's own parts
         (convolutions that start as the identity, the selector) keep their own start
         (docs/TRAINER.md, "Initialisation")."""
         layers = cast(list[DrafterLayer], list(self.layers))
@@ -421,7 +431,7 @@ class DFlashDrafter(nn.Module):
         with torch.no_grad():
             for m in (self.fc, *(x for part in parts for x in part.modules())):
                 if isinstance(m, nn.Linear):
-                    m.weight.normal_(0.0, INIT_STD)
+                    m.weight.normal_(0.0, std)
                     if m.bias is not None:
                         m.bias.zero_()
 
