@@ -275,6 +275,9 @@ def check_run(opts: RunOptions) -> None:
     if opts.loss_weighting == "decay" and opts.dpace_alpha != RunOptions.dpace_alpha:
         log.warning("--dpace-alpha %g has no effect with --loss-weighting decay",
                     opts.dpace_alpha)  # fmt: skip
+    if opts.init_drafter is not None and opts.init_std is not None:
+        log.warning("--init-std %g has no effect with --init-drafter (its weights replace the "
+                    "start)", opts.init_std)  # fmt: skip
 
 
 DEFAULT_DRAFTER_LAYERS, DEFAULT_BLOCK_SIZE = 1, 16

@@ -198,7 +198,8 @@ def test_regen_limit_zero_is_refused_not_an_empty_corpus(tmp_path):
 
 def test_a_weighting_s_unused_option_is_named(caplog, tmp_path):
     """D-PACE is the default: --gamma alone says it has no effect and how to use it;
-    --dpace-alpha under the decay likewise; the defaults say nothing."""
+    --dpace-alpha under the decay likewise, and --init-std with --init-drafter; the
+    defaults say nothing."""
     from trainer.run import check_run
 
     def said(**kw) -> str:
@@ -213,3 +214,7 @@ def test_a_weighting_s_unused_option_is_named(caplog, tmp_path):
     assert "--loss-weighting decay uses it" in said(gamma=3.0)
     assert "no effect" not in said(gamma=3.0, loss_weighting="decay")
     assert "--dpace-alpha 0.3 has no effect" in said(dpace_alpha=0.3, loss_weighting="decay")
+    assert "--init-std 0 has no effect with --init-drafter" in said(
+        init_std=0.0, init_drafter=tmp_path
+    )
+    assert "no effect" not in said(init_std=0.0)
