@@ -49,7 +49,9 @@ ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_interm
                                # before targets served by an engine
                                "target_engine": "none", "engine_url": None,
                                "vllm_python": None, "engine_dir": None,
-                               "engine_inflight": 32, "engine_timeout_s": 300.0}  # fmt: skip
+                               "engine_inflight": 32, "engine_timeout_s": 300.0,
+                               # the drafter's start before --init-std: PyTorch's default
+                               "init_std": 0.0}  # fmt: skip
 #: Options renamed since: old key -> new key (both spellings are read).
 RENAMED = {"num_anchors": "anchors_per_doc"}
 

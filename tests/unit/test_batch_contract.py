@@ -159,6 +159,15 @@ def test_a_bad_config_json_is_named_clearly(tmp_path, change, message):
     assert str(tmp_path / "config.json") in str(err.value)
 
 
+def test_a_run_from_before_init_std_reads_as_pytorchs_start(tmp_path):
+    """A ``config.json`` written before ``--init-std`` existed is read (for ``--resume``,
+    export, the experiment's analysis) as the start those runs had: PyTorch's default."""
+    write_record(tmp_path, init_std=_DROP)
+    assert RunOptions.read(tmp_path).init_std == 0.0
+    write_record(tmp_path)
+    assert RunOptions.read(tmp_path).init_std is None  # the default, N(0, INIT_STD)
+
+
 def test_a_config_json_that_is_not_an_object(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object, got list"):
