@@ -33,7 +33,7 @@ COLORS = {
     "frozen": "tab:brown",
     "packed-dpace": "tab:pink",
     "packed-gamma3": "tab:olive",
-    "packed-dpace-torchinit": "darkgoldenrod",
+    "packed-dpace-init02": "darkgoldenrod",
     "stratified-old": "tab:cyan",
     "packed-old": "tab:gray",
 }
@@ -46,7 +46,7 @@ LABELS = {
     "frozen": "sorted, batch order not shuffled",
     "packed-dpace": "ours, packed rows, D-PACE",
     "packed-gamma3": "ours, packed rows, decay gamma 3",
-    "packed-dpace-torchinit": "ours, packed rows, D-PACE, PyTorch's default start",
+    "packed-dpace-init02": "ours, packed rows, D-PACE, N(0, 0.02) start",
     "stratified-old": "bucketed + stratified, old objective",
     "packed-old": "ours, packed rows, old objective",
 }

@@ -512,7 +512,8 @@ def _daemon_pid(out: Path) -> str:
 def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     """Part 4's arms: packed with D-PACE or a steeper decay, and stratified and packed under
     the old objective, are their base spec's command with the objective's flags changed (and
-    D-PACE from PyTorch's default start, with ``--init-std 0``);
+    D-PACE from the N(0, 0.02) start); every spec names its start (PyTorch's, ``--init-std
+    0``, which Parts 1-4 trained from, but that arm);
     every spec names its weighting (the position decay unless it is an arm: the trainer's
     default is D-PACE since Part 4, and a spec trains the same runs whatever the default);
     every run draws one anchor per token at most (as Parts 1-3)."""
@@ -532,7 +533,11 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     base = {s: without(cmd[s], DECAY) for s in ("packed", "stratified")}
     assert without(cmd["packed-dpace"], ("--loss-weighting", "dpace")) == base["packed"]
     assert without(cmd["packed-gamma3"], (*DECAY, "--gamma", "3")) == base["packed"]
-    assert without(cmd["packed-dpace-torchinit"], ("--init-std", "0")) == named(cmd["packed-dpace"])
+    start = {s: c[c.index("--init-std") + 1] for s, c in cmd.items()}
+    assert start.pop("packed-dpace-init02") == "0.02" and set(start.values()) == {"0"}
+    assert without(cmd["packed-dpace-init02"], ("--init-std", "0.02")) == without(
+        cmd["packed-dpace"], ("--init-std", "0")
+    )
     assert without(cmd["packed-old"], (*DECAY, *OLD_OBJECTIVE)) == base["packed"]
     assert without(cmd["stratified-old"], (*DECAY, *OLD_OBJECTIVE)) == base["stratified"]
     for spec, c in cmd.items():
