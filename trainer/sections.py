@@ -209,8 +209,10 @@ class DrafterSection(Options):
         None,
         "Standard deviation of the normal start of the drafter's projections (fc, attention, "
         "MLP) [0.02, Transformers' initializer_range, as the reference drafters]; 0: "
-        "PyTorch's default start (uniform, 1/sqrt(3 fan_in)), which accepted less "
-        "(docs/TRAINER.md, 'Initialisation'). --init-drafter's weights replace it.",
+        "PyTorch's default start (uniform, 1/sqrt(3 fan_in)). It goes with --lr: AdamW's "
+        "step is about the rate whatever the weights' size, so a smaller start wants a "
+        "smaller --lr (docs/TRAINER.md, 'Initialisation'). --init-drafter's weights "
+        "replace it.",
         section=DRAFTER,
     )
     mask_token_id: int | None = opt(
