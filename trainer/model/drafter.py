@@ -225,9 +225,7 @@ class RMSNorm(nn.Module):
 class DrafterAttention(nn.Module):
     """Block queries over ``[context keys ; block keys]`` (Qwen3 style: q/k RMS-norm, RoPE)."""
 
-    def __init__(self, cfg: DrafterConfig, *, init_std: float | None = None) -> None:
-        """``init_std``: the projections' start (None: ``INIT_STD``; 0: PyTorch's default,
-        drawn as each ``nn.Linear`` is made)."""
+    def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
@@ -269,9 +267,7 @@ class DrafterAttention(nn.Module):
 
 
 class DrafterMLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig, *, init_std: float | None = None) -> None:
-        """``init_std``: the projections' start (None: ``INIT_STD``; 0: PyTorch's default,
-        drawn as each ``nn.Linear`` is made)."""
+    def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
