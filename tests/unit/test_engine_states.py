@@ -90,3 +90,16 @@ def test_a_killed_writers_temporary_files_are_swept_and_nothing_else(tmp_path):
         "cmpl-dflash-x-r0-1-0-0-ab.safetensors", "cmpl-dflash-x-r0-1-0-0-ab.safetensors.lock",
     ]  # fmt: skip
     assert sweep_orphans(tmp_path / "absent", gone) == 0
+
+
+def test_only_a_refused_or_cut_connection_counts_as_no_server():
+    """What starts the clock ``sweep_orphans`` uses: a refused or reset connection (no
+    process listens), not a busy server's HTTP error or a timeout (it may be writing)."""
+    import urllib.error
+
+    from trainer.engine.client import _no_server
+
+    assert _no_server(urllib.error.URLError(ConnectionRefusedError(111, "refused")))
+    assert _no_server(ConnectionResetError(104, "reset"))
+    assert not _no_server(urllib.error.URLError(TimeoutError("timed out")))
+    assert not _no_server(urllib.error.HTTPError("http://x", 503, "busy", {}, None))  # type: ignore[arg-type]
