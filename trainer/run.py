@@ -26,6 +26,7 @@ from trainer.eval.sets import conversation, load_set, parse_sets, render
 from trainer.files import check_output
 from trainer.hf.folder import DrafterFolder, init_drafter, options_from_folder, read_drafter_folder
 from trainer.model.attention import packed_attention, resolve_backend
+from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.sharding import flat_values
 from trainer.model.target import Target, mask_token_id, target_record
@@ -268,6 +269,7 @@ def check_run(opts: RunOptions) -> None:
         raise ValueError("block_size is unresolved: see resolve_init_drafter")
     opts.check_length()
     parse_names(opts.report_to)  # an unknown tracker is refused before the target loads
+    LossConfig.from_options(opts, opts.block_size)  # weights that would round to 0, refused
     if opts.loss_weighting == "dpace" and opts.gamma != RunOptions.gamma:
         log.warning("--gamma %g has no effect with --loss-weighting dpace (the default: "
                     "D-PACE's weights replace the position decay; --loss-weighting decay "

@@ -7,6 +7,7 @@ normalization (each micro-batch's mean alike) fails the same comparison."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -76,3 +77,41 @@ def test_the_old_normalization_depends_on_the_cut(gradients, layout):
     assert _gap(old["1x1"]["grads"], new["1x1"]["grads"]) <= 1e-12
     for cut in ("1x4", "2x2"):
         assert _gap(old["1x1"]["grads"], old[cut]["grads"]) > 0.1, cut
+
+
+EMPTY_WORKER = ROOT / "tests" / "workers" / "empty_slots.py"
+
+
+@pytest.fixture(scope="module")
+def empty_slots(tmp_path_factory) -> Path:
+    """Two ranks of a DFlash2 drafter through steps with micro-batches of anchors but no
+    supervised slot (``tests/workers/empty_slots.py``): the records, under each
+    normalization. A hang (DDP's collectives out of step) fails on the timeout."""
+    out = tmp_path_factory.mktemp("empty")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(EMPTY_WORKER), str(out)]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("normalization", ["step", "micro-batch"])
+def test_anchors_without_a_supervised_slot_train_nothing_and_stop_nothing(
+    empty_slots, normalization
+):
+    """A micro-batch whose anchors predict no supervised token is a micro-batch without
+    blocks: no NaN (under the old normalization its mean was 0/0), every parameter of a
+    DFlash2 drafter (its selector included) still reaches DDP's all-reduce, so the next
+    step runs; and a step without weight on any rank is not applied (AdamW's momentum and
+    weight decay moved the weights before), its record saying so."""
+    import json
+
+    mixed, again, empty = json.loads((empty_slots / f"{normalization}.json").read_text())
+    for rec in (mixed, again):
+        assert rec["loss"] is not None and math.isfinite(rec["loss"])
+        assert rec["grads_finite"] and not rec["skipped_nonfinite"] and not rec["skipped_empty"]
+        assert rec["blocks"] > 0 and rec["moved"] > 0
+    assert empty["blocks"] == 0 and empty["loss"] is None
+    assert empty["skipped_empty"] == 1 and not empty["skipped_nonfinite"]
+    assert empty["moved"] == 0.0

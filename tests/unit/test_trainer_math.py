@@ -197,6 +197,70 @@ def test_plan_blocks_hand_checked():
     assert plan_blocks(batch, LossConfig(block_size=4), _draw()) is None
 
 
+def test_anchors_whose_blocks_predict_no_supervised_token_are_no_blocks():
+    """A supervised token every 4th position: 16 of them (>= 2B, so the document is kept)
+    and anchors drawn at each, but each block's targets are unsupervised: nothing to
+    train, as a micro-batch without anchors (no 0/0 mean, the drafter run for a zero loss)."""
+    ids = torch.arange(64)[None].int()
+    lm = (torch.arange(64) % 4 == 0)[None].to(torch.uint8)
+    batch = Batch(
+        input_ids=ids, loss_mask=lm, lengths=torch.tensor([64]), sample_ids=torch.tensor([3]),
+        max_seqlen=64, num_tokens=64,
+    )  # fmt: skip
+    for weighting in ("decay", "dpace"):
+        cfg = LossConfig(block_size=4, tokens_per_anchor=1, weighting=weighting)
+        assert plan_blocks(batch, cfg, _draw()) is None
+        lm[0, 5] = 1  # a supervised target (anchor 4's offset 1) and anchor (its offset 3: 8)
+        plan = plan_blocks(batch, cfg, _draw())
+        assert plan is not None and int((plan.weights > 0).sum()) == 2
+        lm[0, 5] = 0
+
+
+def test_which_slots_count_under_dpace_does_not_depend_on_gamma():
+    """Under D-PACE the weights come from the slots' own CE after the head; the plan's
+    weights only mark the supervised slots. A gamma whose decay underflows in float32
+    (exp(-14/0.01) is 0) must not drop slots there (--gamma has no effect under D-PACE)."""
+    ids = torch.arange(40)[None].int()
+    lm = torch.ones(1, 40, dtype=torch.uint8)
+    lm[0, 30] = 0
+    batch = Batch(
+        input_ids=ids, loss_mask=lm, lengths=torch.tensor([40]), sample_ids=torch.tensor([1]),
+        max_seqlen=40, num_tokens=40,
+    )  # fmt: skip
+    plans = [plan_blocks(batch, LossConfig(block_size=16, gamma=g, tokens_per_anchor=1), _draw())
+             for g in (7.0, 0.01)]  # fmt: skip
+    assert torch.equal(plans[0].weights, plans[1].weights)
+    assert torch.equal(plans[0].weights > 0, lm[0, plans[0].blk_anchor[:, None] +
+                                                 torch.arange(1, 16)].bool())  # fmt: skip
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 64])
+def test_options_that_would_round_a_supervised_weight_to_zero_are_refused(block_size):
+    """The smallest weight of a block is its last offset's: exp(-(B-2)/gamma) under the
+    decay, alpha^(B-1) under D-PACE (every confidence 0). Each bound is the float32 limit,
+    named with its flag, and it applies to its own weighting only."""
+    tiny = torch.finfo(torch.float32).tiny
+    gamma_low = (block_size - 2) / -math.log(tiny)
+    alpha_low = tiny ** (1 / (block_size - 1))
+    if block_size > 2:
+        with pytest.raises(ValueError, match=r"--gamma .* round to 0 in float32"):
+            LossConfig(block_size=block_size, weighting="decay", gamma=gamma_low * 0.9)
+    decay = LossConfig(block_size=block_size, weighting="decay", gamma=gamma_low * 1.01)
+    assert (position_weights(block_size, decay.gamma) > 0).all()
+    for alpha in (0.0, alpha_low * 0.9):
+        with pytest.raises(ValueError, match=r"--dpace-alpha .* round to 0 in float32"):
+            LossConfig(block_size=block_size, weighting="dpace", dpace_alpha=alpha)
+    from trainer.model.loss import dpace_weights
+
+    ok = LossConfig(block_size=block_size, weighting="dpace", dpace_alpha=alpha_low * 1.01)
+    certain_miss = torch.full((1, block_size - 1), 1e4)  # exp(-CE) == 0 at every slot
+    sup = torch.ones(1, block_size - 1, dtype=torch.bool)
+    assert (dpace_weights(certain_miss, sup, ok.dpace_alpha) > 0).all()
+    # the other weighting's option is not checked (it has no effect there)
+    LossConfig(block_size=block_size, weighting="dpace", gamma=1e-3)
+    LossConfig(block_size=block_size, weighting="decay", dpace_alpha=0.0)
+
+
 def test_chunked_head_loss_matches_autograd():
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=False).requires_grad_(False)

@@ -92,6 +92,7 @@ class LossConfig:
             raise ValueError(f"selector_alpha must be a number >= 0, got {self.selector_alpha}")
         if not (math.isfinite(self.dpace_alpha) and 0 <= self.dpace_alpha <= 1):
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
+        self._check_underflow()
         for name, allowed in (("weighting", WEIGHTINGS), ("normalization", NORMALIZATIONS),
                               ("anchor_draw", ANCHOR_DRAWS)):  # fmt: skip
             if getattr(self, name) not in allowed:
@@ -104,6 +105,29 @@ class LossConfig:
                 "with anchor_draw 'micro-batch' (--anchor-draw micro-batch); per document, "
                 "tokens_per_anchor bounds a micro-batch's anchors (about tokens / "
                 "tokens_per_anchor)"
+            )
+
+    def _check_underflow(self) -> None:
+        """A supervised slot's weight must not round to 0 in float32 (the loss's dtype): its
+        token would be dropped from the objective without a word. The smallest weights are
+        the last offset's: ``exp(-(B-2)/gamma)`` under the decay, and ``alpha^(B-1)`` under
+        D-PACE (every confidence 0: ``q~ = alpha``). Each bound applies to its weighting
+        only (the other's option has no effect)."""
+        tiny, last = float(torch.finfo(torch.float32).tiny), self.block_size - 1
+        if self.weighting == "decay" and self.gamma < (last - 1) / -math.log(tiny):
+            low = (last - 1) / -math.log(tiny)
+            raise ValueError(
+                f"--gamma {self.gamma:g} makes the weight of block offset {last}, "
+                f"exp(-{last - 1}/gamma), round to 0 in float32: its tokens would not count; "
+                f"with blocks of {self.block_size} use a gamma of at least {low:.3g}"
+            )
+        if self.weighting == "dpace" and self.dpace_alpha < tiny ** (1 / last):
+            raise ValueError(
+                f"--dpace-alpha {self.dpace_alpha:g} lets a slot's D-PACE weight round to 0 in "
+                f"float32 (q~ = (1 - a) exp(-CE) + a, a product of up to {last} of them: a "
+                "confident miss weighs nothing): with blocks of "
+                f"{self.block_size} use at least {tiny ** (1 / last):.3g} (D-PACE's own 0.5 "
+                "is the default)"
             )
 
     @classmethod
@@ -259,7 +283,7 @@ class BlockPlan:
     blk_doc: torch.Tensor  # [N] index into docs
     blk_anchor: torch.Tensor  # [N] position in the document
     labels: torch.Tensor  # [N, B-1] token at anchor + k
-    weights: torch.Tensor  # [N, B-1] float32, 0 where unsupervised
+    weights: torch.Tensor  # [N, B-1] float32, 0 where unsupervised (D-PACE: 1 elsewhere)
     capped: int  # anchors dropped by the cap
     ids: torch.Tensor  # the batch's input_ids on the host
     sample_ids: torch.Tensor  # [D] the kept documents' sample ids
@@ -294,7 +318,12 @@ def plan_blocks(batch: Batch, cfg: LossConfig, draw: AnchorDraw) -> BlockPlan | 
     rows = docs.row[blk_doc][:, None].expand_as(cols)
     labels = ids_cpu[rows, cols].long()
     supervised = lm_cpu[rows, cols].bool()
-    weights = position_weights(b, cfg.gamma) * supervised
+    if not bool(supervised.any()):
+        return None  # anchors whose blocks predict no supervised token: nothing to train
+    # Under D-PACE the weights come after the head (``trainer.model.loss``): here they only
+    # say which slots count, and gamma has no say in that.
+    decay = position_weights(b, cfg.gamma) if cfg.weighting == "decay" else torch.ones(b - 1)
+    weights = decay * supervised
     capped = drawn - int(valid.sum())
     return BlockPlan(docs, blk_doc, blk_anchor, labels, weights, capped, ids_cpu, sample_ids)
 

@@ -25,7 +25,8 @@ What stops a run (each a ``TrainingError``, one line for the user): ``max_nonfin
 steps in a row whose loss or gradients were NaN/inf on some rank (each such step is
 skipped: no optimizer update; the decision is all-reduced, so every rank skips it);
 ``max_empty_steps`` steps in a row in which no rank trained a block (the spec leaves no
-document a block); a loader that stays away past its timeout or refuses the session (a
+document a block; such a step is skipped too: with no weight it has no objective, and
+AdamW's momentum and weight decay would still move the weights); a loader that stays away past its timeout or refuses the session (a
 final checkpoint of the last completed step is written first); and a write into the run
 folder that fails (no space, read-only). ``--resume`` verifies checkpoints and falls back
 to the newest complete one (``trainer.train.resume``) and refuses another target.
@@ -73,7 +74,7 @@ from trainer.train.guards import (
 from trainer.train.loader_failure import Fetch
 from trainer.train.metrics import MetricsWriter, metrics_path, read_metrics, summarize
 from trainer.train.profile import StepProfiler, trainer_flops
-from trainer.train.step import StepResult, StepSums, autocast, step_record
+from trainer.train.step import Applied, StepResult, StepSums, autocast, step_record
 from trainer.train.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -469,14 +470,15 @@ class Trainer:
         """One optimizer step; returns this rank's sums."""
         t_start = time.perf_counter() - (self._pending[1] if self._pending else 0.0)
         sums, wait = self._step_gradients(it)
-        grad_norm, lr, finite = self._optimizer_step(sums)
+        grad_norm, lr, applied = self._optimizer_step(sums)
         self.step += 1
         self.costs.end_step()
         step_time = time.perf_counter() - t_start
         sums.step_time += step_time
         sums.wait += wait
         sums.wait_frac += wait / max(step_time, 1e-9)
-        return StepResult(sums=sums, grad_norm=grad_norm, lr=lr, skipped=not finite)
+        return StepResult(sums=sums, grad_norm=grad_norm, lr=lr, skipped=applied.skipped,
+                          empty=applied.empty)  # fmt: skip
 
     def step_gradients(self, it: Iterator[Batch]) -> StepSums:
         """Forward and backward of the next step's micro-batches, the gradients normalized
@@ -507,9 +509,10 @@ class Trainer:
             objective.normalize_gradients(self.drafter.parameters(), sums.weight, self.env)
         return sums, wait
 
-    def _optimizer_step(self, sums: StepSums) -> tuple[torch.Tensor, float, bool]:
-        """Clip, step (unless some rank's loss or gradients are not finite), advance the
-        clock and the schedule; the gradient norm, the step's LR and whether it applied."""
+    def _optimizer_step(self, sums: StepSums) -> tuple[torch.Tensor, float, Applied]:
+        """Clip, step (unless some rank's loss or gradients are not finite, or no rank's
+        step has weight), advance the clock and the schedule; the gradient norm, the step's
+        LR and why it did not apply."""
         if self.scheduler is None:
             raise RuntimeError("train_step() before the LR schedule exists (see run())")
         with phase("optimizer"):
@@ -517,13 +520,13 @@ class Trainer:
                 self.drafter.parameters(), self.opts.grad_clip
             )
             lr = cast(float, self.scheduler.get_last_lr()[0])  # the float cfg.lr, scheduled
-            finite = self._all_finite(grad_norm, sums.ce)
-            if finite:
+            applied = self._agree(grad_norm, sums)
+            if not (applied.skipped or applied.empty):
                 self.optimizer.step()
             self.clock.micro += self.env.world_size * self.grad_accum
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, lr, finite
+        return grad_norm, lr, applied
 
     def _micro_step(self, batch: Batch, sums: StepSums) -> None:
         """Forward and backward of one micro-batch, its sums added to ``sums``."""
@@ -591,9 +594,11 @@ class Trainer:
                 "tokenized for"
             )
 
-    def _all_finite(self, grad_norm: torch.Tensor, ce: torch.Tensor) -> bool:
-        """Whether every rank's loss and the (all-reduced, so common) gradient norm are
-        finite: one decision for all ranks (a max all-reduce under DDP)."""
-        bad = (~torch.isfinite(grad_norm)) | (~torch.isfinite(ce))
-        flag = bad.to(torch.float64).reshape(1)
-        return bool(all_reduce(flag, self.env, op="max").item() == 0)
+    def _agree(self, grad_norm: torch.Tensor, sums: StepSums) -> Applied:
+        """Whether some rank's loss or the (all-reduced, so common) gradient norm is not
+        finite, and whether no rank's step has weight: one decision for all ranks (one max
+        all-reduce under DDP, the step's one host sync)."""
+        bad = (~torch.isfinite(grad_norm)) | (~torch.isfinite(sums.ce))
+        flags = torch.stack([bad.to(torch.float64), (sums.weight > 0).to(torch.float64)])
+        worst = all_reduce(flags.reshape(2), self.env, op="max").tolist()
+        return Applied(skipped=worst[0] > 0, empty=worst[1] == 0)

@@ -13,7 +13,9 @@ and ``eval_s`` on steps where the verifier ran (step 0 is the untrained drafter)
 ``tau/NAME`` and ``tau_pooled/NAME`` for each ``--eval-sets`` set. A step whose loss or
 gradients were not finite on some rank was not applied: its record has
 ``skipped_nonfinite: 1`` (and ``loss`` / ``grad_norm`` null where they were NaN or inf);
-records of normal steps lack the key. Only rank 0 writes.
+a step in which no rank trained a supervised slot was not applied either (no objective:
+AdamW would still move the weights), ``skipped_empty: 1`` and ``loss`` null; records of
+normal steps lack both keys. Only rank 0 writes.
 
 On resume the file is cut back to the checkpoint's step (atomically), so a run that was
 killed after its last checkpoint does not list the replayed steps twice.
@@ -94,9 +96,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             mean_data_wait_frac=sum(waits) / len(waits),
             max_data_wait_frac=max(r["data_wait_frac_max"] for r in steps),
         )
-    skipped = sum(int(r.get("skipped_nonfinite", 0)) for r in steps)
-    if skipped:  # only then: the summary of a healthy run is unchanged
-        out.update(skipped_nonfinite=skipped)
+    for key in ("skipped_nonfinite", "skipped_empty"):
+        skipped = sum(int(r.get(key, 0)) for r in steps)
+        if skipped:  # only then: the summary of a healthy run is unchanged
+            out[key] = skipped
     if taus:
         out.update(first_tau=taus[0]["tau"], last_tau=taus[-1]["tau"])
         if "tau_pooled" in taus[-1]:

@@ -87,6 +87,13 @@ class StepSums:
         )
 
 
+class Applied(NamedTuple):
+    """Why an optimizer step was not applied (both False: it was), as every rank agreed."""
+
+    skipped: bool  # non-finite loss or gradients on some rank
+    empty: bool  # no rank's step had weight (no supervised slot trained): no objective
+
+
 class StepResult(NamedTuple):
     """What one optimizer step returns to be recorded."""
 
@@ -94,6 +101,7 @@ class StepResult(NamedTuple):
     grad_norm: torch.Tensor
     lr: float
     skipped: bool = False  # non-finite loss or gradients on some rank: no optimizer update
+    empty: bool = False  # no weight on any rank: no optimizer update either
 
 
 class StepPeaks(NamedTuple):
@@ -155,6 +163,8 @@ def step_record(
     }
     if raw.skipped:  # only then: the records of a healthy run are unchanged
         rec["skipped_nonfinite"] = 1
+    elif raw.empty:
+        rec["skipped_empty"] = 1
     return rec
 
 
