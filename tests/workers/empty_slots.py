@@ -7,8 +7,9 @@ A DFlash2 drafter (its candidate selector runs outside the drafter's forward, so
 whose loss never reaches it leaves DDP's reducer out of step) trains, under each
 normalization, three steps of two micro-batches per rank:
 
-1. "mixed": rank 0's last micro-batch (the one DDP synchronizes) holds only documents whose anchors predict
-   unsupervised tokens (a supervised token every B-th position), the rest are ordinary;
+1. "mixed": rank 0's last micro-batch (the one DDP synchronizes) holds only documents
+   whose anchors predict unsupervised tokens (a supervised token every B-th position), the
+   rest are ordinary;
 2. "mixed" again (DDP reports a parameter that got no gradient at the *next* forward);
 3. "empty": every micro-batch of both ranks is such documents: no rank has weight.
 

@@ -26,10 +26,11 @@ steps in a row whose loss or gradients were NaN/inf on some rank (each such step
 skipped: no optimizer update; the decision is all-reduced, so every rank skips it);
 ``max_empty_steps`` steps in a row in which no rank trained a block (the spec leaves no
 document a block; such a step is skipped too: with no weight it has no objective, and
-AdamW's momentum and weight decay would still move the weights); a loader that stays away past its timeout or refuses the session (a
-final checkpoint of the last completed step is written first); and a write into the run
-folder that fails (no space, read-only). ``--resume`` verifies checkpoints and falls back
-to the newest complete one (``trainer.train.resume``) and refuses another target.
+AdamW's momentum and weight decay would still move the weights); a loader that stays away
+past its timeout or refuses the session (a final checkpoint of the last completed step is
+written first); and a write into the run folder that fails (no space, read-only).
+``--resume`` verifies checkpoints and falls back to the newest complete one
+(``trainer.train.resume``) and refuses another target.
 """
 
 from __future__ import annotations
