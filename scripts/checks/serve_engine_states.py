@@ -50,10 +50,10 @@ def states_checks(
         ids = engine_layer_ids(layers, tgt.num_layers)
         with owned_server(args.vllm_python, target, ids, work / "vllm-states.log") as server:
             folder = server.states_dir
-            client = StateClient(server.url, tag="serve-check", rank=0, num_states=len(ids),
+            client = StateClient(server.url, run="servecheck-0", rank=0, num_states=len(ids),
                                  hidden_size=tgt.hidden_size, inflight=8,
                                  states_dir=folder, alive=server.ended)  # fmt: skip
-            got = [f.result() for f in [client.submit(torch.tensor(p)) for p in prompts]]
+            got = [client.result(f) for f in [client.submit(torch.tensor(p)) for p in prompts]]
             client.close()
             left = sorted(p.name for p in folder.iterdir())
         worst = [0.0] * len(layers)
@@ -110,7 +110,7 @@ def two_ranks_check(args: argparse.Namespace, work: Path, phases: Phases, corpus
     from scripts.checks.serve_common import sh
     from scripts.servers.daemon_process import DaemonProcess
     from trainer.engine.server import states_folder
-    from trainer.engine.side import run_tag
+    from trainer.engine.side import run_id
 
     run_dir = work / "run-engine-two-ranks"
     with phases("engine: two ranks fed by one server the run starts"):
@@ -129,7 +129,7 @@ def two_ranks_check(args: argparse.Namespace, work: Path, phases: Phases, corpus
         steps = sorted(losses(run_dir))
         left = subprocess.run(["pgrep", "-f", f"api_server --model {target}"],
                               capture_output=True, text=True).stdout.split()  # fmt: skip
-        folder = states_folder(run_tag(run_dir))
+        folder = states_folder(run_id(run_dir))
     ok = steps == list(range(1, 9)) and not left and not folder.exists()
     detail = (f"steps {steps[:1]}..{steps[-1:]} trained; vLLM processes left {len(left)}; "
               f"states folder {'left' if folder.exists() else 'removed'}")  # fmt: skip

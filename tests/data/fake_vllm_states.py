@@ -1,20 +1,32 @@
 """A stand-in for a vLLM server extracting hidden states (``extract_hidden_states`` with
-``trainer.engine``'s connector), for the tests of ``trainer.engine`` that make test runs
-(``tests/integration/test_engine_feed.py``; the real vLLM is ``make serve-check``'s).
+``trainer.engine``'s connector), for the tests of ``trainer.engine`` (the real vLLM is
+``make serve-check``'s).
 
 It keeps vLLM 0.32's conventions, as ``trainer.engine.states`` documents them: layer id
 ``k`` is the output after ``k`` decoder layers, id ``L`` the last layer's before the final
 norm; the ids come back in ascending order; the file is
 ``STATES/cmpl-<X-Request-Id>-0-<random>.safetensors`` (``hidden_states [T, n, H]``,
 ``token_ids [T]``), written after the reply while an exclusive ``flock`` on its ``.lock``
-is held. ``GET /v1/models`` names the model and its ``max_model_len``.
+is held, through the connector's own writer (``dflash_states_file.write_states``: into
+``NAME.part``, then renamed). ``GET /v1/models`` names the model, its ``root`` and its
+``max_model_len``.
 
-``python fake_vllm_states.py --model DIR --port N --layer-ids 1,2,4 --states DIR
-[--max-model-len N]``; ``$FAKE_STATES_DIE_AFTER=N``: exit (as a kill would) after the
-N-th reply, its file half written (``$FAKE_STATES_DIE_UNWRITTEN=1``: not written at all,
-half of it in a ``.tmpXXXXXX`` file, as safetensors' ``save_file`` cut short leaves it);
-``$FAKE_STATES_WRONG_TOKENS=1``: files name other token
-ids than asked for.
+As a script (``python fake_vllm_states.py --model DIR --port N --layer-ids 1,2,4 --states
+DIR [--max-model-len N]``) it computes the states with Transformers. Imported, ``serve``
+runs one in a thread with any ``states`` function (the client's unit tests).
+
+Faults, from the environment (script) or ``Faults`` (imported):
+
+* ``FAKE_STATES_DIE_AFTER=N``: exit (as a kill would) after the N-th reply, its file half
+  written (``FAKE_STATES_DIE_UNWRITTEN=1``: the ``.part`` half written, never renamed);
+* ``FAKE_STATES_WRONG_TOKENS=1``: files name other token ids than asked for;
+* ``FAKE_STATES_BAD=KIND@N``: the N-th reply's file is wrong in one way: ``nan`` (a NaN in
+  its states), ``dtype`` (bfloat16, the others float32), ``shape`` (a layer short),
+  ``fifo`` (a FIFO, not a file), ``outside`` (the reply names ``FAKE_STATES_VICTIM``, a
+  path outside the folder), ``foreign`` (it names a file of another request in the folder);
+* ``FAKE_STATES_STATUS=CODE``: every request answered with that HTTP status (a web server
+  that is not vLLM, a proxy);
+* ``FAKE_STATES_ROOT=PATH``: ``/v1/models`` says it serves that model.
 """
 
 from __future__ import annotations
@@ -23,21 +35,50 @@ import argparse
 import fcntl
 import json
 import os
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
 
-LOCK = threading.Lock()
-SERVED = {"n": 0}
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainer" / "engine" / "vllm_plugin"))
+from dflash_states_file import PART, write_states  # the connector's own writer
 
 
-def states(model, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+@dataclass
+class Faults:
+    die_after: int = 0
+    die_unwritten: bool = False
+    wrong_tokens: bool = False
+    bad: str = ""  # KIND@N
+    victim: str = ""
+    status: int = 0
+    root: str = ""
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        e = os.environ.get
+        return cls(
+            die_after=int(e("FAKE_STATES_DIE_AFTER", "0")),
+            die_unwritten=e("FAKE_STATES_DIE_UNWRITTEN") == "1",
+            wrong_tokens=e("FAKE_STATES_WRONG_TOKENS") == "1",
+            bad=e("FAKE_STATES_BAD", ""), victim=e("FAKE_STATES_VICTIM", ""),
+            status=int(e("FAKE_STATES_STATUS", "0")), root=e("FAKE_STATES_ROOT", ""),
+        )  # fmt: skip
+
+    def bad_kind(self, n: int) -> str | None:
+        if "@" not in self.bad:
+            return None
+        kind, at = self.bad.split("@")
+        return kind if int(at) == n else None
+
+
+def model_states(model, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
     """``[T, n, H]``: the outputs after ``k`` layers for each ``k`` in ``layer_ids``."""
     captured = {}
     last = model.config.num_hidden_layers
@@ -53,7 +94,93 @@ def states(model, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
     return torch.stack([p[0] for p in picked], dim=1).contiguous()
 
 
+def serve(
+    port: int, folder: Path, states: Callable[[list[int]], torch.Tensor], *, root: str,
+    max_model_len: int = 1024, faults: Faults | None = None,
+) -> ThreadingHTTPServer:  # fmt: skip
+    """The server on ``127.0.0.1:port`` (not yet serving: call ``serve_forever``)."""
+    faults = faults or Faults()
+    lock, served = threading.Lock(), {"n": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a) -> None:
+            pass
+
+        def _send(self, status: int, obj) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if faults.status:
+                self._send(faults.status, {"detail": "Not Found"})
+            elif self.path == "/v1/models":
+                self._send(200, {"data": [{"id": "target", "root": faults.root or root,
+                                           "max_model_len": max_model_len}]})  # fmt: skip
+            else:
+                self._send(200, {})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if faults.status:
+                self._send(faults.status, {"detail": "Not Found"})
+                return
+            ids = [int(t) for t in body["prompt"]]
+            if len(ids) > max_model_len - 1:
+                self._send(400, {"error": "prompt too long"})
+                return
+            rid = self.headers.get("X-Request-Id") or uuid.uuid4().hex
+            path = folder / f"cmpl-{rid}-0-{uuid.uuid4().hex[:8]}.safetensors"
+            lock_fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            with lock:
+                hs = states(ids)
+                served["n"] += 1
+                n = served["n"]
+                dying = faults.die_after and n >= faults.die_after
+            kind = faults.bad_kind(n)
+            named = str(path)
+            if kind == "outside":
+                named = faults.victim
+            elif kind == "foreign":
+                named = str(folder / f"cmpl-dflash-other-0-r0-{n}-0-abcd.safetensors")
+            self._send(200, {"choices": [{"index": 0, "text": ""}],
+                             "kv_transfer_params": {"hidden_states_path": named}})  # fmt: skip
+            self.wfile.flush()
+            if dying:  # as a kill mid-write: half a file, the lock released by the exit
+                if faults.die_unwritten:
+                    Path(str(path) + PART).write_bytes(b"\x00" * 7)
+                else:
+                    path.write_bytes(b"\x00" * 7)
+                os._exit(1)
+            tokens = torch.tensor([(t + 1) % 7 for t in ids] if faults.wrong_tokens else ids)
+            if kind == "nan":
+                hs = hs.clone()
+                hs[len(ids) // 2, 0, 1] = float("nan")
+            elif kind == "dtype":
+                hs = hs.to(torch.bfloat16)
+            elif kind == "shape":
+                hs = hs[:, :-1].contiguous()
+            time.sleep(0.01)  # the write lands after the reply, as vLLM's thread's does
+            if kind == "fifo":
+                os.mkfifo(path, 0o600)
+            else:
+                write_states(str(path), {"hidden_states": hs, "token_ids": tokens})
+            os.close(lock_fd)
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256  # a trainer keeps dozens of requests in flight
+        daemon_threads = True
+
+    return Server(("127.0.0.1", port), Handler)
+
+
 def main() -> None:
+    from transformers import AutoModelForCausalLM
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--port", type=int, required=True)
@@ -63,66 +190,11 @@ def main() -> None:
     args = ap.parse_args()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     layer_ids = sorted({int(k) for k in args.layer_ids.split(",")})
-    folder = Path(args.states)
-    die_after = int(os.environ.get("FAKE_STATES_DIE_AFTER", "0"))
-    wrong = os.environ.get("FAKE_STATES_WRONG_TOKENS") == "1"
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a) -> None:
-            pass
-
-        def _json(self, obj) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            if self.path == "/v1/models":
-                self._json({"data": [{"id": "target", "max_model_len": args.max_model_len}]})
-            else:
-                self._json({})
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            ids = [int(t) for t in body["prompt"]]
-            if len(ids) > args.max_model_len - 1:
-                self.send_response(400)
-                self.end_headers()
-                self.wfile.write(b'{"error": "prompt too long"}')
-                return
-            rid = self.headers.get("X-Request-Id") or uuid.uuid4().hex
-            path = folder / f"cmpl-{rid}-0-{uuid.uuid4().hex[:8]}.safetensors"
-            lock_fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            with LOCK:
-                hs = states(model, ids, layer_ids)
-                SERVED["n"] += 1
-                dying = die_after and SERVED["n"] >= die_after
-            self._json(
-                {
-                    "choices": [{"index": 0, "text": ""}],
-                    "kv_transfer_params": {"hidden_states_path": str(path)},
-                }
-            )
-            self.wfile.flush()
-            if dying:  # as a kill mid-write: half a file (or none), the lock released by the exit
-                if os.environ.get("FAKE_STATES_DIE_UNWRITTEN") != "1":
-                    path.write_bytes(b"\x00" * 7)
-                else:  # save_file writes a temporary file and renames it when whole
-                    (folder / f".tmp{uuid.uuid4().hex[:6]}").write_bytes(b"\x00" * 7)
-                os._exit(1)
-            tokens = torch.tensor([(t + 1) % 7 for t in ids] if wrong else ids)
-            time.sleep(0.01)  # the write lands after the reply, as vLLM's thread's does
-            save_file({"hidden_states": hs, "token_ids": tokens}, str(path))
-            os.close(lock_fd)
-
-    class Server(ThreadingHTTPServer):
-        request_queue_size = 256  # a trainer keeps dozens of requests in flight
-
-    Server(("127.0.0.1", args.port), Handler).serve_forever()
+    server = serve(
+        args.port, Path(args.states), lambda ids: model_states(model, ids, layer_ids),
+        root=args.model, max_model_len=args.max_model_len, faults=Faults.from_env(),
+    )  # fmt: skip
+    server.serve_forever()
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ class EngineFeed:
                 raise ended
             item = self._queue.popleft()
             self._read_ahead()  # what the engine computes while this micro-batch trains
-            states = [f.result() for f in item.states]  # EngineError: the run stops
+            states = [self.client.result(f) for f in item.states]  # EngineError: it stops
             self.target.hold(item.batch, assemble(item.batch, states, self.target.columns,
                                                   self.target.dtype))  # fmt: skip
             self._state, self._yielded = item.state, item

@@ -11,7 +11,8 @@ would be missing).
 
 A server the trainer starts runs on rank 0's machine, with the CPU settings of
 ``trainer.eval.engine.vllm_command`` (fp32, eager; what this project can test), and writes
-its files to the run's folder under ``/dev/shm`` (memory, not disk), removed when it stops;
+its files to the run's private folder under ``/dev/shm`` (memory, not disk), removed when
+it stops;
 it is SIGTERMed if the trainer dies (``trainer.eval.engine``), and a run resumed after a
 kill finds that folder again and removes what the killed run left in it.
 A GPU server with tensor parallelism is one the user runs with these flags
@@ -29,7 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer.eval.engine import KV_CACHE_MEMORY_BYTES, MAX_MODEL_LEN, tail, vllm_process
+from trainer.engine.folders import own_folder, shared_folder
+from trainer.eval.engine import KV_CACHE_MEMORY_BYTES, MAX_MODEL_LEN, died, vllm_process
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
 CONNECTOR = "DFlashHiddenStatesConnector"
@@ -75,15 +77,16 @@ def serve_command(
     return f"PYTHONPATH={shlex.quote(str(PLUGIN_DIR))} " + " ".join(map(shlex.quote, cmd))
 
 
-def states_folder(tag: str | None = None) -> Path:
-    """The folder of a started server's files, in ``/dev/shm`` where there is one:
-    ``dflash-engine-TAG`` (a run's: the run resumed after a kill finds it again, and
-    removes what the killed one left there), or a fresh one."""
+def states_folder(run_id: str | None = None) -> Path:
+    """Where a started server's files go, in ``/dev/shm`` where there is one:
+    ``dflash-engine-RUN`` (a run's, by its random id: the run resumed after a kill finds it
+    again, and removes what the killed one left there), or a fresh one. Not made here:
+    ``own_folder`` makes it private, or refuses one someone else made."""
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() else Path(tempfile.gettempdir())
-    if tag is None:
+    if run_id is None:
         return Path(tempfile.mkdtemp(prefix="dflash-engine-", dir=base))
-    return base / f"dflash-engine-{tag}"
+    return base / f"dflash-engine-{run_id}"
 
 
 class OwnedServer:
@@ -98,23 +101,25 @@ class OwnedServer:
         if self.proc.poll() is None:
             return None
         return (
-            f"the vLLM server this run started exited with {self.proc.returncode} "
-            f"(its log, {self.log}):\n{tail(self.log, 15)}"
+            f"the vLLM server this run started exited with {self.proc.returncode}: {died(self.log)}"
         )
 
 
 @contextlib.contextmanager
 def owned_server(
     vllm_python: str, target: Path, engine_ids: list[int], log: Path, *,
-    states_dir: Path | None = None, tag: str | None = None, max_model_len: int = MAX_MODEL_LEN,
-    kv_cache_memory_bytes: int = KV_CACHE_MEMORY_BYTES,
+    states_dir: Path | None = None, run_id: str | None = None,
+    max_model_len: int = MAX_MODEL_LEN, kv_cache_memory_bytes: int = KV_CACHE_MEMORY_BYTES,
 ) -> Iterator[OwnedServer]:  # fmt: skip
     """vLLM serving ``target``'s hidden states, started here and stopped (its process group)
-    when the block ends, or when this process dies; its files go to ``states_dir``, else to
-    ``states_folder(tag)``, removed when the block ends."""
+    when the block ends, or when this process dies; its files go to ``states_dir`` (a
+    folder others cannot write to), else to ``states_folder(run_id)``, made private (0700)
+    and removed when the block ends."""
     made = states_dir is None
-    folder = states_folder(tag) if states_dir is None else Path(states_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    if made:
+        folder = own_folder(states_folder(run_id))
+    else:
+        folder = shared_folder(Path(states_dir))  # type: ignore[arg-type]
     try:
         with vllm_process(
             vllm_python, target, log, max_model_len=max_model_len,

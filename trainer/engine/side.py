@@ -5,19 +5,27 @@ With ``--vllm-python`` rank 0 starts the server on its machine and tells the oth
 its URL and folder (one broadcast; a server that does not start is every rank's error, not
 a wait for a collective's timeout). A job over several machines runs its own server and
 passes ``--engine-url``, with ``--engine-dir`` where the files appear on each machine.
+
+Which requests are the run's: rank 0 keeps a random id in the run folder (``ENGINE_ID``;
+made at the first start, read again by every resume) and draws a new one for each start
+of the job; every rank takes both from it (``run_identity``). Request ids, and so the
+server's file names, carry them (``trainer.engine.client``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer.engine.client import EngineError, StateClient
+import torch
+
+from trainer.engine.client import StateClient
+from trainer.engine.errors import EngineError
 from trainer.engine.feed import EngineFeed
 from trainer.engine.server import owned_server
 from trainer.engine.target import EngineTarget
@@ -31,9 +39,30 @@ from trainer.train.distributed import DistEnv, control_broadcast
 SERVER_LOG = "vllm-engine.log"
 
 
-def run_tag(run_dir: Path) -> str:
-    """A short name of the run folder, in the request ids (several runs on one server)."""
-    return hashlib.blake2b(str(Path(run_dir).resolve()).encode(), digest_size=4).hexdigest()
+#: The file in the run folder that holds the run's engine id.
+ENGINE_ID = "engine-id"
+
+
+def run_id(run_dir: Path) -> str:
+    """The run's engine id (``ENGINE_ID`` in ``run_dir``, made on first use): random, so
+    two runs never share one (not even two of the same folder path on two machines)."""
+    path = Path(run_dir) / ENGINE_ID
+    with contextlib.suppress(FileNotFoundError):
+        found = path.read_text().strip()
+        if found.isalnum() and 8 <= len(found) <= 32:
+            return found
+    made = secrets.token_hex(6)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{ENGINE_ID}.{made}")
+    part.write_text(made + "\n")
+    os.replace(part, path)
+    return made
+
+
+def run_identity(run_dir: Path, env: DistEnv) -> str:
+    """``RUN-INC``: the run's id and this start's, rank 0's on every rank (one broadcast)."""
+    mine = f"{run_id(run_dir)}-{secrets.token_hex(3)}" if env.is_main else None
+    return str(control_broadcast(mine, env))
 
 
 @contextlib.contextmanager
@@ -48,6 +77,8 @@ def engine_side(
     with contextlib.ExitStack() as stack:
         url, folder = opts.engine_url, opts.engine_dir
         alive: Callable[[], str | None] | None = None
+        dtype = None  # a user's server: its first document says
+        run = run_identity(opts.run_dir, env)
         if url is None:
             assert opts.vllm_python is not None  # RunOptions checks it
             _one_machine(env)
@@ -58,7 +89,7 @@ def engine_side(
                     server = stack.enter_context(owned_server(
                         str(opts.vllm_python), Path(opts.target), target.engine_ids,
                         opts.run_dir / SERVER_LOG, states_dir=opts.engine_dir,
-                        tag=run_tag(opts.run_dir), max_model_len=_context(opts, target),
+                        run_id=run.split("-")[0], max_model_len=_context(opts, target),
                     ))  # fmt: skip
                     found = (server.url, str(server.states_dir), server.proc.pid)
                     alive = server.ended
@@ -67,13 +98,14 @@ def engine_side(
             found = control_broadcast(found, env)
             if not isinstance(found, tuple):
                 raise EngineError(f"the vLLM server could not start (rank 0): {found}")
-            url, folder = found[0], Path(found[1])
+            url, folder, dtype = found[0], Path(found[1]), torch.float32  # vllm_command's
             if not env.is_main:
                 alive = functools.partial(_exited, int(found[2]))
         client = StateClient(
-            url, tag=run_tag(opts.run_dir), rank=env.rank, num_states=len(target.engine_ids),
+            url, run=run, rank=env.rank, num_states=len(target.engine_ids),
             hidden_size=target.hidden_size, inflight=opts.engine_inflight,
-            timeout_s=opts.engine_timeout_s, states_dir=folder, alive=alive,
+            timeout_s=opts.engine_timeout_s, states_dir=folder, alive=alive, dtype=dtype,
+            target=Path(opts.target),
         )  # fmt: skip
         try:
             yield target, lambda source: EngineFeed(source, target, client)

@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -80,20 +81,51 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float
     while True:
         if proc.poll() is not None:
             args = cast(list[str], proc.args)[:3]
-            raise RuntimeError(f"{args} exited with {proc.returncode}:\n{tail(log)}")
+            raise RuntimeError(f"{args} exited with {proc.returncode}: {died(log, 40)}")
         try:
             with urllib.request.urlopen(url, timeout=5):
                 return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not up after {timeout:.0f} s:\n{tail(log)}")
+            raise RuntimeError(f"{url} not up after {timeout:.0f} s: {died(log, 40)}")
         time.sleep(0.5)
 
 
 def tail(log: Path, n: int = 40) -> str:
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     return "\n".join(lines[-n:])
+
+
+#: vLLM's prefix of a log line: ``(Worker pid=1) ERROR 12-07 03:42:20 [file.py:10] ``.
+_PREFIX = re.compile(r"^(\([^)]*\)\s+)?([A-Z]+\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[[^\]]*\]\s?)?")
+#: The line a Python traceback ends with: ``SomeError: what went wrong``.
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)|\w+Dead\w*)\b:?")
+
+
+def cause(log: Path) -> str | None:
+    """Why a vLLM server died, in one line of its log: the exception the first traceback
+    ended with (vLLM's worker raises, its engine core and API server then fail with lines
+    that only point back at it, and the log ends with the shutdown), its prefix removed;
+    else the first ``ERROR`` line; None without either."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    body = [_PREFIX.sub("", line, count=1) for line in lines]
+    in_trace = False
+    for text in body:
+        if text.startswith("Traceback (most recent call last)"):
+            in_trace = True
+        elif in_trace and not text.startswith(" ") and _RAISED.match(text):
+            return text.strip()
+    errors = [t.strip() for line, t in zip(lines, body, strict=True) if " ERROR " in line]
+    return errors[0] if errors else None
+
+
+def died(log: Path, n: int = 15) -> str:
+    """What to say of a server that exited: the line that says why (``cause``), then its
+    log's last ``n`` lines."""
+    why = cause(log)
+    lead = f"{why}\n" if why else ""
+    return f"{lead}(its log, {log}, ends:)\n{tail(log, n)}"
 
 
 def stop_group(proc: subprocess.Popen[bytes]) -> None:

@@ -31,7 +31,7 @@ from loader_server.wire.protocol import (
     LoaderUnavailableError,
     ProtocolError,
 )
-from trainer.engine.client import EngineError
+from trainer.engine.errors import EngineError
 from trainer.train import checkpoint as ckpt
 from trainer.train.distributed import DistEnv, control_all_reduce
 from trainer.train.guards import LoaderFailedError, ServedSpecError

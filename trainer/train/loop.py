@@ -62,7 +62,7 @@ from trainer.train.batches import Batch, BatchSource
 from trainer.train.cadence import Cadence
 from trainer.train.clock import Clock, SavedClock, lr_scheduler, start_clock, warmup_cosine
 from trainer.train.costlog import CostLog
-from trainer.train.distributed import DistEnv, all_reduce
+from trainer.train.distributed import DistEnv
 from trainer.train.evaluation import Evaluator
 from trainer.train.guards import (
     WRITE_ERRNOS,
@@ -521,7 +521,7 @@ class Trainer:
                 self.drafter.parameters(), self.opts.grad_clip
             )
             lr = cast(float, self.scheduler.get_last_lr()[0])  # the float cfg.lr, scheduled
-            applied = self._agree(grad_norm, sums)
+            applied = Applied.agree(grad_norm, sums, self.env)
             if not (applied.skipped or applied.empty):
                 self.optimizer.step()
             self.clock.micro += self.env.world_size * self.grad_accum
@@ -595,11 +595,3 @@ class Trainer:
                 "tokenized for"
             )
 
-    def _agree(self, grad_norm: torch.Tensor, sums: StepSums) -> Applied:
-        """Whether some rank's loss or the (all-reduced, so common) gradient norm is not
-        finite, and whether no rank's step has weight: one decision for all ranks (one max
-        all-reduce under DDP, the step's one host sync)."""
-        bad = (~torch.isfinite(grad_norm)) | (~torch.isfinite(sums.ce))
-        flags = torch.stack([bad.to(torch.float64), (sums.weight > 0).to(torch.float64)])
-        worst = all_reduce(flags.reshape(2), self.env, op="max").tolist()
-        return Applied(skipped=worst[0] > 0, empty=worst[1] == 0)

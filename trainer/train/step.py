@@ -93,6 +93,16 @@ class Applied(NamedTuple):
     skipped: bool  # non-finite loss or gradients on some rank
     empty: bool  # no rank's step had weight (no supervised slot trained): no objective
 
+    @classmethod
+    def agree(cls, grad_norm: torch.Tensor, sums: StepSums, env: DistEnv) -> Applied:
+        """Whether some rank's loss or the (all-reduced, so common) gradient norm is not
+        finite, and whether no rank's step has weight: one decision for all ranks (one max
+        all-reduce under DDP, the step's one host sync)."""
+        bad = (~torch.isfinite(grad_norm)) | (~torch.isfinite(sums.ce))
+        flags = torch.stack([bad.to(torch.float64), (sums.weight > 0).to(torch.float64)])
+        worst = all_reduce(flags.reshape(2), env, op="max").tolist()
+        return cls(skipped=worst[0] > 0, empty=worst[1] == 0)
+
 
 class StepResult(NamedTuple):
     """What one optimizer step returns to be recorded."""

@@ -1,6 +1,7 @@
-"""vLLM's ``ExampleHiddenStatesConnector`` made to run on any device: loaded by vLLM's own
-interpreter (``kv_connector_module_path``, this folder on its ``PYTHONPATH``), never by the
-trainer. Imports vLLM and torch only.
+"""vLLM's ``ExampleHiddenStatesConnector`` made to run on any device, and to write each
+file under its request's name: loaded by vLLM's own interpreter
+(``kv_connector_module_path``, this folder on its ``PYTHONPATH``), never by the trainer.
+Imports vLLM and torch only (and ``dflash_states_file`` beside it).
 
 The stock connector (vLLM 0.32) copies each finished request's hidden states off the GPU
 on a CUDA stream into pinned memory, and a thread writes the file once a CUDA event says
@@ -9,6 +10,11 @@ private method (``_submit_async_write``) is replaced: the rows are gathered from
 hidden-state cache at once (a copy: the blocks are freed after this returns), and the same
 thread pool writes the file under the same ``.lock`` protocol (the client waits on a
 shared ``flock`` for the writer's exclusive one). On a GPU the stock method runs.
+
+Every file, on either path, is written by ``dflash_states_file.write_states`` (the thread's
+``_write_tensors`` replaced): into ``NAME.part``, then renamed, so what a killed server
+leaves is named after its request (safetensors' ``save_file`` would leave a ``.tmpXXXXXX``
+that no request names).
 
 Pinned to the vLLM release it was written against (``VLLM_VERSION``): the method it
 replaces is private, so another release is refused at start-up with a line naming both
@@ -23,6 +29,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from dflash_states_file import write_states
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
@@ -57,6 +64,19 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
             )
         super().__init__(*args, **kwargs)
 
+    @staticmethod
+    def _write_tensors(
+        tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None
+    ) -> None:
+        """The writer thread: once the copy is done, the file under its request's name
+        (``write_states``), then the lock released."""
+        try:
+            event.synchronize()
+            write_states(filename, tensors)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases LOCK_EX: the client reads the file
+
     def _submit_async_write(self, pending: PendingSave) -> None:
         assert self._kv_cache is not None
         if self._kv_cache.is_cuda:
@@ -75,7 +95,7 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
             import fcntl
 
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC,
-                              0o644)  # fmt: skip
+                              0o600)  # fmt: skip
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         done = _Done()
         future = self._executor.submit(

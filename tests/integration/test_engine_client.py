@@ -1,0 +1,474 @@
+"""The engine client (``trainer.engine.client``) under careless and hostile input, against
+the stand-in server (``tests/data/fake_vllm_states.py``) run in a thread on a real port,
+writing real files through the connector's own writer:
+
+1. nothing the run did not create is read as its own, changed or deleted: folders others
+   can write to, folders someone else made under the run's name, replies naming paths
+   outside the folder or files of other requests, other runs' and other programs' files;
+   what the run left at an earlier start (a killed trainer, ranks gone) is removed;
+2. a server that answers but is not the engine is reported as what it is, at once;
+3. every wait is bounded and named (a FIFO, a server that never answers, a closing client,
+   the backoff of a second outage);
+4. states that cannot be right are refused, naming the document.
+"""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import json
+import os
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.engine import client as engine_client
+from trainer.engine.client import EngineError, StateClient
+from trainer.engine.folders import open_regular, own_folder, shared_folder
+from trainer.eval.engine import free_port
+
+pytestmark = pytest.mark.integration
+
+_spec = importlib.util.spec_from_file_location(
+    "fake_vllm_states", Path(__file__).resolve().parents[1] / "data" / "fake_vllm_states.py"
+)
+stand_in = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+sys.modules["fake_vllm_states"] = stand_in
+_spec.loader.exec_module(stand_in)  # type: ignore[union-attr]
+
+N, H = 3, 8
+RUN = "0123456789ab-c0ffee"
+
+
+def states(ids: list[int]) -> torch.Tensor:
+    """A document's stand-in states: token t's value at column c is ids[t] + c / 10."""
+    t = torch.tensor(ids, dtype=torch.float32)[:, None, None]
+    return (t + torch.arange(N)[None, :, None] / 10).expand(len(ids), N, H).contiguous()
+
+
+@pytest.fixture
+def target(tmp_path) -> Path:
+    folder = tmp_path / "target"
+    folder.mkdir()
+    config = {"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": 4, "vocab_size": 99}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    f = tmp_path / "states"
+    f.mkdir(mode=0o755)
+    return f
+
+
+class Running:
+    """The stand-in serving in a thread (restartable on its port)."""
+
+    def __init__(self, folder: Path, model: Path, **faults) -> None:
+        self.folder, self.model, self.port = folder, model, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.faults = stand_in.Faults(**faults)
+        self.server = None
+        self.start()
+
+    def start(self) -> None:
+        self.server = stand_in.serve(self.port, self.folder, states, root=str(self.model),
+                                     faults=self.faults)  # fmt: skip
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+@pytest.fixture
+def running(folder, target):
+    made: list[Running] = []
+
+    def start(**faults) -> Running:
+        made.append(Running(folder, target, **faults))
+        return made[-1]
+
+    yield start
+    for r in made:
+        r.stop()
+
+
+def client(url: str, folder: Path | None, target: Path, **kw) -> StateClient:
+    kw.setdefault("timeout_s", 5.0)
+    return StateClient(url, run=kw.pop("run", RUN), rank=kw.pop("rank", 0), num_states=N,
+                       hidden_size=H, states_dir=folder, target=target, **kw)  # fmt: skip
+
+
+def fetch(c: StateClient, ids: list[int], what: str = "sample 7") -> torch.Tensor:
+    return c.result(c.submit(torch.tensor(ids), what))
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+# ---- 1. nothing the run did not create ------------------------------------------------
+
+
+def test_the_states_arrive_checked_and_the_folder_ends_as_it_began(running, folder, target):
+    """Other programs' files (safetensors' ``.tmp*`` among them) and another run's files
+    sharing the folder are there before and after, unchanged; the run's own are gone."""
+    mine_before = {
+        ".tmpAbCdEf": b"other program",
+        "notes.txt": b"mine",
+        "cmpl-dflash-feedbeefcafe-aaaaaa-r0-3-0-xy.safetensors": b"another run",
+    }
+    for name, data in mine_before.items():
+        (folder / name).write_bytes(data)
+    before = snapshot(folder)
+    r = running()
+    c = client(r.url, folder, target)
+    got = [fetch(c, [5, 6, 7, 8]), fetch(c, list(range(20)))]
+    c.close()
+    assert torch.equal(got[0], states([5, 6, 7, 8])) and got[1].shape == (20, N, H)
+    assert snapshot(folder) == before
+
+
+def test_what_the_run_left_at_an_earlier_start_is_removed_and_nothing_else(running, folder, target):
+    """A killed trainer's files, a dead rank's (an elastic shrink) and a killed writer's
+    ``.part`` are removed once the folder is known; this start's other ranks' files and
+    other runs' stay."""
+    run_id = RUN.split("-")[0]
+    old = [f"cmpl-dflash-{run_id}-0ld000-r0-4-0-aa.safetensors",
+           f"cmpl-dflash-{run_id}-0ld000-r0-4-0-aa.safetensors.lock",
+           f"cmpl-dflash-{run_id}-0ld000-r3-9-0-bb.safetensors",  # rank 3, gone now
+           f"cmpl-dflash-{run_id}-0ld000-r1-2-0-cc.safetensors.part"]  # fmt: skip
+    kept = [f"cmpl-dflash-{RUN}-r1-0-0-dd.safetensors",  # rank 1 of this start, in flight
+            "cmpl-dflash-otherrun0000-0ld000-r0-4-0-ee.safetensors", ".tmp123456"]  # fmt: skip
+    for name in old + kept:
+        (folder / name).write_bytes(b"x")
+    r = running()
+    c = client(r.url, folder, target)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(kept)
+    fetch(c, [1, 2, 3])
+    c.close()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(kept)
+
+
+@pytest.mark.parametrize("where", ["outside", "foreign"])
+def test_a_reply_naming_a_file_not_its_own_is_refused_and_the_file_untouched(
+    running, folder, target, tmp_path, where
+):
+    victim = tmp_path / "precious.safetensors"
+    victim.write_bytes(b"not yours")
+    victim_mtime = victim.stat().st_mtime_ns
+    r = running(bad=f"{where}@1", victim=str(victim))
+    foreign = folder / "cmpl-dflash-other-0-r0-1-0-abcd.safetensors"
+    foreign.write_bytes(b"another request's")
+    c = client(r.url, None, target)  # no --engine-dir: the reply says where
+    with pytest.raises(EngineError, match="refusing to read or remove it") as e:
+        fetch(c, [1, 2, 3], "sample 11 (epoch 0 step 2 micro 0)")
+    c.close()
+    assert "sample 11" in str(e.value)
+    assert victim.read_bytes() == b"not yours" and victim.stat().st_mtime_ns == victim_mtime
+    assert foreign.read_bytes() == b"another request's"
+
+
+def test_folders_others_can_write_to_are_refused(running, target, tmp_path):
+    """``/tmp`` and ``/dev/shm`` themselves, and any folder of mode o+w: as --engine-dir,
+    and as the folder a server's reply names."""
+    for shared in (Path("/tmp"), Path("/dev/shm")):
+        if shared.is_dir():
+            with pytest.raises(EngineError, match="any user can write to this folder"):
+                shared_folder(shared)
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(EngineError, match=r"any user can write .*drwxrwxrwx"):
+        shared_folder(open_to_all)
+    r = Running(open_to_all, target)
+    try:
+        with pytest.raises(EngineError, match="any user can write to this folder"):
+            fetch(client(r.url, None, target), [1, 2, 3])
+    finally:
+        r.stop()
+    assert list(open_to_all.iterdir()) == [] or all(
+        p.name.endswith((".lock", ".safetensors")) for p in open_to_all.iterdir()
+    )  # the server's own writes; the client removed and read nothing there
+
+
+def test_the_runs_own_folder_is_private_and_one_it_did_not_make_is_refused(tmp_path):
+    made = own_folder(tmp_path / "shm" / "dflash-engine-abc")
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    assert own_folder(made) == made  # a resumed run finds its own again
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    with pytest.raises(EngineError, match="can be entered by other users"):
+        own_folder(loose)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(EngineError, match=r"belongs to another user .*uid 65534"):
+            own_folder(theirs)
+    link = tmp_path / "link"
+    link.symlink_to(made)
+    with pytest.raises(EngineError, match="is a symbolic link"):
+        own_folder(link)
+    assert sorted(p.name for p in made.iterdir()) == []
+
+
+def test_a_file_this_process_may_not_read_is_named_with_its_owner_and_mode():
+    """A real EACCES: a child process that dropped to another user opens a 0600 file (in
+    a folder it can enter)."""
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to another user")
+    base = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    base.chmod(0o755)
+    secret = base / "cmpl-x.safetensors"
+    secret.write_bytes(b"states")
+    secret.chmod(0o600)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: another user, then the open
+        os.close(read)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with open_regular(secret, "the states file of sample 3"):
+                msg = "opened"
+        except EngineError as e:
+            msg = str(e)
+        except BaseException as e:
+            msg = f"{type(e).__name__}: {e}"
+        os.write(write, msg.encode())
+        os._exit(0)
+    os.close(write)
+    said = os.read(read, 4096).decode()
+    os.waitpid(pid, 0)
+    shutil.rmtree(base)
+    assert "may not read the states file of sample 3" in said, said
+    assert "owner uid 0, mode -rw-------" in said and "uid 65534" in said
+
+
+# ---- 2. a server that is not the engine --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "says"),
+    [(404, "not a vLLM OpenAI server"), (401, "wants credentials"), (405, "no such")],
+)
+def test_a_web_server_is_reported_at_once(running, folder, target, status, says):
+    r = running(status=status)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as e:
+        client(r.url, folder, target, timeout_s=60)
+    assert time.monotonic() - t0 < 5  # not 60 s of retries
+    assert f"{r.url}/v1/models answered HTTP {status}" in str(e.value) and says in str(e.value)
+
+
+def test_a_5xx_is_waited_for_then_named(running, folder, target):
+    r = running(status=502)
+    with pytest.raises(EngineError, match=r"no answer for 2 s .*HTTP 502"):
+        client(r.url, folder, target, timeout_s=2)
+
+
+def test_a_page_that_is_not_json_is_reported_at_once(folder, target):
+    port = free_port()
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            body = b"<html><body>It works!</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(EngineError, match=r"not JSON \('<html><body>It works"):
+            client(f"http://127.0.0.1:{port}", folder, target, timeout_s=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_proxy_from_the_environment_is_not_put_in_front_of_loopback(
+    running, folder, target, monkeypatch
+):
+    """``http_proxy`` set (as on many clusters) and no ``no_proxy``: a loopback server is
+    still reached directly; the proxy (a server that would answer 502) sees nothing."""
+    seen = []
+    port = free_port()
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            seen.append(self.path)
+            self.send_response(502)
+            self.end_headers()
+
+        do_POST = do_GET
+
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", port), Proxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    for var in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(var, f"http://127.0.0.1:{port}")
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        r = running()
+        c = client(r.url, folder, target)
+        assert fetch(c, [4, 5, 6]).shape == (3, N, H)
+        c.close()
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    assert seen == []
+    from trainer.engine.http import via
+
+    assert "through the proxy" in via("http://trainer-host.example:8000")
+    assert via("http://localhost:8000") == via("http://127.0.0.1:8000") == ""
+
+
+def test_another_model_is_reported_at_once(running, folder, target, tmp_path):
+    other = tmp_path / "Qwen3-0.6B"
+    other.mkdir()
+    config = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28,
+              "vocab_size": 151936}  # fmt: skip
+    (other / "config.json").write_text(json.dumps(config))
+    r = running(root=str(other))
+    with pytest.raises(EngineError) as e:
+        client(r.url, folder, target)
+    said = str(e.value)
+    assert f"serves {other}, another model than the run's target {target}" in said
+    assert "hidden_size 1024 (the target's 8)" in said
+
+
+def test_a_dead_server_is_reported_with_the_line_that_says_why():
+    """vLLM 0.32's own log of a server whose worker refused the target's head size (20) on
+    its first request: the line is the worker's exception, not the shutdown at the end."""
+    from trainer.eval.engine import cause, died
+
+    log = Path(__file__).resolve().parents[1] / "data" / "vllm-0.32.0-died-head-dim-20.log"
+    line = "RuntimeError: Unsupported CPU attention configuration: head_dim=20 isa=1"
+    assert cause(log).startswith(line)
+    said = died(log)
+    assert said.splitlines()[0].startswith(line) and "resource_tracker" in said
+
+
+# ---- 3. every wait bounded and named ------------------------------------------------------
+
+
+def test_a_fifo_for_a_states_file_is_refused_not_waited_on(running, folder, target):
+    r = running(bad="fifo@1")
+    c = client(r.url, folder, target, timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"the states file of sample 7 is not a regular file"):
+        fetch(c, [1, 2, 3])
+    assert time.monotonic() - t0 < 5
+    c.close()
+    assert list(folder.iterdir()) == []
+
+
+def test_a_server_that_never_answers_is_given_up_and_named(folder, target):
+    """It accepts the connection and says nothing: the request gives up at its timeout."""
+    import socket
+
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(64)
+    url = f"http://127.0.0.1:{hang.getsockname()[1]}"
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match=r"no answer for 2 s .*no reply within"):
+            client(url, folder, target, timeout_s=2)
+        assert time.monotonic() - t0 < 10
+    finally:
+        hang.close()
+
+
+def test_a_hung_request_and_a_closing_client_are_both_bounded(running, folder, target,
+                                                               monkeypatch):  # fmt: skip
+    """A request stuck where no timeout reaches (a read in the kernel on a dead mount,
+    stood in for here by a worker that never returns): ``result`` gives up naming the
+    document and its stage, and ``close`` returns after its grace instead of hanging."""
+    monkeypatch.setattr(engine_client, "STUCK_S", 0.5)
+    monkeypatch.setattr(engine_client, "CLOSE_GRACE_S", 1.0)
+    r = running()
+    c = client(r.url, folder, target, timeout_s=1)
+    stuck = threading.Event()
+
+    def never(request):  # the hang: the worker never comes back
+        request.stage = "reading /mnt/dead/cmpl-x.safetensors"
+        stuck.wait()
+
+    monkeypatch.setattr(c, "_states", never)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"sample 7: its request has been reading "
+                                          r"/mnt/dead/cmpl-x.safetensors for \d+ s"):  # fmt: skip
+        fetch(c, [1, 2, 3])
+    assert time.monotonic() - t0 < 6
+    t0 = time.monotonic()
+    c.close()
+    assert time.monotonic() - t0 < 4
+    stuck.set()
+
+
+def test_the_backoff_starts_anew_with_each_outage(folder, target):
+    """Two outages: the second's first wait is the backoff's first (0.5 s at most), not the
+    2 s the first outage had grown to."""
+    r = Running(folder, target)
+    c = client(r.url, folder, target, timeout_s=30)
+    try:
+        r.stop()
+        first = c.submit(torch.tensor([1, 2, 3]))
+        time.sleep(6)  # several tries: the waits grow to their cap
+        r.start()
+        c.result(first)
+        grown = list(c.waits)
+        assert max(grown) > 1.0, grown
+        r.stop()
+        second = c.submit(torch.tensor([4, 5, 6]))
+        time.sleep(1.0)
+        r.start()
+        c.result(second)
+        again = c.waits[len(grown)]
+        assert again <= 0.5, (grown, c.waits)
+    finally:
+        c.close()
+        r.stop()
+
+
+# ---- 4. states that cannot be right ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "says"), [
+    ("nan", r"are not finite \(token 1, layer column 0: nan\)"),
+    ("dtype", r"dtype torch.bfloat16 for sample 7, expected torch.float32"),
+    ("shape", r"shape \(3, 2, 8\) for sample 7, expected \(3, 3, 8\)"),
+])  # fmt: skip
+def test_states_that_cannot_be_right_are_refused_naming_the_document(
+    running, folder, target, kind, says
+):
+    r = running(bad=f"{kind}@2")
+    c = client(r.url, folder, target)
+    fetch(c, [9, 9, 9])  # the first document: fine (and the engine's dtype, float32)
+    with pytest.raises(EngineError, match=says):
+        fetch(c, [1, 2, 3])
+    c.close()
+    assert list(folder.iterdir()) == []

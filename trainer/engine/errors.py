@@ -1,0 +1,11 @@
+"""``EngineError``: what stops a run fed by an engine (one line for the user)."""
+
+from __future__ import annotations
+
+from loader_server.wire.protocol import LoaderError
+
+
+class EngineError(LoaderError):
+    """The engine stayed away past its timeout, refused a document, is not the engine the
+    run expects, or returned states that cannot be the document's. A ``LoaderError``: the
+    run stops after a final checkpoint, and ``--resume`` continues where it stopped."""
