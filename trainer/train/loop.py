@@ -594,4 +594,3 @@ class Trainer:
                 "tokenize it with the target's tokenizer, or train against the model it was "
                 "tokenized for"
             )
-
