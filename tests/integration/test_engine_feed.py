@@ -271,21 +271,12 @@ def test_a_server_gone_for_good_stops_the_run_after_a_final_checkpoint(daemon, t
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.parametrize(
-    ("environ", "says"),
-    [
-        ({"FAKE_STATES_BAD": "nan@5"}, "are not finite (token"),
-        ({"FAKE_STATES_BAD": "dtype@5"}, "states of dtype torch.bfloat16 for sample"),
-        ({"FAKE_STATES_STATUS": "404"}, "/v1/models answered HTTP 404"),
-    ],
-)
-def test_states_that_cannot_be_right_or_no_engine_stop_the_run_at_once(
-    daemon, target_dir, tmp_path, environ, says
-):
-    """NaN states (a run trained on them and exited 0), another dtype mid-run, a web
-    server at the URL (it was retried for --engine-timeout-s): one line naming why, well
-    inside the timeout, and no file left."""
-    s = StandIn(target_dir, tmp_path / "states", **environ)
+def test_nan_states_stop_the_run_at_once_naming_the_sample(daemon, target_dir, tmp_path):
+    """A run fed NaN states trained on them and exited 0: now one line names the sample,
+    the token and the layer column, and no file is left. (The other refusals, another
+    dtype, a web server at the URL, ...: tests/integration/test_engine_client.py.)"""
+    says = "are not finite (token"
+    s = StandIn(target_dir, tmp_path / "states", FAKE_STATES_BAD="nan@5")
     t0 = time.monotonic()
     try:
         res = train(daemon.endpoint, tmp_path / "run", target_dir,

@@ -126,8 +126,8 @@ class LossConfig:
                 f"--dpace-alpha {self.dpace_alpha:g} lets a slot's D-PACE weight round to 0 in "
                 f"float32 (q~ = (1 - a) exp(-CE) + a, a product of up to {last} of them: a "
                 "confident miss weighs nothing): with blocks of "
-                f"{self.block_size} use at least {tiny ** (1 / last):.3g} (D-PACE's own 0.5 "
-                "is the default)"
+                f"{self.block_size} use at least {tiny ** (1 / last):.3g} (the default 0.5 "
+                "holds for blocks of up to 127), smaller blocks, or --loss-weighting decay"
             )
 
     @classmethod
