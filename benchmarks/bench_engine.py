@@ -10,9 +10,10 @@ tokens (40 to 600):
 
 * colocated: ``Target.train_features`` over packed rows of up to 2,048 tokens (what a
   rank runs per micro-batch), every layer up to the deepest feature; tokens/s;
-* engine: the same documents through ``StateClient`` (one request each, the file read,
-  checked and removed) with ``k`` requests in flight, against one vLLM server started for
-  the target (``owned_server``: fp32, eager); tokens/s and the ratio to colocated.
+* engine: the same documents through ``StateClient`` (one request each, through the
+  default one-machine transport, shm: each rank's arena) with ``k`` requests in flight,
+  against one vLLM server started for the target (``trainer.engine.supply.serving``: fp32,
+  eager); tokens/s and the ratio to colocated.
 
 Then (``--train-steps`` > 0) the tiny target's training run, colocated and engine-fed
 (``--vllm-python``: the run starts its server) with each ``--train-inflight`` read-ahead,
@@ -83,32 +84,27 @@ def colocated(target, docs: list[list[int]]) -> float:
 def through_engine(client_of, docs: list[list[int]], inflight: int) -> float:
     import torch
 
-    client = client_of(inflight)
+    client = client_of(inflight=inflight)
     try:
-        client.submit(torch.tensor(docs[0])).result()  # warm-up
+        warm = client.submit(torch.tensor(docs[0]))
+        client.result(warm)
+        client.release(warm)
         t0 = time.perf_counter()
         futures = [client.submit(torch.tensor(d)) for d in docs]
         for f in futures:
-            f.result()
+            client.result(f)
+            client.release(f)
         return sum(map(len, docs)) / (time.perf_counter() - t0)
     finally:
         client.close()
-
-
-def _client(server, num_states: int, hidden_size: int, inflight: int):
-    from trainer.engine.client import StateClient
-
-    return StateClient(server.url, tag="bench", rank=0, num_states=num_states,
-                       hidden_size=hidden_size, inflight=inflight, states_dir=server.states_dir,
-                       alive=server.ended)  # fmt: skip
 
 
 def features_table(vllm_python: str, names: list[str], n_docs: int, inflights: list[int],
                    work: Path) -> list[dict]:  # fmt: skip
     import torch
 
-    from trainer.engine.server import owned_server
-    from trainer.engine.states import engine_layer_ids
+    from trainer.engine.supply import client_for, serving
+    from trainer.engine.vllm import engine_layer_ids
     from trainer.model.target import Target, TinyTargetSpec, build_tiny_model
 
     rows = []
@@ -125,9 +121,10 @@ def features_table(vllm_python: str, names: list[str], n_docs: int, inflights: l
                      "ratio": 1.0})  # fmt: skip
         print(f"{name:7s} colocated          {base:9.0f} tok/s", flush=True)
         ids = engine_layer_ids(target.layer_ids, target.num_layers)
-        with owned_server(vllm_python, folder, ids, work / f"vllm-{name}.log",
-                          kv_cache_memory_bytes=1 << 30) as server:  # fmt: skip
-            client_of = functools.partial(_client, server, len(ids), spec.hidden_size)
+        with serving(vllm_python, folder, ids, work / f"vllm-{name}.log",
+                     kv_cache_memory_bytes=1 << 30) as (server, where):  # fmt: skip
+            client_of = functools.partial(client_for, server, where, num_states=len(ids),
+                                          hidden_size=spec.hidden_size)  # fmt: skip
             for k in inflights:
                 tok_s = through_engine(client_of, docs, k)
                 rows.append({"target": name, "mode": "engine", "inflight": k, "tok_s": tok_s,

@@ -306,7 +306,9 @@ def served(
 ) -> np.ndarray:  # fmt: skip
     """[prompts, 2]: vLLM's (drafts, accepted) for each prompt, the drafter served by vLLM
     beside the target, greedy, ``HELDOUT_NEW_TOKENS`` each."""
-    from trainer.eval.engine import complete, spec_counters, vllm_server
+    from trainer.vllm.api import complete
+    from trainer.vllm.metrics import spec_counters
+    from trainer.vllm.process import vllm_server
 
     counts = []
     server = vllm_server(vllm_python, target, log, drafter, speculators,

@@ -124,6 +124,9 @@ TARGET = "Target (tiny: a seeded random Qwen3)"
 TINY = "tiny"
 #: ``--target-engine``: the target in each rank, or served by vLLM (``trainer.engine``).
 ENGINES = ("none", "vllm")
+#: ``--states-transport``: how the states travel (``trainer.engine.seam.TRANSPORTS``); auto:
+#: shm when the server is on this machine, else files.
+TRANSPORTS = ("auto", "shm", "files")
 
 
 @dataclass(frozen=True, kw_only=True)

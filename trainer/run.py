@@ -427,7 +427,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
         with contextlib.ExitStack() as stack:
             target: Target
             if opts.engine:  # the decoder in a vLLM server, its head here (trainer.engine)
-                from trainer.engine.side import engine_side
+                from trainer.engine.supply import engine_side
 
                 target, feed = stack.enter_context(engine_side(opts, env))
                 target_memory: dict[str, Any] = {}

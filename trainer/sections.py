@@ -35,6 +35,7 @@ from trainer.options import (
     RUN_FACTS,
     SPEC,
     TARGET,
+    TRANSPORTS,
     Options,
     TargetOptions,
     opt,
@@ -118,6 +119,19 @@ class TargetSection(TargetOptions):
         300.0,
         "How long a server that stopped answering is waited for before the run stops (after "
         "a final checkpoint; --resume continues).",
+        section=TARGET,
+    )
+    states_transport: str = opt(
+        "auto",
+        "How the states travel from the server: shm (an arena of each rank's in shared "
+        "memory, the server on this machine), files (one file per document, in a folder "
+        "both see); auto: shm for a server on this machine, else files.",
+        choices=TRANSPORTS, section=TARGET,
+    )  # fmt: skip
+    states_shm_mb: int = opt(
+        2048,
+        "--states-transport shm: each rank's arena in MiB (its pages made as the first "
+        "documents are written, then reused; the states read ahead must fit in it).",
         section=TARGET,
     )
 

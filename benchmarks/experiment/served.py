@@ -105,7 +105,9 @@ def serve_run(
 ) -> dict[str, Any]:
     """vLLM's acceptance for one run (cached in ``OUT_DIR/vllm/<name>.json``): on the tau
     ``prompts`` as the verifier measured them, and on every ``heldout`` prompt."""
-    from trainer.eval.engine import complete, spec_counters, vllm_server
+    from trainer.vllm.api import complete
+    from trainer.vllm.metrics import spec_counters
+    from trainer.vllm.process import vllm_server
 
     out = cfg.out_dir / "vllm" / f"{name}.json"
     run_dir = cfg.out_dir / "runs" / name

@@ -135,7 +135,7 @@ def regen_server(
     OpenAI server (fp32, ``trainer.eval.engine.vllm_server``) with ``vllm_python``, else
     the stand-in ``scripts/servers/chat_server.py``."""
     if vllm_python is not None:
-        from trainer.eval.engine import vllm_server
+        from trainer.vllm.process import vllm_server
 
         return vllm_server(vllm_python, target, log_dir / "vllm-regen.log")
     from scripts.servers.chat_server import running

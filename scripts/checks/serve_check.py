@@ -70,7 +70,8 @@ from scripts.checks.serve_engine_states import (
     two_ranks_check,
 )
 from scripts.servers.chat_server import running
-from trainer.eval.engine import complete, vllm_server
+from trainer.vllm.api import complete
+from trainer.vllm.process import vllm_server
 
 
 def journal_replies(out: Path) -> dict[int, list[dict[str, str]]]:

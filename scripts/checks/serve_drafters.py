@@ -36,7 +36,9 @@ from scripts.checks.serve_engine import ENGINE_SERVED, engine_checks
 from scripts.checks.serve_parity import speculators_parity, vllm_dflash2_parity
 from scripts.checks.serve_weights import check_weights, probe_env
 from scripts.servers.daemon_process import DaemonProcess
-from trainer.eval.engine import SpecCounters, complete, read_counters, tail, vllm_server
+from trainer.vllm.api import complete
+from trainer.vllm.metrics import SpecCounters, read_counters
+from trainer.vllm.process import tail, vllm_server
 
 SLIDING_WINDOW = 16  # the sliding drafter's window: shorter than most prompts
 

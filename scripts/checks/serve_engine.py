@@ -18,7 +18,9 @@ from itertools import pairwise
 from pathlib import Path
 
 from scripts.checks.serve_common import BLOCK, Check
-from trainer.eval.engine import MAX_MODEL_LEN, SpecCounters, VllmEngine
+from trainer.eval.engine import VllmEngine
+from trainer.vllm.metrics import SpecCounters
+from trainer.vllm.process import MAX_MODEL_LEN
 
 #: The drafters whose export the engine serves as well (one vLLM start each, ~25 s).
 ENGINE_SERVED = {"full attention"}

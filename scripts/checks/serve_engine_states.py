@@ -38,9 +38,8 @@ def states_checks(
 ) -> list[Check]:
     import torch
 
-    from trainer.engine.client import StateClient
-    from trainer.engine.server import owned_server
-    from trainer.engine.states import engine_layer_ids
+    from trainer.engine.supply import client_for, serving
+    from trainer.engine.vllm import engine_layer_ids
     from trainer.model.target import load_target
 
     with phases("engine: vLLM's hidden states == the target's features, every layer"):
@@ -48,16 +47,18 @@ def states_checks(
         layers = list(range(tgt.num_layers))
         tgt = load_target(str(target), layer_ids=layers)
         ids = engine_layer_ids(layers, tgt.num_layers)
-        with owned_server(args.vllm_python, target, ids, work / "vllm-states.log") as server:
-            folder = server.states_dir
-            client = StateClient(server.url, run="servecheck-0", rank=0, num_states=len(ids),
-                                 hidden_size=tgt.hidden_size, inflight=8,
-                                 states_dir=folder, alive=server.ended)  # fmt: skip
-            got = [client.result(f) for f in [client.submit(torch.tensor(p)) for p in prompts]]
-            client.close()
-            left = sorted(p.name for p in folder.iterdir())
+        got, left = {}, []
+        with serving(args.vllm_python, target, ids, work / "vllm-states.log") as (server, folder):
+            for transport in ("shm", "files"):  # both ways the states travel on one machine
+                client = client_for(server, folder, transport=transport, num_states=len(ids),
+                                    hidden_size=tgt.hidden_size, inflight=8, shm_mb=64)  # fmt: skip
+                futures = [client.submit(torch.tensor(p)) for p in prompts]
+                got[transport] = [client.result(f).clone() for f in futures]
+                client.close()
+                left += sorted(p.name for p in folder.iterdir())
+        same = all(torch.equal(a, b) for a, b in zip(got["shm"], got["files"], strict=True))
         worst = [0.0] * len(layers)
-        for p, states in zip(prompts, got, strict=True):
+        for p, states in zip(prompts, got["shm"], strict=True):
             feats, _ = tgt.features(torch.tensor([p]))
             ours = feats[0].view(len(p), len(layers), -1)
             for k in layers:
@@ -65,9 +66,10 @@ def states_checks(
                 if k == tgt.num_layers - 1:  # vLLM's is before the final norm
                     theirs = tgt.base.norm(theirs)
                 worst[k] = max(worst[k], float((theirs - ours[:, k]).abs().max()))
-        ok = max(worst) <= STATES_TOL and not left and not folder.exists()
+        ok = max(worst) <= STATES_TOL and same and not left and not folder.exists()
         detail = (
-            f"{len(prompts)} prompts, max |diff| by layer "
+            f"{len(prompts)} prompts, through shm and files ({'equal' if same else 'DIFFER'}), "
+            "max |diff| by layer "
             + ", ".join(f"{k}: {w:.1e}" for k, w in zip(layers, worst, strict=True))
             + f" (<= {STATES_TOL:g}); {len(left)} files left, folder "
             + ("removed" if not folder.exists() else "still there")
@@ -109,8 +111,7 @@ def two_ranks_check(args: argparse.Namespace, work: Path, phases: Phases, corpus
 
     from scripts.checks.serve_common import sh
     from scripts.servers.daemon_process import DaemonProcess
-    from trainer.engine.server import states_folder
-    from trainer.engine.side import run_id
+    from trainer.engine.supply import run_id, states_folder
 
     run_dir = work / "run-engine-two-ranks"
     with phases("engine: two ranks fed by one server the run starts"):

@@ -8,8 +8,10 @@ norm; the ids come back in ascending order; the file is
 ``STATES/cmpl-<X-Request-Id>-0-<random>.safetensors`` (``hidden_states [T, n, H]``,
 ``token_ids [T]``), written after the reply while an exclusive ``flock`` on its ``.lock``
 is held, through the connector's own writer (``dflash_states_file.write_states``: into
-``NAME.part``, then renamed). ``GET /v1/models`` names the model, its ``root`` and its
-``max_model_len``.
+``NAME.part``, then renamed); or, for a request whose ``kv_transfer_params`` name a region
+of a trainer's arena (``dflash_shm``), into that region under its record lock, as the
+connector does (``dflash_states_shm``). ``GET /v1/models`` names the model, its ``root``
+and its ``max_model_len``.
 
 As a script (``python fake_vllm_states.py --model DIR --port N --layer-ids 1,2,4 --states
 DIR [--max-model-len N]``) it computes the states with Transformers. Imported, ``serve``
@@ -46,8 +48,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainer" / "engine" / "vllm_plugin"))
-from dflash_states_file import PART, write_states  # the connector's own writer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainer" / "vllm" / "connector"))
+from dflash_states_file import PART, write_states  # the connector's own writers
+from dflash_states_shm import Arenas, target_of
 
 
 @dataclass
@@ -101,6 +104,7 @@ def serve(
     """The server on ``127.0.0.1:port`` (not yet serving: call ``serve_forever``)."""
     faults = faults or Faults()
     lock, served = threading.Lock(), {"n": 0}
+    arenas = Arenas(str(folder))
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a) -> None:
@@ -133,6 +137,10 @@ def serve(
                 self._send(400, {"error": "prompt too long"})
                 return
             rid = self.headers.get("X-Request-Id") or uuid.uuid4().hex
+            region = (body.get("kv_transfer_params") or {}).get("dflash_shm")
+            if region is not None:
+                self._region(ids, rid, region)
+                return
             path = folder / f"cmpl-{rid}-0-{uuid.uuid4().hex[:8]}.safetensors"
             lock_fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
@@ -170,6 +178,42 @@ def serve(
             else:
                 write_states(str(path), {"hidden_states": hs, "token_ids": tokens})
             os.close(lock_fd)
+
+        def _region(self, ids: list[int], rid: str, region: dict) -> None:
+            """The connector's shm path: the region locked before the reply, written after."""
+            try:
+                arenas.check(region["arena"], int(region["offset"]), int(region["nbytes"]))
+            except (ValueError, OSError) as e:  # as the connector: said, not raised
+                self._send(200, {"choices": [{"index": 0, "text": ""}], "kv_transfer_params": {
+                    "dflash_shm_error": f"{type(e).__name__}: {e}"}})  # fmt: skip
+                return
+            target = target_of(region["arena"], int(region["offset"]), int(region["nbytes"]),
+                               str(region["key"]))  # fmt: skip
+            arenas.lock(target)
+            with lock:
+                hs = states(ids)
+                served["n"] += 1
+                n = served["n"]
+                dying = faults.die_after and n >= faults.die_after
+            kind = faults.bad_kind(n)
+            placed = {k: region[k] for k in ("arena", "offset", "nbytes")}
+            if kind == "outside":
+                placed = {**placed, "offset": placed["offset"] + 64}
+            self._send(200, {"choices": [{"index": 0, "text": ""}],
+                             "kv_transfer_params": {"dflash_shm": placed}})  # fmt: skip
+            self.wfile.flush()
+            if dying:  # killed mid-write: the lock goes with the process, the header unwritten
+                os._exit(1)
+            tokens = torch.tensor([(t + 1) % 7 for t in ids] if faults.wrong_tokens else ids)
+            if kind == "nan":
+                hs = hs.clone()
+                hs[len(ids) // 2, 0, 1] = float("nan")
+            elif kind == "dtype":
+                hs = hs.to(torch.bfloat16)
+            elif kind == "shape":
+                hs = hs[:, :-1].contiguous()
+            time.sleep(0.01)  # the write lands after the reply, as vLLM's thread's does
+            arenas.write(target, str(region["key"]), {"hidden_states": hs, "token_ids": tokens})
 
     class Server(ThreadingHTTPServer):
         request_queue_size = 256  # a trainer keeps dozens of requests in flight

@@ -30,7 +30,7 @@ import torch
 from trainer.engine import client as engine_client
 from trainer.engine.client import EngineError, StateClient
 from trainer.engine.folders import open_regular, own_folder, shared_folder
-from trainer.eval.engine import free_port
+from trainer.vllm.process import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -102,14 +102,28 @@ def running(folder, target):
         r.stop()
 
 
-def client(url: str, folder: Path | None, target: Path, **kw) -> StateClient:
+def client(url: str, folder: Path | None, target: Path, transport: str = "files",
+           **kw) -> StateClient:  # fmt: skip
     kw.setdefault("timeout_s", 5.0)
-    return StateClient(url, run=kw.pop("run", RUN), rank=kw.pop("rank", 0), num_states=N,
-                       hidden_size=H, states_dir=folder, target=target, **kw)  # fmt: skip
+    run, rank = kw.pop("run", RUN), kw.pop("rank", 0)
+    carrier = None
+    if transport == "shm":
+        from trainer.engine.shm import ShmTransport
+
+        carrier = ShmTransport(folder, run=run, rank=rank, size_mb=kw.pop("size_mb", 4))
+    return StateClient(url, run=run, rank=rank, num_states=N, hidden_size=H,
+                       states_dir=folder, target=target, transport=carrier, **kw)  # fmt: skip
 
 
 def fetch(c: StateClient, ids: list[int], what: str = "sample 7") -> torch.Tensor:
-    return c.result(c.submit(torch.tensor(ids), what))
+    future = c.submit(torch.tensor(ids), what)
+    try:
+        return c.result(future).clone()
+    finally:
+        c.release(future)
+
+
+TRANSPORTS = ["files", "shm"]
 
 
 def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
@@ -119,7 +133,9 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
 # ---- 1. nothing the run did not create ------------------------------------------------
 
 
-def test_the_states_arrive_checked_and_the_folder_ends_as_it_began(running, folder, target):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_states_arrive_checked_and_the_folder_ends_as_it_began(running, folder, target,
+                                                                    transport):  # fmt: skip
     """Other programs' files (safetensors' ``.tmp*`` among them) and another run's files
     sharing the folder are there before and after, unchanged; the run's own are gone."""
     mine_before = {
@@ -131,14 +147,17 @@ def test_the_states_arrive_checked_and_the_folder_ends_as_it_began(running, fold
         (folder / name).write_bytes(data)
     before = snapshot(folder)
     r = running()
-    c = client(r.url, folder, target)
+    c = client(r.url, folder, target, transport)
     got = [fetch(c, [5, 6, 7, 8]), fetch(c, list(range(20)))]
     c.close()
     assert torch.equal(got[0], states([5, 6, 7, 8])) and got[1].shape == (20, N, H)
     assert snapshot(folder) == before
 
 
-def test_what_the_run_left_at_an_earlier_start_is_removed_and_nothing_else(running, folder, target):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_what_the_run_left_at_an_earlier_start_is_removed_and_nothing_else(
+    running, folder, target, transport
+):
     """A killed trainer's files, a dead rank's (an elastic shrink) and a killed writer's
     ``.part`` are removed once the folder is known; this start's other ranks' files and
     other runs' stay."""
@@ -146,14 +165,18 @@ def test_what_the_run_left_at_an_earlier_start_is_removed_and_nothing_else(runni
     old = [f"cmpl-dflash-{run_id}-0ld000-r0-4-0-aa.safetensors",
            f"cmpl-dflash-{run_id}-0ld000-r0-4-0-aa.safetensors.lock",
            f"cmpl-dflash-{run_id}-0ld000-r3-9-0-bb.safetensors",  # rank 3, gone now
-           f"cmpl-dflash-{run_id}-0ld000-r1-2-0-cc.safetensors.part"]  # fmt: skip
+           f"cmpl-dflash-{run_id}-0ld000-r1-2-0-cc.safetensors.part",
+           f"arena-dflash-{run_id}-0ld000-r2"]  # a killed trainer's arena  # fmt: skip
     kept = [f"cmpl-dflash-{RUN}-r1-0-0-dd.safetensors",  # rank 1 of this start, in flight
-            "cmpl-dflash-otherrun0000-0ld000-r0-4-0-ee.safetensors", ".tmp123456"]  # fmt: skip
+            f"arena-dflash-{RUN}-r1",  # rank 1's arena of this start
+            "cmpl-dflash-otherrun0000-0ld000-r0-4-0-ee.safetensors", ".tmp123456",
+            "arena-dflash-otherrun0000-0ld000-r0"]  # fmt: skip
     for name in old + kept:
         (folder / name).write_bytes(b"x")
     r = running()
-    c = client(r.url, folder, target)
-    assert sorted(p.name for p in folder.iterdir()) == sorted(kept)
+    c = client(r.url, folder, target, transport)
+    mine = [f"arena-dflash-{RUN}-r0"] if transport == "shm" else []
+    assert sorted(p.name for p in folder.iterdir()) == sorted(kept + mine)
     fetch(c, [1, 2, 3])
     c.close()
     assert sorted(p.name for p in folder.iterdir()) == sorted(kept)
@@ -362,7 +385,7 @@ def test_another_model_is_reported_at_once(running, folder, target, tmp_path):
 def test_a_dead_server_is_reported_with_the_line_that_says_why():
     """vLLM 0.32's own log of a server whose worker refused the target's head size (20) on
     its first request: the line is the worker's exception, not the shutdown at the end."""
-    from trainer.eval.engine import cause, died
+    from trainer.vllm.process import cause, died
 
     log = Path(__file__).resolve().parents[1] / "data" / "vllm-0.32.0-died-head-dim-20.log"
     line = "RuntimeError: Unsupported CPU attention configuration: head_dim=20 isa=1"
@@ -464,13 +487,55 @@ def test_the_backoff_starts_anew_with_each_outage(folder, target):
     ("dtype", r"dtype torch.bfloat16 for sample 7, expected torch.float32"),
     ("shape", r"shape \(3, 2, 8\) for sample 7, expected \(3, 3, 8\)"),
 ])  # fmt: skip
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_states_that_cannot_be_right_are_refused_naming_the_document(
-    running, folder, target, kind, says
+    running, folder, target, kind, says, transport
 ):
     r = running(bad=f"{kind}@2")
-    c = client(r.url, folder, target)
+    c = client(r.url, folder, target, transport)
     fetch(c, [9, 9, 9])  # the first document: fine (and the engine's dtype, float32)
     with pytest.raises(EngineError, match=says):
         fetch(c, [1, 2, 3])
     c.close()
+    assert list(folder.iterdir()) == []
+
+
+# ---- the arena ---------------------------------------------------------------------------
+
+
+def test_the_arena_gives_room_in_submission_order_and_refuses_a_document_too_big(folder):
+    """Room is given oldest first: a younger document never takes room the oldest still
+    waits for (the feed waits for the oldest: that would never end); room comes back when
+    a document is released; one larger than the arena is refused at once, naming the flag;
+    the arena is this rank's file of this start, removed on closing."""
+    from trainer.engine.seam import Attempt
+    from trainer.engine.shm import ShmTransport
+
+    arena = ShmTransport(folder, run=RUN, rank=0, size_mb=1)
+    assert [p.name for p in folder.iterdir()] == [f"arena-dflash-{RUN}-r0"]
+
+    def soon(what: str, s: float = 0.3) -> Attempt:
+        return Attempt(what, time.monotonic() + s, lambda: False, lambda text: None)
+
+    a, b, c = (arena.place(n) for n in (600_000, 600_000, 100_000))
+    arena.ready(a, soon("a"))
+    with pytest.raises(EngineError, match=r"c: no room in the 1 MiB arena"):
+        arena.ready(c, soon("c"))  # room enough for c, but b is older and waits
+    got = threading.Thread(target=arena.ready, args=(b, soon("b", 10)))
+    got.start()
+    time.sleep(0.2)
+    assert b.offset < 0  # still waiting for a's room
+    arena.release(a)
+    got.join(5)
+    assert b.offset >= 0
+    arena.ready(c, soon("c"))
+    assert c.offset >= b.offset + 600_000
+    with pytest.raises(EngineError, match=r"does not fit the 1 MiB arena: raise --states-shm-mb"):
+        arena.place(2 << 20)
+    d = arena.place(10)
+    arena.release(d)  # never given room: it no longer waits
+    arena.release(b)
+    arena.release(c)
+    assert arena._free == [(0, 1 << 20)]
+    arena.close()
     assert list(folder.iterdir()) == []

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from trainer_jobs import daemon, env, run, train_cmd
 
-from trainer.eval.engine import free_port
 from trainer.model.target import TinyTargetSpec, build_tiny_model
+from trainer.vllm.process import free_port
 
 __all__ = ["daemon"]  # the fixture, re-used from the 2-rank integration tests
 
@@ -136,44 +136,58 @@ def test_two_ranks_fed_by_one_server(daemon, stand_in, target_dir, tmp_path):
     assert stand_in.files() == []
 
 
-def test_a_killed_trainer_resumes_exactly_and_leaves_no_files(daemon, stand_in, target_dir,
-                                                               tmp_path):  # fmt: skip
+_UNINTERRUPTED: dict[str, dict[int, float]] = {}
+
+
+@pytest.fixture
+def uninterrupted(daemon, target_dir, tmp_path) -> dict[int, float]:
+    """The losses of an engine-fed run with ``train``'s flags, uninterrupted (what the runs
+    that are killed, or whose server dies, must log): run once for the file (every test's
+    daemon serves the same corpus, so the same plan)."""
+    if "run" not in _UNINTERRUPTED:
+        s = StandIn(target_dir, tmp_path / "whole-states")
+        try:
+            train(daemon.endpoint, tmp_path / "whole", target_dir, *engine(s))
+        finally:
+            s.stop()
+        _UNINTERRUPTED["run"] = losses(tmp_path / "whole")
+    return _UNINTERRUPTED["run"]
+
+
+def test_a_killed_trainer_resumes_exactly_and_leaves_no_files(
+    daemon, stand_in, target_dir, tmp_path, uninterrupted
+):
     """Killed (SIGKILL) as step 5 starts, with requests read ahead in flight: --resume from
     checkpoint 4 logs the uninterrupted run's losses, and the killed process's files are
     gone once the resumed run has run."""
-    whole = tmp_path / "whole"
-    train(daemon.endpoint, whole, target_dir, *engine(stand_in))
     run = tmp_path / "killed"
     res = train(daemon.endpoint, run, target_dir, *engine(stand_in), fault="step=5", check=False)
     assert res.returncode == -signal.SIGKILL
     train(daemon.endpoint, run, target_dir, *engine(stand_in), "--resume")
-    want, got = losses(whole), losses(run)
+    want, got = uninterrupted, losses(run)
     assert sorted(got) == list(range(1, 7))
     for step in range(1, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
     assert stand_in.files() == []
 
 
-@pytest.mark.parametrize("unwritten", ["0", "1"])
-def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path, unwritten):
-    """The server exits after its 6th reply with that file half written (or not written
-    at all, its lock there and half of it in the writer's ``NAME.part``), and comes back
-    3 s later: one warning, the document asked for again, the uninterrupted losses, and
-    nothing left in the folder."""
+@pytest.mark.parametrize("transport", ["shm", "files"])
+def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path, transport,
+                                          uninterrupted):  # fmt: skip
+    """The server exits after its 6th reply before that document's states are written (the
+    arena region's lock gone with it, its header unwritten; or the file's lock there and
+    half of it in the writer's ``NAME.part``), and comes back 1 s later: one warning, the
+    document asked for again, the uninterrupted losses, and nothing left in the folder."""
     states = tmp_path / "states"
-    steady = StandIn(target_dir, states)
-    try:
-        train(daemon.endpoint, tmp_path / "whole", target_dir, *engine(steady))
-    finally:
-        steady.stop()
+    how = ("--states-transport", transport)
     flaky = StandIn(target_dir, states, FAKE_STATES_DIE_AFTER="6",
-                    FAKE_STATES_DIE_UNWRITTEN=unwritten)  # fmt: skip
+                    FAKE_STATES_DIE_UNWRITTEN="1")  # fmt: skip
     restarted = []
 
     def restart() -> None:
         assert flaky.proc is not None
         flaky.proc.wait(120)
-        time.sleep(3)
+        time.sleep(1)
         flaky.start()
         restarted.append(True)
 
@@ -182,14 +196,14 @@ def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path, unwritte
     t = threading.Thread(target=restart)
     t.start()
     try:
-        res = train(daemon.endpoint, tmp_path / "flaky", target_dir, *engine(flaky))
+        res = train(daemon.endpoint, tmp_path / "flaky", target_dir, *engine(flaky, *how))
     finally:
         t.join(130)
         flaky.stop()
     assert restarted
     assert res.stderr.count("is not answering") == 1, res.stderr[-3000:]
     assert "is answering again" in res.stderr
-    want, got = losses(tmp_path / "whole"), losses(tmp_path / "flaky")
+    want, got = uninterrupted, losses(tmp_path / "flaky")
     for step in range(1, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
     assert sorted(p.name for p in states.iterdir()) == []
@@ -302,18 +316,31 @@ def test_states_of_other_tokens_are_refused(daemon, target_dir, tmp_path):
     assert "refusing a wrong feature" in last
 
 
-def test_an_engine_dir_where_the_files_are_not_is_named(daemon, stand_in, target_dir, tmp_path):
-    """The server writes where this machine does not look: one line naming the file, the
-    folder looked in and --engine-dir, at the first document (not 300 s of retries)."""
+@pytest.mark.parametrize(
+    ("transport", "says"),
+    [("files", "which is not in {elsewhere} here: give --engine-dir"),
+     ("shm", "cannot put sample .* in this rank's arena {elsewhere}/arena-dflash-.*No such "
+             "file or directory.*give --engine-dir the folder the server writes to")],
+)  # fmt: skip
+def test_an_engine_dir_where_the_server_does_not_write_is_named(
+    daemon, stand_in, target_dir, tmp_path, transport, says
+):
+    """The server writes where this machine does not look (files), or cannot reach this
+    rank's arena (shm): one line naming the folder and --engine-dir, at the first document
+    (not 300 s of retries), and the server goes on serving."""
+    import re
+
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     res = train(daemon.endpoint, tmp_path / "run", target_dir, "--target-engine", "vllm",
                 "--engine-url", stand_in.url, "--engine-dir", str(elsewhere),
-                check=False)  # fmt: skip
+                "--states-transport", transport, check=False)  # fmt: skip
     assert res.returncode != 0
     last = res.stderr.strip().splitlines()[-1]
-    assert f"which is not in {elsewhere} here: give --engine-dir" in last, last
+    assert re.search(says.format(elsewhere=re.escape(str(elsewhere))), last), last
     assert "Traceback" not in res.stderr and "not answering" not in res.stderr
+    assert stand_in.proc is not None and stand_in.proc.poll() is None
+    assert list(elsewhere.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -364,7 +391,7 @@ def test_engine_command_prints_the_server_the_run_expects(target_dir, stand_in):
     res = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=60)
     assert res.returncode == 0, res.stderr
     line = res.stdout.strip()
-    assert line.startswith("PYTHONPATH=") and "trainer/engine/vllm_plugin" in line
+    assert line.startswith("PYTHONPATH=") and "trainer/vllm/connector" in line
     assert '"eagle_aux_hidden_state_layer_ids": [1, 2, 4]' in line
     assert f'"shared_storage_path": "{stand_in.states}"' in line
     assert "--no-enable-prefix-caching" in line and "--max-model-len 513" in line

@@ -14,10 +14,10 @@ from drafters import greedy_samples, train_run, trained_drafter
 import scripts.checks.serve_common as common
 from scripts.checks.serve_common import Verifier
 from scripts.checks.serve_drafters import _compare_pass, max_tied, mismatches
-from trainer.eval.engine import SpecCounters
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.verifier import DrafterProposer, speculative_generate
+from trainer.vllm.metrics import SpecCounters
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from trainer.eval.engine import SpecCounters, VllmEngine, free_port, http_json, wait_http
+from trainer.eval.engine import VllmEngine
+from trainer.vllm.api import http_json
+from trainer.vllm.metrics import SpecCounters
+from trainer.vllm.process import free_port, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +131,7 @@ def test_the_engine_stops_its_server_s_process_group(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="not running"):
         _ = engine.url
     with pytest.raises(RuntimeError, match=f"{url}/metrics: .*vLLM server stop"):
-        from trainer.eval.engine import read_counters
+        from trainer.vllm.metrics import read_counters
 
         read_counters(url)
 
@@ -140,7 +143,7 @@ def test_a_server_does_not_outlive_the_process_that_started_it(tmp_path, monkeyp
     _engine(tmp_path, monkeypatch)  # writes the stand-in interpreter and the folders
     script = (
         "import sys, time\nfrom pathlib import Path\n"
-        "from trainer.eval.engine import vllm_server\n"
+        "from trainer.vllm.process import vllm_server\n"
         f"with vllm_server({str(tmp_path / 'python')!r}, Path({str(tmp_path / 'target')!r}), "
         f"Path({str(tmp_path / 'vllm.log')!r}), startup_timeout_s=60, echo=lambda _: None) "
         "as url:\n    print(url, flush=True)\n    time.sleep(600)\n"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.engine.states import assemble, engine_layer_ids, feature_columns
+from trainer.engine.states import assemble
+from trainer.engine.vllm import engine_layer_ids, feature_columns
 from trainer.train.batches import pack_batch, pad_batch
 
 
@@ -54,7 +55,7 @@ def test_a_server_the_run_starts_serves_one_machine(monkeypatch):
     """--vllm-python starts the server on rank 0's machine (127.0.0.1, its /dev/shm): a job
     whose ranks span machines is refused, naming what to do instead."""
     from trainer.engine.client import EngineError
-    from trainer.engine.side import _one_machine
+    from trainer.engine.supply import _one_machine
     from trainer.train.distributed import DistEnv
 
     env = DistEnv(rank=0, world_size=16, local_rank=0, device=torch.device("cpu"))

@@ -14,8 +14,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer.eval import engine as E
-from trainer.eval.engine import SpecCounters, VllmEngine
+from trainer.eval.engine import VllmEngine
+from trainer.vllm import api as A
+from trainer.vllm import metrics as M
+from trainer.vllm import process as P
+from trainer.vllm.metrics import SpecCounters
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 #: /metrics of vLLM 0.32.0 serving serve-check's tiny target with a full-attention DFlash
@@ -36,14 +39,14 @@ def counters(drafts=10, draft_tokens=70, accepted=6, per_position=(4, 2, 0, 0, 0
 
 
 def test_the_counters_of_a_real_metrics_page():
-    assert E.parse_spec_counters(START) == SpecCounters(0, 0, 0, (0,) * 7)
-    assert E.parse_spec_counters(AFTER) == SIXTEEN
+    assert M.parse_spec_counters(START) == SpecCounters(0, 0, 0, (0,) * 7)
+    assert M.parse_spec_counters(AFTER) == SIXTEEN
     # the page has much else: 54 kB, counters' _created gauges, histograms with le= labels
     assert "vllm:spec_decode_num_drafts_created{" in AFTER and 'le="' in AFTER
 
 
 def test_the_real_counters_are_coherent_and_give_vllm_s_tau():
-    seen = E.parse_spec_counters(AFTER).minus(E.parse_spec_counters(START))
+    seen = M.parse_spec_counters(AFTER).minus(M.parse_spec_counters(START))
     assert seen == SIXTEEN and seen.inconsistencies() == []
     assert seen.draft_tokens == 7 * seen.drafts  # every draft of a full block here
     assert seen.tau == 1 + 205 / 568
@@ -64,12 +67,12 @@ def test_engines_are_summed_and_other_families_ignored():
         'vllm:generation_tokens_total{engine="0",model_name="target"} 999.0',
         "",
     ]
-    assert E.parse_spec_counters("\n".join(lines)) == SpecCounters(1_234_570, 0, 5, (2, 3))
+    assert M.parse_spec_counters("\n".join(lines)) == SpecCounters(1_234_570, 0, 5, (2, 3))
 
 
 def test_a_server_without_a_drafter_counts_nothing():
     plain = "\n".join(line for line in AFTER.splitlines() if "spec_decode" not in line)
-    none = E.parse_spec_counters(plain)
+    none = M.parse_spec_counters(plain)
     assert none == SpecCounters(0, 0, 0, ())
     with pytest.raises(ValueError, match=r"no drafts .*was a drafter served"):
         _ = none.tau
@@ -78,8 +81,8 @@ def test_a_server_without_a_drafter_counts_nothing():
 
 
 def test_spec_counters_keeps_the_dict_the_experiment_reads(monkeypatch):
-    monkeypatch.setattr(E, "read_metrics", lambda url: AFTER)
-    got = E.spec_counters("http://x")
+    monkeypatch.setattr(M, "read_metrics", lambda url: AFTER)
+    got = M.spec_counters("http://x")
     assert got == {"drafts": 568.0, "draft_tokens": 3976.0, "accepted": 205.0,
                    "per_pos": {0: 124.0, 1: 16.0, 2: 14.0, 3: 13.0, 4: 13.0, 5: 13.0,
                                6: 12.0}}  # fmt: skip
@@ -137,40 +140,40 @@ def test_incoherent_counters_are_named(c, says):
 
 
 def test_the_command_serves_the_drafter_as_dflash_speculator():
-    cmd = E.vllm_command("py", Path("/t"), 8000, Path("/d"), num_speculative_tokens=3,
+    cmd = P.vllm_command("py", Path("/t"), 8000, Path("/d"), num_speculative_tokens=3,
                          max_model_len=4096, extra=("--generation-config", "vllm"))  # fmt: skip
     assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/t"]
     flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
     assert flags["--port"] == "8000" and flags["--max-model-len"] == "4096"
-    assert flags["--served-model-name"] == E.SERVED and flags["--dtype"] == "float32"
+    assert flags["--served-model-name"] == P.SERVED and flags["--dtype"] == "float32"
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "dflash", "model": "/d", "num_speculative_tokens": 3}
     assert cmd[-2:] == ["--generation-config", "vllm"]
 
 
 def test_a_speculators_folder_is_the_model_and_no_drafter_serves_the_target_alone():
-    cmd = E.vllm_command("py", Path("/t"), 1, Path("/spec"), speculators=True)
+    cmd = P.vllm_command("py", Path("/t"), 1, Path("/spec"), speculators=True)
     assert cmd[cmd.index("--model") + 1] == "/spec" and "--speculative-config" not in cmd
-    assert "--speculative-config" not in E.vllm_command("py", Path("/t"), 1, None)
-    assert "--max-model-len" in E.vllm_command("py", Path("/t"), 1, None)
+    assert "--speculative-config" not in P.vllm_command("py", Path("/t"), 1, None)
+    assert "--max-model-len" in P.vllm_command("py", Path("/t"), 1, None)
 
 
 def test_a_completion_body_asks_for_token_ids_and_says_every_sampling_parameter():
-    body = E.completion_body([1, 2], 5, temperature=1.0, top_p=0.9, top_k=20, seed=7,
+    body = A.completion_body([1, 2], 5, temperature=1.0, top_p=0.9, top_k=20, seed=7,
                              stop_token_ids=[3])  # fmt: skip
     assert body == {"model": "target", "prompt": [1, 2], "max_tokens": 5, "temperature": 1.0,
                     "top_p": 0.9, "top_k": 20, "return_token_ids": True,
                     "stop_token_ids": [3], "seed": 7}  # fmt: skip
-    assert "seed" not in E.completion_body([1], 1)
+    assert "seed" not in A.completion_body([1], 1)
 
 
 def test_every_prompt_of_a_call_has_its_own_reproducible_seed():
-    assert E.request_seeds(0, 3) == [0, 1, 2]
-    assert E.request_seeds(2, 3) == [2 * E.SEED_STRIDE + i for i in range(3)]
-    assert set(E.request_seeds(1, 100)).isdisjoint(E.request_seeds(2, 100))
-    for seed, n in ((-1, 1), (0, E.SEED_STRIDE + 1), (2**62, 1)):
+    assert A.request_seeds(0, 3) == [0, 1, 2]
+    assert A.request_seeds(2, 3) == [2 * A.SEED_STRIDE + i for i in range(3)]
+    assert set(A.request_seeds(1, 100)).isdisjoint(A.request_seeds(2, 100))
+    for seed, n in ((-1, 1), (0, A.SEED_STRIDE + 1), (2**62, 1)):
         with pytest.raises(ValueError, match="seed"):
-            E.request_seeds(seed, n)
+            A.request_seeds(seed, n)
 
 
 # ---- the engine's refusals ---------------------------------------------------------------
@@ -233,10 +236,12 @@ def test_an_engine_not_started_says_so(folders):
         eng.generate([[1]], max_new_tokens=1)
 
 
-def test_the_engine_imports_only_the_standard_library():
+@pytest.mark.parametrize("module", [P, A, M])
+def test_the_vllm_home_imports_only_the_standard_library(module):
     # vLLM runs in its own virtualenv; the project's process imports none of it
-    tree = ast.parse(Path(E.__file__).read_text())
+    tree = ast.parse(Path(module.__file__).read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    tops = {n.split(".")[0] for n in names} - {"__future__"}
+    tops = {n.split(".")[0] for n in names} - {"__future__", "trainer"}
     assert tops <= sys.stdlib_module_names, tops - sys.stdlib_module_names
+    assert all(n.startswith("trainer.vllm") for n in names if n.startswith("trainer"))

@@ -127,12 +127,16 @@ def test_the_rules_see_real_imports():
 #: room; ``trainer.run`` (the composition root) assembles the rooms and only
 #: ``trainer.cli`` stands above it.
 TRAINER_ROOMS = {
-    "trainer/model": ("data", "train", "hf", "ops", "cli", "run"),
-    "trainer/data": ("train", "hf", "ops", "cli", "run"),
-    "trainer/train": ("data", "hf", "ops", "cli", "run"),
-    "trainer/hf": ("data", "ops", "cli", "run"),
-    "trainer/ops": ("model", "data", "hf", "cli", "run"),
-    "trainer/eval": ("train", "cli", "run"),
+    "trainer/model": ("data", "train", "hf", "ops", "engine", "cli", "run"),
+    "trainer/data": ("train", "hf", "ops", "engine", "cli", "run"),
+    "trainer/train": ("data", "hf", "ops", "engine", "cli", "run"),
+    "trainer/hf": ("data", "ops", "engine", "cli", "run"),
+    "trainer/ops": ("model", "data", "hf", "engine", "cli", "run"),
+    "trainer/eval": ("train", "engine", "cli", "run"),
+    # the engine room sits on the training room (batches, the process group) and feeds the
+    # run; vLLM's home is a leaf every room that talks to vLLM shares
+    "trainer/engine": ("data", "hf", "ops", "eval", "cli", "run"),
+    "trainer/vllm": ("model", "data", "train", "hf", "ops", "eval", "engine", "cli", "run"),
     "trainer/run.py": ("cli",),
 }
 FOUNDATION = (

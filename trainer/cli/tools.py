@@ -117,24 +117,29 @@ def save_target(out: Path, tokenizer: Path | None, force: bool, **opts: Any) -> 
 @click.argument("target", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--layers", help="The run's --layers [the default spread of the target's].")
 @click.option(
+    "--states-transport", type=click.Choice(["shm", "files"]), default="shm", show_default=True,
+    help="How the states travel: shm (the trainers' arenas, on the server's machine) or "
+    "files (one per document, in a folder the trainers see).",
+)  # fmt: skip
+@click.option(
     "--states-dir", type=click.Path(path_type=Path), required=True,
-    help="Where the server writes the hidden states (shared with the trainers: /dev/shm on "
-    "their machine, or a shared mount; trainers see it as --engine-dir).",
+    help="The server's folder for the states (its arenas or files): on the trainers' "
+    "machine in /dev/shm, or a shared mount; trainers give it as --engine-dir.",
 )  # fmt: skip
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True)
 @click.option("--max-model-len", type=int, help="The loader's --max-seq-len + 1 at least.")
 def engine_command(
-    target: Path, layers: str | None, states_dir: Path, port: int, tensor_parallel_size: int,
-    max_model_len: int | None,
+    target: Path, layers: str | None, states_transport: str, states_dir: Path, port: int,
+    tensor_parallel_size: int, max_model_len: int | None,
 ) -> None:  # fmt: skip
     """Print the vLLM server command that computes TARGET's hidden states for
-    `train --target-engine vllm --engine-url http://HOST:PORT` (the layer ids, the
-    extraction method, the connector and its folder, prefix caching off)."""
+    `train --target-engine vllm --engine-url http://HOST:PORT --engine-dir DIR` (the layer
+    ids, the extraction method, the connector and its transport, prefix caching off)."""
     import json as json_
 
-    from trainer.engine.server import serve_command
-    from trainer.engine.states import engine_layer_ids
+    from trainer.engine.supply import connector_config
+    from trainer.engine.vllm import VllmAdapter
     from trainer.model.target import default_layer_ids
     from trainer.option_values import parse_int_list
 
@@ -143,13 +148,15 @@ def engine_command(
         raise click.UsageError(f"{target} has no config.json: give a model folder")
     num_layers = int(json_.loads(config.read_text())["num_hidden_layers"])
     ids = parse_int_list(layers) or default_layer_ids(num_layers)
+    engine = VllmAdapter()
     try:
-        engine_ids = engine_layer_ids(ids, num_layers)
+        engine_ids = engine.layers(ids, num_layers).engine_ids
     except ValueError as e:
         raise click.UsageError(f"--layers: {e}") from None
-    click.echo(serve_command(target.resolve(), engine_ids, states_dir, port=port,
-                             tensor_parallel_size=tensor_parallel_size,
-                             max_model_len=max_model_len))  # fmt: skip
+    connector = connector_config(states_transport, states_dir)
+    click.echo(engine.serve_command(target.resolve(), engine_ids, connector, port=port,
+                                    tensor_parallel_size=tensor_parallel_size,
+                                    max_model_len=max_model_len))  # fmt: skip
 
 
 COMMANDS = (calibrate, plot, export, save_target, engine_command)

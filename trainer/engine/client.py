@@ -1,45 +1,35 @@
-"""Requests to the engine: one document per request, its hidden states read from the file
-the server wrote, checked, and removed.
+"""The generic client of the states stream: one request per document, through an
+``Engine`` adapter (which engine computes the states) and a ``Transport`` (how they travel;
+``trainer.engine.seam``), every wait bounded and every document's states checked.
 
-vLLM's OpenAI server returns only the first prompt's ``kv_transfer_params`` of a request,
-so each document is its own ``POST /v1/completions`` (token ids in, ``max_tokens`` 1: the
-prompt's forward is all that is needed). The reply names a safetensors file
-(``hidden_states [T, n, H]``, ``token_ids [T]``) that the server's connector writes after it
-answers; the client waits on the file's ``.lock`` (a shared ``flock`` against the writer's
-exclusive one), reads it, checks it and deletes it and its lock.
+What is checked (``check_states``): the token ids are the document's, the shape the one
+asked for, the dtype the engine's (the first document's when the run does not know it),
+every value finite. Each refusal names the document. What the transport trusts (its
+folder, its file or region being this request's own) it checks itself.
 
-What is trusted (``trainer.engine.folders``): the folder must be the run's own or one that
-others cannot write to; the file a reply names must be its request's own name in that
-folder, and a regular file. What is checked (``check_states``): the token ids are the
-document's, the shape the one asked for, the dtype the engine's (the first document's when
-the run does not know it), every value finite. Each refusal names the document.
-
-Request ids are ``dflash-RUN-INC-rRANK-N`` (``X-Request-Id``; vLLM names the file
-``cmpl-ID-0-RANDOM.safetensors``): ``RUN`` is the run's own random id (kept in its run
-folder: a resumed run has it again, another run never), ``INC`` this start of the job (every
-rank has rank 0's). So what a run removes is exactly what its requests wrote: once the
-folder is known, every file of this run from an earlier start (a killed trainer, ranks gone
-in an elastic shrink, a server killed mid-write: its ``.part``); on closing, this start's
-files of this rank. Files of other runs sharing the server and folder are never touched.
+Request ids are ``dflash-RUN-INC-rRANK-N`` (``trainer.engine.seam.request_prefix``): ``RUN``
+is the run's own random id (kept in its run folder: a resumed run has it again, another run
+never), ``INC`` this start of the job (every rank has rank 0's). So what a transport removes
+is exactly what this run's requests wrote: what earlier starts left (a killed trainer, ranks
+gone, a server killed mid-write) once its place is known, and this start's on closing.
 
 Waits, each bounded and named: a server that stops answering (killed, restarting) is
 waited for, one warning line, then the same request again with a backoff that starts anew
-with each outage, until ``timeout_s`` has passed, then ``EngineError`` (a ``LoaderError``:
+with each document, until ``timeout_s`` has passed, then ``EngineError`` (a ``LoaderError``:
 the run stops after a final checkpoint and ``--resume`` continues). A server that answers
 but cannot be the engine (``trainer.engine.http``) is an ``EngineError`` at once, as is a
 server the trainer started that exited (with the line that says why). The caller waits for
-a document with ``result``, which gives up ``STUCK_S`` past the request's own deadline
-(a read that hangs in the kernel on a dead mount), naming what the request was doing; the
-workers are daemon threads, so such a request cannot hold the process either, and
-``close`` waits ``CLOSE_GRACE_S`` at most.
+a document with ``result``, which gives up ``STUCK_S`` past the request's own deadline (a
+read that hangs in the kernel on a dead mount), naming what the request was doing; the
+workers are daemon threads, so such a request cannot hold the process either, and ``close``
+waits ``CLOSE_GRACE_S`` at most. ``release`` gives a document's place back once its states
+were used (they may be views of the transport's memory until then).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -50,12 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 
 from client.backoff import Backoff
-from trainer.engine import folders
 from trainer.engine.errors import EngineError
 from trainer.engine.http import Busy, Gone, exchange
+from trainer.engine.seam import Attempt, Engine, Lost, Transport, request_prefix
 
 __all__ = ["EngineError", "StateClient", "check_states", "request_prefix"]
 
@@ -69,55 +58,61 @@ CLOSE_GRACE_S = 10.0
 STUCK_S = 30.0
 
 
-def request_prefix(run: str, rank: int) -> str:
-    """The ``X-Request-Id`` prefix of this rank of a run's start (``run``: ``RUN-INC``)."""
-    return f"dflash-{run}-r{rank}"
-
-
 @dataclass
 class _Request:
     """A document's request, as far as it got (``stage``, for a message if it hangs)."""
 
     what: str
     tokens: list[int]
+    place: Any = None
+    handle: Any = None
     submitted: float = field(default_factory=time.monotonic)
     began: float | None = None
     stage: str = "waiting for a free worker"
+    released: bool = False  # its place given back
 
 
 class StateClient:
-    """Hidden states of token-id documents from a vLLM server at ``url``.
+    """Hidden states of token-id documents from an engine at ``url``.
 
     ``submit(ids)`` returns a future of the states ``[T, n, H]`` (the engine's layer order
-    and dtype) and ``result(future)`` waits for it, bounded; at most ``inflight`` requests
-    run at once. ``run``: this start of the run (``RUN-INC``, ``trainer.engine.side``);
-    ``states_dir``: where this machine reads the files (None: where the server says, the
-    first reply's folder, checked). ``alive``: for a server this run started, None while it
-    runs, else what to say about its end. ``num_states``/``hidden_size``: the ``[n, H]``
-    every file must have; ``dtype``: the engine's (None: the first document's);
-    ``target``: the run's target folder, to compare the served model with.
+    and dtype), ``result(future)`` waits for it, bounded, and ``release(future)`` gives its
+    place back once used; at most ``inflight`` requests run at once. ``engine``: which
+    engine (default vLLM); ``transport``: how the states travel (default: files in
+    ``states_dir``, or where the server's first reply says). ``run``: this start of the run
+    (``RUN-INC``, ``trainer.engine.supply``). ``alive``: for a server this run started,
+    None while it runs, else what to say about its end. ``num_states``/``hidden_size``: the
+    ``[n, H]`` every document must have; ``dtype``: the engine's (None: the first
+    document's); ``target``: the run's target folder, to compare the served model with.
     """
 
     def __init__(
         self, url: str, *, run: str, rank: int, num_states: int, hidden_size: int,
         inflight: int = 32, timeout_s: float = 300.0, states_dir: Path | None = None,
         alive: Callable[[], str | None] | None = None, dtype: torch.dtype | None = None,
-        target: Path | None = None,
+        target: Path | None = None, engine: Engine | None = None,
+        transport: Transport | None = None,
     ) -> None:  # fmt: skip
         if inflight < 1:
             raise ValueError(f"inflight must be >= 1, got {inflight}")
+        from trainer.engine import seam
+
+        self.engine = engine if engine is not None else seam.engine("vllm")
+        if transport is None:
+            from trainer.engine.files import FileTransport
+
+            transport = FileTransport(states_dir, run=run, rank=rank)
+        self.transport = transport
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
         self.num_states, self.hidden_size, self.dtype = num_states, hidden_size, dtype
         self.inflight, self._alive = inflight, alive
-        self.run, self.run_id = run, run.rsplit("-", 1)[0]
         self.prefix = request_prefix(run, rank)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._outage = False  # warned that the server does not answer
         self._closing = 0.0  # when close() began (0: not yet): nothing is retried then
-        self.folder: Path | None = None  # where the files are, once known and checked
         self.asked = 0  # documents submitted
-        self.retries = 0  # tries that found no server, or a file that could not be read
+        self.retries = 0  # tries that found no server, or states that could not be read
         self.waits: list[float] = []  # the backoff's waits, in order (how outages went)
         self._requests: dict[Future[torch.Tensor], _Request] = {}
         self._queue: queue.SimpleQueue[tuple[Future[torch.Tensor], _Request] | None] = (
@@ -129,15 +124,14 @@ class StateClient:
         ]
         for w in self._workers:
             w.start()
-        if states_dir is not None:
-            self._adopt(Path(states_dir))
         self.model, self.max_model_len = self._served_model(target)
 
     # ---- the public side ---------------------------------------------------------------
 
     def submit(self, ids: torch.Tensor, what: str = "a document") -> Future[torch.Tensor]:
         """The states of the token ids ``ids [T]``, in a worker thread; ``what`` names the
-        document in errors (``sample 17 of epoch 0 step 3``)."""
+        document in errors (``sample 17 of epoch 0 step 3``). Its place in the transport
+        is taken now, in submission order."""
         n = int(ids.numel())
         future: Future[torch.Tensor] = Future()
         if self.max_model_len is not None and n > self.max_model_len - 1:
@@ -149,16 +143,29 @@ class StateClient:
             ))  # fmt: skip
             return future  # raised when its micro-batch is reached
         request = _Request(what, [int(t) for t in ids.tolist()])
+        try:
+            request.place = self.transport.place(self._nbytes(n))
+        except EngineError as e:
+            future.set_exception(e)
+            return future
         with self._lock:
             self._requests[future] = request
-        future.add_done_callback(self._forget)
         self.asked += 1
         self._queue.put((future, request))
         return future
 
+    def _nbytes(self, tokens: int) -> int:
+        """A document's bytes in the transport: header, ids and states (4 bytes an element
+        while the engine's dtype is not known: no dtype it sends is wider)."""
+        from trainer.vllm.connector.dflash_states_shm import region_bytes
+
+        size = self.dtype.itemsize if self.dtype is not None else 4
+        return region_bytes(tokens, self.num_states, self.hidden_size, size)
+
     def result(self, future: Future[torch.Tensor]) -> torch.Tensor:
         """``future``'s states, waited for at most ``STUCK_S`` past its request's deadline;
-        then ``EngineError`` naming the document and what its request was doing."""
+        then ``EngineError`` naming the document and what its request was doing. They may
+        lie in the transport's memory: ``release(future)`` once they are used."""
         request = self._requests.get(future)
         while True:
             try:
@@ -175,10 +182,25 @@ class StateClient:
                         "mount that hangs; the run stops"
                     ) from None
 
+    def release(self, future: Future[torch.Tensor]) -> None:
+        """Give the document's place back (its states are not used any more)."""
+        with self._lock:
+            request = self._requests.pop(future, None)
+        if request is not None:
+            self._give_back(request)
+
+    def _give_back(self, request: _Request) -> None:
+        with self._lock:
+            if request.released:
+                return
+            request.released = True
+        self.transport.release(request.place, request.handle)
+
     def close(self) -> None:
-        """Let the requests in flight finish, ``CLOSE_GRACE_S`` at most (each removes its
-        file; one the server does not answer is given up at once, not retried: a server a
-        peer rank started may be stopping), then remove this rank's files of this start."""
+        """Let the requests in flight finish, ``CLOSE_GRACE_S`` at most (one the server does
+        not answer is given up at once, not retried: a server a peer rank started may be
+        stopping), give every place back, then let the transport remove what this start of
+        this rank still holds."""
         self._closing = time.monotonic()
         with self._lock:
             pending = list(self._requests)
@@ -191,10 +213,15 @@ class StateClient:
         hung = [w for w in self._workers if w.is_alive()]
         if hung:
             log.warning("engine client: %d request(s) still hang after %.0f s; left behind "
-                        "(their files, if ever written, are removed by the next start)",
+                        "(what they wrote, if ever, is removed by the next start)",
                         len(hung), CLOSE_GRACE_S)  # fmt: skip
-        if self.folder is not None:
-            self._sweep(f"cmpl-{self.prefix}-", keep=None)
+            return  # their places may still be written into: the transport keeps them
+        with self._lock:
+            left = list(self._requests.values())
+            self._requests.clear()
+        for request in left:
+            self._give_back(request)
+        self.transport.close()
 
     # ---- one document ------------------------------------------------------------------
 
@@ -207,128 +234,72 @@ class StateClient:
             try:
                 future.set_result(self._states(request))
             except BaseException as e:  # raised on the consumer's thread by result()
+                self._give_back(request)
                 future.set_exception(e)
 
-    def _forget(self, future: Future[torch.Tensor]) -> None:
-        with self._lock:
-            self._requests.pop(future, None)
+    def _grace_over(self) -> bool:
+        return bool(self._closing) and time.monotonic() > self._closing + CLOSE_GRACE_S
+
+    def _stage(self, request: _Request) -> Callable[[str], None]:
+        return lambda text: setattr(request, "stage", text)
 
     def _states(self, request: _Request) -> torch.Tensor:
         deadline = time.monotonic() + self.timeout_s
+        attempt = Attempt(request.what, deadline, lambda: bool(self._closing),
+                          self._stage(request), self._grace_over)  # fmt: skip
+        self.transport.ready(request.place, attempt)
         backoff = Backoff(*RETRY_S, jitter=0.25)  # per document: every outage starts anew
         while True:
-            path = self._request(request, deadline, backoff)
+            req_id = f"{self.prefix}-{next(self._ids)}"
+            request.handle = self._request(request, req_id, deadline, backoff)
             try:
-                states = self._read(path, request, deadline)
-            except FileNotFoundError:
-                if not Path(str(path) + ".lock").exists() and not path.exists():
-                    # The server makes the lock before it replies: none means another folder.
-                    raise EngineError(
-                        f"{self.url} wrote {request.what}'s states to {path.name}, which is "
-                        f"not in {path.parent} here: give --engine-dir, the folder where this "
-                        "machine sees the server's shared_storage_path"
-                    ) from None
-                self._drop(path)
-                self._wait("its states file was never written", deadline, backoff)
+                states = self.transport.fetch(request.place, request.handle, attempt)
+            except Lost as e:
+                self.transport.discard(request.place, request.handle)
+                self._wait(str(e), deadline, backoff)
                 continue
             except EngineError:
-                self._drop(path)
+                self.transport.discard(request.place, request.handle)
                 raise
-            except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # killed mid-write
-                self._drop(path)
-                self._wait(f"its states file {path} could not be read ({e})", deadline, backoff)
-                continue
-            self._drop(path)
             request.stage = "checking its states"
-            hs = check_states(states, request.tokens, request.what, path, self._expect())
+            hs = check_states(states, request.tokens, request.what, self._expect())
             if self.dtype is None:  # the engine's, from its first document on
                 self.dtype = hs.dtype
             return hs
 
-    def _request(self, request: _Request, deadline: float, backoff: Backoff) -> Path:
-        body = {"model": self.model, "prompt": request.tokens, "max_tokens": 1,
-                "temperature": 0.0}  # fmt: skip
+    def _request(self, request: _Request, req_id: str, deadline: float, backoff: Backoff) -> Any:
+        """Ask the engine for the document as request ``req_id`` (again while it does not
+        answer); the transport's handle of what its connector says it wrote."""
         while True:
-            req_id = f"{self.prefix}-{next(self._ids)}"
+            params = self.transport.params(request.place, req_id)
+            path, body, headers = self.engine.request(self.model, request.tokens, req_id, params)
             request.stage = f"waiting for {self.url} to answer request {req_id}"
             try:
                 left = max(1.0, deadline - time.monotonic())  # the socket's wait: bounded
-                reply = exchange(self.url + "/v1/completions", body, left,
-                                 {"X-Request-Id": req_id})  # fmt: skip
+                reply = exchange(self.url + path, body, left, headers)
             except EngineError as e:
                 raise EngineError(f"{request.what} ({len(request.tokens)} tokens): {e}") from None
             except (Gone, Busy) as e:
-                self._wait(str(e), deadline, backoff, gone=isinstance(e, Gone))
+                self._wait(str(e), deadline, backoff)
+                req_id = f"{self.prefix}-{next(self._ids)}"
                 continue
             self._answering()
-            params = (reply.get("kv_transfer_params") if isinstance(reply, dict) else None) or {}
-            named = params.get("hidden_states_path")
-            if not named:
+            placed = self.engine.placed(reply)
+            if placed is None:
                 raise EngineError(
-                    f"{self.url} returned no hidden-states file for {request.what}: is it "
+                    f"{self.url} did not say where it put {request.what}'s states: is it "
                     "serving with the extract_hidden_states method and the DFlash connector? "
                     "(its flags: docs/TRAINER.md, 'Targets served by vLLM')"
                 )
-            return self._local(str(named), req_id, request.what)
-
-    def _local(self, named: str, req_id: str, what: str) -> Path:
-        """Where this machine reads the file the server named: its request's own name, in
-        the folder (``states_dir``, else the folder of the server's first reply, checked
-        then; a later reply naming another folder is refused)."""
-        path = folders.request_file(named, self.folder, req_id, self.url, what)
-        if self.folder is None:
-            with self._lock:
-                if self.folder is None:
-                    self._adopt(path.parent)
-        if os.path.realpath(path.parent) != os.path.realpath(self.folder or path.parent):
-            raise EngineError(
-                f"{self.url} named {named!r} for {what}, outside the folder it wrote to "
-                f"before ({self.folder}): refusing to read or remove it"
-            )
-        return path
-
-    def _adopt(self, folder: Path) -> None:
-        """Take ``folder`` as where the files are (if others cannot write to it), and remove
-        what this run's earlier starts left there."""
-        self.folder = folders.shared_folder(folder)
-        self._sweep(f"cmpl-dflash-{self.run_id}-", keep=f"cmpl-dflash-{self.run}-")
-
-    def _read(self, path: Path, request: _Request, deadline: float) -> dict[str, Any]:
-        """The file, once its writer let go of its lock (it holds ``LOCK_EX`` until the
-        file is whole, which takes milliseconds); a writer stuck past the deadline (past
-        ``CLOSE_GRACE_S`` once the client is closing) is an ``EngineError``. A missing
-        file (the server died before writing it) is a ``FileNotFoundError``."""
-        import fcntl
-
-        from safetensors.torch import load_file
-
-        request.stage = f"waiting for {path} to be written"
-        with folders.open_regular(Path(str(path) + ".lock"), "the states' lock file") as lock:
-            for k in itertools.count():
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if self._closing and time.monotonic() > self._closing + CLOSE_GRACE_S:
-                        raise EngineError(f"{path}: not written yet (closing)") from None
-                    if time.monotonic() > deadline:
-                        raise EngineError(
-                            f"{path}: the server has been writing {request.what}'s states for "
-                            f"more than {self.timeout_s:.0f} s (--engine-timeout-s)"
-                        ) from None
-                    time.sleep(min(0.0002 * 2**k, 0.02))  # usually written within ms
-            request.stage = f"reading {path}"
-            with folders.open_regular(path, f"the states file of {request.what}") as fd:
-                return dict(load_file(f"/proc/self/fd/{fd}", device="cpu"))
+            return self.transport.locate(request.place, placed, req_id, self.url, request.what)
 
     def _expect(self) -> tuple[int, int, torch.dtype | None]:
         return self.num_states, self.hidden_size, self.dtype
 
     # ---- a server that does not answer -------------------------------------------------
 
-    def _wait(self, reason: str, deadline: float, backoff: Backoff, *, gone: bool = False) -> None:
-        """Back off before the next try; EngineError once the server is gone for good.
-        ``gone``: no server took the connection (not a busy one's refusal)."""
+    def _wait(self, reason: str, deadline: float, backoff: Backoff) -> None:
+        """Back off before the next try; EngineError once the server is gone for good."""
         ended = self._alive() if self._alive is not None else None
         if ended is not None:
             raise EngineError(f"{self.url}: {ended}")
@@ -357,62 +328,34 @@ class StateClient:
                     log.warning("engine %s is answering again", self.url)
 
     def _served_model(self, target: Path | None) -> tuple[str, int | None]:
-        """The model name the server serves and its context length (``/v1/models``),
-        waited for as any request is; another model than ``target`` is refused."""
+        """The model name the server serves and its context length, waited for as any
+        request is; another model than ``target`` is refused."""
         deadline = time.monotonic() + self.timeout_s
         backoff = Backoff(*RETRY_S, jitter=0.25)
+        url = self.url + self.engine.models_path()
         while True:
             try:
                 left = max(1.0, min(30.0, deadline - time.monotonic()))
-                reply = exchange(self.url + "/v1/models", None, left)
+                reply = exchange(url, None, left)
                 break
             except (Gone, Busy) as e:
-                self._wait(str(e), deadline, backoff, gone=isinstance(e, Gone))
+                self._wait(str(e), deadline, backoff)
         self._answering()
-        models = reply.get("data") if isinstance(reply, dict) else None
-        if not isinstance(models, list):
-            raise EngineError(f"{self.url}/v1/models: not a vLLM answer ({str(reply)[:200]})")
-        if not models:
-            raise EngineError(f"{self.url} serves no model")
-        first = models[0]
+        try:
+            served = self.engine.served_model(reply)
+        except EngineError as e:
+            raise EngineError(f"{self.url}: {e}") from None
         if target is not None:
-            check_served_model(self.url, first, Path(target))
-        limit = first.get("max_model_len")
-        return str(first["id"]), None if limit is None else int(limit)
-
-    # ---- files -------------------------------------------------------------------------
-
-    def _drop(self, path: Path) -> None:
-        """Remove a request's file, its lock and what a killed writer left of it."""
-        for p in (path, Path(str(path) + ".lock"), Path(str(path) + ".part")):
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-
-    def _sweep(self, prefix: str, keep: str | None) -> None:
-        """Remove the files in the folder whose names start with ``prefix`` (the run's own
-        request ids), but those starting with ``keep``."""
-        assert self.folder is not None
-        removed = 0
-        with os.scandir(self.folder) as entries:
-            for entry in entries:
-                name = entry.name
-                if not name.startswith(prefix) or (keep and name.startswith(keep)):
-                    continue
-                if entry.is_file(follow_symlinks=False) or entry.is_symlink():
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
-                        removed += 1
-        if removed:
-            log.info("removed %d hidden-state file(s) this run left in %s", removed, self.folder)
+            check_served_model(self.url, served.root, Path(target))
+        return served.name, served.max_model_len
 
 
-def check_served_model(url: str, model: dict[str, Any], target: Path) -> None:
-    """The model a server serves (``/v1/models``' entry) must be the run's target: where
-    its ``root`` is a folder here, their shapes must agree; elsewhere its name is compared,
-    and a different one said in a warning (it cannot be checked from here)."""
+def check_served_model(url: str, root: str, target: Path) -> None:
+    """The model a server serves (its ``root``: a folder or a name) must be the run's
+    target: where ``root`` is a folder here, their shapes must agree; elsewhere its name is
+    compared, and a different one said in a warning (it cannot be checked from here)."""
     import json
 
-    root = str(model.get("root") or model.get("id") or "")
     ours = json.loads((target / "config.json").read_text())
     theirs_file = Path(root) / "config.json"
     if theirs_file.is_file():
@@ -430,7 +373,7 @@ def check_served_model(url: str, model: dict[str, Any], target: Path) -> None:
 
 
 def check_states(
-    states: dict[str, Any], tokens: list[int], what: str, path: Path,
+    states: dict[str, Any], tokens: list[int], what: str,
     expect: tuple[int, int, torch.dtype | None],
 ) -> torch.Tensor:  # fmt: skip
     """The file's ``hidden_states`` if they can be ``what``'s: its token ids, the shape
@@ -438,28 +381,28 @@ def check_states(
     n, h, dtype = expect
     ids, hs = states.get("token_ids"), states.get("hidden_states")
     if not isinstance(ids, torch.Tensor) or not isinstance(hs, torch.Tensor):
-        raise EngineError(f"{path}: no hidden_states or token_ids in the file for {what}")
+        raise EngineError(f"no hidden_states or token_ids in the states of {what}")
     if ids.dtype.is_floating_point or ids.dim() != 1 or ids.tolist() != tokens:
         raise EngineError(
-            f"{path}: the engine returned states for other tokens than {what}'s "
+            f"the engine returned states for other tokens than {what}'s "
             f"({ids.numel()} ids, {len(tokens)} asked for): refusing a wrong feature"
         )
     want = (len(tokens), n, h)
     if tuple(hs.shape) != want:
         raise EngineError(
-            f"{path}: states of shape {tuple(hs.shape)} for {what}, expected {want}: the "
+            f"states of shape {tuple(hs.shape)} for {what}, expected {want}: the "
             f"server must extract {n} layers of a {h}-wide target "
             "(eagle_aux_hidden_state_layer_ids: docs/TRAINER.md)"
         )
     if not hs.dtype.is_floating_point or (dtype is not None and hs.dtype != dtype):
         raise EngineError(
-            f"{path}: states of dtype {hs.dtype} for {what}, expected {dtype or 'a float'} "
+            f"states of dtype {hs.dtype} for {what}, expected {dtype or 'a float'} "
             "(the engine's): refusing them"
         )
     bad = _first_nonfinite(hs)
     if bad is not None:
         raise EngineError(
-            f"{path}: the states of {what} are not finite (token {bad[0]}, layer column "
+            f"the states of {what} are not finite (token {bad[0]}, layer column "
             f"{bad[1]}: {bad[2]}): the engine computed NaN or inf; refusing to train on them"
         )
     return hs

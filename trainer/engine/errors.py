@@ -8,4 +8,8 @@ from loader_server.wire.protocol import LoaderError
 class EngineError(LoaderError):
     """The engine stayed away past its timeout, refused a document, is not the engine the
     run expects, or returned states that cannot be the document's. A ``LoaderError``: the
-    run stops after a final checkpoint, and ``--resume`` continues where it stopped."""
+    run stops after a final checkpoint, and ``--resume`` continues where it stopped.
+    ``fix`` is what the training loop's last line says to do (``train.loader_failure``
+    reads it; the training room never imports this one)."""
+
+    fix = "bring the vLLM server back (or fix what it refused)"

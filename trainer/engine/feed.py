@@ -127,6 +127,9 @@ class EngineFeed:
             states = [self.client.result(f) for f in item.states]  # EngineError: it stops
             self.target.hold(item.batch, assemble(item.batch, states, self.target.columns,
                                                   self.target.dtype))  # fmt: skip
+            del states  # they may lie in the transport's memory: given back now
+            for f in item.states:
+                self.client.release(f)
             self._state, self._yielded = item.state, item
             yield item.batch
 
@@ -165,10 +168,13 @@ class EngineFeed:
         return out
 
     def _drop_ahead(self) -> None:
-        """Forget what was read ahead (its requests finish and remove their files)."""
+        """Forget what was read ahead (its requests finish, and their places are given
+        back)."""
         for item in self._queue:
             for f in item.states:
                 f.cancel()
+                if f.done():
+                    self.client.release(f)
         self._queue.clear()
         self._ended = None
         self._it = None

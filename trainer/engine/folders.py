@@ -22,12 +22,15 @@ request ids (``trainer.engine.client``), never a pattern another program could m
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 from trainer.engine.errors import EngineError
+
+log = logging.getLogger(__name__)
 
 #: The file vLLM's connector writes for a request, beside its lock and a partial write.
 SUFFIX = ".safetensors"
@@ -130,3 +133,31 @@ def open_regular(path: Path, what: str) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+def remove_named(folder: Path, prefix: str, keep: str | None) -> int:
+    """Remove the files in ``folder`` whose names start with ``prefix`` (the run's own
+    request ids), but those starting with ``keep``; how many."""
+    removed = 0
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            name = entry.name
+            if not name.startswith(prefix) or (keep and name.startswith(keep)):
+                continue
+            if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed += 1
+    if removed:
+        log.info("removed %d hidden-state file(s) this run left in %s", removed, folder)
+    return removed
+
+
+def sweep_run(folder: Path, run: str) -> int:
+    """Remove what run ``RUN`` left in ``folder`` at its earlier starts (``run``:
+    ``RUN-INC``, this start's): requests' files and ranks' arenas, by their names."""
+    run_id = run.split("-")[0]
+    return sum(
+        remove_named(folder, f"{kind}-dflash-{run_id}-", f"{kind}-dflash-{run}-")
+        for kind in ("cmpl", "arena")
+    )

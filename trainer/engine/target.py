@@ -1,6 +1,7 @@
 """``EngineTarget``: the part of the target a trainer still needs when an engine runs the
 decoder. The drafter embeds its block tokens with the target's embedding and scores with
-its LM head, and the last layer's feature is normed by its final norm (``states``): those
+its LM head, and a layer the engine gives before the final norm (vLLM's last) is normed by
+it (``seam.Layers.prenorm``): those
 three tensors are read from the model folder (``load_head``, nothing else is allocated or
 read), and each micro-batch's features are the ones ``EngineFeed`` fetched for it.
 
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from trainer.engine.states import engine_layer_ids, feature_columns
+from trainer.engine.seam import Engine
 from trainer.model.target import Target, default_layer_ids
 from trainer.model.weights import WeightsError, meta_model, read_header, safetensors_files
 from trainer.train.batches import Batch
@@ -74,7 +75,7 @@ class EngineTarget(Target):
     """The target's head here, its features from an engine (``trainer.engine.feed``)."""
 
     def __init__(self, path: Path, layer_ids: list[int] | None, device: torch.device | str,
-                 dtype: torch.dtype) -> None:  # fmt: skip
+                 dtype: torch.dtype, engine: Engine | None = None) -> None:  # fmt: skip
         model = load_head(Path(path), device, dtype)
         model.requires_grad_(False)
         self.model = model
@@ -88,8 +89,13 @@ class EngineTarget(Target):
         self.num_layers = int(config.num_hidden_layers)
         self.vocab_size = int(config.vocab_size)
         self.layer_ids = list(layer_ids) if layer_ids else default_layer_ids(self.num_layers)
-        self.engine_ids = engine_layer_ids(self.layer_ids, self.num_layers)
-        self.columns = feature_columns(self.layer_ids, self.num_layers)
+        if engine is None:
+            from trainer.engine import seam
+
+            engine = seam.engine("vllm")
+        self.engine_layers = engine.layers(self.layer_ids, self.num_layers)
+        self.engine_ids = self.engine_layers.engine_ids
+        self.columns = self.engine_layers.columns
         self.sharded = False
         self.dtype = dtype
         self._device = torch.device(device)
@@ -133,10 +139,9 @@ class EngineTarget(Target):
                 f"{tuple(batch.input_ids.shape)}"
             )
         feats = feats.to(self._device, non_blocking=True)
-        last = self.num_layers - 1
         h = self.hidden_size
         for col, layer in enumerate(self.layer_ids):
-            if layer == last:
+            if layer in self.engine_layers.prenorm:  # the engine gives it before the final norm
                 part = slice(col * h, (col + 1) * h)
                 feats[..., part] = self.norm(feats[..., part])
         return feats

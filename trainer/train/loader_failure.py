@@ -31,7 +31,6 @@ from loader_server.wire.protocol import (
     LoaderUnavailableError,
     ProtocolError,
 )
-from trainer.engine.errors import EngineError
 from trainer.train import checkpoint as ckpt
 from trainer.train.distributed import DistEnv, control_all_reduce
 from trainer.train.guards import LoaderFailedError, ServedSpecError
@@ -79,8 +78,8 @@ def agree(fetch: Fetch, env: DistEnv, error: LoaderError | None = None) -> Fetch
 
 def describe(e: LoaderError, endpoint: object | None) -> str:
     """What failed, naming the endpoint."""
-    if isinstance(e, PeerLoaderFailure | EngineError):
-        return str(e)
+    if isinstance(e, PeerLoaderFailure) or getattr(e, "fix", None):
+        return str(e)  # it names what failed (an engine's error: its URL)
     if isinstance(e, LoaderUnavailableError):
         what = str(e)
     elif isinstance(e, LoaderRequestError):
@@ -121,8 +120,8 @@ def stop_error(
         fix = f"bring rank {e.rank}'s loader back (its error says what failed)"
     elif isinstance(e, LoaderUnavailableError):
         fix = "start the daemon again"
-    elif isinstance(e, EngineError):
-        fix = "bring the vLLM server back (or fix what it refused)"
+    elif said := getattr(e, "fix", None):  # a source that says how to go on (trainer.engine)
+        fix = str(said)
     else:
         fix = "fix that"
     resume = f"{fix}, then rerun the same command with --resume"

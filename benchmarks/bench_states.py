@@ -1,0 +1,252 @@
+"""Hidden states through each transport, against the limit: one memcpy of the same bytes.
+
+    .venv/bin/python benchmarks/bench_states.py [--tokens 2048,8192] [--dtypes bf16,fp32]
+        [--inflight 1,8] [--docs 12] [--json OUT]
+
+Documents shaped like Qwen3-8B's states for 5 layers (``[T, 5, 4096]``: 84 MB a 2K-token
+document in bf16, 336 MB an 8K one in bf16, twice that in fp32) move from a writer process
+(the server's side: the connector's own writing code, ``trainer/vllm/connector``) to this
+process (the trainer's side: the transport's own client code, ``trainer/engine``), into a
+destination buffer of the document's size (what the feed's assembly into a batch's
+features does). No HTTP and no model: the transport alone. Rows, side by side in one run:
+
+* ``memcpy``: the limit, one copy of the document from a source buffer into the
+  destination (both touched before: no page faults), one thread;
+* ``files, before`` (the baseline: how states travelled before 2026-12-07): safetensors'
+  ``save_file`` into ``/dev/shm``, ``load_file``, the copy, ``unlink``;
+* ``files``: ``--states-transport files`` (the connector's ``write_states``, the client's
+  lock wait, read and removal);
+* ``shm``: ``--states-transport shm`` (each rank's arena: the region locked, written and
+  let go by the writer, read where it lies by the trainer).
+
+Each row: GB/s (documents' bytes over the wall time, ``k`` documents in flight: ``k``
+writer and ``k`` reader threads), p50 and p99 latency of a document (its request sent to
+its bytes in the destination), and the fraction of the memcpy limit. Measured on this
+machine's two cores: the writer and the reader share them.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "trainer" / "vllm" / "connector"))
+
+LAYERS, WIDTH = 5, 4096  # Qwen3-8B, 5 feature layers
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def document(tokens: int, dtype: str):
+    import torch
+
+    g = torch.Generator().manual_seed(tokens)
+    return torch.randn(tokens, LAYERS, WIDTH, generator=g).to(getattr(torch, dtype))
+
+
+# ---- the writer's side (a process of its own, as the server is) ---------------------------
+
+
+def writer(conn, folder: str, tokens: int, dtype: str, threads: int) -> None:
+    """Serve ``(kind, req_id, where)`` requests from ``conn`` with ``threads`` threads: the
+    request's states written the transport's way, the lock taken before the answer."""
+    import fcntl
+
+    import torch
+    from dflash_states_file import write_states
+    from dflash_states_shm import Arenas, target_of
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    states = document(tokens, dtype)
+    ids = torch.arange(tokens)
+    arenas = Arenas(folder)
+    send = threading.Lock()
+
+    def one(kind: str, req_id: str, where: dict) -> None:
+        if kind == "shm":
+            target = target_of(where["arena"], where["offset"], where["nbytes"], req_id)
+            arenas.lock(target)
+            with send:
+                conn.send(req_id)  # the reply: the region is locked
+            arenas.write(target, req_id, {"hidden_states": states, "token_ids": ids})
+            return
+        path = os.path.join(folder, f"cmpl-{req_id}-0-x.safetensors")
+        fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with send:
+            conn.send(path)
+        if kind == "files-before":
+            save_file({"hidden_states": states, "token_ids": ids}, path)
+        else:
+            write_states(path, {"hidden_states": states, "token_ids": ids})
+        os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        while (msg := conn.recv()) is not None:
+            pool.submit(one, *msg)
+
+
+# ---- the reader's side (this process, as a trainer rank) -----------------------------------
+
+
+def memcpy_row(tokens: int, dtype: str, docs: int) -> dict:
+    import torch
+
+    src = document(tokens, dtype)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(docs):
+        t = time.perf_counter()
+        dst.copy_(src)
+        lat.append(time.perf_counter() - t)
+    return _row("memcpy", 1, docs, src, time.perf_counter() - t0, lat)
+
+
+def transport_row(kind: str, tokens: int, dtype: str, docs: int, inflight: int) -> dict:
+    """``docs`` documents through ``kind`` with ``inflight`` in flight."""
+    import torch
+    from safetensors.torch import load_file
+
+    from trainer.engine.files import FileTransport
+    from trainer.engine.seam import Attempt
+    from trainer.engine.shm import ShmTransport
+    from trainer.vllm.connector.dflash_states_shm import region_bytes
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-states-", dir="/dev/shm"))
+    ours, theirs = mp.Pipe()
+    proc = mp.get_context("spawn").Process(target=writer, args=(theirs, str(folder), tokens,
+                                                                  dtype, inflight))  # fmt: skip
+    proc.start()
+    like = document(tokens, dtype)
+    nbytes = region_bytes(tokens, LAYERS, WIDTH, like.element_size())
+    run = "benchbench000-000000"
+    shm = ShmTransport(folder, run=run, rank=0, size_mb=max(1, (inflight + 1) * nbytes >> 20) + 1)
+    files = FileTransport(folder, run=run, rank=0)
+    replies: dict[str, threading.Event] = {}
+    answered: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def listen() -> None:
+        while True:
+            try:
+                said = ours.recv()
+            except EOFError:
+                return
+            key = said if kind == "shm" else Path(said).name.split("-0-x")[0][5:]
+            with lock:
+                answered[key] = said
+                replies[key].set()
+
+    threading.Thread(target=listen, daemon=True).start()
+    dsts = [torch.empty_like(like) for _ in range(inflight)]
+    for d in dsts:
+        d.zero_()
+    attempt = Attempt("bench", time.monotonic() + 3600, lambda: False, lambda text: None)
+
+    def one(k: int) -> float:
+        req_id = f"dflash-{run}-r0-{k}"
+        with lock:
+            replies[req_id] = threading.Event()
+        t = time.perf_counter()
+        if kind == "shm":
+            region = shm.place(nbytes)
+            shm.ready(region, attempt)
+            where = shm.params(region, req_id)["dflash_shm"]
+            ours.send(("shm", req_id, where))
+            replies[req_id].wait()
+            got = shm.fetch(region, req_id, attempt)
+            dsts[k % inflight].copy_(got["hidden_states"])
+            del got
+            shm.release(region)
+        else:
+            ours.send((kind, req_id, {}))
+            replies[req_id].wait()
+            path = Path(answered[req_id])
+            if kind == "files":
+                got = files.fetch(None, path, attempt)
+            else:  # before: the plain flock, load_file, unlink
+                import fcntl
+
+                with open(str(path) + ".lock") as lf:
+                    fcntl.flock(lf, fcntl.LOCK_SH)
+                    got = load_file(str(path))
+                os.unlink(path)
+                os.unlink(str(path) + ".lock")
+            dsts[k % inflight].copy_(got["hidden_states"])
+        return time.perf_counter() - t
+
+    try:
+        one(10**6)  # warm-up: the writer's imports, the arena's first pages
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(inflight) as pool:
+            lat = list(pool.map(one, range(docs)))
+        wall = time.perf_counter() - t0
+    finally:
+        ours.send(None)
+        proc.join(60)
+        shm.close()
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()
+    names = {"files-before": "files, before (baseline)", "files": "files", "shm": "shm"}
+    return _row(names[kind], inflight, docs, like, wall, lat)
+
+
+def _row(name: str, inflight: int, docs: int, like, wall: float, lat: list[float]) -> dict:
+    size = like.numel() * like.element_size()
+    lat = sorted(lat)
+    return {"transport": name, "inflight": inflight, "gb_s": docs * size / wall / 1e9,
+            "p50_ms": 1e3 * statistics.median(lat),
+            "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            "mb": size / 1e6}  # fmt: skip
+
+
+@click.command()
+@click.option("--tokens", default="2048,8192", show_default=True, help="Document lengths.")
+@click.option("--dtypes", default="bf16,fp32", show_default=True)
+@click.option("--inflight", default="1,8", show_default=True, help="Documents in flight.")
+@click.option("--docs", default=12, show_default=True, help="Documents per row.")
+@click.option("--transports", default="files-before,files,shm", show_default=True)
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the rows here.")
+def main(tokens: str, dtypes: str, inflight: str, docs: int, transports: str,
+         json_out: Path | None) -> None:  # fmt: skip
+    """Hidden states of Qwen3-8B's shape through each transport, against one memcpy."""
+    import torch
+
+    torch.set_num_threads(1)
+    rows = []
+    print(f"{'document':>18} {'transport':>26} {'in flight':>9} {'GB/s':>7} {'p50 ms':>8} "
+          f"{'p99 ms':>8} {'x memcpy':>9}")  # fmt: skip
+    for t in (int(x) for x in tokens.split(",")):
+        for d in dtypes.split(","):
+            limit = memcpy_row(t, DTYPES[d], docs)
+            group = [limit]
+            for kind in transports.split(","):
+                for k in (int(x) for x in inflight.split(",")):
+                    group.append(transport_row(kind, t, DTYPES[d], docs, k))
+            for r in group:
+                r.update(tokens=t, dtype=d, of_memcpy=r["gb_s"] / limit["gb_s"])
+                print(f"{t:>6} tok {d:>4} {r['mb']:>4.0f}MB {r['transport']:>26} "
+                      f"{r['inflight']:>9} {r['gb_s']:>7.2f} {r['p50_ms']:>8.1f} "
+                      f"{r['p99_ms']:>8.1f} {r['of_memcpy']:>9.2f}", flush=True)  # fmt: skip
+            rows += group
+    if json_out is not None:
+        json_out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""vLLM's ``ExampleHiddenStatesConnector`` made to run on any device, and to write each
+file under its request's name: loaded by vLLM's own interpreter
+(``kv_connector_module_path``, this folder on its ``PYTHONPATH``), never by the trainer.
+Imports vLLM and torch only (and ``dflash_states_file`` beside it).
+
+The stock connector (vLLM 0.32) copies each finished request's hidden states off the GPU
+on a CUDA stream into pinned memory, and a thread writes the file once a CUDA event says
+the copy is done. On a CPU build there is no stream, event or pinned memory, so that one
+private method (``_submit_async_write``) is replaced: the rows are gathered from the
+hidden-state cache at once (a copy: the blocks are freed after this returns), and the same
+thread pool writes the file under the same ``.lock`` protocol (the client waits on a
+shared ``flock`` for the writer's exclusive one). On a GPU the stock method runs.
+
+Where the states go is the transport's (``dflash_transport`` in
+``kv_connector_extra_config``, the trainer's ``--states-transport``):
+
+* ``files``: every file, on either path, is written by ``dflash_states_file.write_states``
+  (the thread's ``_write_tensors`` replaced): into ``NAME.part``, then renamed, so what a
+  killed server leaves is named after its request (safetensors' ``save_file`` would leave
+  a ``.tmpXXXXXX`` that no request names);
+* ``shm``: a request that names a region of a trainer rank's arena (``kv_transfer_params``
+  ``dflash_shm``: ``arena``, ``offset``, ``nbytes``, ``key``) gets its states copied there
+  (``dflash_states_shm``): the region's record lock is taken when the request is first
+  scheduled (before the server replies, as the stock connector makes its lock files), and
+  let go once the header is written; no file is made. The reply says where
+  (``kv_transfer_params.dflash_shm``). The arena must lie in ``shared_storage_path``.
+
+Pinned to the vLLM release it was written against (``VLLM_VERSION``): the method it
+replaces is private, so another release is refused at start-up with a line naming both
+(``serve-check`` exercises it with the pinned build).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from dflash_states_file import write_states
+from dflash_states_shm import REFUSED, Arenas, parse_target, target_of
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    ExampleHiddenStatesConnectorMetadata,
+    PendingSave,
+    extract_from_kv_cache,
+)
+
+VLLM_VERSION = "0.32.0"
+
+
+@dataclass
+class _Done:
+    """Stands in for the CUDA event of a copy that has already happened."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
+    """``ExampleHiddenStatesConnector``, whose write path also runs without CUDA."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import vllm
+
+        found = vllm.__version__.split("+")[0]
+        if found != VLLM_VERSION:
+            raise RuntimeError(
+                f"DFlashHiddenStatesConnector replaces a private method of vLLM "
+                f"{VLLM_VERSION}'s ExampleHiddenStatesConnector; this is vLLM {found}"
+            )
+        super().__init__(*args, **kwargs)
+        self._transport = self._kv_transfer_config.get_from_extra_config(
+            "dflash_transport", "files"
+        )
+        self._arenas = Arenas(self._storage_path) if self._transport == "shm" else None
+        self._shm_locked: dict[str, str] = {}  # req_id -> its region, locked until written
+
+    # ---- the scheduler's side ------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """As the stock one; a request naming an arena region gets that region as its
+        target (``shm:ARENA:OFFSET:NBYTES:KEY``) instead of a file."""
+        meta = super().build_connector_meta(scheduler_output)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
+            params = ((extra or {}).get("kv_transfer_params") or {}).get("dflash_shm")
+            if self._arenas is None or not isinstance(params, dict):
+                continue
+            try:
+                arena, offset, nbytes = str(params["arena"]), int(params["offset"]), int(
+                    params["nbytes"])  # fmt: skip
+                self._arenas.check(arena, offset, nbytes)
+                target = target_of(arena, offset, nbytes, str(params["key"]))
+            except (KeyError, TypeError, ValueError, OSError) as e:  # the trainer is told
+                target = f"{REFUSED}{type(e).__name__}: {e} (the connector's folder: "
+                target += f"{self._arenas.folder})"
+            self._request_filenames[new_req.req_id] = target
+            meta.new_req_filenames[new_req.req_id] = target
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        target = self._request_filenames.get(request.request_id, "")
+        if target.startswith(REFUSED):  # nothing to write: the blocks go at once
+            self._request_filenames.pop(request.request_id, None)
+            return False, {"dflash_shm_error": target[len(REFUSED) :]}
+        delay, params = super().request_finished(request, block_ids)
+        found = parse_target((params or {}).get("hidden_states_path") or "")
+        if found is not None:
+            arena, offset, nbytes, _ = found
+            params = {"dflash_shm": {"arena": arena, "offset": offset, "nbytes": nbytes}}
+        return delay, params
+
+    # ---- the worker's side ---------------------------------------------------------------
+
+    def wait_for_save(self) -> None:
+        """Lock each new request's region (an arena's) or make its lock file (the stock
+        way), before the server replies."""
+        if self._arenas is not None and self._is_tp_rank_zero and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
+                for req_id, target in list(meta.new_req_filenames.items()):
+                    if target.startswith(REFUSED):
+                        del meta.new_req_filenames[req_id]
+                    elif parse_target(target) is not None:
+                        del meta.new_req_filenames[req_id]
+                        if req_id not in self._shm_locked:
+                            self._arenas.lock(target)
+                            self._shm_locked[req_id] = target
+        super().wait_for_save()
+
+    @staticmethod
+    def _write_tensors(
+        tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None
+    ) -> None:
+        """The writer thread: once the copy is done, the file under its request's name
+        (``write_states``), then the lock released."""
+        try:
+            event.synchronize()
+            write_states(filename, tensors)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases LOCK_EX: the client reads the file
+
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        assert self._kv_cache is not None
+        if not self._is_tp_rank_zero:
+            return
+        if parse_target(pending.filename) is not None:
+            self._submit_region_write(pending)
+            return
+        if self._kv_cache.is_cuda:
+            super()._submit_async_write(pending)
+            return
+        tensors = {"hidden_states": self._gather(pending), "token_ids": pending.token_ids.clone()}
+        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None and self.use_lock:
+            import fcntl
+
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC,
+                              0o600)  # fmt: skip
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        done = _Done()
+        future = self._executor.submit(
+            self._write_tensors, tensors, done, pending.filename, lock_fd
+        )
+        self._req_copy_events[pending.req_id] = done
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(partial(self._on_write_done, pending.req_id))
+
+    def _gather(self, pending: PendingSave) -> torch.Tensor:
+        """The request's rows of the hidden-state cache (a copy: its blocks are freed once
+        this returns), on the host."""
+        assert self._kv_cache is not None
+        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slots = (offsets[None, :] + blocks[:, None] * self._block_size).flatten()
+        slots = slots.to(self._kv_cache.device)
+        hidden = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])
+        return hidden.to("cpu")  # a GPU's copy waits for the forward (untested here: no GPU)
+
+    def _submit_region_write(self, pending: PendingSave) -> None:
+        """The states into the trainer's arena region by the writer threads; the region's
+        lock (taken before the reply) is let go once the header is written."""
+        assert self._arenas is not None
+        target = self._shm_locked.pop(pending.req_id, pending.filename)
+        tensors = {"hidden_states": self._gather(pending), "token_ids": pending.token_ids.clone()}
+        _, _, _, key = parse_target(target)
+        done = _Done()
+        future = self._executor.submit(self._arenas.write, target, key, tensors)
+        self._req_copy_events[pending.req_id] = done
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(partial(self._on_write_done, pending.req_id))
