@@ -34,6 +34,10 @@ from typing import Any, Protocol
 
 import torch
 
+#: The longest pause between two looks at a writer's lock: how late, at most, a reader
+#: learns that its states are written (a lock has no timed wait to block on instead).
+POLL_S = 0.002
+
 
 class Lost(Exception):
     """The writer of a request's states died before finishing: ask for them again."""

@@ -38,7 +38,7 @@ import torch
 
 from trainer.engine import folders
 from trainer.engine.errors import EngineError
-from trainer.engine.seam import Attempt, Lost
+from trainer.engine.seam import POLL_S, Attempt, Lost
 from trainer.vllm.connector import dflash_states_shm as layout
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class ShmTransport:
                     f"{self.path}: the server has been writing {attempt.what}'s states past "
                     "its deadline (--engine-timeout-s)"
                 )
-            time.sleep(min(0.0002 * 2**k, 0.02))
+            time.sleep(min(0.0002 * 2**k, POLL_S))
         layout.unlock_range(self._fd, region.offset, region.nbytes)
         found = layout.read_region(self.mem, region.offset)
         if found is None or found[0] != layout.key_of(req_id):
