@@ -27,10 +27,7 @@ import itertools
 import logging
 import mmap
 import os
-import threading
 import time
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +35,7 @@ import torch
 
 from trainer.engine import folders
 from trainer.engine.errors import EngineError
+from trainer.engine.room import Region, Room
 from trainer.engine.seam import POLL_S, Attempt, Lost
 from trainer.vllm.connector import dflash_states_shm as layout
 
@@ -45,15 +43,6 @@ log = logging.getLogger(__name__)
 
 #: The arena's default size per rank.
 DEFAULT_MB = 2048
-
-
-@dataclass
-class Region:
-    """A document's place in the arena: its order, and once it has room, where."""
-
-    order: int
-    nbytes: int
-    offset: int = -1
 
 
 class ShmTransport:
@@ -78,10 +67,7 @@ class ShmTransport:
         self.size = _check_room(self.folder, int(size_mb) << 20)
         self.mem = _make_arena(self.path, self.size)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-        self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, bytes), by offset
-        self._order = itertools.count()
-        self._waiting: deque[int] = deque()  # orders of places without room, oldest first
-        self._room = threading.Condition()
+        self.room = Room(self.size, f"arena {self.path}", "--states-shm-mb")
 
     def connector(self) -> dict[str, Any]:
         return {"dflash_transport": "shm", "shared_storage_path": str(self.folder)}
@@ -89,70 +75,16 @@ class ShmTransport:
     # ---- room ------------------------------------------------------------------------
 
     def place(self, nbytes: int) -> Region:
-        if nbytes > self.size:
-            raise EngineError(
-                f"a document of {nbytes / 2**20:.0f} MiB of states does not fit the "
-                f"{self.size >> 20} MiB arena: raise --states-shm-mb"
-            )
-        region = Region(next(self._order), nbytes)
-        with self._room:
-            self._waiting.append(region.order)
-        return region
+        return self.room.place(nbytes)
 
     def ready(self, region: Region, attempt: Attempt) -> None:
         """Room for ``region``, once every older place has had its own."""
-        if region.offset >= 0:
-            return
         attempt.stage(f"waiting for {region.nbytes >> 20} MiB of room in {self.path}")
-        with self._room:
-            while True:
-                if self._waiting and self._waiting[0] == region.order:
-                    at = self._fit(region.nbytes)
-                    if at is not None:
-                        region.offset = at
-                        self._waiting.popleft()
-                        layout.clear_header(self.mem, at)
-                        self._room.notify_all()
-                        return
-                if attempt.closing():
-                    raise EngineError(f"{self.path}: no room yet (closing)")
-                if time.monotonic() > attempt.deadline:
-                    raise EngineError(
-                        f"{attempt.what}: no room in the {self.size >> 20} MiB arena "
-                        f"{self.path} before its deadline: the trainer holds that many "
-                        "states; raise --states-shm-mb or lower --engine-inflight"
-                    )
-                self._room.wait(0.2)
-
-    def _fit(self, nbytes: int) -> int | None:
-        """First fit, 64-byte aligned; the free list keeps offset order."""
-        need = -(-nbytes // layout.ALIGN) * layout.ALIGN
-        for k, (at, size) in enumerate(self._free):
-            if size >= need:
-                self._free[k : k + 1] = [(at + need, size - need)] if size > need else []
-                return at
-        return None
+        if self.room.ready(region, attempt.what, attempt.deadline, attempt.closing):
+            layout.clear_header(self.mem, region.offset)
 
     def release(self, region: Region, handle: Any = None) -> None:
-        with self._room:
-            if region.offset < 0:  # never had room: it no longer waits
-                with contextlib.suppress(ValueError):
-                    self._waiting.remove(region.order)
-            else:
-                need = -(-region.nbytes // layout.ALIGN) * layout.ALIGN
-                self._give_back(region.offset, need)
-                region.offset = -1
-            self._room.notify_all()
-
-    def _give_back(self, at: int, size: int) -> None:
-        free = sorted([*self._free, (at, size)])
-        merged: list[tuple[int, int]] = []
-        for start, n in free:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((start, n))
-        self._free = merged
+        self.room.release(region)
 
     # ---- one request -------------------------------------------------------------------
 
