@@ -88,7 +88,7 @@ RUN_LIMITS: dict[str, tuple[float, bool]] = {
     "keep_checkpoints": (1, True), "timeout_s": (0, False), "profile_step": (0, True),
     "collective_timeout_s": (0, False),
     "peak_tflops": (0, False), "log_every_s": (0, True),
-    "engine_inflight": (1, True), "engine_timeout_s": (0, False), "states_shm_mb": (1, True),
+    "engine_inflight": (1, True), "engine_timeout_s": (0, False), "states_buffer_mb": (1, True),
 }  # fmt: skip
 
 

@@ -125,8 +125,8 @@ TINY = "tiny"
 #: ``--target-engine``: the target in each rank, or served by vLLM (``trainer.engine``).
 ENGINES = ("none", "vllm")
 #: ``--states-transport``: how the states travel (``trainer.engine.seam.TRANSPORTS``); auto:
-#: shm when the server is on this machine, else files.
-TRANSPORTS = ("auto", "shm", "files")
+#: shm when the server is on this machine, else mooncake with a master, else files.
+TRANSPORTS = ("auto", "shm", "files", "mooncake")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -125,14 +125,36 @@ class TargetSection(TargetOptions):
         "auto",
         "How the states travel from the server: shm (an arena of each rank's in shared "
         "memory, the server on this machine), files (one file per document, in a folder "
-        "both see); auto: shm for a server on this machine, else files.",
+        "both see), mooncake (a Mooncake store, across machines); auto: shm for a server "
+        "on this machine, else mooncake with --mooncake-master, else files.",
         choices=TRANSPORTS, section=TARGET,
     )  # fmt: skip
-    states_shm_mb: int = opt(
+    states_buffer_mb: int = opt(
         2048,
-        "--states-transport shm: each rank's arena in MiB (its pages made as the first "
-        "documents are written, then reused; the states read ahead must fit in it).",
+        "Each rank's memory for the states read ahead, in MiB: the shm arena (its pages "
+        "made as the first documents are written, then reused), or Mooncake's segment and "
+        "receive buffer.",
         section=TARGET,
+    )
+    mooncake_master: str | None = opt(
+        None,
+        "--states-transport mooncake: the store's master, HOST:PORT (`dflash-train "
+        "engine-command --states-transport mooncake` prints how to start one) [a server the "
+        "run starts: rank 0 starts one beside it].",
+        section=TARGET,
+    )
+    mooncake_metadata: str | None = opt(
+        None,
+        "The Mooncake metadata server's URL [http://MASTER_HOST:8080/metadata: the "
+        "master's own HTTP metadata server].",
+        section=TARGET,
+    )
+    mooncake_protocol: str = opt(
+        "tcp", "How Mooncake moves the bytes: tcp, or rdma (with --mooncake-device).",
+        choices=("tcp", "rdma"), section=TARGET,
+    )  # fmt: skip
+    mooncake_device: str = opt(
+        "", "--mooncake-protocol rdma: the RDMA devices (e.g. mlx5_0,mlx5_1).", section=TARGET
     )
 
     @property
@@ -504,7 +526,7 @@ class RunOptions(
     def _check_engine(self) -> None:
         """The engine's options go together (``trainer.engine``): each refusal names them."""
         if not self.engine:
-            given = [f for f in ("engine_url", "vllm_python", "engine_dir")
+            given = [f for f in ("engine_url", "vllm_python", "engine_dir", "mooncake_master")
                      if getattr(self, f) is not None]  # fmt: skip
             if given:
                 flag = "--" + given[0].replace("_", "-")

@@ -10,8 +10,10 @@ norm; the ids come back in ascending order; the file is
 is held, through the connector's own writer (``dflash_states_file.write_states``: into
 ``NAME.part``, then renamed); or, for a request whose ``kv_transfer_params`` name a region
 of a trainer's arena (``dflash_shm``), into that region under its record lock, as the
-connector does (``dflash_states_shm``). ``GET /v1/models`` names the model, its ``root``
-and its ``max_model_len``.
+connector does (``dflash_states_shm``); or, for one that names a Mooncake key and segment
+(``dflash_mooncake``), put into the store (``dflash_states_mooncake``; ``--mooncake-master``
+and ``--mooncake-metadata``). ``GET /v1/models`` names the model, its ``root`` and its
+``max_model_len``.
 
 As a script (``python fake_vllm_states.py --model DIR --port N --layer-ids 1,2,4 --states
 DIR [--max-model-len N]``) it computes the states with Transformers. Imported, ``serve``
@@ -50,6 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainer" / "vllm" / "connector"))
 from dflash_states_file import PART, write_states  # the connector's own writers
+from dflash_states_mooncake import Writer
 from dflash_states_shm import Arenas, target_of
 
 
@@ -99,12 +102,14 @@ def model_states(model, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
 
 def serve(
     port: int, folder: Path, states: Callable[[list[int]], torch.Tensor], *, root: str,
-    max_model_len: int = 1024, faults: Faults | None = None,
+    max_model_len: int = 1024, faults: Faults | None = None, mooncake: dict | None = None,
 ) -> ThreadingHTTPServer:  # fmt: skip
-    """The server on ``127.0.0.1:port`` (not yet serving: call ``serve_forever``)."""
+    """The server on ``127.0.0.1:port`` (not yet serving: call ``serve_forever``);
+    ``mooncake``: the store's ``master`` and ``metadata`` (puts for ``dflash_mooncake``)."""
     faults = faults or Faults()
     lock, served = threading.Lock(), {"n": 0}
     arenas = Arenas(str(folder))
+    writer = Writer(protocol="tcp", local_host="127.0.0.1", **mooncake) if mooncake else None
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a) -> None:
@@ -137,9 +142,12 @@ def serve(
                 self._send(400, {"error": "prompt too long"})
                 return
             rid = self.headers.get("X-Request-Id") or uuid.uuid4().hex
-            region = (body.get("kv_transfer_params") or {}).get("dflash_shm")
-            if region is not None:
-                self._region(ids, rid, region)
+            asked = body.get("kv_transfer_params") or {}
+            if asked.get("dflash_mooncake") is not None:
+                self._put(ids, asked["dflash_mooncake"])
+                return
+            if asked.get("dflash_shm") is not None:
+                self._region(ids, rid, asked["dflash_shm"])
                 return
             path = folder / f"cmpl-{rid}-0-{uuid.uuid4().hex[:8]}.safetensors"
             lock_fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
@@ -179,6 +187,41 @@ def serve(
                 write_states(str(path), {"hidden_states": hs, "token_ids": tokens})
             os.close(lock_fd)
 
+        def _computed(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, str | None, bool]:
+            """A document's states and token ids as the faults say, its fault, and whether
+            the server dies before they are written."""
+            with lock:
+                hs = states(ids)
+                served["n"] += 1
+                n = served["n"]
+                dying = bool(faults.die_after and n >= faults.die_after)
+            kind = faults.bad_kind(n)
+            tokens = torch.tensor([(t + 1) % 7 for t in ids] if faults.wrong_tokens else ids)
+            if kind == "nan":
+                hs = hs.clone()
+                hs[len(ids) // 2, 0, 1] = float("nan")
+            elif kind == "dtype":
+                hs = hs.to(torch.bfloat16)
+            elif kind == "shape":
+                hs = hs[:, :-1].contiguous()
+            return hs, tokens, kind, dying
+
+        def _put(self, ids: list[int], asked: dict) -> None:
+            """The connector's Mooncake path: the reply names the key, the put follows."""
+            hs, tokens, kind, dying = self._computed(ids)
+            key = str(asked["key"]) + ("-other" if kind == "outside" else "")
+            self._send(200, {"choices": [{"index": 0, "text": ""}],
+                             "kv_transfer_params": {"dflash_mooncake": {"key": key}}})  # fmt: skip
+            self.wfile.flush()
+            if dying:
+                os._exit(1)
+            time.sleep(0.01)  # the put lands after the reply, as vLLM's thread's does
+            assert writer is not None, "serve(..., mooncake=...) for dflash_mooncake requests"
+            try:
+                writer.put(str(asked["key"]), str(asked["segment"]), hs, tokens)
+            except RuntimeError as e:  # the rank went away: the connector logs it, as this
+                print(f"stand-in: {e}", file=sys.stderr)
+
         def _region(self, ids: list[int], rid: str, region: dict) -> None:
             """The connector's shm path: the region locked before the reply, written after."""
             try:
@@ -190,12 +233,7 @@ def serve(
             target = target_of(region["arena"], int(region["offset"]), int(region["nbytes"]),
                                str(region["key"]))  # fmt: skip
             arenas.lock(target)
-            with lock:
-                hs = states(ids)
-                served["n"] += 1
-                n = served["n"]
-                dying = faults.die_after and n >= faults.die_after
-            kind = faults.bad_kind(n)
+            hs, tokens, kind, dying = self._computed(ids)
             placed = {k: region[k] for k in ("arena", "offset", "nbytes")}
             if kind == "outside":
                 placed = {**placed, "offset": placed["offset"] + 64}
@@ -204,14 +242,6 @@ def serve(
             self.wfile.flush()
             if dying:  # killed mid-write: the lock goes with the process, the header unwritten
                 os._exit(1)
-            tokens = torch.tensor([(t + 1) % 7 for t in ids] if faults.wrong_tokens else ids)
-            if kind == "nan":
-                hs = hs.clone()
-                hs[len(ids) // 2, 0, 1] = float("nan")
-            elif kind == "dtype":
-                hs = hs.to(torch.bfloat16)
-            elif kind == "shape":
-                hs = hs[:, :-1].contiguous()
             time.sleep(0.01)  # the write lands after the reply, as vLLM's thread's does
             arenas.write(target, str(region["key"]), {"hidden_states": hs, "token_ids": tokens})
 
@@ -231,12 +261,16 @@ def main() -> None:
     ap.add_argument("--layer-ids", required=True)
     ap.add_argument("--states", required=True)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--mooncake-master", default="")
+    ap.add_argument("--mooncake-metadata", default="")
     args = ap.parse_args()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     layer_ids = sorted({int(k) for k in args.layer_ids.split(",")})
     server = serve(
         args.port, Path(args.states), lambda ids: model_states(model, ids, layer_ids),
         root=args.model, max_model_len=args.max_model_len, faults=Faults.from_env(),
+        mooncake={"master": args.mooncake_master, "metadata": args.mooncake_metadata}
+        if args.mooncake_master else None,
     )  # fmt: skip
     server.serve_forever()
 

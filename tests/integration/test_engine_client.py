@@ -68,18 +68,20 @@ def folder(tmp_path) -> Path:
 
 
 class Running:
-    """The stand-in serving in a thread (restartable on its port)."""
+    """The stand-in serving in a thread (restartable on its port); ``mooncake``: the
+    store's addresses, for its puts."""
 
-    def __init__(self, folder: Path, model: Path, **faults) -> None:
+    def __init__(self, folder: Path, model: Path, mooncake: dict | None = None, **faults) -> None:
         self.folder, self.model, self.port = folder, model, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.faults = stand_in.Faults(**faults)
+        self.mooncake = mooncake
         self.server = None
         self.start()
 
     def start(self) -> None:
         self.server = stand_in.serve(self.port, self.folder, states, root=str(self.model),
-                                     faults=self.faults)  # fmt: skip
+                                     faults=self.faults, mooncake=self.mooncake)  # fmt: skip
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
@@ -89,12 +91,21 @@ class Running:
             self.server = None
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A Mooncake master (its HTTP metadata server, no etcd) for the module's tests."""
+    from trainer.engine.mooncake import master
+
+    with master(tmp_path_factory.mktemp("mooncake") / "master.log") as (address, url, _):
+        yield {"master": address, "metadata": url}
+
+
 @pytest.fixture
-def running(folder, target):
+def running(folder, target, store):
     made: list[Running] = []
 
     def start(**faults) -> Running:
-        made.append(Running(folder, target, **faults))
+        made.append(Running(folder, target, store, **faults))
         return made[-1]
 
     yield start
@@ -111,8 +122,17 @@ def client(url: str, folder: Path | None, target: Path, transport: str = "files"
         from trainer.engine.shm import ShmTransport
 
         carrier = ShmTransport(folder, run=run, rank=rank, size_mb=kw.pop("size_mb", 4))
+    elif transport == "mooncake":
+        from trainer.engine.mooncake import MooncakeTransport
+
+        carrier = MooncakeTransport(None, run=run, rank=rank, size_mb=kw.pop("size_mb", 16),
+                                    **kw.pop("store"))  # fmt: skip
     return StateClient(url, run=run, rank=rank, num_states=N, hidden_size=H,
                        states_dir=folder, target=target, transport=carrier, **kw)  # fmt: skip
+
+
+def mooncake(transport: str, store: dict) -> dict:
+    return {"store": store} if transport == "mooncake" else {}
 
 
 def fetch(c: StateClient, ids: list[int], what: str = "sample 7") -> torch.Tensor:
@@ -123,7 +143,7 @@ def fetch(c: StateClient, ids: list[int], what: str = "sample 7") -> torch.Tenso
         c.release(future)
 
 
-TRANSPORTS = ["files", "shm"]
+TRANSPORTS = ["files", "shm", "mooncake"]
 
 
 def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
@@ -135,7 +155,7 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_the_states_arrive_checked_and_the_folder_ends_as_it_began(running, folder, target,
-                                                                    transport):  # fmt: skip
+                                                                    transport, store):  # fmt: skip
     """Other programs' files (safetensors' ``.tmp*`` among them) and another run's files
     sharing the folder are there before and after, unchanged; the run's own are gone."""
     mine_before = {
@@ -147,14 +167,16 @@ def test_the_states_arrive_checked_and_the_folder_ends_as_it_began(running, fold
         (folder / name).write_bytes(data)
     before = snapshot(folder)
     r = running()
-    c = client(r.url, folder, target, transport)
+    c = client(r.url, folder, target, transport, **mooncake(transport, store))
     got = [fetch(c, [5, 6, 7, 8]), fetch(c, list(range(20)))]
+    if transport == "mooncake":  # each key removed once read
+        assert [c.transport.store.is_exist(f"{c.prefix}-{k}") for k in range(2)] == [0, 0]
     c.close()
     assert torch.equal(got[0], states([5, 6, 7, 8])) and got[1].shape == (20, N, H)
     assert snapshot(folder) == before
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", ["files", "shm"])
 def test_what_the_run_left_at_an_earlier_start_is_removed_and_nothing_else(
     running, folder, target, transport
 ):
@@ -489,10 +511,10 @@ def test_the_backoff_starts_anew_with_each_outage(folder, target):
 ])  # fmt: skip
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_states_that_cannot_be_right_are_refused_naming_the_document(
-    running, folder, target, kind, says, transport
+    running, folder, target, kind, says, transport, store
 ):
     r = running(bad=f"{kind}@2")
-    c = client(r.url, folder, target, transport)
+    c = client(r.url, folder, target, transport, **mooncake(transport, store))
     fetch(c, [9, 9, 9])  # the first document: fine (and the engine's dtype, float32)
     with pytest.raises(EngineError, match=says):
         fetch(c, [1, 2, 3])
@@ -530,7 +552,9 @@ def test_the_arena_gives_room_in_submission_order_and_refuses_a_document_too_big
     assert b.offset >= 0
     arena.ready(c, soon("c"))
     assert c.offset >= b.offset + 600_000
-    with pytest.raises(EngineError, match=r"does not fit the 1 MiB arena .*: raise --states-shm-mb"):
+    with pytest.raises(
+        EngineError, match=r"does not fit the 1 MiB arena .*: raise --states-buffer-mb"
+    ):
         arena.place(2 << 20)
     d = arena.place(10)
     arena.release(d)  # never given room: it no longer waits
@@ -539,3 +563,55 @@ def test_the_arena_gives_room_in_submission_order_and_refuses_a_document_too_big
     assert arena.room.free == [(0, 1 << 20)]
     arena.close()
     assert list(folder.iterdir()) == []
+
+
+# ---- the Mooncake store -------------------------------------------------------------------
+
+
+def test_mooncake_keys_of_earlier_starts_go_and_no_one_else_s(running, folder, target, store):
+    """Keys a killed start of this run left (any rank's) are removed when a rank starts;
+    this start's other ranks' keys, another run's, and a key of another program stay; on
+    closing, this rank's of this start go; nothing is on disk."""
+    from trainer.vllm.connector.dflash_states_mooncake import Writer, connect
+
+    probe = connect(master=store["master"], metadata=store["metadata"], protocol="tcp",
+                    local_host="127.0.0.1", segment=64 << 20)  # fmt: skip
+    writer = Writer(protocol="tcp", local_host="127.0.0.1", **store)
+    run_id = RUN.split("-")[0]
+    old = [f"dflash-{run_id}-0ld000-r0-4", f"dflash-{run_id}-0ld000-r3-9"]
+    kept = [f"dflash-{RUN}-r1-0", "dflash-otherrun0000-0ld000-r0-4", "not-ours-at-all"]
+    for key in old + kept:
+        writer.put(key, probe.get_hostname(), states([1, 2]), torch.tensor([1, 2]))
+    assert all(probe.is_exist(k) == 1 for k in old + kept)
+    r = running()
+    c = client(r.url, folder, target, "mooncake", store=store)
+    assert [probe.is_exist(k) for k in old] == [0, 0]
+    assert all(probe.is_exist(k) == 1 for k in kept)
+    assert torch.equal(fetch(c, [3, 4, 5]), states([3, 4, 5]))
+    c.close()
+    assert all(probe.is_exist(k) == 1 for k in kept)
+    for key in kept:
+        probe.remove(key, True)
+    probe.close()
+    assert list(folder.iterdir()) == []
+
+
+def test_a_mooncake_reply_naming_another_key_is_refused(running, folder, target, store):
+    r = running(bad="outside@1")
+    c = client(r.url, folder, target, "mooncake", store=store)
+    with pytest.raises(EngineError, match=r"under '.*-other', not request .* key: .*refusing it"):
+        fetch(c, [1, 2, 3])
+    c.close()
+
+
+def test_a_mooncake_master_that_is_not_there_is_named(folder, target):
+    """No master at the address: at once, naming it, not a hang."""
+    from trainer.engine.mooncake import MooncakeTransport
+
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=rf"master at 127.0.0.1:{port} does not answer .*is "
+                                          "mooncake_master running there"):  # fmt: skip
+        MooncakeTransport(None, run=RUN, rank=0, size_mb=4, master=f"127.0.0.1:{port}",
+                          metadata=f"http://127.0.0.1:{free_port()}/metadata")  # fmt: skip
+    assert time.monotonic() - t0 < 10

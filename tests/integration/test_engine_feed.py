@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,9 +36,11 @@ def target_dir(tmp_path_factory) -> Path:
 class StandIn:
     """The stand-in server on a fixed port (restartable there), its files in ``states``."""
 
-    def __init__(self, target: Path, states: Path, **environ: str) -> None:
+    def __init__(self, target: Path, states: Path, store: dict | None = None,
+                 **environ: str) -> None:  # fmt: skip
         self.target, self.states, self.port = target, states, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.store = store  # a Mooncake master's addresses, for its puts
         states.mkdir(exist_ok=True)
         self.proc: subprocess.Popen[bytes] | None = None
         self.start(**environ)
@@ -46,6 +49,9 @@ class StandIn:
         cmd = [sys.executable, str(STAND_IN), "--model", str(self.target), "--port",
                str(self.port), "--layer-ids", "1,2,4", "--states", str(self.states),
                "--max-model-len", "300"]  # fmt: skip
+        if self.store:
+            cmd += ["--mooncake-master", self.store["master"],
+                    "--mooncake-metadata", self.store["metadata"]]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env={**env(), **environ})
         deadline = time.monotonic() + 60
         import urllib.error
@@ -69,6 +75,62 @@ class StandIn:
 
     def files(self) -> list[str]:
         return sorted(p.name for p in self.states.iterdir())
+
+
+class Master:
+    """A Mooncake master on fixed ports (restartable there, as a restarted one would be)."""
+
+    def __init__(self, tmp: Path) -> None:
+        from trainer.engine.mooncake import metadata_url
+
+        self.tmp, self.rpc, self.http = tmp, free_port(), free_port()
+        self.address = f"127.0.0.1:{self.rpc}"
+        self.store = {"master": self.address, "metadata": metadata_url(self.address, self.http)}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self.start()
+
+    def start(self) -> None:
+        from trainer.engine.mooncake import _wait_listening, master_command
+
+        self.starts += 1
+        log = self.tmp / f"master-{self.starts}.log"
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(master_command(self.rpc, self.http, "127.0.0.1"),
+                                         stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        _wait_listening("127.0.0.1", self.rpc, self.proc, log)
+        _wait_listening("127.0.0.1", self.http, self.proc, log)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def flags(self) -> tuple[str, ...]:
+        return ("--states-transport", "mooncake", "--mooncake-master", self.address,
+                "--mooncake-metadata", self.store["metadata"])  # fmt: skip
+
+    def left(self, run_dir: Path) -> int:
+        """How many keys of the run of ``run_dir`` the store still holds (a probe client
+        removes them, and counts)."""
+        import torch  # noqa: F401  (the store's client wants torch loaded first)
+
+        from trainer.vllm.connector.dflash_states_mooncake import connect
+
+        run_id = (run_dir / "engine-id").read_text().strip()
+        probe = connect(master=self.address, metadata=self.store["metadata"], protocol="tcp",
+                        local_host="127.0.0.1")  # fmt: skip
+        try:
+            return int(probe.remove_by_regex(f"^dflash-{run_id}-", True))
+        finally:
+            probe.close()
+
+
+@pytest.fixture
+def mooncake(tmp_path):
+    m = Master(tmp_path)
+    yield m
+    m.stop()
 
 
 @pytest.fixture
@@ -120,20 +182,35 @@ def test_engine_features_train_the_colocated_run(daemon, stand_in, target_dir, t
         assert stand_in.files() == []
 
 
-def test_two_ranks_fed_by_one_server(daemon, stand_in, target_dir, tmp_path):
+def test_two_ranks_fed_by_one_server_on_this_node_and_on_another(daemon, target_dir, tmp_path,
+                                                                  mooncake):  # fmt: skip
     """Two ranks (torchrun, gloo), each fetching its own micro-batches' features from the
-    one server: the colocated 2-rank run's losses."""
+    one server: through shm (the server on this node, its folder given), and through a
+    Mooncake store from a server and master on another node (their own memory: no folder
+    given to the trainers): the colocated 2-rank run's losses both ways, nothing left in
+    the server's folder or the store."""
+    here = StandIn(target_dir, tmp_path / "states")
+    there = StandIn(target_dir, tmp_path / "other-node", store=mooncake.store)
     logs = {}
-    for name, extra in (("colo", ()), ("eng", engine(stand_in))):
-        run_dir = tmp_path / name
-        cmd = train_cmd(daemon.endpoint, run_dir, name, 4, "--target", str(target_dir),
-                        "--layers", LAYERS, "--num-eval-prompts", "0", *extra)  # fmt: skip
-        run(cmd, tmp_path / f"{name}.log")
-        logs[name] = losses(run_dir)
-    assert sorted(logs["eng"]) == [1, 2, 3, 4]
-    for step, loss in logs["colo"].items():
-        assert logs["eng"][step] == pytest.approx(loss, rel=1e-6), step
-    assert stand_in.files() == []
+    ways = (("colo", ()), ("shm", engine(here)),
+            ("mooncake", ("--target-engine", "vllm", "--engine-url", there.url,
+                          *mooncake.flags())))  # fmt: skip
+    try:
+        for name, extra in ways:
+            run_dir = tmp_path / name
+            cmd = train_cmd(daemon.endpoint, run_dir, name, 4, "--target", str(target_dir),
+                            "--layers", LAYERS, "--num-eval-prompts", "0", *extra)  # fmt: skip
+            run(cmd, tmp_path / f"{name}.log")
+            logs[name] = losses(run_dir)
+    finally:
+        here.stop()
+        there.stop()
+    for way in ("shm", "mooncake"):
+        assert sorted(logs[way]) == [1, 2, 3, 4]
+        for step, loss in logs["colo"].items():
+            assert logs[way][step] == pytest.approx(loss, rel=1e-6), (way, step)
+    assert here.files() == [] and there.files() == []
+    assert mooncake.left(tmp_path / "mooncake") == 0
 
 
 _UNINTERRUPTED: dict[str, dict[int, float]] = {}
@@ -154,33 +231,55 @@ def uninterrupted(daemon, target_dir, tmp_path) -> dict[int, float]:
     return _UNINTERRUPTED["run"]
 
 
-def test_a_killed_trainer_resumes_exactly_and_leaves_no_files(
-    daemon, stand_in, target_dir, tmp_path, uninterrupted
+def ways(transport: str, request, target_dir: Path, tmp_path: Path) -> tuple:
+    """A stand-in and the run's flags for ``transport``: shm beside the server (its folder
+    given), or Mooncake (a master, no folder given to the trainer)."""
+    if transport == "mooncake":
+        master = request.getfixturevalue("mooncake")
+        s = StandIn(target_dir, tmp_path / "states", store=master.store)
+        return s, ("--target-engine", "vllm", "--engine-url", s.url, *master.flags()), master
+    s = StandIn(target_dir, tmp_path / "states")
+    return s, (*engine(s), "--states-transport", transport), None
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_a_killed_trainer_resumes_exactly_and_leaves_nothing(
+    daemon, target_dir, tmp_path, uninterrupted, transport, request
 ):
     """Killed (SIGKILL) as step 5 starts, with requests read ahead in flight: --resume from
-    checkpoint 4 logs the uninterrupted run's losses, and the killed process's files are
-    gone once the resumed run has run."""
+    checkpoint 4 logs the uninterrupted run's losses, and what the killed process left (its
+    arena, its files, its keys in the store) is gone once the resumed run has run."""
+    s, flags, master = ways(transport, request, target_dir, tmp_path)
     run = tmp_path / "killed"
-    res = train(daemon.endpoint, run, target_dir, *engine(stand_in), fault="step=5", check=False)
-    assert res.returncode == -signal.SIGKILL
-    train(daemon.endpoint, run, target_dir, *engine(stand_in), "--resume")
+    try:
+        res = train(daemon.endpoint, run, target_dir, *flags, fault="step=5", check=False)
+        assert res.returncode == -signal.SIGKILL
+        train(daemon.endpoint, run, target_dir, *flags, "--resume")
+    finally:
+        s.stop()
     want, got = uninterrupted, losses(run)
     assert sorted(got) == list(range(1, 7))
     for step in range(1, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
-    assert stand_in.files() == []
+    assert s.files() == []
+    if master is not None:
+        assert master.left(run) == 0
 
 
-@pytest.mark.parametrize("transport", ["shm", "files"])
+@pytest.mark.parametrize("transport", ["shm", "files", "mooncake"])
 def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path, transport,
-                                          uninterrupted):  # fmt: skip
+                                          uninterrupted, request):  # fmt: skip
     """The server exits after its 6th reply before that document's states are written (the
     arena region's lock gone with it, its header unwritten; or the file's lock there and
     half of it in the writer's ``NAME.part``), and comes back 1 s later: one warning, the
     document asked for again, the uninterrupted losses, and nothing left in the folder."""
     states = tmp_path / "states"
-    how = ("--states-transport", transport)
-    flaky = StandIn(target_dir, states, FAKE_STATES_DIE_AFTER="6",
+    how: tuple[str, ...] = ("--states-transport", transport)
+    store = None
+    if transport == "mooncake":
+        master = request.getfixturevalue("mooncake")
+        store, how = master.store, master.flags()
+    flaky = StandIn(target_dir, states, store=store, FAKE_STATES_DIE_AFTER="6",
                     FAKE_STATES_DIE_UNWRITTEN="1")  # fmt: skip
     restarted = []
 
@@ -196,7 +295,9 @@ def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path, transpor
     t = threading.Thread(target=restart)
     t.start()
     try:
-        res = train(daemon.endpoint, tmp_path / "flaky", target_dir, *engine(flaky, *how))
+        flags = engine(flaky, *how) if store is None else (
+            "--target-engine", "vllm", "--engine-url", flaky.url, *how)  # fmt: skip
+        res = train(daemon.endpoint, tmp_path / "flaky", target_dir, *flags)
     finally:
         t.join(130)
         flaky.stop()
@@ -207,6 +308,48 @@ def test_a_server_that_dies_is_waited_for(daemon, target_dir, tmp_path, transpor
     for step in range(1, 7):
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
     assert sorted(p.name for p in states.iterdir()) == []
+
+
+def test_a_mooncake_master_that_goes_away_stops_the_run_and_it_resumes(
+    daemon, target_dir, tmp_path, mooncake, uninterrupted
+):
+    """The store's master is killed after the run's second step: the run waits for it
+    (--engine-timeout-s 4), then stops after a final checkpoint with one line naming the
+    master and --resume; the master comes back (the same address), the server's connector
+    makes its store client anew, and --resume logs the uninterrupted run's losses, leaving
+    nothing in the store."""
+    s = StandIn(target_dir, tmp_path / "states", store=mooncake.store)
+    flags = ("--target-engine", "vllm", "--engine-url", s.url, *mooncake.flags(),
+             "--engine-timeout-s", "4")  # fmt: skip
+    run_dir = tmp_path / "run"
+    stopper = threading.Thread(target=_kill_when, args=(run_dir, 2, mooncake))
+    stopper.start()
+    try:
+        res = train(daemon.endpoint, run_dir, target_dir, *flags, check=False)
+        stopper.join(60)
+        assert res.returncode != 0
+        last = res.stderr.strip().splitlines()[-1]
+        assert mooncake.address in last and "--resume" in last and "checkpoint step-" in last, last
+        assert "Traceback" not in res.stderr
+        mooncake.start()
+        train(daemon.endpoint, run_dir, target_dir, *flags, "--resume")
+    finally:
+        s.stop()
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, 7))
+    for step in range(1, 7):
+        assert got[step] == pytest.approx(uninterrupted[step], rel=1e-6), step
+    assert mooncake.left(run_dir) == 0
+
+
+def _kill_when(run_dir: Path, step: int, master: Master) -> None:
+    """Kill the master once ``run_dir`` has logged ``step`` (bounded: 60 s)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if step in (losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {}):
+            master.stop()
+            return
+        time.sleep(0.05)
 
 
 def test_a_server_still_starting_is_waited_for(daemon, target_dir, tmp_path):

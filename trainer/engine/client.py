@@ -200,7 +200,9 @@ class StateClient:
         """Let the requests in flight finish, ``CLOSE_GRACE_S`` at most (one the server does
         not answer is given up at once, not retried: a server a peer rank started may be
         stopping), give every place back, then let the transport remove what this start of
-        this rank still holds."""
+        this rank still holds. Once: a second call does nothing."""
+        if self._closing:
+            return
         self._closing = time.monotonic()
         with self._lock:
             pending = list(self._requests)
@@ -237,6 +239,19 @@ class StateClient:
                 self._give_back(request)
                 future.set_exception(e)
 
+    def _gone(self) -> bool:
+        """Whether the server has stopped answering (its process ended, or its port
+        refuses): a transport with no lock to tell a dead writer by asks this."""
+        if self._alive is not None and self._alive() is not None:
+            return True
+        try:
+            exchange(self.url + self.engine.models_path(), None, 5.0)
+        except Gone:
+            return True
+        except (Busy, EngineError):
+            return False
+        return False
+
     def _grace_over(self) -> bool:
         return bool(self._closing) and time.monotonic() > self._closing + CLOSE_GRACE_S
 
@@ -246,7 +261,7 @@ class StateClient:
     def _states(self, request: _Request) -> torch.Tensor:
         deadline = time.monotonic() + self.timeout_s
         attempt = Attempt(request.what, deadline, lambda: bool(self._closing),
-                          self._stage(request), self._grace_over)  # fmt: skip
+                          self._stage(request), self._grace_over, self._gone)  # fmt: skip
         self.transport.ready(request.place, attempt)
         backoff = Backoff(*RETRY_S, jitter=0.25)  # per document: every outage starts anew
         while True:

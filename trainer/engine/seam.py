@@ -56,6 +56,9 @@ class Attempt:
     #: the client is closing and its grace is over: stop waiting even for a writer that is
     #: about to finish (a file written after the client left would stay behind)
     grace_over: Callable[[], bool] = lambda: False
+    #: the server stopped answering (a transport with no lock to tell a dead writer by
+    #: asks this now and then)
+    gone: Callable[[], bool] = lambda: False
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,7 @@ ENGINES = {"vllm": ("trainer.engine.vllm", "VllmAdapter")}
 TRANSPORTS = {
     "shm": ("trainer.engine.shm", "ShmTransport"),
     "files": ("trainer.engine.files", "FileTransport"),
+    "mooncake": ("trainer.engine.mooncake", "MooncakeTransport"),
 }
 
 

@@ -5,7 +5,7 @@ Why not a file per document: a fresh file's pages are allocated and zeroed by th
 as they are written, and freed when it is removed, which bounds a file per document at
 about 0.2 of one memcpy on this machine however it is written; pages that are mapped once
 and reused cost one copy (``docs/BENCHMARKS.md``, the transport table). So each rank maps
-an arena once (in the run's private states folder, ``--states-shm-mb``; its pages are made
+an arena once (in the run's private states folder, ``--states-buffer-mb``; its pages are made
 by the first documents written there, then reused) and gives each document a region of it
 before asking for it;
 the server's connector copies the states into the region
@@ -67,7 +67,7 @@ class ShmTransport:
         self.size = _check_room(self.folder, int(size_mb) << 20)
         self.mem = _make_arena(self.path, self.size)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-        self.room = Room(self.size, f"arena {self.path}", "--states-shm-mb")
+        self.room = Room(self.size, f"arena {self.path}", "--states-buffer-mb")
 
     def connector(self) -> dict[str, Any]:
         return {"dflash_transport": "shm", "shared_storage_path": str(self.folder)}
@@ -155,7 +155,7 @@ def _check_room(folder: Path, size: int) -> int:
     free = st.f_bavail * st.f_frsize
     if size > free:
         raise EngineError(
-            f"--states-shm-mb {size >> 20}: {folder} has {free >> 20} MiB free (Docker's "
+            f"--states-buffer-mb {size >> 20}: {folder} has {free >> 20} MiB free (Docker's "
             "/dev/shm is 64 MiB unless --shm-size says more): lower it, or give more"
         )
     return size

@@ -43,8 +43,9 @@ from trainer.sections import RunOptions
 from trainer.train.batches import BatchSource
 from trainer.train.distributed import DistEnv, control_broadcast
 
-#: The log of a server a run starts, in its run folder.
+#: The logs of a server a run starts, and of the Mooncake master it starts, in its run folder.
 SERVER_LOG = "vllm-engine.log"
+MASTER_LOG = "mooncake-master.log"
 #: The file in the run folder that holds the run's engine id.
 ENGINE_ID = "engine-id"
 
@@ -90,12 +91,32 @@ def transport_name(opts: RunOptions) -> str:
         return opts.states_transport
     if opts.engine_url is None or loopback(opts.engine_url):
         return "shm"
-    return "files"
+    return "mooncake" if opts.mooncake_master else "files"
 
 
-def connector_config(name: str, folder: Path | None) -> dict[str, Any]:
-    """The connector's settings for a server the run starts (``kv_connector_extra_config``)."""
-    return {"dflash_transport": name, "shared_storage_path": str(folder)}
+def connector_config(name: str, folder: Path | None, **mooncake: str) -> dict[str, Any]:
+    """The connector's settings (``kv_connector_extra_config``): the transport, the folder
+    (its files or the ranks' arenas), and for Mooncake the store's addresses (``master``,
+    ``metadata``, ``protocol``, ``device``)."""
+    out: dict[str, Any] = {"dflash_transport": name, "shared_storage_path": str(folder)}
+    if name == "mooncake":
+        from trainer.engine.mooncake import connector_config as store
+
+        out.update(store(**mooncake))
+    return out
+
+
+def mooncake_settings(opts: RunOptions) -> dict[str, str]:
+    """The run's Mooncake addresses (``MooncakeTransport``'s and the connector's)."""
+    from trainer.engine.mooncake import metadata_url
+
+    master = opts.mooncake_master or ""
+    return {
+        "master": master,
+        "protocol": opts.mooncake_protocol,
+        "device": opts.mooncake_device,
+        "metadata": opts.mooncake_metadata or (metadata_url(master, 8080) if master else ""),
+    }
 
 
 @contextlib.contextmanager
@@ -113,11 +134,12 @@ def engine_side(
         alive: Callable[[], str | None] | None = None
         dtype = None  # a user's server: its first document says
         run = run_identity(opts.run_dir, env)
+        store = mooncake_settings(opts) if name == "mooncake" else {}
         if url is None:
-            url, folder, alive = _owned(stack, engine, target, opts, env, run, name)
+            url, folder, alive, store = _owned(stack, engine, target, opts, env, run, name, store)
             dtype = torch.float32  # vllm_command's
         transport = seam.transport_class(name)(
-            folder, run=run, rank=env.rank, size_mb=opts.states_shm_mb
+            folder, run=run, rank=env.rank, size_mb=opts.states_buffer_mb, **store
         )  # fmt: skip
         client = StateClient(
             url, run=run, rank=env.rank, num_states=len(target.engine_ids),
@@ -163,10 +185,11 @@ def client_for(
 
 def _owned(
     stack: contextlib.ExitStack, engine: seam.Engine, target: EngineTarget, opts: RunOptions,
-    env: DistEnv, run: str, transport: str,
-) -> tuple[str, Path, Callable[[], str | None]]:  # fmt: skip
-    """The server rank 0 starts (its URL and folder, broadcast), and how each rank learns
-    that it ended."""
+    env: DistEnv, run: str, transport: str, store: dict[str, str],
+) -> tuple[str, Path, Callable[[], str | None], dict[str, str]]:  # fmt: skip
+    """The server rank 0 starts (its URL, folder and Mooncake addresses, broadcast; with
+    the Mooncake transport and no --mooncake-master, a master of its own beside it), and
+    how each rank learns that the server ended."""
     assert opts.vllm_python is not None  # RunOptions checks it
     _one_machine(env)
     found: Any = None
@@ -175,12 +198,17 @@ def _owned(
         opts.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             folder = _folder(stack, opts.engine_dir, run.split("-")[0])
+            if transport == "mooncake" and not store["master"]:
+                from trainer.engine.mooncake import master
+
+                address, url, _ = stack.enter_context(master(opts.run_dir / MASTER_LOG))
+                store = {**store, "master": address, "metadata": url}
             server = stack.enter_context(engine.start(
                 str(opts.vllm_python), Path(opts.target), target.engine_ids,
-                opts.run_dir / SERVER_LOG, connector=connector_config(transport, folder),
+                opts.run_dir / SERVER_LOG, connector=connector_config(transport, folder, **store),
                 max_model_len=_context(opts, target),
             ))  # fmt: skip
-            found = (server.url, str(folder), server.pid)
+            found = (server.url, str(folder), server.pid, store)
             alive = server.ended
         except Exception as e:  # every rank says it, none waits in a collective
             found = str(e)
@@ -190,7 +218,7 @@ def _owned(
     if not env.is_main:
         alive = functools.partial(_exited, int(found[2]))
     assert alive is not None
-    return found[0], Path(found[1]), alive
+    return found[0], Path(found[1]), alive, found[3]
 
 
 def _folder(stack: contextlib.ExitStack, given: Path | None, run_id: str) -> Path:

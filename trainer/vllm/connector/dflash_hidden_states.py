@@ -23,7 +23,12 @@ Where the states go is the transport's (``dflash_transport`` in
   (``dflash_states_shm``): the region's record lock is taken when the request is first
   scheduled (before the server replies, as the stock connector makes its lock files), and
   let go once the header is written; no file is made. The reply says where
-  (``kv_transfer_params.dflash_shm``). The arena must lie in ``shared_storage_path``.
+  (``kv_transfer_params.dflash_shm``). The arena must lie in ``shared_storage_path``;
+* ``mooncake``: a request that names a key and a Mooncake segment (``dflash_mooncake``:
+  ``key``, ``segment``) gets its states put into the store there
+  (``dflash_states_mooncake``; the store's master and metadata server are in the extra
+  config: ``mooncake_master``, ``mooncake_metadata``, ``mooncake_protocol``,
+  ``mooncake_local_host``, ``mooncake_device``); no lock, no file. The reply says the key.
 
 Pinned to the vLLM release it was written against (``VLLM_VERSION``): the method it
 replaces is private, so another release is refused at start-up with a line naming both
@@ -32,6 +37,7 @@ replaces is private, so another release is refused at start-up with a line namin
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -48,6 +54,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 VLLM_VERSION = "0.32.0"
+#: How a request put into the Mooncake store is carried as its file name.
+MOONCAKE = "mooncake:"
 
 
 @dataclass
@@ -79,6 +87,7 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
         )
         self._arenas = Arenas(self._storage_path) if self._transport == "shm" else None
         self._shm_locked: dict[str, str] = {}  # req_id -> its region, locked until written
+        self._writer: Any = None  # the Mooncake writer, made on the worker's first put
 
     # ---- the scheduler's side ------------------------------------------------------------
 
@@ -88,7 +97,15 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
         meta = super().build_connector_meta(scheduler_output)
         for new_req in scheduler_output.scheduled_new_reqs:
             extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
-            params = ((extra or {}).get("kv_transfer_params") or {}).get("dflash_shm")
+            asked = (extra or {}).get("kv_transfer_params") or {}
+            keyed = asked.get("dflash_mooncake")
+            if self._transport == "mooncake" and isinstance(keyed, dict):
+                target = MOONCAKE + json.dumps({"key": str(keyed["key"]),
+                                                "segment": str(keyed["segment"])})  # fmt: skip
+                self._request_filenames[new_req.req_id] = target
+                meta.new_req_filenames[new_req.req_id] = target
+                continue
+            params = asked.get("dflash_shm")
             if self._arenas is None or not isinstance(params, dict):
                 continue
             try:
@@ -109,7 +126,10 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
             self._request_filenames.pop(request.request_id, None)
             return False, {"dflash_shm_error": target[len(REFUSED) :]}
         delay, params = super().request_finished(request, block_ids)
-        found = parse_target((params or {}).get("hidden_states_path") or "")
+        named = (params or {}).get("hidden_states_path") or ""
+        if named.startswith(MOONCAKE):
+            return delay, {"dflash_mooncake": {"key": json.loads(named[len(MOONCAKE) :])["key"]}}
+        found = parse_target(named)
         if found is not None:
             arena, offset, nbytes, _ = found
             params = {"dflash_shm": {"arena": arena, "offset": offset, "nbytes": nbytes}}
@@ -120,13 +140,13 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
     def wait_for_save(self) -> None:
         """Lock each new request's region (an arena's) or make its lock file (the stock
         way), before the server replies."""
-        if self._arenas is not None and self._is_tp_rank_zero and self.has_connector_metadata():
+        if self._transport != "files" and self._is_tp_rank_zero and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
                 for req_id, target in list(meta.new_req_filenames.items()):
-                    if target.startswith(REFUSED):
+                    if target.startswith((REFUSED, MOONCAKE)):
                         del meta.new_req_filenames[req_id]
-                    elif parse_target(target) is not None:
+                    elif parse_target(target) is not None and self._arenas is not None:
                         del meta.new_req_filenames[req_id]
                         if req_id not in self._shm_locked:
                             self._arenas.lock(target)
@@ -152,6 +172,9 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
             return
         if parse_target(pending.filename) is not None:
             self._submit_region_write(pending)
+            return
+        if pending.filename.startswith(MOONCAKE):
+            self._submit_put(pending)
             return
         if self._kv_cache.is_cuda:
             super()._submit_async_write(pending)
@@ -193,6 +216,29 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
         _, _, _, key = parse_target(target)
         done = _Done()
         future = self._executor.submit(self._arenas.write, target, key, tensors)
+        self._req_copy_events[pending.req_id] = done
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(partial(self._on_write_done, pending.req_id))
+
+    def _submit_put(self, pending: PendingSave) -> None:
+        """The states put into the Mooncake store by the writer threads, in the segment of
+        the rank that asked (its blocks are free once gathered)."""
+        if self._writer is None:
+            from dflash_states_mooncake import Writer
+
+            get = self._kv_transfer_config.get_from_extra_config
+            self._writer = Writer(
+                master=get("mooncake_master", ""), metadata=get("mooncake_metadata", ""),
+                protocol=get("mooncake_protocol", "tcp"),
+                local_host=get("mooncake_local_host", "127.0.0.1"),
+                device=get("mooncake_device", ""),
+            )  # fmt: skip
+        where = json.loads(pending.filename[len(MOONCAKE) :])
+        states, ids = self._gather(pending), pending.token_ids.clone()
+        done = _Done()
+        future = self._executor.submit(
+            self._writer.put, where["key"], where["segment"], states, ids
+        )
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))

@@ -26,6 +26,7 @@ import mmap
 import os
 import struct
 import threading
+from typing import Any
 
 import torch
 
@@ -150,7 +151,7 @@ class Arenas:
             self.unlock(target)
 
 
-def write_region(mem: mmap.mmap, offset: int, nbytes: int, req_id: str, states: torch.Tensor,
+def write_region(mem: Any, offset: int, nbytes: int, req_id: str, states: torch.Tensor,
                  token_ids: torch.Tensor) -> None:  # fmt: skip
     """Lay a document out in ``mem[offset : offset + nbytes]`` (header last)."""
     t, n, h = states.shape
@@ -170,7 +171,7 @@ def write_region(mem: mmap.mmap, offset: int, nbytes: int, req_id: str, states: 
                      h, ids_at - offset, states_at - offset, size)  # fmt: skip
 
 
-def read_region(mem: mmap.mmap, offset: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+def read_region(mem: Any, offset: int) -> tuple[int, dict[str, torch.Tensor]] | None:
     """The region's key and its token ids and states (views of ``mem``), if its header
     says they were written (None: not written)."""
     magic, state, code, key, t, n, h, ids_at, states_at, size = HEADER.unpack_from(mem, offset)
@@ -181,5 +182,5 @@ def read_region(mem: mmap.mmap, offset: int) -> tuple[int, dict[str, torch.Tenso
     return key, {"token_ids": ids, "hidden_states": raw.view(DTYPES[code]).view(t, n, h)}
 
 
-def clear_header(mem: mmap.mmap, offset: int) -> None:
+def clear_header(mem: Any, offset: int) -> None:
     mem[offset : offset + HEADER.size] = bytes(HEADER.size)
