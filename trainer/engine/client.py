@@ -329,6 +329,13 @@ class StateClient:
                 log.warning("engine %s is not answering (%s): retrying for up to %.0f s",
                             self.url, reason, self.timeout_s)  # fmt: skip
         if time.monotonic() + wait > deadline:
+            broken = self.transport.health()
+            if broken:  # the server may be waiting on it too: the cause goes first
+                raise EngineError(
+                    f"{broken}: no states for {self.timeout_s:.0f} s (--engine-timeout-s; the "
+                    f"server {self.url}: {reason})",
+                    fix=f"bring it back ({broken})",
+                )
             raise EngineError(
                 f"{self.url}: no answer for {self.timeout_s:.0f} s (--engine-timeout-s; last: "
                 f"{reason})"

@@ -13,3 +13,8 @@ class EngineError(LoaderError):
     reads it; the training room never imports this one)."""
 
     fix = "bring the vLLM server back (or fix what it refused)"
+
+    def __init__(self, message: str, fix: str | None = None) -> None:
+        super().__init__(message)
+        if fix is not None:
+            self.fix = fix

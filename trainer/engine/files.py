@@ -49,7 +49,7 @@ class FileTransport:
 
     def connector(self) -> dict[str, Any]:
         assert self.folder is not None, "a started server's folder is known"
-        return {"dflash_transport": "files", "shared_storage_path": str(self.folder)}
+        return {"shared_storage_path": str(self.folder)}
 
     def place(self, nbytes: int) -> None:
         return None  # a file per request, named by the connector
@@ -126,6 +126,9 @@ class FileTransport:
         for p in (path, Path(str(path) + ".lock"), Path(str(path) + ".part")):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
+
+    def health(self) -> str | None:
+        return None  # nothing between the server and this machine's memory
 
     def sweep(self) -> None:
         if self.folder is not None and not self._swept:

@@ -65,11 +65,16 @@ def binary(name: str) -> Path:
     return path
 
 
-def master_command(rpc_port: int, http_port: int, host: str = "0.0.0.0") -> list[str]:
-    """``mooncake_master`` with its HTTP metadata server (no etcd)."""
-    return [str(binary("mooncake_master")), f"--rpc_port={rpc_port}",
-            "--enable_http_metadata_server=true", f"--http_metadata_server_host={host}",
-            f"--http_metadata_server_port={http_port}"]  # fmt: skip
+def master_command(rpc_port: int, http_port: int, host: str = "0.0.0.0",
+                   admin_port: int | None = None) -> list[str]:  # fmt: skip
+    """``mooncake_master`` with its HTTP metadata server (no etcd); ``admin_port``: its
+    metrics and admin server's (9003 unless said: two masters on one machine need two)."""
+    cmd = [str(binary("mooncake_master")), f"--rpc_port={rpc_port}",
+           "--enable_http_metadata_server=true", f"--http_metadata_server_host={host}",
+           f"--http_metadata_server_port={http_port}"]  # fmt: skip
+    if admin_port is not None:
+        cmd += [f"--metrics_port={admin_port}", f"--metrics_host={host}"]
+    return cmd
 
 
 def metadata_url(master: str, http_port: int) -> str:
@@ -83,7 +88,7 @@ def master(log_path: Path, host: str = "127.0.0.1") -> Iterator[tuple[str, str, 
     from trainer.vllm.process import _end_with_parent
 
     rpc, http = free_port(), free_port()
-    cmd = master_command(rpc, http, host)
+    cmd = master_command(rpc, http, host, admin_port=free_port())
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_end_with_parent)  # fmt: skip
@@ -109,7 +114,7 @@ def _wait_listening(host: str, port: int, proc: Any, log_path: Path, timeout_s: 
         time.sleep(0.1)
 
 
-def local_host(master_address: str) -> str:
+def reachable_host(master_address: str) -> str:
     """The address of this machine that the master's side reaches it by: the one its
     packets to the master leave from (127.0.0.1 for a master on this machine)."""
     host = master_address.rsplit(":", 1)[0]
@@ -144,7 +149,7 @@ class MooncakeTransport:
         self.prefix = f"dflash-{run}-r{rank}-"
         self.master, self.protocol, self.device = master, protocol, device
         self.metadata = metadata or metadata_url(master, 8080)
-        self.host = local_host(master)
+        self.host = reachable_host(master)
         self.size = int(size_mb) << 20
         self.store = self._connect()
         self.segment = str(self.store.get_hostname())
@@ -157,27 +162,14 @@ class MooncakeTransport:
         self.sweep()
 
     def _connect(self) -> Any:
-        from urllib.parse import urlsplit
-
         from trainer.vllm.connector.dflash_states_mooncake import connect
 
-        meta = urlsplit(self.metadata)
-        for what, host, port in (("master", *self.master.rsplit(":", 1)),
-                                 ("metadata server", meta.hostname, meta.port or 80)):  # fmt: skip
-            try:  # the store's own set-up takes minutes to give up on an address
-                socket.create_connection((str(host), int(port)), timeout=5).close()
-            except (OSError, ValueError) as e:
-                raise EngineError(
-                    f"the Mooncake {what} at {host}:{port} does not answer ({e}): is "
-                    f"mooncake_master running there? (--mooncake-master {self.master}, "
-                    f"--mooncake-metadata {self.metadata})"
-                ) from None
         try:
             return connect(master=self.master, metadata=self.metadata, protocol=self.protocol,
                            local_host=self.host, device=self.device,
                            segment=self.size)  # fmt: skip
         except RuntimeError as e:
-            raise EngineError(f"{e}: is mooncake_master running there?") from None
+            raise EngineError(f"{e} (--mooncake-master, --mooncake-metadata)") from None
 
     def connector(self) -> dict[str, Any]:
         return connector_config(self.master, self.metadata, self.protocol, self.device)
@@ -246,7 +238,8 @@ class MooncakeTransport:
         if time.monotonic() > attempt.deadline:
             raise EngineError(
                 f"the Mooncake master {self.master} has not answered for {key} (code {code}) "
-                "past its deadline (--engine-timeout-s): bring it back, then --resume"
+                "past its deadline (--engine-timeout-s)",
+                fix="bring the Mooncake master back",
             )
 
     def discard(self, region: Region, key: Any) -> None:
@@ -254,6 +247,13 @@ class MooncakeTransport:
             self.store.remove(key, True)
 
     # ---- the store ---------------------------------------------------------------------
+
+    def health(self) -> str | None:
+        """Whether the store's master answers (the store's own health check)."""
+        store = self.store
+        if store is None or store.health_check() != 2:
+            return None
+        return f"the Mooncake master {self.master} does not answer"
 
     def sweep(self) -> None:
         """This run's keys of its earlier starts (a killed trainer's, gone ranks')."""
@@ -272,9 +272,12 @@ class MooncakeTransport:
             store.close()
 
 
-def connector_config(master: str, metadata: str, protocol: str = "tcp",
-                     device: str = "") -> dict[str, Any]:  # fmt: skip
-    """The connector's settings for the Mooncake transport (``kv_connector_extra_config``)."""
-    return {"dflash_transport": "mooncake", "mooncake_master": master,
-            "mooncake_metadata": metadata, "mooncake_protocol": protocol,
-            "mooncake_device": device, "mooncake_local_host": local_host(master)}  # fmt: skip
+def connector_config(master: str, metadata: str, protocol: str = "tcp", device: str = "",
+                     local_host: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The connector's settings for the Mooncake transport (``kv_connector_extra_config``);
+    ``local_host``: the server's machine as the store's others reach it [its address
+    towards the master, from here]."""
+    host = local_host or reachable_host(master)
+    return {"mooncake_master": master, "mooncake_metadata": metadata,
+            "mooncake_protocol": protocol, "mooncake_device": device,
+            "mooncake_local_host": host}  # fmt: skip

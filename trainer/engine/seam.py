@@ -172,6 +172,11 @@ class Transport(Protocol):
         """Remove what this run left at its earlier starts (never anything else)."""
         ...
 
+    def health(self) -> str | None:
+        """None, or what of the transport itself does not answer (a store's master): said
+        first when a request runs out of time."""
+        ...
+
     def close(self) -> None:
         """Remove what this start of this rank still holds."""
         ...

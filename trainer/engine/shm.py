@@ -70,7 +70,7 @@ class ShmTransport:
         self.room = Room(self.size, f"arena {self.path}", "--states-buffer-mb")
 
     def connector(self) -> dict[str, Any]:
-        return {"dflash_transport": "shm", "shared_storage_path": str(self.folder)}
+        return {"shared_storage_path": str(self.folder)}
 
     # ---- room ------------------------------------------------------------------------
 
@@ -137,6 +137,9 @@ class ShmTransport:
         pass  # the region is kept for the next try; its header is cleared then
 
     # ---- the arena ---------------------------------------------------------------------
+
+    def health(self) -> str | None:
+        return None  # nothing between the server and this machine's memory
 
     def sweep(self) -> None:
         folders.sweep_run(self.folder, self.run)

@@ -94,12 +94,13 @@ def transport_name(opts: RunOptions) -> str:
     return "mooncake" if opts.mooncake_master else "files"
 
 
-def connector_config(name: str, folder: Path | None, **mooncake: str) -> dict[str, Any]:
-    """The connector's settings (``kv_connector_extra_config``): the transport, the folder
-    (its files or the ranks' arenas), and for Mooncake the store's addresses (``master``,
-    ``metadata``, ``protocol``, ``device``)."""
-    out: dict[str, Any] = {"dflash_transport": name, "shared_storage_path": str(folder)}
-    if name == "mooncake":
+def connector_config(folder: Path | None, **mooncake: str) -> dict[str, Any]:
+    """The connector's settings (``kv_connector_extra_config``): the folder (its files, or
+    the ranks' arenas: for trainers on its machine), and, given a master, the Mooncake
+    store's addresses (``master``, ``metadata``, ``protocol``, ``device``: for trainers on
+    other machines). Each request says which way its states go."""
+    out: dict[str, Any] = {"shared_storage_path": str(folder)}
+    if mooncake.get("master"):
         from trainer.engine.mooncake import connector_config as store
 
         out.update(store(**mooncake))
@@ -155,16 +156,18 @@ def engine_side(
 
 @contextlib.contextmanager
 def serving(
-    python: str, target: Path, engine_ids: list[int], log: Path, *, transport: str = "shm",
+    python: str, target: Path, engine_ids: list[int], log: Path, *,
     folder: Path | None = None, engine: str = "vllm", max_model_len: int = 1024,
-    **start: Any,
+    mooncake: dict[str, str] | None = None, **start: Any,
 ) -> Iterator[tuple[seam.OwnedServer, Path]]:  # fmt: skip
-    """A states server started here (serve-check, the benchmarks), its ``transport``'s
-    connector writing into ``folder`` (else a fresh private one, removed afterwards)."""
+    """A states server started here (serve-check, the benchmarks), its connector writing
+    into ``folder`` (else a fresh private one, removed afterwards) and, given ``mooncake``
+    (a master's ``master`` and ``metadata``), putting into that store."""
     with contextlib.ExitStack() as stack:
         where = _folder(stack, folder, secrets.token_hex(6))
         server = stack.enter_context(seam.engine(engine).start(
-            python, Path(target), engine_ids, log, connector=connector_config(transport, where),
+            python, Path(target), engine_ids, log,
+            connector=connector_config(where, **(mooncake or {})),
             max_model_len=max_model_len, **start,
         ))  # fmt: skip
         yield server, where
@@ -173,11 +176,12 @@ def serving(
 def client_for(
     server: seam.OwnedServer, folder: Path, *, transport: str = "shm", num_states: int,
     hidden_size: int, inflight: int = 32, shm_mb: int = 512, dtype: torch.dtype | None = None,
-    run: str | None = None,
+    run: str | None = None, mooncake: dict[str, str] | None = None,
 ) -> StateClient:  # fmt: skip
     """A client of ``server`` through ``transport`` (serve-check, the benchmarks)."""
     run = run or f"{secrets.token_hex(6)}-{secrets.token_hex(3)}"
-    carrier = seam.transport_class(transport)(folder, run=run, rank=0, size_mb=shm_mb)
+    carrier = seam.transport_class(transport)(folder, run=run, rank=0, size_mb=shm_mb,
+                                              **(mooncake or {}))  # fmt: skip
     return StateClient(server.url, run=run, rank=0, num_states=num_states,
                        hidden_size=hidden_size, inflight=inflight, alive=server.ended,
                        dtype=dtype, transport=carrier)  # fmt: skip
@@ -205,7 +209,7 @@ def _owned(
                 store = {**store, "master": address, "metadata": url}
             server = stack.enter_context(engine.start(
                 str(opts.vllm_python), Path(opts.target), target.engine_ids,
-                opts.run_dir / SERVER_LOG, connector=connector_config(transport, folder, **store),
+                opts.run_dir / SERVER_LOG, connector=connector_config(folder, **store),
                 max_model_len=_context(opts, target),
             ))  # fmt: skip
             found = (server.url, str(folder), server.pid, store)

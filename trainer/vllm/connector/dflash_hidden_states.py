@@ -11,8 +11,8 @@ hidden-state cache at once (a copy: the blocks are freed after this returns), an
 thread pool writes the file under the same ``.lock`` protocol (the client waits on a
 shared ``flock`` for the writer's exclusive one). On a GPU the stock method runs.
 
-Where the states go is the transport's (``dflash_transport`` in
-``kv_connector_extra_config``, the trainer's ``--states-transport``):
+Where the states go is each request's to say (its ``kv_transfer_params``: the trainer's
+``--states-transport``), so one server serves trainer ranks on its machine and on others:
 
 * ``files``: every file, on either path, is written by ``dflash_states_file.write_states``
   (the thread's ``_write_tensors`` replaced): into ``NAME.part``, then renamed, so what a
@@ -82,10 +82,9 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
                 f"{VLLM_VERSION}'s ExampleHiddenStatesConnector; this is vLLM {found}"
             )
         super().__init__(*args, **kwargs)
-        self._transport = self._kv_transfer_config.get_from_extra_config(
-            "dflash_transport", "files"
-        )
-        self._arenas = Arenas(self._storage_path) if self._transport == "shm" else None
+        get = self._kv_transfer_config.get_from_extra_config
+        self._arenas = Arenas(self._storage_path)
+        self._mooncake = get("mooncake_master", "")  # puts only where a master is configured
         self._shm_locked: dict[str, str] = {}  # req_id -> its region, locked until written
         self._writer: Any = None  # the Mooncake writer, made on the worker's first put
 
@@ -99,14 +98,14 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
             extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
             asked = (extra or {}).get("kv_transfer_params") or {}
             keyed = asked.get("dflash_mooncake")
-            if self._transport == "mooncake" and isinstance(keyed, dict):
+            if self._mooncake and isinstance(keyed, dict):
                 target = MOONCAKE + json.dumps({"key": str(keyed["key"]),
                                                 "segment": str(keyed["segment"])})  # fmt: skip
                 self._request_filenames[new_req.req_id] = target
                 meta.new_req_filenames[new_req.req_id] = target
                 continue
             params = asked.get("dflash_shm")
-            if self._arenas is None or not isinstance(params, dict):
+            if not isinstance(params, dict):
                 continue
             try:
                 arena, offset, nbytes = str(params["arena"]), int(params["offset"]), int(
@@ -140,13 +139,13 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
     def wait_for_save(self) -> None:
         """Lock each new request's region (an arena's) or make its lock file (the stock
         way), before the server replies."""
-        if self._transport != "files" and self._is_tp_rank_zero and self.has_connector_metadata():
+        if self._is_tp_rank_zero and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
                 for req_id, target in list(meta.new_req_filenames.items()):
                     if target.startswith((REFUSED, MOONCAKE)):
                         del meta.new_req_filenames[req_id]
-                    elif parse_target(target) is not None and self._arenas is not None:
+                    elif parse_target(target) is not None:
                         del meta.new_req_filenames[req_id]
                         if req_id not in self._shm_locked:
                             self._arenas.lock(target)
@@ -210,7 +209,6 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
     def _submit_region_write(self, pending: PendingSave) -> None:
         """The states into the trainer's arena region by the writer threads; the region's
         lock (taken before the reply) is let go once the header is written."""
-        assert self._arenas is not None
         target = self._shm_locked.pop(pending.req_id, pending.filename)
         tensors = {"hidden_states": self._gather(pending), "token_ids": pending.token_ids.clone()}
         _, _, _, key = parse_target(target)

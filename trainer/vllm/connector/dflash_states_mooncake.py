@@ -27,8 +27,24 @@ LOCAL_BUFFER = 16 << 20
 def connect(*, master: str, metadata: str, protocol: str, local_host: str, device: str = "",
             segment: int = 0) -> Any:  # fmt: skip
     """A store client (``segment`` bytes of this process's memory mounted as the store's:
-    0 for a writer). ``RuntimeError`` naming the master when it cannot be set up."""
+    0 for a writer). ``RuntimeError`` naming the master when it cannot be set up: at once
+    when nothing listens at the master's or the metadata server's address (the store's
+    own set-up takes a minute and a half to give up on one)."""
+    import socket
+    from urllib.parse import urlsplit
+
     from mooncake.store import MooncakeDistributedStore
+
+    meta = urlsplit(metadata)
+    for what, host, port in (("master", *master.rsplit(":", 1)),
+                             ("metadata server", meta.hostname, meta.port or 80)):  # fmt: skip
+        try:
+            socket.create_connection((str(host), int(port)), timeout=5).close()
+        except (OSError, ValueError) as e:
+            raise RuntimeError(
+                f"the Mooncake {what} at {host}:{port} does not answer ({e}): is "
+                f"mooncake_master running there? (master {master}, metadata {metadata})"
+            ) from None
 
     store = MooncakeDistributedStore()
     code = store.setup(local_host, metadata, segment, LOCAL_BUFFER, protocol, device, master)
