@@ -17,7 +17,14 @@ HTTP and no model: the transport alone. Rows, side by side in one run:
 * ``files``: ``--states-transport files`` (the connector's ``write_states``, the client's
   lock wait, read and removal);
 * ``shm``: ``--states-transport shm`` (each rank's arena: the region locked, written and
-  let go by the writer, read where it lies by the trainer).
+  let go by the writer, read where it lies by the trainer);
+* ``mooncake, raw`` (Mooncake's own limit: its zero-copy calls on registered buffers, no
+  layer of ours): the writer ``put_from`` a registered buffer holding the document into
+  the reader's segment, then answers; the reader ``get_into`` its registered buffer and
+  removes the key; loopback TCP, a master started here;
+* ``mooncake``: ``--states-transport mooncake`` (the connector's ``Writer.put``: the region
+  layout into a pooled staging buffer, ``put_from`` into the rank's segment; the client
+  waits for the key, ``get_into`` its receive buffer, removes it, reads it where it lies).
 
 Each row: GB/s (documents' bytes over the wall time, ``k`` documents in flight: ``k``
 writer and ``k`` reader threads), p50 and p99 latency of a document (its request sent to
@@ -60,7 +67,7 @@ def document(tokens: int, dtype: str):
 # ---- the writer's side (a process of its own, as the server is) ---------------------------
 
 
-def writer(conn, folder: str, tokens: int, dtype: str, threads: int) -> None:
+def writer(conn, folder: str, tokens: int, dtype: str, threads: int, store: dict) -> None:
     """Serve ``(kind, req_id, where)`` requests from ``conn`` with ``threads`` threads: the
     request's states written the transport's way, the lock taken before the answer."""
     import fcntl
@@ -75,8 +82,19 @@ def writer(conn, folder: str, tokens: int, dtype: str, threads: int) -> None:
     ids = torch.arange(tokens)
     arenas = Arenas(folder)
     send = threading.Lock()
+    putter, raw = _mooncake_writer(store, states) if store else (None, None)
 
     def one(kind: str, req_id: str, where: dict) -> None:
+        if kind == "mooncake":
+            with send:
+                conn.send(req_id)  # the reply first, the put after it (as the connector)
+            putter.put(req_id, where["segment"], states, ids)
+            return
+        if kind == "mooncake-raw":
+            raw(req_id, where["segment"])
+            with send:
+                conn.send(req_id)
+            return
         if kind == "shm":
             target = target_of(where["arena"], where["offset"], where["nbytes"], req_id)
             arenas.lock(target)
@@ -100,6 +118,28 @@ def writer(conn, folder: str, tokens: int, dtype: str, threads: int) -> None:
             pool.submit(one, *msg)
 
 
+def _mooncake_writer(store: dict, states):
+    """The connector's writer, and the raw put of the document from one registered buffer
+    (Mooncake's own zero-copy call, no layer of ours)."""
+    import torch
+    from dflash_states_mooncake import Writer, connect
+    from mooncake.store import ReplicateConfig
+
+    putter = Writer(protocol="tcp", local_host="127.0.0.1", **store)
+    client = connect(protocol="tcp", local_host="127.0.0.1", **store)
+    flat = states.reshape(-1).view(torch.uint8).clone()
+    client.register_buffer(flat.data_ptr(), flat.numel())
+
+    def raw(key: str, segment: str) -> None:
+        config = ReplicateConfig()
+        config.replica_num = 1
+        config.preferred_segment = segment
+        code = client.put_from(key, flat.data_ptr(), flat.numel(), config)
+        assert code == 0, code
+
+    return putter, raw
+
+
 # ---- the reader's side (this process, as a trainer rank) -----------------------------------
 
 
@@ -118,8 +158,10 @@ def memcpy_row(tokens: int, dtype: str, docs: int) -> dict:
     return _row("memcpy", 1, docs, src, time.perf_counter() - t0, lat)
 
 
-def transport_row(kind: str, tokens: int, dtype: str, docs: int, inflight: int) -> dict:
-    """``docs`` documents through ``kind`` with ``inflight`` in flight."""
+def transport_row(kind: str, tokens: int, dtype: str, docs: int, inflight: int,
+                  store: dict | None = None) -> dict:  # fmt: skip
+    """``docs`` documents through ``kind`` with ``inflight`` in flight (``store``: a
+    Mooncake master's addresses, for the Mooncake rows)."""
     from safetensors.torch import load_file
 
     from trainer.engine.files import FileTransport
@@ -129,14 +171,20 @@ def transport_row(kind: str, tokens: int, dtype: str, docs: int, inflight: int) 
 
     folder = Path(tempfile.mkdtemp(prefix="bench-states-", dir="/dev/shm"))
     ours, theirs = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=writer, args=(theirs, str(folder), tokens,
-                                                                  dtype, inflight))  # fmt: skip
+    job = (theirs, str(folder), tokens, dtype, inflight, store or {})
+    proc = mp.get_context("spawn").Process(target=writer, args=job)
     proc.start()
     like = document(tokens, dtype)
     nbytes = region_bytes(tokens, LAYERS, WIDTH, like.element_size())
     run = "benchbench000-000000"
-    shm = ShmTransport(folder, run=run, rank=0, size_mb=max(1, (inflight + 1) * nbytes >> 20) + 1)
+    room_mb = max(1, (inflight + 1) * nbytes >> 20) + 1
+    shm = ShmTransport(folder, run=run, rank=0, size_mb=room_mb)
     files = FileTransport(folder, run=run, rank=0)
+    mc = None
+    if kind.startswith("mooncake"):
+        from trainer.engine.mooncake import MooncakeTransport
+
+        mc = MooncakeTransport(None, run=run, rank=0, size_mb=2 * room_mb, **(store or {}))
     replies: dict[str, threading.Event] = {}
     answered: dict[str, str] = {}
     lock = threading.Lock()
@@ -147,7 +195,8 @@ def transport_row(kind: str, tokens: int, dtype: str, docs: int, inflight: int) 
                 said = ours.recv()
             except EOFError:
                 return
-            key = said if kind == "shm" else Path(said).name.split("-0-x")[0][5:]
+            key = said if kind in ("shm", "mooncake", "mooncake-raw") else (
+                Path(said).name.split("-0-x")[0][5:])  # fmt: skip
             with lock:
                 answered[key] = said
                 replies[key].set()
@@ -161,7 +210,23 @@ def transport_row(kind: str, tokens: int, dtype: str, docs: int, inflight: int) 
         with lock:
             replies[req_id] = threading.Event()
         t = time.perf_counter()
-        if kind == "shm":
+        if kind in ("mooncake", "mooncake-raw"):
+            assert mc is not None
+            region = mc.place(nbytes)
+            mc.ready(region, attempt)
+            ours.send((kind, req_id, {"segment": mc.segment}))
+            replies[req_id].wait()
+            if kind == "mooncake":
+                got = mc.fetch(region, req_id, attempt)
+                seen[0] += float(got["hidden_states"][-1, -1, -1])
+                del got
+            else:  # Mooncake alone: get_into the registered buffer, remove the key
+                size = like.numel() * like.element_size()
+                code = mc.store.get_into(req_id, mc.buffer.data_ptr() + region.offset, size)
+                assert code == size, code
+                mc.store.remove(req_id, True)
+            mc.release(region)
+        elif kind == "shm":
             region = shm.place(nbytes)
             shm.ready(region, attempt)
             where = shm.params(region, req_id)["dflash_shm"]
@@ -199,10 +264,13 @@ def transport_row(kind: str, tokens: int, dtype: str, docs: int, inflight: int) 
         ours.send(None)
         proc.join(60)
         shm.close()
+        if mc is not None:
+            mc.close()
         for p in folder.iterdir():
             p.unlink()
         folder.rmdir()
-    names = {"files-before": "files, before (baseline)", "files": "files", "shm": "shm"}
+    names = {"files-before": "files, before (baseline)", "files": "files", "shm": "shm",
+             "mooncake-raw": "mooncake, raw (its limit)", "mooncake": "mooncake"}  # fmt: skip
     return _row(names[kind], inflight, docs, like, wall, lat)
 
 
@@ -220,15 +288,25 @@ def _row(name: str, inflight: int, docs: int, like, wall: float, lat: list[float
 @click.option("--dtypes", default="bf16,fp32", show_default=True)
 @click.option("--inflight", default="1,8", show_default=True, help="Documents in flight.")
 @click.option("--docs", default=12, show_default=True, help="Documents per row.")
-@click.option("--transports", default="files-before,files,shm", show_default=True)
+@click.option("--transports", default="files-before,files,shm,mooncake-raw,mooncake",
+              show_default=True)  # fmt: skip
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the rows here.")
 def main(tokens: str, dtypes: str, inflight: str, docs: int, transports: str,
          json_out: Path | None) -> None:  # fmt: skip
     """Hidden states of Qwen3-8B's shape through each transport, against one memcpy."""
+    import contextlib
+
     import torch
+
+    from trainer.engine.mooncake import master
 
     torch.set_num_threads(1)
     rows = []
+    stack = contextlib.ExitStack()
+    store = None
+    if "mooncake" in transports:
+        address, url, _ = stack.enter_context(master(Path(tempfile.mkdtemp()) / "master.log"))
+        store = {"master": address, "metadata": url}
     print(f"{'document':>18} {'transport':>26} {'in flight':>9} {'GB/s':>7} {'p50 ms':>8} "
           f"{'p99 ms':>8} {'x memcpy':>9}")  # fmt: skip
     for t in (int(x) for x in tokens.split(",")):
@@ -237,13 +315,14 @@ def main(tokens: str, dtypes: str, inflight: str, docs: int, transports: str,
             group = [limit]
             for kind in transports.split(","):
                 for k in (int(x) for x in inflight.split(",")):
-                    group.append(transport_row(kind, t, DTYPES[d], docs, k))
+                    group.append(transport_row(kind, t, DTYPES[d], docs, k, store))
             for r in group:
                 r.update(tokens=t, dtype=d, of_memcpy=r["gb_s"] / limit["gb_s"])
                 print(f"{t:>6} tok {d:>4} {r['mb']:>4.0f}MB {r['transport']:>26} "
                       f"{r['inflight']:>9} {r['gb_s']:>7.2f} {r['p50_ms']:>8.1f} "
                       f"{r['p99_ms']:>8.1f} {r['of_memcpy']:>9.2f}", flush=True)  # fmt: skip
             rows += group
+    stack.close()
     if json_out is not None:
         json_out.write_text(json.dumps(rows, indent=1))
 

@@ -64,6 +64,7 @@ from scripts.checks.serve_drafters import DRAFTERS, dflash2_checks, drafter_chec
 from scripts.checks.serve_engine_states import (
     ENGINE_DRAFTER,
     TWIN,
+    across_nodes_check,
     engine_flags,
     states_checks,
     training_check,
@@ -166,7 +167,7 @@ def run(args: argparse.Namespace, work: Path, phases: Phases) -> list[Check]:
         corpus, target, prompts, plain, plain_stop, stops,
     )  # fmt: skip
     checks.append(training_check(work, drafter_tag(ENGINE_DRAFTER), drafter_tag(TWIN)))
-    checks.append(two_ranks_check(args, work, phases, corpus, target))
+    checks += [f(args, work, phases, corpus, target) for f in (two_ranks_check, across_nodes_check)]
     checks += dflash2_checks(args, work, phases, corpus, target, prompts, plain)
     with phases("long context: a YaRN target's exports in vLLM's config reader"):
         checks += long_context_checks(args.vllm_python, work / "long-context")

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from scripts.checks.serve_common import Check, Phases
 
+#: Every way the states travel (the shm arena, files, a Mooncake store).
+TRANSPORTS = ("shm", "files", "mooncake")
 #: The colocated drafter whose run the engine-fed one repeats.
 TWIN = "full attention"
 ENGINE_DRAFTER = "full attention, features from vLLM"
@@ -36,8 +38,11 @@ def engine_flags(vllm_python: str) -> list[str]:
 def states_checks(
     args: argparse.Namespace, work: Path, phases: Phases, target: Path, prompts: list[list[int]]
 ) -> list[Check]:
+    import contextlib
+
     import torch
 
+    from trainer.engine.mooncake import master
     from trainer.engine.supply import client_for, serving
     from trainer.engine.vllm import engine_layer_ids
     from trainer.model.target import load_target
@@ -48,15 +53,24 @@ def states_checks(
         tgt = load_target(str(target), layer_ids=layers)
         ids = engine_layer_ids(layers, tgt.num_layers)
         got, left = {}, []
-        with serving(args.vllm_python, target, ids, work / "vllm-states.log") as (server, folder):
-            for transport in ("shm", "files"):  # both ways the states travel on one machine
+        with contextlib.ExitStack() as stack:
+            address, url, _ = stack.enter_context(master(work / "mooncake-master-states.log"))
+            store = {"master": address, "metadata": url}
+            log = work / "vllm-states.log"
+            server, folder = stack.enter_context(
+                serving(args.vllm_python, target, ids, log, mooncake=store)
+            )
+            for transport in TRANSPORTS:  # every way the states travel, from one server
+                via = store if transport == "mooncake" else None
                 client = client_for(server, folder, transport=transport, num_states=len(ids),
-                                    hidden_size=tgt.hidden_size, inflight=8, shm_mb=64)  # fmt: skip
+                                    hidden_size=tgt.hidden_size, inflight=8, shm_mb=64,
+                                    mooncake=via)  # fmt: skip
                 futures = [client.submit(torch.tensor(p)) for p in prompts]
                 got[transport] = [client.result(f).clone() for f in futures]
                 client.close()
                 left += sorted(p.name for p in folder.iterdir())
-        same = all(torch.equal(a, b) for a, b in zip(got["shm"], got["files"], strict=True))
+        same = all(torch.equal(a, b) for t in TRANSPORTS[1:]
+                   for a, b in zip(got["shm"], got[t], strict=True))  # fmt: skip
         worst = [0.0] * len(layers)
         for p, states in zip(prompts, got["shm"], strict=True):
             feats, _ = tgt.features(torch.tensor([p]))
@@ -68,7 +82,8 @@ def states_checks(
                 worst[k] = max(worst[k], float((theirs - ours[:, k]).abs().max()))
         ok = max(worst) <= STATES_TOL and same and not left and not folder.exists()
         detail = (
-            f"{len(prompts)} prompts, through shm and files ({'equal' if same else 'DIFFER'}), "
+            f"{len(prompts)} prompts, through {', '.join(TRANSPORTS)} "
+            f"({'equal' if same else 'DIFFER'}), "
             "max |diff| by layer "
             + ", ".join(f"{k}: {w:.1e}" for k, w in zip(layers, worst, strict=True))
             + f" (<= {STATES_TOL:g}); {len(left)} files left, folder "
@@ -136,3 +151,54 @@ def two_ranks_check(args: argparse.Namespace, work: Path, phases: Phases, corpus
               f"states folder {'left' if folder.exists() else 'removed'}")  # fmt: skip
     print(f"   {detail}")
     return Check("engine: two ranks, one server the run starts and stops", ok, detail)
+
+
+def across_nodes_check(args: argparse.Namespace, work: Path, phases: Phases, corpus: Path,
+                       target: Path) -> Check:  # fmt: skip
+    """Two ranks fed by a server and a Mooncake master that run apart from them (a server
+    a user runs, on "another node": the trainers are given its URL and the master's
+    address, no folder): the run trains its steps, and leaves no key in the store and no
+    file in the server's folder."""
+    import contextlib
+    import os
+    import sys
+
+    from scripts.checks.serve_common import sh
+    from scripts.servers.daemon_process import DaemonProcess
+    from trainer.engine.mooncake import master
+    from trainer.engine.supply import run_id, serving
+    from trainer.engine.vllm import engine_layer_ids
+    from trainer.model.target import load_target
+    from trainer.vllm.connector.dflash_states_mooncake import connect
+
+    run_dir = work / "run-engine-across-nodes"
+    with phases("engine: two ranks fed through Mooncake by a server on another node"):
+        tgt = load_target(str(target))
+        ids = engine_layer_ids(tgt.layer_ids, tgt.num_layers)
+        endpoint = f"ipc://{work}/loader-engine-nodes.sock"
+        with contextlib.ExitStack() as stack:
+            address, url, _ = stack.enter_context(master(work / "mooncake-master-nodes.log"))
+            server, folder = stack.enter_context(serving(
+                args.vllm_python, target, ids, work / "vllm-nodes.log", max_model_len=513,
+                mooncake={"master": address, "metadata": url}))  # fmt: skip
+            daemon = DaemonProcess(corpus, endpoint, "--token-budget", "2048", "--max-seq-len",
+                                   "512", log_path=work / "daemon-engine-nodes.log")  # fmt: skip
+            stack.callback(daemon.stop)
+            sh(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", "-m", "trainer.cli", "train", "--endpoint", endpoint, "--target", str(target),
+               "--job", "engine-nodes", "--run-dir", str(run_dir), "--steps", "8",
+               "--block-size", "8", "--no-progress", "--cost-samples", "0",
+               "--target-engine", "vllm", "--engine-url", server.url, "--states-transport",
+               "mooncake", "--mooncake-master", address, "--mooncake-metadata", url,
+               log=work / "train-engine-nodes.log",
+               env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+            files = sorted(p.name for p in folder.iterdir())
+            probe = connect(master=address, metadata=url, protocol="tcp", local_host="127.0.0.1")
+            keys = probe.remove_by_regex(f"^dflash-{run_id(run_dir)}-", True)
+            probe.close()
+        steps = sorted(losses(run_dir))
+    ok = steps == list(range(1, 9)) and not files and keys == 0
+    detail = (f"steps {steps[:1]}..{steps[-1:]} trained; keys left in the store {keys}; "
+              f"files left in the server's folder {len(files)}")  # fmt: skip
+    print(f"   {detail}")
+    return Check("engine: two ranks fed through Mooncake from another node", ok, detail)

@@ -159,6 +159,7 @@ class MooncakeTransport:
             raise EngineError(f"the Mooncake store refused this rank's {size_mb} MiB buffer")
         self.mem = self.buffer.numpy().data  # a memoryview of the buffer
         self.room = Room(self.size, "Mooncake receive buffer", "--states-buffer-mb")
+        self._master_gone = False  # the master's last answer to this rank was an error
         self.sweep()
 
     def _connect(self) -> Any:
@@ -209,10 +210,11 @@ class MooncakeTransport:
         probe = time.monotonic() + PROBE_S
         k = 0
         while (found := self.store.is_exist(key)) != 1:
-            if found < 0:
+            self._master_gone = found < 0
+            if found < 0:  # the master does not answer: waited for, but not while closing
                 self._waiting_for_master(found, key, attempt)
-            if attempt.grace_over():  # a key put after the rank left would stay behind
-                raise EngineError(f"{key}: not put yet (closing)")
+            if attempt.grace_over() or (found < 0 and attempt.closing()):
+                raise EngineError(f"{key}: not put yet (closing)")  # (a late put would stay)
             if time.monotonic() > attempt.deadline:
                 raise EngineError(
                     f"{key}: not in the Mooncake store past its deadline (--engine-timeout-s; "
@@ -249,11 +251,9 @@ class MooncakeTransport:
     # ---- the store ---------------------------------------------------------------------
 
     def health(self) -> str | None:
-        """Whether the store's master answers (the store's own health check)."""
-        store = self.store
-        if store is None or store.health_check() != 2:
-            return None
-        return f"the Mooncake master {self.master} does not answer"
+        """Whether the store's master answered this rank's last lookup (the store's own
+        ``health_check`` said 0 with its master gone, and a fresh lookup can stall)."""
+        return f"the Mooncake master {self.master} does not answer" if self._master_gone else None
 
     def sweep(self) -> None:
         """This run's keys of its earlier starts (a killed trainer's, gone ranks')."""
@@ -265,6 +265,15 @@ class MooncakeTransport:
         and anything put there late, goes with it). Once: the store is gone after it."""
         store, self.store = self.store, None
         if store is None:
+            return
+        if self._master_gone:
+            # A store whose master went away stalls every call, its destructor's unmount
+            # included (16 s measured, at the interpreter's exit), holding the interpreter's
+            # lock: never destroyed (one reference more than Python will ever drop); the
+            # process's end frees its memory, and a master that comes back knows it not.
+            import ctypes
+
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
             return
         with contextlib.suppress(Exception):
             store.remove_by_regex(f"^{self.prefix}", True)

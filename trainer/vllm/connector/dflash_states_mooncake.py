@@ -30,9 +30,11 @@ def connect(*, master: str, metadata: str, protocol: str, local_host: str, devic
     0 for a writer). ``RuntimeError`` naming the master when it cannot be set up: at once
     when nothing listens at the master's or the metadata server's address (the store's
     own set-up takes a minute and a half to give up on one)."""
+    import os
     import socket
     from urllib.parse import urlsplit
 
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # its INFO lines: thousands a run
     from mooncake.store import MooncakeDistributedStore
 
     meta = urlsplit(metadata)
