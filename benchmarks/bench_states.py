@@ -28,7 +28,8 @@ HTTP and no model: the transport alone. Rows, side by side in one run:
 
 Each row: GB/s (documents' bytes over the wall time, ``k`` documents in flight: ``k``
 writer and ``k`` reader threads), p50 and p99 latency of a document (its request sent to
-its bytes readable by the trainer), and the fraction of the memcpy limit. Before the clock
+its bytes readable by the trainer), the fraction of the memcpy limit, and for ``mooncake``
+the fraction of ``mooncake, raw`` with as many in flight. Before the clock
 starts, ``k`` documents go through once (the writer's imports, the arena's first pages).
 Measured on this machine's two cores: the writer and the reader share them, one thread
 each (``torch.set_num_threads(1)``), as the memcpy limit.
@@ -88,7 +89,7 @@ def writer(conn, folder: str, tokens: int, dtype: str, threads: int, store: dict
         if kind == "mooncake":
             with send:
                 conn.send(req_id)  # the reply first, the put after it (as the connector)
-            putter.put(req_id, where["segment"], states, ids)
+            putter.put(req_id, where["segment"], {"hidden_states": states, "token_ids": ids})
             return
         if kind == "mooncake-raw":
             raw(req_id, where["segment"])
@@ -308,7 +309,7 @@ def main(tokens: str, dtypes: str, inflight: str, docs: int, transports: str,
         address, url, _ = stack.enter_context(master(Path(tempfile.mkdtemp()) / "master.log"))
         store = {"master": address, "metadata": url}
     print(f"{'document':>18} {'transport':>26} {'in flight':>9} {'GB/s':>7} {'p50 ms':>8} "
-          f"{'p99 ms':>8} {'x memcpy':>9}")  # fmt: skip
+          f"{'p99 ms':>8} {'x memcpy':>9} {'x raw':>6}")  # fmt: skip
     for t in (int(x) for x in tokens.split(",")):
         for d in dtypes.split(","):
             limit = memcpy_row(t, DTYPES[d], docs)
@@ -316,11 +317,16 @@ def main(tokens: str, dtypes: str, inflight: str, docs: int, transports: str,
             for kind in transports.split(","):
                 for k in (int(x) for x in inflight.split(",")):
                     group.append(transport_row(kind, t, DTYPES[d], docs, k, store))
+            raw = {r["inflight"]: r["gb_s"] for r in group if r["transport"].endswith("limit)")}
             for r in group:
                 r.update(tokens=t, dtype=d, of_memcpy=r["gb_s"] / limit["gb_s"])
+                if r["transport"] == "mooncake" and r["inflight"] in raw:
+                    r["of_raw"] = r["gb_s"] / raw[r["inflight"]]
+                of_raw = f"{r['of_raw']:>6.2f}" if "of_raw" in r else f"{'':>6}"
                 print(f"{t:>6} tok {d:>4} {r['mb']:>4.0f}MB {r['transport']:>26} "
                       f"{r['inflight']:>9} {r['gb_s']:>7.2f} {r['p50_ms']:>8.1f} "
-                      f"{r['p99_ms']:>8.1f} {r['of_memcpy']:>9.2f}", flush=True)  # fmt: skip
+                      f"{r['p99_ms']:>8.1f} {r['of_memcpy']:>9.2f} {of_raw}",
+                      flush=True)  # fmt: skip
             rows += group
     stack.close()
     if json_out is not None:

@@ -127,6 +127,9 @@ ENGINES = ("none", "vllm")
 #: ``--states-transport``: how the states travel (``trainer.engine.seam.TRANSPORTS``); auto:
 #: shm when the server is on this machine, else mooncake with a master, else files.
 TRANSPORTS = ("auto", "shm", "files", "mooncake")
+#: ``--states-dtype``: the states as the engine computed them, or cast for the wire
+#: (``trainer.engine.supply.WIRE_NAMES``).
+STATES_DTYPES = ("engine", "bf16", "fp8")
 
 
 @dataclass(frozen=True, kw_only=True)

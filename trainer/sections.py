@@ -34,6 +34,7 @@ from trainer.options import (
     RENAMED,
     RUN_FACTS,
     SPEC,
+    STATES_DTYPES,
     TARGET,
     TRANSPORTS,
     Options,
@@ -128,6 +129,14 @@ class TargetSection(TargetOptions):
         "both see), mooncake (a Mooncake store, across machines); auto: shm for a server "
         "on this machine, else mooncake with --mooncake-master, else files.",
         choices=TRANSPORTS, section=TARGET,
+    )  # fmt: skip
+    states_dtype: str = opt(
+        "engine",
+        "The dtype the states travel in: engine (as the engine computed them), bf16, or fp8 "
+        "(e4m3, one scale per token and layer: a quarter of fp32's bytes, 2^-4 relative "
+        "error at most); cast by the server's connector, widened as the features are laid "
+        "out (docs/TRAINER.md, 'Precision on the wire').",
+        choices=STATES_DTYPES, section=TARGET,
     )  # fmt: skip
     states_buffer_mb: int = opt(
         2048,

@@ -3,8 +3,10 @@ the real vLLM:
 
 * vLLM's hidden states of the held-out prompts, extracted for every layer of the target
   (so ids 0 and ``L - 1`` too; the last normed by the trainer), equal the target's own
-  features (``Target.features``, Transformers, fp32) to ``STATES_TOL``; its states folder
-  is empty once the client closed, and gone once the server stopped;
+  features (``Target.features``, Transformers, fp32) to ``STATES_TOL``, the same through
+  every transport; asked for in bf16, they are the cast of its fp32 ones, and in fp8
+  within e4m3's rounding of them (``--states-dtype``: the connector's cast); its states
+  folder is empty once the client closed, and gone once the server stopped;
 * ``ENGINE_DRAFTER``: the ``full attention`` drafter's run again, its features from a
   server the run starts (``--vllm-python``): the same losses step for step as that
   colocated run (``LOSS_TOL`` relative, over all of serve-check's steps), and its export
@@ -22,6 +24,8 @@ from scripts.checks.serve_common import Check, Phases
 
 #: Every way the states travel (the shm arena, files, a Mooncake store).
 TRANSPORTS = ("shm", "files", "mooncake")
+#: The dtypes a request may ask its states to travel in (``--states-dtype`` bf16, fp8).
+WIRES = ("bfloat16", "float8_e4m3fn")
 #: The colocated drafter whose run the engine-fed one repeats.
 TWIN = "full attention"
 ENGINE_DRAFTER = "full attention, features from vLLM"
@@ -69,6 +73,13 @@ def states_checks(
                 got[transport] = [client.result(f).clone() for f in futures]
                 client.close()
                 left += sorted(p.name for p in folder.iterdir())
+            for wire in WIRES:  # the connector's casts, through the arena
+                client = client_for(server, folder, num_states=len(ids), wire=wire,
+                                    hidden_size=tgt.hidden_size, inflight=8, shm_mb=64)  # fmt: skip
+                futures = [client.submit(torch.tensor(p)) for p in prompts]
+                got[wire] = [_widened(client.result(f)) for f in futures]
+                client.close()
+        wired = _wire_errors(got["shm"], got["bfloat16"], got["float8_e4m3fn"])
         same = all(torch.equal(a, b) for t in TRANSPORTS[1:]
                    for a, b in zip(got["shm"], got[t], strict=True))  # fmt: skip
         worst = [0.0] * len(layers)
@@ -81,9 +92,12 @@ def states_checks(
                     theirs = tgt.base.norm(theirs)
                 worst[k] = max(worst[k], float((theirs - ours[:, k]).abs().max()))
         ok = max(worst) <= STATES_TOL and same and not left and not folder.exists()
+        ok = ok and wired[0] and wired[1] <= 1.0
         detail = (
             f"{len(prompts)} prompts, through {', '.join(TRANSPORTS)} "
-            f"({'equal' if same else 'DIFFER'}), "
+            f"({'equal' if same else 'DIFFER'}); bf16 on the wire "
+            f"{'== the cast' if wired[0] else 'DIFFERS from the cast'}, fp8 at "
+            f"{wired[1]:.2f} of e4m3's rounding bound (<= 1); "
             "max |diff| by layer "
             + ", ".join(f"{k}: {w:.1e}" for k, w in zip(layers, worst, strict=True))
             + f" (<= {STATES_TOL:g}); {len(left)} files left, folder "
@@ -91,6 +105,35 @@ def states_checks(
         )
         print(f"   {detail}")
     return [Check("engine: vLLM's states == the target's features (layers 0..L-1)", ok, detail)]
+
+
+def _widened(states):
+    """A client's states as a float32 copy (fp8's widened by their scales)."""
+    import torch
+
+    from trainer.engine.states import Scaled
+    from trainer.vllm.connector.dflash_states_wire import decode
+
+    if isinstance(states, Scaled):
+        return decode(states.values, states.scales, torch.float32)
+    return states.float()
+
+
+def _wire_errors(exact: list, bf16: list, fp8: list) -> tuple[bool, float]:
+    """Whether bf16's states are the cast of the engine's, and fp8's worst error as a
+    fraction of e4m3's bound (2^-4 of the value, or 2^-10 of its row's scale)."""
+    import torch
+
+    from trainer.vllm.connector.dflash_states_wire import FP8_MAX
+
+    pairs = zip(bf16, exact, strict=True)
+    cast = all(torch.equal(b, x.to(torch.bfloat16).float()) for b, x in pairs)
+    worst = 0.0
+    for f, x in zip(fp8, exact, strict=True):
+        scale = (x.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-30)
+        bound = 2**-4 * x.abs() + 2**-10 * scale
+        worst = max(worst, float(((f - x).abs() / bound).max()))
+    return cast, worst
 
 
 def losses(run_dir: Path) -> dict[int, float]:

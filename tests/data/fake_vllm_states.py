@@ -13,7 +13,8 @@ of a trainer's arena (``dflash_shm``), into that region under its record lock, a
 connector does (``dflash_states_shm``); or, for one that names a Mooncake key and segment
 (``dflash_mooncake``), put into the store (``dflash_states_mooncake``; ``--mooncake-master``
 and ``--mooncake-metadata``). ``GET /v1/models`` names the model, its ``root`` and its
-``max_model_len``.
+``max_model_len``. A request's ``dflash_dtype`` casts what it sends, as the connector does
+(``dflash_states_wire.encode``); one its torch does not carry is refused (``dflash_error``).
 
 As a script (``python fake_vllm_states.py --model DIR --port N --layer-ids 1,2,4 --states
 DIR [--max-model-len N]``) it computes the states with Transformers. Imported, ``serve``
@@ -54,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainer" / "vllm" 
 from dflash_states_file import PART, write_states  # the connector's own writers
 from dflash_states_mooncake import Writer
 from dflash_states_shm import Arenas, target_of
+from dflash_states_wire import WIRE, encode
 
 
 @dataclass
@@ -143,11 +145,16 @@ def serve(
                 return
             rid = self.headers.get("X-Request-Id") or uuid.uuid4().hex
             asked = body.get("kv_transfer_params") or {}
+            wire = str(asked.get("dflash_dtype") or "")
+            if wire and wire not in WIRE:  # as the connector: said in the reply
+                self._send(200, {"choices": [{"index": 0, "text": ""}], "kv_transfer_params": {
+                    "dflash_error": f"dflash_dtype {wire!r}: not carried"}})  # fmt: skip
+                return
             if asked.get("dflash_mooncake") is not None:
-                self._put(ids, asked["dflash_mooncake"])
+                self._put(ids, asked["dflash_mooncake"], wire)
                 return
             if asked.get("dflash_shm") is not None:
-                self._region(ids, rid, asked["dflash_shm"])
+                self._region(ids, rid, asked["dflash_shm"], wire)
                 return
             path = folder / f"cmpl-{rid}-0-{uuid.uuid4().hex[:8]}.safetensors"
             lock_fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
@@ -184,7 +191,7 @@ def serve(
             if kind == "fifo":
                 os.mkfifo(path, 0o600)
             else:
-                write_states(str(path), {"hidden_states": hs, "token_ids": tokens})
+                write_states(str(path), {**encode(hs, wire), "token_ids": tokens})
             os.close(lock_fd)
 
         def _computed(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, str | None, bool]:
@@ -206,7 +213,7 @@ def serve(
                 hs = hs[:, :-1].contiguous()
             return hs, tokens, kind, dying
 
-        def _put(self, ids: list[int], asked: dict) -> None:
+        def _put(self, ids: list[int], asked: dict, wire: str) -> None:
             """The connector's Mooncake path: the reply names the key, the put follows."""
             hs, tokens, kind, dying = self._computed(ids)
             key = str(asked["key"]) + ("-other" if kind == "outside" else "")
@@ -218,11 +225,15 @@ def serve(
             time.sleep(0.01)  # the put lands after the reply, as vLLM's thread's does
             assert writer is not None, "serve(..., mooncake=...) for dflash_mooncake requests"
             try:
-                writer.put(str(asked["key"]), str(asked["segment"]), hs, tokens)
+                writer.put(
+                    str(asked["key"]),
+                    str(asked["segment"]),
+                    {**encode(hs, wire), "token_ids": tokens},
+                )
             except RuntimeError as e:  # the rank went away: the connector logs it, as this
                 print(f"stand-in: {e}", file=sys.stderr)
 
-        def _region(self, ids: list[int], rid: str, region: dict) -> None:
+        def _region(self, ids: list[int], rid: str, region: dict, wire: str) -> None:
             """The connector's shm path: the region locked before the reply, written after."""
             try:
                 arenas.check(region["arena"], int(region["offset"]), int(region["nbytes"]))
@@ -243,7 +254,7 @@ def serve(
             if dying:  # killed mid-write: the lock goes with the process, the header unwritten
                 os._exit(1)
             time.sleep(0.01)  # the write lands after the reply, as vLLM's thread's does
-            arenas.write(target, str(region["key"]), {"hidden_states": hs, "token_ids": tokens})
+            arenas.write(target, str(region["key"]), {**encode(hs, wire), "token_ids": tokens})
 
     class Server(ThreadingHTTPServer):
         request_queue_size = 256  # a trainer keeps dozens of requests in flight

@@ -524,6 +524,53 @@ def test_states_that_cannot_be_right_are_refused_naming_the_document(
     assert list(folder.iterdir()) == []
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_states_travel_in_the_dtype_asked_for_and_fp8_s_nan_is_refused(
+    running, folder, target, transport, store
+):
+    """``--states-dtype``: bf16 arrives as the cast of the engine's states, fp8 as its
+    values and scales (``Scaled``), within e4m3's rounding, through each transport; a NaN
+    is refused through its scale, naming the document."""
+    from trainer.engine.states import Scaled
+    from trainer.vllm.connector.dflash_states_wire import decode
+
+    r = running(bad="nan@3")
+    ids = list(range(30))
+    kw = mooncake(transport, store)
+    with_bf16 = client(r.url, folder, target, transport, wire="bfloat16", **kw)
+    assert torch.equal(fetch(with_bf16, ids), states(ids).to(torch.bfloat16))
+    with_bf16.close()
+    c = client(
+        r.url, folder, target, transport, wire="float8_e4m3fn", run="0123456789ab-beef01", **kw
+    )
+    future = c.submit(torch.tensor(ids), "sample 7")
+    got = c.result(future)
+    assert isinstance(got, Scaled) and got.values.dtype == torch.float8_e4m3fn
+    exact = states(ids)
+    widened = decode(got.values, got.scales, torch.float32)
+    assert float(((widened - exact).abs() / exact.abs().clamp_min(1e-3)).max()) <= 2**-4
+    c.release(future)
+    with pytest.raises(EngineError, match=r"states of sample 8 are not finite \(token 15, "
+                                          r"layer column 0: scale nan\)"):  # fmt: skip
+        c.result(c.submit(torch.tensor(ids), "sample 8"))
+    c.close()
+    assert list(folder.iterdir()) == []
+
+
+def test_a_dtype_the_server_does_not_carry_is_refused_at_once(running, folder, target,
+                                                              monkeypatch):  # fmt: skip
+    with pytest.raises(ValueError, match="states dtype 'float16': this torch carries"):
+        client("http://127.0.0.1:9", folder, target, wire="float16")
+    # a server whose torch has no fp8 (the stand-in's copy of the connector's table)
+    monkeypatch.delitem(sys.modules["dflash_states_wire"].WIRE, "float8_e4m3fn")
+    r = running()
+    c = client(r.url, folder, target, wire="float8_e4m3fn")
+    with pytest.raises(EngineError, match=r"refused sample 7: dflash_dtype 'float8_e4m3fn'"):
+        fetch(c, [1, 2])
+    c.close()
+    assert list(folder.iterdir()) == []
+
+
 # ---- the arena ---------------------------------------------------------------------------
 
 
@@ -583,7 +630,11 @@ def test_mooncake_keys_of_earlier_starts_go_and_no_one_else_s(running, folder, t
     old = [f"dflash-{run_id}-0ld000-r0-4", f"dflash-{run_id}-0ld000-r3-9"]
     kept = [f"dflash-{RUN}-r1-0", "dflash-otherrun0000-0ld000-r0-4", "not-ours-at-all"]
     for key in old + kept:
-        writer.put(key, probe.get_hostname(), states([1, 2]), torch.tensor([1, 2]))
+        writer.put(
+            key,
+            probe.get_hostname(),
+            {"hidden_states": states([1, 2]), "token_ids": torch.tensor([1, 2])},
+        )
     assert all(probe.is_exist(k) == 1 for k in old + kept)
     r = running()
     c = client(r.url, folder, target, "mooncake", store=store)

@@ -3,8 +3,9 @@
 ``trainer.engine.seam``), every wait bounded and every document's states checked.
 
 What is checked (``check_states``): the token ids are the document's, the shape the one
-asked for, the dtype the engine's (the first document's when the run does not know it),
-every value finite. Each refusal names the document. What the transport trusts (its
+asked for, the dtype the engine's (the first document's when the run does not know it) or
+the one the run asked to travel (``wire``: ``--states-dtype``), every value finite (fp8's
+scales too). Each refusal names the document. What the transport trusts (its
 folder, its file or region being this request's own) it checks itself.
 
 Request ids are ``dflash-RUN-INC-rRANK-N`` (``trainer.engine.seam.request_prefix``): ``RUN``
@@ -45,6 +46,8 @@ from client.backoff import Backoff
 from trainer.engine.errors import EngineError
 from trainer.engine.http import Busy, Gone, exchange
 from trainer.engine.seam import Attempt, Engine, Lost, Transport, request_prefix
+from trainer.engine.states import Scaled, States
+from trainer.vllm.connector.dflash_states_wire import SCALES, WIRE, nonfinite_fp8, scaled
 
 __all__ = ["EngineError", "StateClient", "check_states", "request_prefix"]
 
@@ -83,7 +86,9 @@ class StateClient:
     (``RUN-INC``, ``trainer.engine.supply``). ``alive``: for a server this run started,
     None while it runs, else what to say about its end. ``num_states``/``hidden_size``: the
     ``[n, H]`` every document must have; ``dtype``: the engine's (None: the first
-    document's); ``target``: the run's target folder, to compare the served model with.
+    document's); ``wire``: the dtype the states travel in, by torch's name (``WIRE``;
+    ``""``: the engine's); ``target``: the run's target folder, to compare the served model
+    with. fp8 states come as ``Scaled``.
     """
 
     def __init__(
@@ -91,10 +96,13 @@ class StateClient:
         inflight: int = 32, timeout_s: float = 300.0, states_dir: Path | None = None,
         alive: Callable[[], str | None] | None = None, dtype: torch.dtype | None = None,
         target: Path | None = None, engine: Engine | None = None,
-        transport: Transport | None = None,
+        transport: Transport | None = None, wire: str = "",
     ) -> None:  # fmt: skip
         if inflight < 1:
             raise ValueError(f"inflight must be >= 1, got {inflight}")
+        if wire and wire not in WIRE:
+            raise ValueError(f"states dtype {wire!r}: this torch carries {', '.join(WIRE)}")
+        self.wire = wire
         from trainer.engine import seam
 
         self.engine = engine if engine is not None else seam.engine("vllm")
@@ -114,10 +122,8 @@ class StateClient:
         self.asked = 0  # documents submitted
         self.retries = 0  # tries that found no server, or states that could not be read
         self.waits: list[float] = []  # the backoff's waits, in order (how outages went)
-        self._requests: dict[Future[torch.Tensor], _Request] = {}
-        self._queue: queue.SimpleQueue[tuple[Future[torch.Tensor], _Request] | None] = (
-            queue.SimpleQueue()
-        )
+        self._requests: dict[Future[States], _Request] = {}
+        self._queue: queue.SimpleQueue[tuple[Future[States], _Request] | None] = queue.SimpleQueue()
         self._workers = [
             threading.Thread(target=self._work, name=f"engine-{k}", daemon=True)
             for k in range(inflight)
@@ -128,12 +134,12 @@ class StateClient:
 
     # ---- the public side ---------------------------------------------------------------
 
-    def submit(self, ids: torch.Tensor, what: str = "a document") -> Future[torch.Tensor]:
+    def submit(self, ids: torch.Tensor, what: str = "a document") -> Future[States]:
         """The states of the token ids ``ids [T]``, in a worker thread; ``what`` names the
         document in errors (``sample 17 of epoch 0 step 3``). Its place in the transport
         is taken now, in submission order."""
         n = int(ids.numel())
-        future: Future[torch.Tensor] = Future()
+        future: Future[States] = Future()
         if self.max_model_len is not None and n > self.max_model_len - 1:
             future.set_exception(EngineError(
                 f"{what} has {n} tokens; the server at {self.url} takes prompts of at most "
@@ -156,13 +162,16 @@ class StateClient:
 
     def _nbytes(self, tokens: int) -> int:
         """A document's bytes in the transport: header, ids and states (4 bytes an element
-        while the engine's dtype is not known: no dtype it sends is wider)."""
+        while the engine's dtype is not known: no dtype it sends is wider), and fp8's
+        scales."""
         from trainer.vllm.connector.dflash_states_shm import region_bytes
 
-        size = self.dtype.itemsize if self.dtype is not None else 4
-        return region_bytes(tokens, self.num_states, self.hidden_size, size)
+        dtype = self._expect()[2]
+        size = dtype.itemsize if dtype is not None else 4
+        fp8 = dtype is not None and scaled(dtype)
+        return region_bytes(tokens, self.num_states, self.hidden_size, size, fp8)
 
-    def result(self, future: Future[torch.Tensor]) -> torch.Tensor:
+    def result(self, future: Future[States]) -> States:
         """``future``'s states, waited for at most ``STUCK_S`` past its request's deadline;
         then ``EngineError`` naming the document and what its request was doing. They may
         lie in the transport's memory: ``release(future)`` once they are used."""
@@ -182,7 +191,7 @@ class StateClient:
                         "mount that hangs; the run stops"
                     ) from None
 
-    def release(self, future: Future[torch.Tensor]) -> None:
+    def release(self, future: Future[States]) -> None:
         """Give the document's place back (its states are not used any more)."""
         with self._lock:
             request = self._requests.pop(future, None)
@@ -258,7 +267,7 @@ class StateClient:
     def _stage(self, request: _Request) -> Callable[[str], None]:
         return lambda text: setattr(request, "stage", text)
 
-    def _states(self, request: _Request) -> torch.Tensor:
+    def _states(self, request: _Request) -> States:
         deadline = time.monotonic() + self.timeout_s
         attempt = Attempt(request.what, deadline, lambda: bool(self._closing),
                           self._stage(request), self._grace_over, self._gone)  # fmt: skip
@@ -278,7 +287,7 @@ class StateClient:
                 raise
             request.stage = "checking its states"
             hs = check_states(states, request.tokens, request.what, self._expect())
-            if self.dtype is None:  # the engine's, from its first document on
+            if self.dtype is None and not self.wire:  # the engine's, from its first document on
                 self.dtype = hs.dtype
             return hs
 
@@ -287,6 +296,8 @@ class StateClient:
         answer); the transport's handle of what its connector says it wrote."""
         while True:
             params = self.transport.params(request.place, req_id)
+            if self.wire:
+                params = {**params, "dflash_dtype": self.wire}
             path, body, headers = self.engine.request(self.model, request.tokens, req_id, params)
             request.stage = f"waiting for {self.url} to answer request {req_id}"
             try:
@@ -300,6 +311,8 @@ class StateClient:
                 continue
             self._answering()
             placed = self.engine.placed(reply)
+            if placed is not None and "dflash_error" in placed:
+                raise EngineError(f"{self.url} refused {request.what}: {placed['dflash_error']}")
             if placed is None:
                 raise EngineError(
                     f"{self.url} did not say where it put {request.what}'s states: is it "
@@ -309,7 +322,8 @@ class StateClient:
             return self.transport.locate(request.place, placed, req_id, self.url, request.what)
 
     def _expect(self) -> tuple[int, int, torch.dtype | None]:
-        return self.num_states, self.hidden_size, self.dtype
+        """The shape ``[n, H]`` and dtype every document's states must have."""
+        return self.num_states, self.hidden_size, WIRE[self.wire] if self.wire else self.dtype
 
     # ---- a server that does not answer -------------------------------------------------
 
@@ -397,9 +411,10 @@ def check_served_model(url: str, root: str, target: Path) -> None:
 def check_states(
     states: dict[str, Any], tokens: list[int], what: str,
     expect: tuple[int, int, torch.dtype | None],
-) -> torch.Tensor:  # fmt: skip
+) -> States:  # fmt: skip
     """The file's ``hidden_states`` if they can be ``what``'s: its token ids, the shape
-    ``[T, n, H]`` asked for, the engine's dtype, every value finite; else ``EngineError``."""
+    ``[T, n, H]`` asked for, the expected dtype, every value finite (fp8: with its scales
+    ``[T, n]``, as ``Scaled``); else ``EngineError``."""
     n, h, dtype = expect
     ids, hs = states.get("token_ids"), states.get("hidden_states")
     if not isinstance(ids, torch.Tensor) or not isinstance(hs, torch.Tensor):
@@ -419,8 +434,10 @@ def check_states(
     if not hs.dtype.is_floating_point or (dtype is not None and hs.dtype != dtype):
         raise EngineError(
             f"states of dtype {hs.dtype} for {what}, expected {dtype or 'a float'} "
-            "(the engine's): refusing them"
+            "(the engine's, or --states-dtype's): refusing them"
         )
+    if scaled(hs.dtype):
+        return _check_scaled(hs, states.get(SCALES), what)
     bad = _first_nonfinite(hs)
     if bad is not None:
         raise EngineError(
@@ -428,6 +445,28 @@ def check_states(
             f"{bad[1]}: {bad[2]}): the engine computed NaN or inf; refusing to train on them"
         )
     return hs
+
+
+def _check_scaled(values: torch.Tensor, scales: Any, what: str) -> Scaled:
+    """fp8 states and their per-(token, layer) scales, if every one is finite."""
+    t, n, _ = values.shape
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(
+        scales.shape) != (t, n):  # fmt: skip
+        got = tuple(scales.shape) if isinstance(scales, torch.Tensor) else None
+        raise EngineError(
+            f"fp8 states of {what} without float32 scales [{t}, {n}] beside them ({SCALES}: "
+            f"{got}): refusing them"
+        )
+    bad_scale = (~torch.isfinite(scales)).nonzero()
+    bad_value = nonfinite_fp8(values).nonzero()
+    if len(bad_scale) or len(bad_value):
+        tok, col = (int(i) for i in (bad_scale[0] if len(bad_scale) else bad_value[0][:2]))
+        raise EngineError(
+            f"the states of {what} are not finite (token {tok}, layer column {col}: scale "
+            f"{float(scales[tok, col])}): the engine computed NaN or inf; refusing to train on "
+            "them"
+        )
+    return Scaled(values, scales)
 
 
 def _first_nonfinite(hs: torch.Tensor, rows: int = 256) -> tuple[int, int, float] | None:

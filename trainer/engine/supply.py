@@ -48,6 +48,9 @@ SERVER_LOG = "vllm-engine.log"
 MASTER_LOG = "mooncake-master.log"
 #: The file in the run folder that holds the run's engine id.
 ENGINE_ID = "engine-id"
+#: ``--states-dtype``'s values, as a request names them to the connector
+#: (``trainer.vllm.connector.dflash_states_wire.WIRE``; ``""``: the engine's own).
+WIRE_NAMES = {"engine": "", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 
 
 def run_id(run_dir: Path) -> str:
@@ -147,6 +150,7 @@ def engine_side(
             hidden_size=target.hidden_size, inflight=opts.engine_inflight,
             timeout_s=opts.engine_timeout_s, alive=alive, dtype=dtype,
             target=Path(opts.target), engine=engine, transport=transport,
+            wire=WIRE_NAMES[opts.states_dtype],
         )  # fmt: skip
         try:
             yield target, lambda source: EngineFeed(source, target, client)
@@ -176,15 +180,16 @@ def serving(
 def client_for(
     server: seam.OwnedServer, folder: Path, *, transport: str = "shm", num_states: int,
     hidden_size: int, inflight: int = 32, shm_mb: int = 512, dtype: torch.dtype | None = None,
-    run: str | None = None, mooncake: dict[str, str] | None = None,
+    run: str | None = None, mooncake: dict[str, str] | None = None, wire: str = "",
 ) -> StateClient:  # fmt: skip
-    """A client of ``server`` through ``transport`` (serve-check, the benchmarks)."""
+    """A client of ``server`` through ``transport`` (serve-check, the benchmarks), the
+    states in ``wire`` (``WIRE_NAMES``' values)."""
     run = run or f"{secrets.token_hex(6)}-{secrets.token_hex(3)}"
     carrier = seam.transport_class(transport)(folder, run=run, rank=0, size_mb=shm_mb,
                                               **(mooncake or {}))  # fmt: skip
     return StateClient(server.url, run=run, rank=0, num_states=num_states,
                        hidden_size=hidden_size, inflight=inflight, alive=server.ended,
-                       dtype=dtype, transport=carrier)  # fmt: skip
+                       dtype=dtype, transport=carrier, wire=wire)  # fmt: skip
 
 
 def _owned(

@@ -30,6 +30,13 @@ Where the states go is each request's to say (its ``kv_transfer_params``: the tr
   config: ``mooncake_master``, ``mooncake_metadata``, ``mooncake_protocol``,
   ``mooncake_local_host``, ``mooncake_device``); no lock, no file. The reply says the key.
 
+A request may ask for its states in another dtype than the engine's (``dflash_dtype``:
+bf16, or fp8 e4m3 with a scale per token and layer; ``dflash_states_wire``): the cast is
+made as the rows are gathered, before they travel. The scheduler learns it with the
+request and hands it to the worker with the request's save (the metadata's
+``dflash_wire``). A dtype this server's torch does not carry is refused in the reply
+(``dflash_error``), as a region it cannot write is (``dflash_shm_error``).
+
 Pinned to the vLLM release it was written against (``VLLM_VERSION``): the method it
 replaces is private, so another release is refused at start-up with a line naming both
 (``serve-check`` exercises it with the pinned build).
@@ -46,6 +53,7 @@ from typing import Any
 import torch
 from dflash_states_file import write_states
 from dflash_states_shm import REFUSED, Arenas, parse_target, target_of
+from dflash_states_wire import WIRE, encode
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     ExampleHiddenStatesConnectorMetadata,
@@ -86,44 +94,69 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._arenas = Arenas(self._storage_path)
         self._mooncake = get("mooncake_master", "")  # puts only where a master is configured
         self._shm_locked: dict[str, str] = {}  # req_id -> its region, locked until written
+        self._wire: dict[str, str] = {}  # req_id -> the dtype it asked for (the scheduler's)
+        self._refusals: dict[str, dict[str, str]] = {}  # req_id -> what its reply says
         self._writer: Any = None  # the Mooncake writer, made on the worker's first put
 
     # ---- the scheduler's side ------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """As the stock one; a request naming an arena region gets that region as its
-        target (``shm:ARENA:OFFSET:NBYTES:KEY``) instead of a file."""
+        target (``shm:ARENA:OFFSET:NBYTES:KEY``) instead of a file, one naming a Mooncake
+        key that key; one asking for another dtype has it noted, and handed to the worker
+        with its save (``dflash_wire``)."""
         meta = super().build_connector_meta(scheduler_output)
         for new_req in scheduler_output.scheduled_new_reqs:
             extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
             asked = (extra or {}).get("kv_transfer_params") or {}
-            keyed = asked.get("dflash_mooncake")
-            if self._mooncake and isinstance(keyed, dict):
-                target = MOONCAKE + json.dumps({"key": str(keyed["key"]),
-                                                "segment": str(keyed["segment"])})  # fmt: skip
+            target = self._target(new_req.req_id, asked)
+            if target is not None:
                 self._request_filenames[new_req.req_id] = target
                 meta.new_req_filenames[new_req.req_id] = target
-                continue
-            params = asked.get("dflash_shm")
-            if not isinstance(params, dict):
-                continue
-            try:
-                arena, offset, nbytes = str(params["arena"]), int(params["offset"]), int(
-                    params["nbytes"])  # fmt: skip
-                self._arenas.check(arena, offset, nbytes)
-                target = target_of(arena, offset, nbytes, str(params["key"]))
-            except (KeyError, TypeError, ValueError, OSError) as e:  # the trainer is told
-                target = f"{REFUSED}{type(e).__name__}: {e} (the connector's folder: "
-                target += f"{self._arenas.folder})"
-            self._request_filenames[new_req.req_id] = target
-            meta.new_req_filenames[new_req.req_id] = target
+        meta.dflash_wire = {p.req_id: self._wire.pop(p.req_id)
+                            for p in meta.pending_saves if p.req_id in self._wire}  # fmt: skip
         return meta
+
+    def _target(self, req_id: str, asked: dict[str, Any]) -> str | None:
+        """Where the request's states go, when not the stock file (None); a refusal is
+        ``REFUSED``, its reply in ``_refusals``."""
+        wire = asked.get("dflash_dtype") or ""
+        if wire and wire not in WIRE:
+            self._refusals[req_id] = {
+                "dflash_error": (
+                    f"dflash_dtype {wire!r}: this server's torch carries {', '.join(WIRE)}"
+                )
+            }
+            return REFUSED
+        if wire:
+            self._wire[req_id] = str(wire)
+        keyed = asked.get("dflash_mooncake")
+        if self._mooncake and isinstance(keyed, dict):
+            return MOONCAKE + json.dumps({"key": str(keyed["key"]),
+                                          "segment": str(keyed["segment"])})  # fmt: skip
+        params = asked.get("dflash_shm")
+        if not isinstance(params, dict):
+            return None
+        try:
+            arena, offset, nbytes = str(params["arena"]), int(params["offset"]), int(
+                params["nbytes"])  # fmt: skip
+            self._arenas.check(arena, offset, nbytes)
+            return target_of(arena, offset, nbytes, str(params["key"]))
+        except (KeyError, TypeError, ValueError, OSError) as e:  # the trainer is told
+            self._wire.pop(req_id, None)
+            self._refusals[req_id] = {
+                "dflash_shm_error": (
+                    f"{type(e).__name__}: {e} (the connector's folder: {self._arenas.folder})"
+                )
+            }
+            return REFUSED
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         target = self._request_filenames.get(request.request_id, "")
-        if target.startswith(REFUSED):  # nothing to write: the blocks go at once
+        if target == REFUSED:  # nothing to write: the blocks go at once
             self._request_filenames.pop(request.request_id, None)
-            return False, {"dflash_shm_error": target[len(REFUSED) :]}
+            self._wire.pop(request.request_id, None)
+            return False, self._refusals.pop(request.request_id, {"dflash_error": "refused"})
         delay, params = super().request_finished(request, block_ids)
         named = (params or {}).get("hidden_states_path") or ""
         if named.startswith(MOONCAKE):
@@ -143,7 +176,7 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
             meta = self._get_connector_metadata()
             if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
                 for req_id, target in list(meta.new_req_filenames.items()):
-                    if target.startswith((REFUSED, MOONCAKE)):
+                    if target == REFUSED or target.startswith(MOONCAKE):
                         del meta.new_req_filenames[req_id]
                     elif parse_target(target) is not None:
                         del meta.new_req_filenames[req_id]
@@ -175,10 +208,10 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
         if pending.filename.startswith(MOONCAKE):
             self._submit_put(pending)
             return
-        if self._kv_cache.is_cuda:
+        if self._kv_cache.is_cuda and not self._wire_of(pending):
             super()._submit_async_write(pending)
             return
-        tensors = {"hidden_states": self._gather(pending), "token_ids": pending.token_ids.clone()}
+        tensors = self._tensors(pending)
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
@@ -195,6 +228,18 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
 
+    def _wire_of(self, pending: PendingSave) -> str:
+        """The dtype ``pending``'s request asked for (``""``: the engine's)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return str(getattr(meta, "dflash_wire", {}).get(pending.req_id, ""))
+
+    def _tensors(self, pending: PendingSave) -> dict[str, torch.Tensor]:
+        """What is sent of ``pending``'s request: its states gathered, in the dtype it
+        asked for, and its token ids."""
+        out = encode(self._gather(pending), self._wire_of(pending))
+        out["token_ids"] = pending.token_ids.clone()
+        return out
+
     def _gather(self, pending: PendingSave) -> torch.Tensor:
         """The request's rows of the hidden-state cache (a copy: its blocks are freed once
         this returns), on the host."""
@@ -210,7 +255,7 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
         """The states into the trainer's arena region by the writer threads; the region's
         lock (taken before the reply) is let go once the header is written."""
         target = self._shm_locked.pop(pending.req_id, pending.filename)
-        tensors = {"hidden_states": self._gather(pending), "token_ids": pending.token_ids.clone()}
+        tensors = self._tensors(pending)
         _, _, _, key = parse_target(target)
         done = _Done()
         future = self._executor.submit(self._arenas.write, target, key, tensors)
@@ -232,11 +277,9 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
                 device=get("mooncake_device", ""),
             )  # fmt: skip
         where = json.loads(pending.filename[len(MOONCAKE) :])
-        states, ids = self._gather(pending), pending.token_ids.clone()
+        tensors = self._tensors(pending)
         done = _Done()
-        future = self._executor.submit(
-            self._writer.put, where["key"], where["segment"], states, ids
-        )
+        future = self._executor.submit(self._writer.put, where["key"], where["segment"], tensors)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))

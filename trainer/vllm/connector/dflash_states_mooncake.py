@@ -98,18 +98,21 @@ class Writer:
             else:  # registered with a client that is gone
                 self._stale.append(buf)
 
-    def put(self, key: str, segment: str, states: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """``states [T, n, H]`` and their ``token_ids`` under ``key``, in ``segment``."""
+    def put(self, key: str, segment: str, tensors: dict[str, torch.Tensor]) -> None:
+        """A document's ``tensors`` (``hidden_states [T, n, H]``, their ``token_ids`` and,
+        fp8, their scales) under ``key``, in ``segment``."""
         from dflash_states_shm import region_bytes, write_region  # beside it (vLLM's path)
+        from dflash_states_wire import SCALES
         from mooncake.store import ReplicateConfig
 
+        states = tensors["hidden_states"]
         t, n, h = states.shape
-        size = region_bytes(t, n, h, states.element_size())
+        size = region_bytes(t, n, h, states.element_size(), SCALES in tensors)
         for again in (False, True):
             store = self._client()
             buf = self._take(store, size)
             try:
-                write_region(buf.numpy().data, 0, size, key, states, token_ids)
+                write_region(buf.numpy().data, 0, size, key, tensors)
                 config = ReplicateConfig()
                 config.replica_num = 1
                 config.preferred_segment = segment

@@ -12,9 +12,10 @@ process's). The reader waits until it can take the region's lock shared, then re
 header: ``DONE`` and its request's key, or the writer died (asked again). The lock's
 system calls order the writes before the reader's reads.
 
-Region: a 64-byte header (``HEADER``: magic, state, dtype, the request's key, tokens,
-layers, width, where the ids and the states start), the token ids (int64 ``[T]``), then
-the states (``[T, n, H]``), each 64-byte aligned.
+Region: a header (``HEADER``: magic, state, dtype, the request's key, tokens, layers,
+width, where the ids, the states and their scales start), the token ids (int64 ``[T]``),
+the states (``[T, n, H]``), then, for fp8 states, their scales (float32 ``[T, n]``:
+``dflash_states_wire``), each 64-byte aligned.
 """
 
 from __future__ import annotations
@@ -30,8 +31,14 @@ from typing import Any
 
 import torch
 
-MAGIC = b"DFLSHM01"
-HEADER = struct.Struct("<8sIIQQIIQQQ")  # magic state dtype key T n H ids_at states_at nbytes
+try:  # beside it on vLLM's path (the connector's folder), or the trainer's package
+    from dflash_states_wire import SCALES
+except ImportError:
+    from trainer.vllm.connector.dflash_states_wire import SCALES
+
+MAGIC = b"DFLSHM02"
+#: magic, state, dtype, key, T, n, H, ids_at, states_at, states' bytes, scales_at (0: none)
+HEADER = struct.Struct("<8sIIQQIIQQQQ")
 ALIGN = 64
 DONE = 2
 #: dtype codes in the header (an index into this tuple).
@@ -72,9 +79,12 @@ def key_of(req_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little")
 
 
-def region_bytes(tokens: int, layers: int, width: int, element_size: int) -> int:
-    """The bytes a document takes: header, ids, states."""
-    return _aligned(HEADER.size) + _aligned(8 * tokens) + tokens * layers * width * element_size
+def region_bytes(tokens: int, layers: int, width: int, element_size: int,
+                 scaled: bool = False) -> int:  # fmt: skip
+    """The bytes a document takes: header, ids, states (and their scales: fp8)."""
+    states = tokens * layers * width * element_size
+    scales = _aligned(states) - states + 4 * tokens * layers if scaled else 0
+    return _aligned(HEADER.size) + _aligned(8 * tokens) + states + scales
 
 
 def parse_target(target: str) -> tuple[str, int, int, str] | None:
@@ -145,19 +155,20 @@ class Arenas:
         arena, offset, nbytes, _ = parse_target(target)  # type: ignore[misc]
         try:
             _, mem = self._region(arena, offset, nbytes)
-            write_region(mem, offset, nbytes, req_id, tensors["hidden_states"],
-                         tensors["token_ids"])  # fmt: skip
+            write_region(mem, offset, nbytes, req_id, tensors)
         finally:
             self.unlock(target)
 
 
-def write_region(mem: Any, offset: int, nbytes: int, req_id: str, states: torch.Tensor,
-                 token_ids: torch.Tensor) -> None:  # fmt: skip
-    """Lay a document out in ``mem[offset : offset + nbytes]`` (header last)."""
+def write_region(mem: Any, offset: int, nbytes: int, req_id: str,
+                 tensors: dict[str, torch.Tensor]) -> None:  # fmt: skip
+    """Lay a document's ``tensors`` (``hidden_states``, ``token_ids`` and, fp8, its
+    scales) out in ``mem[offset : offset + nbytes]`` (header last)."""
+    states, token_ids, scales = tensors["hidden_states"], tensors["token_ids"], tensors.get(SCALES)
     t, n, h = states.shape
     if states.dtype not in DTYPES:
         raise ValueError(f"states of dtype {states.dtype}: not one the arena carries")
-    need = region_bytes(t, n, h, states.element_size())
+    need = region_bytes(t, n, h, states.element_size(), scales is not None)
     if need > nbytes:
         raise ValueError(f"{need} bytes of states for a region of {nbytes}")
     ids_at = offset + _aligned(HEADER.size)
@@ -167,19 +178,30 @@ def write_region(mem: Any, offset: int, nbytes: int, req_id: str, states: torch.
     size = states.numel() * states.element_size()
     out = torch.frombuffer(mem, dtype=torch.uint8, count=size, offset=states_at)
     out.copy_(states.contiguous().reshape(-1).view(torch.uint8))
+    scales_at = 0
+    if scales is not None:
+        scales_at = states_at + _aligned(size)
+        into = torch.frombuffer(mem, dtype=torch.float32, count=t * n, offset=scales_at)
+        into.copy_(scales.reshape(-1))
+        scales_at -= offset
     HEADER.pack_into(mem, offset, MAGIC, DONE, DTYPES.index(states.dtype), key_of(req_id), t, n,
-                     h, ids_at - offset, states_at - offset, size)  # fmt: skip
+                     h, ids_at - offset, states_at - offset, size, scales_at)  # fmt: skip
 
 
 def read_region(mem: Any, offset: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-    """The region's key and its token ids and states (views of ``mem``), if its header
-    says they were written (None: not written)."""
-    magic, state, code, key, t, n, h, ids_at, states_at, size = HEADER.unpack_from(mem, offset)
+    """The region's key and its tensors (views of ``mem``), if its header says they were
+    written (None: not written)."""
+    magic, state, code, key, t, n, h, ids_at, states_at, size, scales_at = HEADER.unpack_from(
+        mem, offset)  # fmt: skip
     if magic != MAGIC or state != DONE or code >= len(DTYPES):
         return None
     ids = torch.frombuffer(mem, dtype=torch.int64, count=t, offset=offset + ids_at)
     raw = torch.frombuffer(mem, dtype=torch.uint8, count=size, offset=offset + states_at)
-    return key, {"token_ids": ids, "hidden_states": raw.view(DTYPES[code]).view(t, n, h)}
+    out = {"token_ids": ids, "hidden_states": raw.view(DTYPES[code]).view(t, n, h)}
+    if scales_at:
+        out[SCALES] = torch.frombuffer(mem, dtype=torch.float32, count=t * n,
+                                       offset=offset + scales_at).view(t, n)  # fmt: skip
+    return key, out
 
 
 def clear_header(mem: Any, offset: int) -> None:
