@@ -15,6 +15,12 @@ tokens (40 to 600):
   against one vLLM server started for the target (``trainer.engine.supply.serving``: fp32,
   eager); tokens/s and the ratio to colocated.
 
+With ``--transports`` (e.g. ``shm,files,mooncake``), an engine-fed training run of the
+``wide`` target (the tiny one widened to 1,024 with Qwen3's vocabulary of 151,936) on
+samples of 2K-8K tokens (one a micro-batch), through each transport (a Mooncake master
+started beside the server), against the same run colocated: median step time and
+``data_wait_frac``, ``--wide-steps`` steps each.
+
 Then (``--train-steps`` > 0) the tiny target's training run, colocated and engine-fed
 (``--vllm-python``: the run starts its server) with each ``--train-inflight`` read-ahead,
 on the loader daemon with a synthetic corpus: median step time, median
@@ -45,6 +51,9 @@ SPECS = {
     "tiny": {},
     "larger": {"vocab_size": 8192, "hidden_size": 512, "num_layers": 8, "num_heads": 8,
                "num_kv_heads": 4, "intermediate_size": 1536},
+    # the tiny target widened, with Qwen3's vocabulary (the transports' run)
+    "wide": {"vocab_size": 151936, "hidden_size": 1024, "num_layers": 4, "num_heads": 8,
+             "num_kv_heads": 4, "intermediate_size": 3072},
 }  # fmt: skip
 
 
@@ -135,31 +144,59 @@ def features_table(vllm_python: str, names: list[str], n_docs: int, inflights: l
 
 
 def training(vllm_python: str, steps: int, work: Path, inflights: list[int]) -> list[dict]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from loader_server.data.synth import SynthSpec, write_corpus
-    from scripts.servers.daemon_process import DaemonProcess
-    from trainer.model.target import TinyTargetSpec, build_tiny_model
+    from loader_server.data.synth import SynthSpec
+    from trainer.model.target import TinyTargetSpec
 
-    corpus = work / "corpus.arrow"
-    write_corpus(corpus, SynthSpec(num_samples=2000, seed=3, median_len=200, max_len=600,
-                                   vocab_size=512, content="learnable"))  # fmt: skip
-    target = work / "target-train"
-    build_tiny_model(TinyTargetSpec()).save_pretrained(target)
+    corpus = SynthSpec(num_samples=2000, seed=3, median_len=200, max_len=600, vocab_size=512,
+                       content="learnable")  # fmt: skip
+    modes: list[tuple[str, list[str]]] = [("colocated", [])]
+    modes += [(f"engine-{k}", ["--engine-inflight", str(k)]) for k in inflights]
+    return _runs(vllm_python, steps, work, TinyTargetSpec(), corpus, modes,
+                 ["--token-budget", "2048", "--max-seq-len", "600"], [])  # fmt: skip
+
+
+def transports_run(vllm_python: str, steps: int, work: Path, transports: list[str]) -> list[dict]:
+    """The ``wide`` target on 2K-8K-token samples, colocated and through each transport."""
+    from loader_server.data.synth import SynthSpec
+    from trainer.model.target import TinyTargetSpec
+
+    corpus = SynthSpec(num_samples=64, seed=5, median_len=4096, sigma=0.4, min_len=2048,
+                       max_len=8192, vocab_size=151936)  # fmt: skip
+    modes: list[tuple[str, list[str]]] = [("colocated", [])]
+    modes += [(t, ["--states-transport", t]) for t in transports]
+    shape = ["--token-budget", "8192", "--max-seq-len", "8192"]
+    return _runs(vllm_python, steps, work, TinyTargetSpec(**SPECS["wide"]), corpus, modes,
+                 shape, ["--anchors-per-doc", "16"])  # fmt: skip
+
+
+def _runs(vllm_python: str, steps: int, work: Path, spec, corpus_spec, modes, shape: list[str],
+          flags: list[str]) -> list[dict]:  # fmt: skip
+    """One training run per mode (its name, its engine flags; ``colocated``: none) on one
+    synthetic corpus and target: the median step time and data wait of steps 3 on, and the
+    losses; printed against the first (colocated)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from loader_server.data.synth import write_corpus
+    from scripts.servers.daemon_process import DaemonProcess
+    from trainer.model.target import build_tiny_model
+
+    tag = f"h{spec.hidden_size}"
+    corpus = work / f"corpus-{tag}.arrow"
+    write_corpus(corpus, corpus_spec)
+    target = work / f"target-train-{tag}"
+    build_tiny_model(spec).save_pretrained(target)
     out = []
     engine = ["--target-engine", "vllm", "--vllm-python", vllm_python]
-    modes: list[tuple[str, list[str]]] = [("colocated", [])]
-    modes += [(f"engine-{k}", [*engine, "--engine-inflight", str(k)]) for k in inflights]
     for mode, extra in modes:
-        endpoint = f"ipc://{work}/loader-{mode}.sock"
-        daemon = DaemonProcess(corpus, endpoint, "--token-budget", "2048", "--max-seq-len", "600",
-                               log_path=work / f"daemon-{mode}.log")  # fmt: skip
-        run_dir = work / f"run-{mode}"
+        endpoint = f"ipc://{work}/loader-{tag}-{mode}.sock"
+        daemon = DaemonProcess(corpus, endpoint, *shape, log_path=work / f"daemon-{mode}.log")
+        run_dir = work / f"run-{tag}-{mode}"
+        more = [*engine, *extra] if mode != "colocated" else []
         try:
             cmd = [sys.executable, "-m", "trainer.cli", "train", "--endpoint", endpoint,
                    "--job", mode, "--run-dir", str(run_dir), "--steps", str(steps),
                    "--target", str(target), "--block-size", "8", "--num-eval-prompts", "0",
-                   "--cost-samples", "0", "--no-progress", *extra]  # fmt: skip
-            with open(work / f"train-{mode}.log", "wb") as log:
+                   "--cost-samples", "0", "--no-progress", *flags, *more]  # fmt: skip
+            with open(work / f"train-{tag}-{mode}.log", "wb") as log:
                 subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
         finally:
@@ -168,14 +205,15 @@ def training(vllm_python: str, steps: int, work: Path, inflights: list[int]) -> 
         recs = [r for r in recs if r.get("loss") is not None]
         later = recs[2:] or recs  # the first steps start the server's and the trainer's caches
         out.append({
-            "mode": mode, "step_s": statistics.median(r["step_time_s"] for r in later),
+            "target": tag, "mode": mode,
+            "step_s": statistics.median(r["step_time_s"] for r in later),
             "wait_frac": statistics.median(r["data_wait_frac"] for r in later),
             "losses": {r["step"]: r["loss"] for r in recs},
         })  # fmt: skip
     colo = out[0]
     for r in out:
         worst = max(abs(r["losses"][s] - v) / abs(v) for s, v in colo["losses"].items())
-        print(f"train {r['mode']:10s} step {r['step_s']:.3f} s (median, steps 3..) "
+        print(f"train {tag} {r['mode']:10s} step {r['step_s']:.3f} s (median, steps 3..) "
               f"{r['step_s'] / colo['step_s']:.2f}x colocated, data_wait_frac "
               f"{r['wait_frac']:.3f}, losses within {worst:.1e}", flush=True)  # fmt: skip
     return out
@@ -190,17 +228,24 @@ def training(vllm_python: str, steps: int, work: Path, inflights: list[int]) -> 
 @click.option("--features/--no-features", default=True, help="The features/s table.")
 @click.option("--train-inflight", default="1,8,32", show_default=True,
               help="--engine-inflight of the engine-fed training runs.")  # fmt: skip
+@click.option("--transports", default="", help="The wide target's run through each (e.g. "
+              "shm,files,mooncake); empty: not run.")  # fmt: skip
+@click.option("--wide-steps", default=6, show_default=True, help="Steps of each wide run.")
 @click.option("--json-out", type=click.Path(path_type=Path), help="Also write the rows as JSON.")
 def main(vllm_python: str, docs: int, inflight: str, targets: str, train_steps: int,
-         features: bool, train_inflight: str, json_out: Path | None) -> None:  # fmt: skip
+         features: bool, train_inflight: str, transports: str, wide_steps: int,
+         json_out: Path | None) -> None:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         work = Path(tmp)
         ks = [int(k) for k in inflight.split(",")]
         rows = features_table(vllm_python, targets.split(","), docs, ks, work) if features else []
         train_ks = [int(k) for k in train_inflight.split(",")]
         runs = training(vllm_python, train_steps, work, train_ks) if train_steps else []
+        wide = transports_run(vllm_python, wide_steps, work, transports.split(",")) if (
+            transports) else []  # fmt: skip
     if json_out is not None:
-        json_out.write_text(json.dumps({"features": rows, "training": runs}, indent=1))
+        out = {"features": rows, "training": runs, "transports": wide}
+        json_out.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -124,10 +124,11 @@ def _mooncake_writer(store: dict, states):
     (Mooncake's own zero-copy call, no layer of ours)."""
     import torch
     from dflash_states_mooncake import Writer, connect
-    from mooncake.store import ReplicateConfig
 
     putter = Writer(protocol="tcp", local_host="127.0.0.1", **store)
-    client = connect(protocol="tcp", local_host="127.0.0.1", **store)
+    client = connect(protocol="tcp", local_host="127.0.0.1", **store)  # (its logging set)
+    from mooncake.store import ReplicateConfig
+
     flat = states.reshape(-1).view(torch.uint8).clone()
     client.register_buffer(flat.data_ptr(), flat.numel())
 

@@ -614,6 +614,35 @@ def test_the_arena_gives_room_in_submission_order_and_refuses_a_document_too_big
     assert list(folder.iterdir()) == []
 
 
+def test_a_writer_slower_than_a_thousand_polls_is_waited_for(folder):
+    """A writer that holds its region's lock for 3 s (a long document on a busy server:
+    over 1,000 polls) is waited for at ``POLL_S`` a poll; before, the 1,031st pause
+    (``0.0002 * 2**k``) overflowed a float and the request failed with OverflowError."""
+    from trainer.engine.seam import POLL_S, Attempt, pause
+    from trainer.engine.shm import ShmTransport
+    from trainer.vllm.connector.dflash_states_shm import Arenas
+
+    assert pause(0) == 0.0002 and pause(3) == 0.0016 and pause(10**6) == POLL_S
+    arena = ShmTransport(folder, run=RUN, rank=0, size_mb=1)
+    region = arena.place(4096)
+    attempt = Attempt("sample 7", time.monotonic() + 30, lambda: False, lambda text: None)
+    arena.ready(region, attempt)
+    req_id = f"dflash-{RUN}-r0-0"
+    where = arena.params(region, req_id)["dflash_shm"]
+    writer = Arenas(str(folder))
+    target = stand_in.target_of(where["arena"], where["offset"], where["nbytes"], req_id)
+    writer.lock(target)
+    tensors = {"hidden_states": states([1, 2]), "token_ids": torch.tensor([1, 2])}
+    late = threading.Timer(3.0, writer.write, args=(target, req_id, tensors))
+    late.start()
+    t0 = time.monotonic()
+    got = arena.fetch(region, req_id, attempt)
+    assert time.monotonic() - t0 >= 2.9 and torch.equal(got["hidden_states"], states([1, 2]))
+    del got
+    arena.release(region)
+    arena.close()
+
+
 # ---- the Mooncake store -------------------------------------------------------------------
 
 

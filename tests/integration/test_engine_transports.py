@@ -1,12 +1,13 @@
 """``train --target-engine vllm`` through each transport (``--states-transport shm``,
-``files``, ``mooncake``) against the stand-in server: exactly once as colocated, across a
-trainer's kill, a server that dies and comes back, a Mooncake master that goes away, and
-two ranks fed from another node through Mooncake (no folder given to the trainers); and
-nothing left behind: no arena or file in the server's folder, no key in the store."""
+``files``, ``mooncake``) against the stand-in server: exactly once as colocated, across an
+elastic job's kills, shrink and grow (through Mooncake: ranks fed from another node, no
+folder given to the trainers), a server that dies and comes back, and a Mooncake master
+that goes away; and nothing left behind: no arena or file in the server's folder, no key
+in the store."""
 
 from __future__ import annotations
 
-import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,62 +25,67 @@ from engine_jobs import (
     uninterrupted,
     ways,
 )
-from trainer_jobs import daemon, run, train_cmd
+from trainer_jobs import RUN_TIMEOUT_S, daemon, env, train_cmd
 
 __all__ = ["daemon", "mooncake", "target_dir", "uninterrupted"]  # the fixtures
 pytestmark = [pytest.mark.integration, pytest.mark.heavy(150)]
 
 
-def test_two_ranks_fed_from_another_node_through_mooncake(daemon, target_dir, tmp_path,
-                                                         mooncake):  # fmt: skip
-    """Two ranks (torchrun, gloo), each fetching its own micro-batches' features from one
-    server through a Mooncake store, the server and the master on another node (their own
-    memory: no folder given to the trainers): the colocated 2-rank run's losses, nothing
-    left in the server's folder or the store."""
-    there = StandIn(target_dir, tmp_path / "other-node", store=mooncake.store)
-    logs = {}
-    ways = (("colo", ()),
-            ("mooncake", ("--target-engine", "vllm", "--engine-url", there.url,
-                          *mooncake.flags())))  # fmt: skip
-    try:
-        for name, extra in ways:
-            run_dir = tmp_path / name
-            cmd = train_cmd(daemon.endpoint, run_dir, name, 4, "--target", str(target_dir),
-                            "--layers", LAYERS, "--num-eval-prompts", "0", *extra)  # fmt: skip
-            run(cmd, tmp_path / f"{name}.log")
-            logs[name] = losses(run_dir)
-    finally:
-        there.stop()
-    for way in ("mooncake",):
-        assert sorted(logs[way]) == [1, 2, 3, 4]
-        for step, loss in logs["colo"].items():
-            assert logs[way][step] == pytest.approx(loss, rel=1e-6), (way, step)
-    assert there.files() == []
-    assert mooncake.left(tmp_path / "mooncake") == 0
+#: The shape changes of an elastic job: (ranks, the step whose start kills every rank);
+#: the last phase runs to the end. Killed as step 3 starts on 2 ranks (checkpoint 2, reads
+#: ahead in flight), resumed on 1 (the shrink), killed as step 5 starts, resumed on 2.
+PHASES = ((2, 3), (1, 5), (2, None))
+ELASTIC_STEPS = 7
+
+
+def elastic(daemon, run_dir: Path, target: Path, *flags: str) -> dict[int, float]:
+    """``PHASES`` for one run (torchrun on CPU, gloo); its losses."""
+    for k, (ranks, kill_at) in enumerate(PHASES):
+        cmd = train_cmd(daemon.endpoint, run_dir, "elastic", ELASTIC_STEPS, "--target",
+                        str(target), "--layers", LAYERS, "--num-eval-prompts", "0",
+                        "--ckpt-every", "1", *flags, *(("--resume",) if k else ()))  # fmt: skip
+        cmd[cmd.index("--nproc-per-node") + 1] = str(ranks)
+        environ = {**env(), **({"DFLASH_FAULT": f"step={kill_at}"} if kill_at else {})}
+        log = run_dir.parent / f"{run_dir.name}-{k}.log"
+        with open(log, "wb") as f:
+            res = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=environ,
+                                 timeout=RUN_TIMEOUT_S)  # fmt: skip
+        text = log.read_text(errors="replace")
+        assert (res.returncode != 0) == (kill_at is not None), text[-3000:]
+        if k:
+            assert f"world_size {PHASES[k - 1][0]} x grad_accum 1 -> {ranks} x 1" in text
+    return losses(run_dir)
+
+
+_ELASTIC: dict[str, dict[int, float]] = {}
 
 
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
-def test_a_killed_trainer_resumes_exactly_and_leaves_nothing(
-    daemon, target_dir, tmp_path, uninterrupted, transport, request
+def test_an_elastic_job_killed_shrunk_and_grown_resumes_exactly_and_leaves_nothing(
+    daemon, target_dir, tmp_path, transport, request
 ):
-    """Killed (SIGKILL) as step 5 starts, with requests read ahead in flight: --resume from
-    checkpoint 4 logs the uninterrupted run's losses, and what the killed process left (its
-    arena, its files, its keys in the store) is gone once the resumed run has run."""
+    """SIGKILL of every rank with requests read ahead in flight, ``--resume`` on fewer ranks
+    (an elastic shrink mid-epoch: rank 1's arena or segment is gone with it), killed again,
+    resumed on more (a grow): the colocated job's losses through the same shape changes,
+    and nothing left of any start or rank: no arena or file in the server's folder, no key
+    in the store (the next start sweeps what the killed ones and the dead rank left).
+    Through Mooncake the server and the master are another node's: the trainers are given
+    their addresses only, no folder (``ways``)."""
+    if "colo" not in _ELASTIC:
+        _ELASTIC["colo"] = elastic(daemon, tmp_path / "colo", target_dir)
     s, flags, master = ways(transport, request, target_dir, tmp_path)
-    run = tmp_path / "killed"
     try:
-        res = train(daemon.endpoint, run, target_dir, *flags, fault="step=5", check=False)
-        assert res.returncode == -signal.SIGKILL
-        train(daemon.endpoint, run, target_dir, *flags, "--resume")
+        got = elastic(daemon, tmp_path / "run", target_dir, *flags)
     finally:
         s.stop()
-    want, got = uninterrupted, losses(run)
-    assert sorted(got) == list(range(1, 7))
-    for step in range(1, 7):
-        assert got[step] == pytest.approx(want[step], rel=1e-6), step
+    want = _ELASTIC["colo"]
+    # a step on 1 rank consumes half a 2-rank step's data: the job takes one step more
+    assert sorted(got) == sorted(want) == list(range(1, ELASTIC_STEPS + 2))
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6), step
     assert s.files() == []
     if master is not None:
-        assert master.left(run) == 0
+        assert master.left(tmp_path / "run") == 0
 
 
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])

@@ -28,7 +28,7 @@ import torch
 
 from trainer.engine import folders
 from trainer.engine.errors import EngineError
-from trainer.engine.seam import POLL_S, Attempt, Lost
+from trainer.engine.seam import Attempt, Lost, pause
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class FileTransport:
                         break
                     except BlockingIOError:
                         _check_wait(path, attempt)
-                        time.sleep(min(0.0002 * 2**k, POLL_S))  # usually written within ms
+                        time.sleep(pause(k))
                 attempt.stage(f"reading {path}")
                 with folders.open_regular(path, f"the states file of {attempt.what}") as fd:
                     states = dict(load_file(f"/proc/self/fd/{fd}", device="cpu"))

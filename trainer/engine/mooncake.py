@@ -37,7 +37,7 @@ import torch
 
 from trainer.engine.errors import EngineError
 from trainer.engine.room import Region, Room
-from trainer.engine.seam import POLL_S, Attempt, Lost
+from trainer.engine.seam import Attempt, Lost, pause
 from trainer.vllm.connector import dflash_states_shm as layout
 from trainer.vllm.process import free_port, stop_group, tail
 
@@ -224,7 +224,7 @@ class MooncakeTransport:
                 probe = time.monotonic() + PROBE_S
                 if attempt.gone():
                     raise Lost(f"{key} was not put before its server stopped answering")
-            time.sleep(min(0.0002 * 2**k, POLL_S))
+            time.sleep(pause(k))
             k += 1
         attempt.stage(f"copying {key} out of the Mooncake store")
         got = self.store.get_into(key, self.buffer.data_ptr() + region.offset, region.nbytes)

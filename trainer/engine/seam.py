@@ -39,6 +39,12 @@ import torch
 POLL_S = 0.002
 
 
+def pause(k: int) -> float:
+    """The ``k``-th pause of a poll (from 0): 0.2 ms, doubling up to ``POLL_S`` (a writer
+    usually finishes within milliseconds), then ``POLL_S`` however long the wait."""
+    return POLL_S if k >= 4 else min(0.0002 * (1 << k), POLL_S)
+
+
 class Lost(Exception):
     """The writer of a request's states died before finishing: ask for them again."""
 

@@ -36,7 +36,7 @@ import torch
 from trainer.engine import folders
 from trainer.engine.errors import EngineError
 from trainer.engine.room import Region, Room
-from trainer.engine.seam import POLL_S, Attempt, Lost
+from trainer.engine.seam import Attempt, Lost, pause
 from trainer.vllm.connector import dflash_states_shm as layout
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class ShmTransport:
                     f"{self.path}: the server has been writing {attempt.what}'s states past "
                     "its deadline (--engine-timeout-s)"
                 )
-            time.sleep(min(0.0002 * 2**k, POLL_S))
+            time.sleep(pause(k))
         layout.unlock_range(self._fd, region.offset, region.nbytes)
         found = layout.read_region(self.mem, region.offset)
         if found is None or found[0] != layout.key_of(req_id):
