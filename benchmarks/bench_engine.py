@@ -166,7 +166,7 @@ def transports_run(vllm_python: str, steps: int, work: Path, transports: list[st
     modes += [(t, ["--states-transport", t]) for t in transports]
     shape = ["--token-budget", "8192", "--max-seq-len", "8192"]
     return _runs(vllm_python, steps, work, TinyTargetSpec(**SPECS["wide"]), corpus, modes,
-                 shape, ["--anchors-per-doc", "16"])  # fmt: skip
+                 shape, ["--anchors-per-doc", "16", *shape])  # fmt: skip
 
 
 def _runs(vllm_python: str, steps: int, work: Path, spec, corpus_spec, modes, shape: list[str],
