@@ -474,6 +474,28 @@ def test_a_hung_request_and_a_closing_client_are_both_bounded(running, folder, t
     stuck.set()
 
 
+def test_closing_beside_a_server_the_run_started_drops_the_read_ahead(running, folder,
+                                                                     target):  # fmt: skip
+    """With a server the run started (``alive``: it is stopped next, its folder with it), a
+    closing client waits ``OWNED_GRACE_S`` for requests the server is still computing (the
+    read-ahead past the run's last step), not ``CLOSE_GRACE_S``."""
+    slow = threading.Event()
+    r = running()
+    c = client(r.url, folder, target, alive=lambda: None)
+    for f in [c.submit(torch.tensor([1, 2, 3])) for _ in range(3)]:
+        c.result(f)
+        c.release(f)
+    c._states = lambda request: slow.wait()  # the server still computing: never answers
+    more = [c.submit(torch.tensor([4, 5])) for _ in range(2)]
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    c.close()
+    took = time.monotonic() - t0
+    assert engine_client.OWNED_GRACE_S <= took < engine_client.CLOSE_GRACE_S / 2, took
+    assert not any(f.done() for f in more)
+    slow.set()
+
+
 def test_the_backoff_starts_anew_with_each_outage(folder, target):
     """Two outages: the second's first wait is the backoff's first (0.5 s at most), not the
     2 s the first outage had grown to."""

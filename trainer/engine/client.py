@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 RETRY_S = (0.5, 2.0)
 #: How long a closing client still waits for requests in flight (then it leaves them).
 CLOSE_GRACE_S = 10.0
+#: The same, for a server this run started (stopped next, with its folder): a request
+#: about to end ends, the read-ahead past the run's last step is dropped.
+OWNED_GRACE_S = 1.0
 #: How far past its own deadline a request may run before ``result`` gives up on it.
 STUCK_S = 30.0
 
@@ -209,7 +212,9 @@ class StateClient:
         """Let the requests in flight finish, ``CLOSE_GRACE_S`` at most (one the server does
         not answer is given up at once, not retried: a server a peer rank started may be
         stopping), give every place back, then let the transport remove what this start of
-        this rank still holds. Once: a second call does nothing."""
+        this rank still holds. With a server this run started (``alive``), ``OWNED_GRACE_S``:
+        what its requests were computing (the read-ahead past the run's last step) goes
+        with it and its folder. Once: a second call does nothing."""
         if self._closing:
             return
         self._closing = time.monotonic()
@@ -220,8 +225,12 @@ class StateClient:
         for _ in self._workers:
             self._queue.put(None)
         for w in self._workers:
-            w.join(max(0.0, self._closing + CLOSE_GRACE_S - time.monotonic()))
+            w.join(max(0.0, self._closing + self._grace() - time.monotonic()))
         hung = [w for w in self._workers if w.is_alive()]
+        if hung and self._alive is not None:
+            log.info("engine client: %d request(s) read ahead dropped (the server this run "
+                     "started stops with it)", len(hung))  # fmt: skip
+            return
         if hung:
             log.warning("engine client: %d request(s) still hang after %.0f s; left behind "
                         "(what they wrote, if ever, is removed by the next start)",
@@ -261,8 +270,13 @@ class StateClient:
             return False
         return False
 
+    def _grace(self) -> float:
+        """How long a closing client waits for its requests: ``OWNED_GRACE_S`` for a server
+        this run started (it is stopped next, its folder removed)."""
+        return OWNED_GRACE_S if self._alive is not None else CLOSE_GRACE_S
+
     def _grace_over(self) -> bool:
-        return bool(self._closing) and time.monotonic() > self._closing + CLOSE_GRACE_S
+        return bool(self._closing) and time.monotonic() > self._closing + self._grace()
 
     def _stage(self, request: _Request) -> Callable[[str], None]:
         return lambda text: setattr(request, "stage", text)
