@@ -700,6 +700,34 @@ def test_mooncake_keys_of_earlier_starts_go_and_no_one_else_s(running, folder, t
     assert list(folder.iterdir()) == []
 
 
+def test_the_mooncake_writer_reuses_its_staging_buffers_whatever_their_sizes(store):
+    """The connector's writer keeps a pool of registered staging buffers: documents of
+    several sizes, then again, each put whole through the smallest buffer that fits. (A
+    pool of buffers of two sizes failed a put whose buffer was not the first: ``list.remove``
+    compared the tensors with ``==``, and their sizes did not match.)"""
+    from trainer.vllm.connector.dflash_states_mooncake import Writer, connect
+    from trainer.vllm.connector.dflash_states_shm import read_region
+
+    probe = connect(master=store["master"], metadata=store["metadata"], protocol="tcp",
+                    local_host="127.0.0.1", segment=64 << 20)  # fmt: skip
+    writer = Writer(protocol="tcp", local_host="127.0.0.1", **store)
+    sizes = [3, 35000, 35000, 15000, 3, 15000, 35000]  # tokens: 1, 3.5 and 1.5 MiB buffers
+    for k, n in enumerate(sizes):
+        ids = list(range(n))
+        key = f"pool-test-{k}"
+        writer.put(key, probe.get_hostname(),
+                   {"hidden_states": states(ids), "token_ids": torch.tensor(ids)})  # fmt: skip
+        buf = torch.empty(probe.get_size(key), dtype=torch.uint8)
+        probe.register_buffer(buf.data_ptr(), buf.numel())
+        assert probe.get_into(key, buf.data_ptr(), buf.numel()) == buf.numel()
+        _, got = read_region(buf.numpy().data, 0)
+        assert torch.equal(got["hidden_states"], states(ids)), n
+        probe.unregister_buffer(buf.data_ptr())
+        probe.remove(key, True)
+    assert len(writer._free) == 3 and len({b.numel() for b in writer._free}) == 3
+    probe.close()
+
+
 def test_a_mooncake_reply_naming_another_key_is_refused(running, folder, target, store):
     r = running(bad="outside@1")
     c = client(r.url, folder, target, "mooncake", store=store)

@@ -80,11 +80,9 @@ class Writer:
 
     def _take(self, store: Any, nbytes: int) -> torch.Tensor:
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
-                return buf
+            fits = [k for k, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:  # by index: list.remove compares tensors with ==, element by element
+                return self._free.pop(min(fits, key=lambda k: self._free[k].numel()))
         buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
         code = store.register_buffer(buf.data_ptr(), buf.numel())
         if code != 0:
