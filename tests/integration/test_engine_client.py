@@ -711,7 +711,7 @@ def test_the_mooncake_writer_reuses_its_staging_buffers_whatever_their_sizes(sto
     probe = connect(master=store["master"], metadata=store["metadata"], protocol="tcp",
                     local_host="127.0.0.1", segment=64 << 20)  # fmt: skip
     writer = Writer(protocol="tcp", local_host="127.0.0.1", **store)
-    sizes = [3, 35000, 35000, 15000, 3, 15000, 35000]  # tokens: 1, 3.5 and 1.5 MiB buffers
+    sizes = [3, 35000, 35000, 15000, 3, 15000, 35000]  # tokens: 1 and 3.5 MiB buffers
     for k, n in enumerate(sizes):
         ids = list(range(n))
         key = f"pool-test-{k}"
@@ -724,7 +724,7 @@ def test_the_mooncake_writer_reuses_its_staging_buffers_whatever_their_sizes(sto
         assert torch.equal(got["hidden_states"], states(ids)), n
         probe.unregister_buffer(buf.data_ptr())
         probe.remove(key, True)
-    assert len(writer._free) == 3 and len({b.numel() for b in writer._free}) == 3
+    assert sorted(b.numel() >> 20 for b in writer._free) == [1, 3]  # two, reused
     probe.close()
 
 
