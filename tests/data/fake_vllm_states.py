@@ -28,7 +28,9 @@ Faults, from the environment (script) or ``Faults`` (imported):
 * ``FAKE_STATES_BAD=KIND@N``: the N-th reply's file is wrong in one way: ``nan`` (a NaN in
   its states), ``dtype`` (bfloat16, the others float32), ``shape`` (a layer short),
   ``fifo`` (a FIFO, not a file), ``outside`` (the reply names ``FAKE_STATES_VICTIM``, a
-  path outside the folder), ``foreign`` (it names a file of another request in the folder);
+  path outside the folder), ``foreign`` (it names a file of another request in the folder),
+  ``unwritable`` (the connector's write fails: states of a dtype the region layout does
+  not carry, int32; the arena and Mooncake paths, whose writers then say why);
 * ``FAKE_STATES_STATUS=CODE``: every request answered with that HTTP status (a web server
   that is not vLLM, a proxy);
 * ``FAKE_STATES_ROOT=PATH``: ``/v1/models`` says it serves that model.
@@ -211,6 +213,8 @@ def serve(
                 hs = hs.to(torch.bfloat16)
             elif kind == "shape":
                 hs = hs[:, :-1].contiguous()
+            elif kind == "unwritable":
+                hs = hs.to(torch.int32)
             return hs, tokens, kind, dying
 
         def _put(self, ids: list[int], asked: dict, wire: str) -> None:
@@ -230,7 +234,7 @@ def serve(
                     str(asked["segment"]),
                     {**encode(hs, wire), "token_ids": tokens},
                 )
-            except RuntimeError as e:  # the rank went away: the connector logs it, as this
+            except (RuntimeError, ValueError) as e:  # (a rank gone): logged, as the connector
                 print(f"stand-in: {e}", file=sys.stderr)
 
         def _region(self, ids: list[int], rid: str, region: dict, wire: str) -> None:
@@ -254,7 +258,10 @@ def serve(
             if dying:  # killed mid-write: the lock goes with the process, the header unwritten
                 os._exit(1)
             time.sleep(0.01)  # the write lands after the reply, as vLLM's thread's does
-            arenas.write(target, str(region["key"]), {**encode(hs, wire), "token_ids": tokens})
+            try:
+                arenas.write(target, str(region["key"]), {**encode(hs, wire), "token_ids": tokens})
+            except ValueError as e:  # logged, as the connector does
+                print(f"stand-in: {e}", file=sys.stderr)
 
     class Server(ThreadingHTTPServer):
         request_queue_size = 256  # a trainer keeps dozens of requests in flight

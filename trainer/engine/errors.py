@@ -18,3 +18,13 @@ class EngineError(LoaderError):
         super().__init__(message)
         if fix is not None:
             self.fix = fix
+
+
+def unwritten(what: str, req_id: str, why: str | None) -> None:
+    """``EngineError`` naming why, when the server's connector said it could not write
+    ``req_id``'s document (``why``: the reason its region or value holds; None: it did
+    not say, and nothing is raised)."""
+    if why is not None:
+        raise EngineError(
+            f"the server's connector could not write {what}'s states ({req_id}): {why}"
+        )

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from trainer.engine.errors import EngineError
+from trainer.engine.errors import EngineError, unwritten
 from trainer.engine.room import Region, Room
 from trainer.engine.seam import Attempt, Lost, pause
 from trainer.vllm.connector import dflash_states_shm as layout
@@ -233,6 +233,7 @@ class MooncakeTransport:
             raise Lost(f"{key}: the store's get failed (code {got})")
         found_region = layout.read_region(self.mem, region.offset)
         if found_region is None or found_region[0] != layout.key_of(key):
+            unwritten(attempt.what, key, layout.failure(self.mem, region.offset, key))
             raise Lost(f"{key}: its value is not a whole document")
         return found_region[1]
 

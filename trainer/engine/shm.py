@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from trainer.engine import folders
-from trainer.engine.errors import EngineError
+from trainer.engine.errors import EngineError, unwritten
 from trainer.engine.room import Region, Room
 from trainer.engine.seam import Attempt, Lost, pause
 from trainer.vllm.connector import dflash_states_shm as layout
@@ -130,6 +130,7 @@ class ShmTransport:
         layout.unlock_range(self._fd, region.offset, region.nbytes)
         found = layout.read_region(self.mem, region.offset)
         if found is None or found[0] != layout.key_of(req_id):
+            unwritten(attempt.what, req_id, layout.failure(self.mem, region.offset, req_id))
             raise Lost(f"its region in {self.path} was let go unwritten (the writer died)")
         return found[1]
 

@@ -98,10 +98,18 @@ class Writer:
 
     def put(self, key: str, segment: str, tensors: dict[str, torch.Tensor]) -> None:
         """A document's ``tensors`` (``hidden_states [T, n, H]``, their ``token_ids`` and,
-        fp8, their scales) under ``key``, in ``segment``."""
+        fp8, their scales) under ``key``, in ``segment``. One that cannot be put has, in
+        its place, a value that says why (the trainer stops naming it, not waiting out its
+        deadline for a key that will never come), where the store still takes one."""
+        try:
+            self._put(key, segment, tensors)
+        except Exception as e:
+            self._put_failure(key, segment, f"{type(e).__name__}: {e}")
+            raise
+
+    def _put(self, key: str, segment: str, tensors: dict[str, torch.Tensor]) -> None:
         from dflash_states_shm import region_bytes, write_region  # beside it (vLLM's path)
         from dflash_states_wire import SCALES
-        from mooncake.store import ReplicateConfig
 
         states = tensors["hidden_states"]
         t, n, h = states.shape
@@ -111,10 +119,7 @@ class Writer:
             buf = self._take(store, size)
             try:
                 write_region(buf.numpy().data, 0, size, key, tensors)
-                config = ReplicateConfig()
-                config.replica_num = 1
-                config.preferred_segment = segment
-                code = store.put_from(key, buf.data_ptr(), size, config)
+                code = store.put_from(key, buf.data_ptr(), size, _config(segment))
             finally:
                 self._give(store, buf)
             if code == 0:
@@ -124,3 +129,28 @@ class Writer:
             with self._lock:  # the master may have been restarted: a new client, once
                 if self._store is store:
                     self._store = None
+
+    def _put_failure(self, key: str, segment: str, reason: str) -> None:
+        """Best effort: the value saying why ``key`` could not be put."""
+        import contextlib
+
+        from dflash_states_shm import REASON_BYTES, write_failure
+
+        with contextlib.suppress(Exception):
+            store = self._client()
+            buf = self._take(store, 4096 + REASON_BYTES)
+            try:
+                size = write_failure(buf.numpy().data, 0, buf.numel(), key, reason)
+                store.put_from(key, buf.data_ptr(), size, _config(segment))
+            finally:
+                self._give(store, buf)
+
+
+def _config(segment: str) -> Any:
+    """One replica, in ``segment`` (the requesting rank's own memory)."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.replica_num = 1
+    config.preferred_segment = segment
+    return config

@@ -41,6 +41,10 @@ MAGIC = b"DFLSHM02"
 HEADER = struct.Struct("<8sIIQQIIQQQQ")
 ALIGN = 64
 DONE = 2
+#: The header of a writer that could not write the document: why follows it (UTF-8).
+FAILED = 3
+#: The bytes of a failure's reason kept (and the region a failure needs: header and them).
+REASON_BYTES = 1024
 #: dtype codes in the header (an index into this tuple).
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 if hasattr(torch, "float8_e4m3fn"):
@@ -151,11 +155,15 @@ class Arenas:
 
     def write(self, target: str, req_id: str, tensors: dict[str, torch.Tensor]) -> None:
         """The request's token ids and states into its region, the header last, then the
-        lock let go (also when the write failed: the header then says it was not done)."""
+        lock let go (also when the write failed: the header then says why)."""
         arena, offset, nbytes, _ = parse_target(target)  # type: ignore[misc]
         try:
             _, mem = self._region(arena, offset, nbytes)
-            write_region(mem, offset, nbytes, req_id, tensors)
+            try:
+                write_region(mem, offset, nbytes, req_id, tensors)
+            except Exception as e:
+                write_failure(mem, offset, nbytes, req_id, f"{type(e).__name__}: {e}")
+                raise
         finally:
             self.unlock(target)
 
@@ -202,6 +210,25 @@ def read_region(mem: Any, offset: int) -> tuple[int, dict[str, torch.Tensor]] | 
         out[SCALES] = torch.frombuffer(mem, dtype=torch.float32, count=t * n,
                                        offset=offset + scales_at).view(t, n)  # fmt: skip
     return key, out
+
+
+def write_failure(mem: Any, offset: int, nbytes: int, req_id: str, reason: str) -> int:
+    """Say in the region that ``req_id``'s document could not be written, and why (the
+    reader stops at once naming it, where a region left unwritten is asked for again);
+    the bytes it took."""
+    text = reason.encode()[: max(0, min(REASON_BYTES, nbytes - _aligned(HEADER.size)))]
+    at = _aligned(HEADER.size)
+    mem[offset + at : offset + at + len(text)] = text
+    HEADER.pack_into(mem, offset, MAGIC, FAILED, 0, key_of(req_id), 0, 0, 0, at, 0, len(text), 0)
+    return at + len(text)
+
+
+def failure(mem: Any, offset: int, req_id: str) -> str | None:
+    """Why the writer could not write ``req_id``'s document, if the region says so."""
+    magic, state, _, key, _, _, _, at, _, size, _ = HEADER.unpack_from(mem, offset)
+    if magic != MAGIC or state != FAILED or key != key_of(req_id):
+        return None
+    return bytes(mem[offset + at : offset + at + size]).decode(errors="replace")
 
 
 def clear_header(mem: Any, offset: int) -> None:
