@@ -131,11 +131,8 @@ class TargetSection(TargetOptions):
         choices=TRANSPORTS, section=TARGET,
     )  # fmt: skip
     states_dtype: str = opt(
-        "engine",
-        "The dtype the states travel in: engine (as the engine computed them), bf16, or fp8 "
-        "(e4m3, one scale per token and layer: a quarter of fp32's bytes, 2^-4 relative "
-        "error at most); cast by the server's connector, widened as the features are laid "
-        "out (docs/TRAINER.md, 'Precision on the wire').",
+        "engine", "The dtype the states travel in: engine (as computed), bf16, or fp8 (e4m3, "
+        "a scale per token and layer; docs/TRAINER.md, 'Precision on the wire').",
         choices=STATES_DTYPES, section=TARGET,
     )  # fmt: skip
     states_buffer_mb: int = opt(

@@ -42,55 +42,19 @@ def engine_flags(vllm_python: str) -> list[str]:
 def states_checks(
     args: argparse.Namespace, work: Path, phases: Phases, target: Path, prompts: list[list[int]]
 ) -> list[Check]:
-    import contextlib
-
     import torch
 
-    from trainer.engine.mooncake import master
-    from trainer.engine.supply import client_for, serving
-    from trainer.engine.vllm import engine_layer_ids
     from trainer.model.target import load_target
 
     with phases("engine: vLLM's hidden states == the target's features, every layer"):
         tgt = load_target(str(target))
         layers = list(range(tgt.num_layers))
         tgt = load_target(str(target), layer_ids=layers)
-        ids = engine_layer_ids(layers, tgt.num_layers)
-        got, left = {}, []
-        with contextlib.ExitStack() as stack:
-            address, url, _ = stack.enter_context(master(work / "mooncake-master-states.log"))
-            store = {"master": address, "metadata": url}
-            log = work / "vllm-states.log"
-            server, folder = stack.enter_context(
-                serving(args.vllm_python, target, ids, log, mooncake=store)
-            )
-            for transport in TRANSPORTS:  # every way the states travel, from one server
-                via = store if transport == "mooncake" else None
-                client = client_for(server, folder, transport=transport, num_states=len(ids),
-                                    hidden_size=tgt.hidden_size, inflight=8, shm_mb=64,
-                                    mooncake=via)  # fmt: skip
-                futures = [client.submit(torch.tensor(p)) for p in prompts]
-                got[transport] = [client.result(f).clone() for f in futures]
-                client.close()
-                left += sorted(p.name for p in folder.iterdir())
-            for wire in WIRES:  # the connector's casts, through the arena
-                client = client_for(server, folder, num_states=len(ids), wire=wire,
-                                    hidden_size=tgt.hidden_size, inflight=8, shm_mb=64)  # fmt: skip
-                futures = [client.submit(torch.tensor(p)) for p in prompts]
-                got[wire] = [_widened(client.result(f)) for f in futures]
-                client.close()
+        got, left, folder = _fetch_all(args, work, target, tgt, prompts)
         wired = _wire_errors(got["shm"], got["bfloat16"], got["float8_e4m3fn"])
         same = all(torch.equal(a, b) for t in TRANSPORTS[1:]
                    for a, b in zip(got["shm"], got[t], strict=True))  # fmt: skip
-        worst = [0.0] * len(layers)
-        for p, states in zip(prompts, got["shm"], strict=True):
-            feats, _ = tgt.features(torch.tensor([p]))
-            ours = feats[0].view(len(p), len(layers), -1)
-            for k in layers:
-                theirs = states[:, k].float()
-                if k == tgt.num_layers - 1:  # vLLM's is before the final norm
-                    theirs = tgt.base.norm(theirs)
-                worst[k] = max(worst[k], float((theirs - ours[:, k]).abs().max()))
+        worst = _worst_by_layer(tgt, prompts, got["shm"])
         ok = max(worst) <= STATES_TOL and same and not left and not folder.exists()
         ok = ok and wired[0] and wired[1] <= 1.0
         detail = (
@@ -105,6 +69,55 @@ def states_checks(
         )
         print(f"   {detail}")
     return [Check("engine: vLLM's states == the target's features (layers 0..L-1)", ok, detail)]
+
+
+def _fetch_all(args: argparse.Namespace, work: Path, target: Path, tgt, prompts: list[list[int]]):
+    """The prompts' states from one vLLM server, through every transport and, through the
+    arena, in every wire dtype (float32 copies, by name); the names of what was left in
+    the server's folder after each client closed; the folder (gone once the server is)."""
+    import contextlib
+
+    import torch
+
+    from trainer.engine.mooncake import master
+    from trainer.engine.supply import client_for, serving
+    from trainer.engine.vllm import engine_layer_ids
+
+    ids = engine_layer_ids(list(range(tgt.num_layers)), tgt.num_layers)
+    got, left = {}, []
+    with contextlib.ExitStack() as stack:
+        address, url, _ = stack.enter_context(master(work / "mooncake-master-states.log"))
+        store = {"master": address, "metadata": url}
+        server, folder = stack.enter_context(
+            serving(args.vllm_python, target, ids, work / "vllm-states.log", mooncake=store)
+        )
+        ways = [(t, "") for t in TRANSPORTS] + [("shm", w) for w in WIRES]
+        for transport, wire in ways:  # every way the states travel, from one server
+            client = client_for(server, folder, transport=transport, num_states=len(ids),
+                                hidden_size=tgt.hidden_size, inflight=8, shm_mb=64, wire=wire,
+                                mooncake=store if transport == "mooncake" else None)  # fmt: skip
+            futures = [client.submit(torch.tensor(p)) for p in prompts]
+            got[wire or transport] = [_widened(client.result(f)) for f in futures]
+            client.close()
+            left += sorted(p.name for p in folder.iterdir())
+    return got, left, folder
+
+
+def _worst_by_layer(tgt, prompts: list[list[int]], states: list) -> list[float]:
+    """The largest |vLLM's state - the target's feature| of each layer over the prompts."""
+    import torch
+
+    layers = list(range(tgt.num_layers))
+    worst = [0.0] * len(layers)
+    for p, s in zip(prompts, states, strict=True):
+        feats, _ = tgt.features(torch.tensor([p]))
+        ours = feats[0].view(len(p), len(layers), -1)
+        for k in layers:
+            theirs = s[:, k].float()
+            if k == tgt.num_layers - 1:  # vLLM's is before the final norm
+                theirs = tgt.base.norm(theirs)
+            worst[k] = max(worst[k], float((theirs - ours[:, k]).abs().max()))
+    return worst
 
 
 def _widened(states):
