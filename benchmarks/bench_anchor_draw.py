@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import click
 import numpy as np
 import torch
 
-from trainer.model.blocks import DocumentDraw, LossConfig, plan_blocks
+from trainer.model.blocks import AnchorDraw, DocumentDraw, LossConfig, plan_blocks
 from trainer.train.batches import pack_batch
 
 VOCAB, BUDGET = 151_936, 65_536
@@ -43,14 +44,14 @@ def rows(n: int, seed: int) -> list:
 @click.option("--seed", default=0, show_default=True)
 def main(n_rows: int, repeat: int, seed: int) -> None:
     batches = rows(n_rows, seed)
-    kinds = {
+    kinds: dict[str, tuple[LossConfig, Callable[[int], AnchorDraw]]] = {
         "per document (default)": (LossConfig(), lambda i: DocumentDraw(seed, 0)),
         "per micro-batch, cap 2048 (old)": (
             LossConfig(tokens_per_anchor=1, max_anchors=2048, anchor_draw="micro-batch"),
             lambda i: torch.Generator().manual_seed(i),
         ),
     }
-    got = {}
+    got: dict[str, tuple[float, float]] = {}
     for name, (cfg, draw) in kinds.items():
         blocks, secs = [], []
         for i, b in enumerate(batches):
@@ -67,8 +68,8 @@ def main(n_rows: int, repeat: int, seed: int) -> None:
     docs = statistics.mean(len(b.sample_ids) for b in batches)
     print(f"{n_rows} packed rows, mean {tokens:,.0f} tokens and {docs:.1f} documents each")
     print(f"{'draw':<34} {'blocks per row':>15} {'plan_blocks ms':>15}")
-    for name, (blocks, sec) in got.items():
-        print(f"{name:<34} {blocks:>15.0f} {sec * 1e3:>15.1f}")
+    for name, (mean_blocks, sec) in got.items():
+        print(f"{name:<34} {mean_blocks:>15.0f} {sec * 1e3:>15.1f}")
     (b_new, t_new), (b_old, t_old) = got.values()
     print(f"per document / old: blocks {b_new / b_old:.2f}x, planning time {t_new / t_old:.2f}x")
 

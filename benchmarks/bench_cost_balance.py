@@ -143,7 +143,7 @@ def build_models(hidden: int) -> tuple[Target, DFlashDrafter]:
         vocab_size=VOCAB, hidden_size=hidden, num_layers=4, num_heads=4, num_kv_heads=2,
         intermediate_size=3 * hidden,
     )  # fmt: skip
-    target = load_target("tiny", layer_ids=(0, 1, 3), device="cpu", dtype=torch.float32, tiny=tiny)
+    target = load_target("tiny", layer_ids=[0, 1, 3], device="cpu", dtype=torch.float32, tiny=tiny)
     cfg = DrafterConfig.from_target(
         target.config, num_target_layers=3, block_size=BLOCK, mask_token_id=VOCAB - 1
     )
@@ -287,7 +287,7 @@ def reference_targets(baseline: str | None) -> dict[str, dict[str, Any]]:
     not measured here), at grad_accum 1 and 4; ``baseline``: also that commit's
     cost-balanced plans."""
     lengths = synth_lengths(SynthSpec(num_samples=902_000))
-    h100 = {
+    h100: dict[str, Any] = {
         "cost_c0": 0.02,
         "cost_tok": 2.3e-5,
         "cost_attn": 4e-10,
@@ -344,7 +344,7 @@ def run_shape(
     timed = 2 * steps * 8 * accum * len(plans)
     print(f"\ngrad_accum {accum}: timed {timed} micro-batches ({time.perf_counter() - t0:.0f} s)")
     floor = noise_floor(times, seed)
-    rows: dict[str, dict[str, float]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name, p in plans.items():
         t = times[name].sum(axis=3)  # a rank's time: its micro-batches of the step
         per_step_max = t.max(axis=2).mean()
@@ -477,9 +477,10 @@ def calibrate_layouts(corpus, tokens, layouts, target, drafter, calib, plot):
 )
 @click.option("--skip-reference", is_flag=True, help="Skip the 902K plan targets.")
 def main(
-    samples, calib, steps, accums, layouts, baseline, hidden, threads, seed, json_out, plot,
-    skip_reference,
-):  # fmt: skip
+    samples: int, calib: int, steps: int, accums: str, layouts: str, baseline: str,
+    hidden: int, threads: int, seed: int, json_out: Path | None, plot: Path | None,
+    skip_reference: bool,
+) -> None:  # fmt: skip
     torch.set_num_threads(threads)
     grad_accums = _ints(accums, "--grad-accum")
     chosen = [x.strip() for x in layouts.split(",") if x.strip()]

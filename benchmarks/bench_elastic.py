@@ -36,14 +36,14 @@ from client import LoaderClient  # noqa: E402
 from loader_server.data.synth import SynthSpec, synth_lengths, write_corpus  # noqa: E402
 from loader_server.planning import metrics  # noqa: E402
 from loader_server.planning.elastic import plan_rest, shaped  # noqa: E402
-from loader_server.planning.planner import plan_epoch  # noqa: E402
+from loader_server.planning.planner import EpochPlan, plan_epoch  # noqa: E402
 from loader_server.wire.protocol import Leg  # noqa: E402
 from loader_server.wire.spec import BatchSpec  # noqa: E402
 from scripts.servers.daemon_process import DaemonProcess  # noqa: E402
 
 #: The chain: (world_size, grad_accum) of each leg, in order.
 SHAPES = ((4, 1), (2, 1), (3, 2))
-SMALL_SPEC = {"token_budget": 16384, "max_batch_size": 32, "max_seq_len": 4096}
+SMALL_SPEC: dict[str, Any] = {"token_budget": 16384, "max_batch_size": 32, "max_seq_len": 4096}
 
 
 def cut_points(rng: np.random.Generator, steps: int) -> int:
@@ -96,14 +96,14 @@ def through_daemon(samples: int, seed: int) -> dict[str, Any]:
     ids, counts = np.unique(np.array(got, np.int64), return_counts=True)
     base = BatchSpec(**SMALL_SPEC)
     legs = [Leg(w, g, s) for (w, g), s in zip(SHAPES, cuts, strict=False)]
-    last = plan_rest(lengths, shaped(base, *SHAPES[-1]), epoch=0, legs=legs)
+    final = plan_rest(lengths, shaped(base, *SHAPES[-1]), epoch=0, legs=legs)
     servable = int((lengths > 0).sum())
     return {
         "samples": servable,
         "received": len(got),
         "duplicates": int((counts > 1).sum()),
         "missing": servable - ids.size,
-        "leftover": int(last.stats["dropped_leftover"]),
+        "leftover": int(final.stats["dropped_leftover"]),
         "cuts": cuts,
     }
 
@@ -124,7 +124,9 @@ def on_reference(samples: int, seed: int, repeats: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     lengths = synth_lengths(SynthSpec(num_samples=samples))
     base = BatchSpec()
-    rows, legs, prior = [], [], None
+    rows: list[dict[str, Any]] = []
+    legs: list[Leg] = []
+    prior: EpochPlan | None = None
     for k, (world, ga) in enumerate(SHAPES):
         spec = shaped(base, world, ga)
         rest = partial(plan_rest, lengths, spec, epoch=0, legs=legs)

@@ -42,12 +42,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts.servers
 
-SPECS = {
+SPECS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "larger": {"vocab_size": 8192, "hidden_size": 512, "num_layers": 8, "num_heads": 8,
                "num_kv_heads": 4, "intermediate_size": 1536},

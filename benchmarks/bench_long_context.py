@@ -46,7 +46,7 @@ from loader_server.planning import metrics
 from loader_server.wire.spec import BatchSpec
 
 H100 = {"cost_c0": 0.02, "cost_tok": 2.3e-5, "cost_attn": 4e-10, "cost_slot": 3.6e-6}
-SPEC = {"max_seq_len": 65536, "token_budget": 65536, "world_size": 8, **H100}
+SPEC: dict[str, Any] = {"max_seq_len": 65536, "token_budget": 65536, "world_size": 8, **H100}
 SHAPES: dict[str, dict[str, Any]] = {
     "padded, ga 1": {"layout": "padded"},
     "padded, ga 4": {"layout": "padded", "grad_accum": 4},

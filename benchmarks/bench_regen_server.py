@@ -37,6 +37,7 @@ def start_server(delay: float, capacity: int) -> tuple[subprocess.Popen, str]:
         str(capacity),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None  # stdout=PIPE
     line = proc.stdout.readline()
     if not line.startswith("READY "):
         proc.kill()
@@ -63,8 +64,8 @@ def main(conversations: int, delay: float, capacity: int, concurrency: str, as_j
 
     logging.basicConfig(level=logging.WARNING)
     levels = [int(c) for c in concurrency.split(",")]
-    with tempfile.TemporaryDirectory(prefix="bench-regen-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="bench-regen-") as tmp_dir:
+        tmp = Path(tmp_dir)
         tok = build_tokenizer(tmp / "tokenizer", template="qwen3")
         src = write_jsonl(tmp / "conv.jsonl", generate_conversations(conversations, words=40))
         proc, url = start_server(delay, capacity)

@@ -89,9 +89,11 @@ def writer(conn, folder: str, tokens: int, dtype: str, threads: int, store: dict
         if kind == "mooncake":
             with send:
                 conn.send(req_id)  # the reply first, the put after it (as the connector)
+            assert putter is not None  # a mooncake job comes with its store
             putter.put(req_id, where["segment"], {"hidden_states": states, "token_ids": ids})
             return
         if kind == "mooncake-raw":
+            assert raw is not None
             raw(req_id, where["segment"])
             with send:
                 conn.send(req_id)

@@ -60,8 +60,8 @@ def write_set(name: str, root: Path, args: argparse.Namespace) -> tuple[Path, Pa
 
     out = root / f"{name}.jsonl"
     if name == "toy":
-        rows = tiny_chat.generate_conversations(args.conversations, seed=0, words=args.words)
-        tiny_chat.write_jsonl(out, rows)
+        toy = tiny_chat.generate_conversations(args.conversations, seed=0, words=args.words)
+        tiny_chat.write_jsonl(out, toy)
         return out, tiny_chat.build_tokenizer(root / "toy-tokenizer", template=args.template)
     from scripts.fixtures.qwen3_tokenizer import qwen3_tokenizer_dir
 

@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ def run(steps: int, report_to: str, run_dir: Path) -> dict[str, Any]:
     calls: list[float] = []
     log = Trackers.log
 
-    def timed(self: Trackers, step: int, record: dict[str, Any]) -> None:
+    def timed(self: Trackers, step: int, record: Mapping[str, Any]) -> None:
         t0 = time.perf_counter()
         log(self, step, record)
         calls.append(time.perf_counter() - t0)

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
 
@@ -68,6 +69,7 @@ def one(anchors: int, chunk: int, variant: str = "dflash") -> dict[str, float]:
             target, drafter, batch, loss_cfg, torch.Generator(), chunk_size=chunk,
             on_chunks=hostmem.fit_chunks,  # the trainer's CPU allocator policy
         )  # fmt: skip
+        assert out.loss is not None  # a fully supervised document: blocks to train on
         out.loss.backward()
         times.append(time.perf_counter() - t0)
         drafter.zero_grad(set_to_none=True)
@@ -123,6 +125,7 @@ def one_long(seq: int) -> dict[str, float]:
         target, drafter, batch, loss_cfg, torch.Generator(), chunk_size=sh.loss_chunk,
         on_chunks=hostmem.fit_chunks,
     )  # fmt: skip
+    assert out.loss is not None  # a fully supervised document: blocks to train on
     out.loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -215,16 +218,16 @@ def main() -> None:
     if args.dflash2:
         compare_dflash2([int(x) for x in args.anchors.split(",")], args.chunk)
         return
-    rows = []
+    rows: list[dict[str, Any]] = []
     for a in (int(x) for x in args.anchors.split(",")):
-        row = {"anchors": a}
+        row: dict[str, Any] = {"anchors": a}
         for name, chunk in (("chunked", args.chunk), ("unchunked", 0)):
             if chunk == 0 and not fits_unchunked(a, args.limit_gb):
                 row[name] = None
                 continue
             row[name] = _run(a, chunk, "dflash")
         rows.append(row)
-        _print_row(row)
+        _print_row(row, header=len(rows) == 1)
     _print_summary(rows)
 
 
@@ -251,14 +254,13 @@ def compare_dflash2(anchors: list[int], chunk: int) -> None:
         )
 
 
-def _print_row(row: dict) -> None:
+def _print_row(row: dict, header: bool) -> None:
     def cell(r: dict | None) -> str:
         if r is None:
             return "does not fit".rjust(24)
         return f"{r['rss_peak_gb']:6.2f} GB {r['step_s']:7.2f} s".rjust(24)
 
-    if "header" not in _print_row.__dict__:
-        _print_row.header = True
+    if header:
         print(f"{'anchors':>8} {'chunked: peak RSS, step':>24} {'unchunked: peak RSS, step':>26}")
     print(f"{row['anchors']:>8} {cell(row['chunked'])} {cell(row['unchunked'])}  ratios: ", end="")
     u, c = row["unchunked"], row["chunked"]

@@ -4,7 +4,8 @@ The demo's shape (4-layer tiny target, vocab 512, 1-layer drafter, block 8, 16 a
 document) on padded micro-batches of 2,048 tokens built from the demo's length mix: each
 tree runs in its own process (``--tree`` puts it first on ``sys.path``), timing forward +
 backward + optimizer step over the same micro-batches. The baseline is any checkout of this
-project, e.g. ``git worktree add /tmp/base 4315bef``.
+project with the trainer's ``model/`` and ``train/`` packages (eb551e2 on), e.g.
+``git worktree add /tmp/base eb551e2``.
 
     python benchmarks/bench_trainer_tiny.py --baseline /tmp/base [--steps 60]
 """
@@ -12,7 +13,6 @@ project, e.g. ``git worktree add /tmp/base 4315bef``.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import subprocess
 import sys
@@ -35,14 +35,10 @@ def measure(steps: int) -> dict[str, float]:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     target = Target(build_tiny_model(TinyTargetSpec()))
-    cfg = DrafterConfig.from_target(target.config, num_target_layers=3, block_size=8)
-    if "mask_token_id" in inspect.signature(DrafterConfig).parameters:
-        cfg = DrafterConfig.from_target(
-            target.config, num_target_layers=3, block_size=8, mask_token_id=511
-        )
-        drafter = DFlashDrafter(cfg)
-    else:  # the baseline: a learned MASK vector
-        drafter = DFlashDrafter(cfg, target.embed_tokens.weight.mean(0))
+    cfg = DrafterConfig.from_target(
+        target.config, num_target_layers=3, block_size=8, mask_token_id=511
+    )
+    drafter = DFlashDrafter(cfg)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     batches = []
@@ -58,6 +54,7 @@ def measure(steps: int) -> dict[str, float]:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(i)
         out = draft_loss(target, drafter, batch, loss_cfg, gen, on_chunks=hostmem.fit_chunks)
+        assert out.loss is not None  # every document has supervised tokens to anchor on
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -38,7 +38,7 @@ def main() -> None:
     from trainer.eval.runner import load_base_target, load_drafter
     from trainer.eval.sets import conversation, load_set, render
     from trainer.model.speculate import BatchedVerifier
-    from trainer.model.verifier import DrafterProposer, speculative_generate
+    from trainer.model.verifier import DrafterProposer, SpecResult, speculative_generate
 
     torch.set_num_threads(args.threads)
     base, tok, eos = load_base_target(args.target)
@@ -59,7 +59,7 @@ def main() -> None:
     verifier = BatchedVerifier(d.target, d.drafter, max_new_tokens=n, eos_token_ids=eos)
     order = sorted(range(len(prompts)), key=lambda k: prompts[k].numel())
     t0 = time.perf_counter()
-    got = {}
+    got: dict[int, SpecResult] = {}
     for lo in range(0, len(order), args.batch_size):
         chunk = order[lo : lo + args.batch_size]
         got.update(zip(chunk, verifier.generate([prompts[k] for k in chunk]), strict=True))

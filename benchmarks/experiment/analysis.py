@@ -87,7 +87,9 @@ def spikiness(losses: Sequence[float], *, threshold: float | None = None) -> dic
 def pooled_diff_std(series: Sequence[Sequence[float]]) -> float | None:
     """Std of the step-to-step changes of several series taken together (None for fewer
     than two changes)."""
-    d = np.concatenate([np.diff(np.asarray(s, np.float64)) for s in series if len(s) > 1] or [[]])
+    d = np.concatenate(
+        [np.diff(np.asarray(s, np.float64)) for s in series if len(s) > 1] or [np.empty(0)]
+    )
     return float(d.std(ddof=1)) if d.size > 1 else None
 
 
@@ -187,9 +189,8 @@ def heldout_batches(path: Path, band: np.ndarray, token_budget: int = EVAL_TOKEN
                 rows.append(i)
                 continue
             if rows:
-                out.append(
-                    (b, pad_batch([(ds.input_ids(r).copy(), ds.loss_mask(r).copy()) for r in rows]))
-                )
+                samples = [(ds.input_ids(r).tolist(), ds.loss_mask(r).tolist()) for r in rows]
+                out.append((b, pad_batch(samples)))
             rows = [] if i is None else [i]
     return out
 
@@ -583,7 +584,7 @@ def _corpus_facts(
 def _summarize_spec(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any]:
     mine = [r for r in runs.values() if r["spec"] == spec]
     keys = dict.fromkeys(k for r in mine for k in r["spikiness"])  # spike_frac: some seeds
-    out = {k: _stats([r["spikiness"].get(k) for r in mine]) for k in keys}
+    out: dict[str, Any] = {k: _stats([r["spikiness"].get(k) for r in mine]) for k in keys}
     out.pop("num_steps")
     for k in ("final_loss", "hard_frac_std", "all_hard_frac", "corr_resid_hard"):
         out[k] = _stats([r[k] for r in mine])

@@ -326,7 +326,8 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
     lim = max(float(np.abs(d).max()) for d in diffs.values())
     bins = np.linspace(-lim, lim, 41)
     for spec, d in diffs.items():
-        ax.hist(d, bins=bins, histtype="step", lw=1.6, color=COLORS.get(spec), label=spec)
+        # matplotlib's stubs say int | Sequence[float] | str; it takes an array of edges
+        ax.hist(d, bins=bins, histtype="step", lw=1.6, color=COLORS.get(spec), label=spec)  # type: ignore[arg-type]
     ax.set(
         xlabel="loss(t) - loss(t-1)", ylabel="steps", title=f"step-to-step loss change, seed {seed}"
     )

@@ -455,7 +455,7 @@ def run_experiment(cfg: ExperimentConfig) -> dict[str, Any]:
     preflight(cfg)
     train_path, heldout_path = write_corpora(cfg)
     if cfg.data_only:
-        made = {"train": str(train_path), "heldout": str(heldout_path)}
+        made: dict[str, Any] = {"train": str(train_path), "heldout": str(heldout_path)}
         if cfg.corpus == "text":
             from benchmarks.experiment.looping import looping
 

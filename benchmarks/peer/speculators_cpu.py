@@ -48,7 +48,7 @@ def apply_cpu_patches() -> list[str]:
     import speculators.train.checkpointer as checkpointer
     import speculators.train.trainer as trainer
 
-    trainer.get_local_rank = lambda: torch.device("cpu")  # type: ignore[attr-defined]
+    trainer.get_local_rank = lambda: torch.device("cpu")
     synchronize = torch.accelerator.synchronize
 
     def _synchronize(*args: Any, **kwargs: Any) -> None:
@@ -62,8 +62,8 @@ def apply_cpu_patches() -> list[str]:
         init(self, *args, **kwargs)
         self.device_type = "cpu"
 
-    trainer.Trainer.__init__ = _init  # type: ignore[method-assign]
-    checkpointer.get_current_device = lambda: "cpu"  # type: ignore[attr-defined]
+    trainer.Trainer.__init__ = _init
+    checkpointer.get_current_device = lambda: "cpu"
     return [f"{name} {what}" for name, what in PATCHES]
 
 

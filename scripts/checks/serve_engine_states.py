@@ -121,7 +121,8 @@ def _worst_by_layer(tgt, prompts: list[list[int]], states: list) -> list[float]:
 
 
 def _widened(states):
-    """A client's states as a float32 copy (fp8's widened by their scales)."""
+    """A client's states as a float32 copy (fp8's widened by their scales): the states
+    themselves may be a view of the arena or the receive buffer, reused once released."""
     import torch
 
     from trainer.engine.states import Scaled
@@ -129,7 +130,7 @@ def _widened(states):
 
     if isinstance(states, Scaled):
         return decode(states.values, states.scales, torch.float32)
-    return states.float()
+    return states.to(torch.float32, copy=True)  # a view of the transport's memory until then
 
 
 def _wire_errors(exact: list, bf16: list, fp8: list) -> tuple[bool, float]:

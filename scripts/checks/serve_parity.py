@@ -117,6 +117,7 @@ def _selector_scores(
 
     drafter = verifier.proposer.drafter
     selector = drafter.candidate_selector
+    assert selector is not None  # a DFlash2 drafter's
     b = drafter.config.block_size
     with torch.no_grad():
         logits = verifier.target.lm_head(ours).float()
@@ -186,7 +187,8 @@ def _dflash2_pieces(verifier: Verifier, tokens: list[int]) -> dict[str, Any]:
         edges = selector.edges(hidden, unary, cands, int(ids[anchor]))
         ours_conv = []
         for i, layer in enumerate(drafter.layers):
-            for conv in (layer.attention_conv, layer.mlp_conv):
+            convs: tuple[Any, Any] = (layer.attention_conv, layer.mlp_conv)  # DFlash2's
+            for conv in convs:
                 y, c = conv.prepare(conv_in[i])
                 ours_conv.append((y, conv.finish(conv_out[i], c)))
     return {"block": cfg.block_size, "conv_in": conv_in, "conv_out": conv_out,

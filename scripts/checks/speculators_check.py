@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def compare_ours(ours: str, converted: str, cls: type) -> dict:
+def compare_ours(ours: str, converted: str, cls: Any) -> dict:
     """Our speculators-dialect export against the converted checkpoint: both loaded by
     speculators; weights equal, config keys equal (but version-written ones)."""
     mine = cls.from_pretrained(ours).state_dict()

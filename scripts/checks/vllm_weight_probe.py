@@ -17,9 +17,10 @@ import importlib.machinery
 import json
 import os
 import sys
+from typing import Any
 
 _REPORT = os.environ.get("DFLASH_SERVE_CHECK_REPORT")
-_SEEN = {"checkpoint": [], "loaded": {}}
+_SEEN: dict[str, Any] = {"checkpoint": [], "loaded": {}}
 
 
 def _patch_utils(mod):

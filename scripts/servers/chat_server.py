@@ -234,7 +234,7 @@ class ModelBackend:
         )
 
     def _eos_ids(self) -> list[int]:
-        ids = set()
+        ids: set[int] = set()
         for value in (self.tok.eos_token_id, self.model.generation_config.eos_token_id):
             if value is not None:
                 ids.update([value] if isinstance(value, int) else value)
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> None:
         backend = FixedBackend(args.fixed_delay, args.fixed_text)
     server = ChatServer((args.host, args.port), args, backend)
     host, port = server.server_address[:2]
-    print(f"READY http://{host}:{port}", flush=True)
+    print(f"READY http://{host!s}:{port}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
