@@ -334,36 +334,60 @@ def run_shape(
     drafter,
 ) -> dict[str, Any]:
     """Plan, time and compare the plans of one grad_accum (``specs``: token and cost)."""
-    plans = {"token-balanced": plan_epoch(corpus.lengths, specs["token"], epoch=0)}
-    if baseline is not None:
-        plans[f"cost @{baseline}"] = plans_at(baseline, corpus.lengths, specs["cost"], (0,))[0][0]
-    plans["cost-balanced"] = plan_epoch(corpus.lengths, specs["cost"], epoch=0)
+    plans = _plans(corpus, specs, baseline)
     accum = specs["cost"].grad_accum
     t0 = time.perf_counter()
     times, chosen = measure(plans, steps, corpus, target, drafter, seed)
     timed = 2 * steps * 8 * accum * len(plans)
     print(f"\ngrad_accum {accum}: timed {timed} micro-batches ({time.perf_counter() - t0:.0f} s)")
     floor = noise_floor(times, seed)
-    rows: dict[str, dict[str, Any]] = {}
-    for name, p in plans.items():
-        t = times[name].sum(axis=3)  # a rank's time: its micro-batches of the step
-        per_step_max = t.max(axis=2).mean()
-        rows[name] = {
-            "steps_per_epoch": p.num_steps,
-            "micro_per_epoch": p.num_micro,
-            "imbalance_measured": imbalance(t[0]),
-            "imbalance_measured_again": imbalance(t[1]),
-            "imbalance_modelled": metrics.rank_imbalance(p, metrics.modelled_costs(p, coef)),
-            "mean_micro_s": float(t.mean()),
-            "ddp_epoch_s": float(p.num_steps * per_step_max),
-            "padding_efficiency": float(p.stats["padding_efficiency"]),
-            "step_mix_distance": metrics.step_mix_distance(p),
-            "rank_coupling": rank_coupling(times[name][0], modelled_grid(p, chosen[name], coef)),
-        }
+    rows = {name: _plan_row(p, times[name], chosen[name], coef) for name, p in plans.items()}
     print(
         f"world size 8 x grad_accum {accum}, {steps} sampled steps per plan, each timed twice; "
         f"noise floor {floor:.4f}"
     )
+    _print_table(rows)
+    _epoch_ratios(rows, times, seed)
+    _print_gaps(rows, floor)
+    return {
+        "noise_floor": floor, "plans": rows,
+        "times_s": {name: t.tolist() for name, t in times.items()},
+    }  # fmt: skip
+
+
+def _plans(
+    corpus: Corpus, specs: dict[str, BatchSpec], baseline: str | None
+) -> dict[str, EpochPlan]:
+    """Epoch 0's token-balanced plan, ``baseline``'s cost-balanced one (when given) and
+    ours."""
+    plans = {"token-balanced": plan_epoch(corpus.lengths, specs["token"], epoch=0)}
+    if baseline is not None:
+        plans[f"cost @{baseline}"] = plans_at(baseline, corpus.lengths, specs["cost"], (0,))[0][0]
+    plans["cost-balanced"] = plan_epoch(corpus.lengths, specs["cost"], epoch=0)
+    return plans
+
+
+def _plan_row(p: EpochPlan, times: np.ndarray, chosen: np.ndarray, coef) -> dict[str, Any]:
+    """One plan's measures from its timed steps (``times``: [pass, steps, world, grad_accum]
+    of the ``chosen`` steps)."""
+    t = times.sum(axis=3)  # a rank's time: its micro-batches of the step
+    per_step_max = t.max(axis=2).mean()
+    return {
+        "steps_per_epoch": p.num_steps,
+        "micro_per_epoch": p.num_micro,
+        "imbalance_measured": imbalance(t[0]),
+        "imbalance_measured_again": imbalance(t[1]),
+        "imbalance_modelled": metrics.rank_imbalance(p, metrics.modelled_costs(p, coef)),
+        "mean_micro_s": float(t.mean()),
+        "ddp_epoch_s": float(p.num_steps * per_step_max),
+        "padding_efficiency": float(p.stats["padding_efficiency"]),
+        "step_mix_distance": metrics.step_mix_distance(p),
+        "rank_coupling": rank_coupling(times[0], modelled_grid(p, chosen, coef)),
+    }
+
+
+def _print_table(rows: dict[str, dict[str, Any]]) -> None:
+    """The plans side by side, one line each."""
     titles = ("imb meas", "again", "imb model", "steps", "DDP epoch s", "x token", "eff", "mix")
     widths = (9, 7, 9, 6, 12, 8, 6, 6)
     width = max(len(n) for n in rows) + 1
@@ -377,6 +401,12 @@ def run_shape(
             f"{r['ddp_epoch_s'] / tok['ddp_epoch_s']:>8.3f} "
             f"{r['padding_efficiency']:>6.3f} {r['step_mix_distance']:>6.3f}"
         )
+
+
+def _epoch_ratios(rows: dict[str, dict[str, Any]], times: dict[str, np.ndarray], seed: int) -> None:
+    """Each cost plan's DDP epoch over the token-balanced plan's, with its 90% interval over
+    the sampled steps: kept in its row and printed."""
+    tok = rows["token-balanced"]
     for name, r in rows.items():
         if name != "token-balanced":
             k = r["steps_per_epoch"] / tok["steps_per_epoch"]
@@ -386,10 +416,15 @@ def run_shape(
             r["epoch_ratio"], r["epoch_ratio_90"] = r["ddp_epoch_s"] / tok["ddp_epoch_s"], [lo, hi]
             print(f"{name}: DDP epoch {r['epoch_ratio']:.3f}x token-balanced (90% interval "
                   f"over the sampled steps {lo:.3f}-{hi:.3f})")  # fmt: skip
+
+
+def _print_gaps(rows: dict[str, dict[str, Any]], floor: float) -> None:
+    """Each plan's rank coupling, and how far each cost plan's measured imbalance lies above
+    the noise floor (the share of the token-balanced plan's gap it closed)."""
     coupling = ", ".join(f"{n} {r['rank_coupling']:.2f}" for n, r in rows.items())
     print(f"rank coupling (1: a rank's micro-batches err independently, as the floor assumes): "
           f"{coupling}")  # fmt: skip
-    gap_tok = tok["imbalance_measured"] - floor
+    gap_tok = rows["token-balanced"]["imbalance_measured"] - floor
     for name, r in rows.items():
         if name == "token-balanced":
             continue
@@ -399,10 +434,6 @@ def run_shape(
             f"{name}: {gap:+.4f} above the floor (target <= 0.02), {closed:.0f}% of the "
             f"token-balanced gap ({gap_tok:+.4f}) closed"
         )
-    return {
-        "noise_floor": floor, "plans": rows,
-        "times_s": {name: t.tolist() for name, t in times.items()},
-    }  # fmt: skip
 
 
 def _ints(text: str, flag: str) -> list[int]:

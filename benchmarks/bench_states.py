@@ -162,120 +162,151 @@ def memcpy_row(tokens: int, dtype: str, docs: int) -> dict:
     return _row("memcpy", 1, docs, src, time.perf_counter() - t0, lat)
 
 
+#: Each transport's row name.
+NAMES = {"files-before": "files, before (baseline)", "files": "files", "shm": "shm",
+         "mooncake-raw": "mooncake, raw (its limit)", "mooncake": "mooncake"}  # fmt: skip
+
+
 def transport_row(kind: str, tokens: int, dtype: str, docs: int, inflight: int,
                   store: dict | None = None) -> dict:  # fmt: skip
     """``docs`` documents through ``kind`` with ``inflight`` in flight (``store``: a
     Mooncake master's addresses, for the Mooncake rows)."""
-    from safetensors.torch import load_file
-
-    from trainer.engine.files import FileTransport
-    from trainer.engine.seam import Attempt
-    from trainer.engine.shm import ShmTransport
-    from trainer.vllm.connector.dflash_states_shm import region_bytes
-
     folder = Path(tempfile.mkdtemp(prefix="bench-states-", dir="/dev/shm"))
     ours, theirs = mp.Pipe()
     job = (theirs, str(folder), tokens, dtype, inflight, store or {})
     proc = mp.get_context("spawn").Process(target=writer, args=job)
     proc.start()
     like = document(tokens, dtype)
-    nbytes = region_bytes(tokens, LAYERS, WIDTH, like.element_size())
-    run = "benchbench000-000000"
-    room_mb = max(1, (inflight + 1) * nbytes >> 20) + 1
-    shm = ShmTransport(folder, run=run, rank=0, size_mb=room_mb)
-    files = FileTransport(folder, run=run, rank=0)
-    mc = None
-    if kind.startswith("mooncake"):
-        from trainer.engine.mooncake import MooncakeTransport
-
-        mc = MooncakeTransport(None, run=run, rank=0, size_mb=2 * room_mb, **(store or {}))
-    replies: dict[str, threading.Event] = {}
-    answered: dict[str, str] = {}
-    lock = threading.Lock()
-
-    def listen() -> None:
-        while True:
-            try:
-                said = ours.recv()
-            except EOFError:
-                return
-            key = said if kind in ("shm", "mooncake", "mooncake-raw") else (
-                Path(said).name.split("-0-x")[0][5:])  # fmt: skip
-            with lock:
-                answered[key] = said
-                replies[key].set()
-
-    threading.Thread(target=listen, daemon=True).start()
-    seen = [0.0]
-    attempt = Attempt("bench", time.monotonic() + 3600, lambda: False, lambda text: None)
-
-    def one(k: int) -> float:
-        req_id = f"dflash-{run}-r0-{k}"
-        with lock:
-            replies[req_id] = threading.Event()
-        t = time.perf_counter()
-        if kind in ("mooncake", "mooncake-raw"):
-            assert mc is not None
-            region = mc.place(nbytes)
-            mc.ready(region, attempt)
-            ours.send((kind, req_id, {"segment": mc.segment}))
-            replies[req_id].wait()
-            if kind == "mooncake":
-                got = mc.fetch(region, req_id, attempt)
-                seen[0] += float(got["hidden_states"][-1, -1, -1])
-                del got
-            else:  # Mooncake alone: get_into the registered buffer, remove the key
-                size = like.numel() * like.element_size()
-                code = mc.store.get_into(req_id, mc.buffer.data_ptr() + region.offset, size)
-                assert code == size, code
-                mc.store.remove(req_id, True)
-            mc.release(region)
-        elif kind == "shm":
-            region = shm.place(nbytes)
-            shm.ready(region, attempt)
-            where = shm.params(region, req_id)["dflash_shm"]
-            ours.send(("shm", req_id, where))
-            replies[req_id].wait()
-            got = shm.fetch(region, req_id, attempt)
-            seen[0] += float(got["hidden_states"][-1, -1, -1])  # read where it lies
-            del got
-            shm.release(region)
-        else:
-            ours.send((kind, req_id, {}))
-            replies[req_id].wait()
-            path = Path(answered[req_id])
-            if kind == "files":
-                got = files.fetch(None, path, attempt)
-            else:  # before: the plain flock, load_file, unlink
-                import fcntl
-
-                with open(str(path) + ".lock") as lf:
-                    fcntl.flock(lf, fcntl.LOCK_SH)
-                    got = load_file(str(path))
-                os.unlink(path)
-                os.unlink(str(path) + ".lock")
-            seen[0] += float(got["hidden_states"][-1, -1, -1])
-        return time.perf_counter() - t
-
+    reader = Reader(kind, ours, folder, like, inflight, store)
+    threading.Thread(target=reader.listen, daemon=True).start()
     try:
         with ThreadPoolExecutor(inflight) as pool:  # warm-up: imports, the arena's pages
-            list(pool.map(one, range(10**6, 10**6 + inflight)))
+            list(pool.map(reader.one, range(10**6, 10**6 + inflight)))
         t0 = time.perf_counter()
         with ThreadPoolExecutor(inflight) as pool:
-            lat = list(pool.map(one, range(docs)))
+            lat = list(pool.map(reader.one, range(docs)))
         wall = time.perf_counter() - t0
     finally:
         ours.send(None)
         proc.join(60)
-        shm.close()
-        if mc is not None:
-            mc.close()
+        reader.close()
         for p in folder.iterdir():
             p.unlink()
         folder.rmdir()
-    names = {"files-before": "files, before (baseline)", "files": "files", "shm": "shm",
-             "mooncake-raw": "mooncake, raw (its limit)", "mooncake": "mooncake"}  # fmt: skip
-    return _row(names[kind], inflight, docs, like, wall, lat)
+    return _row(NAMES[kind], inflight, docs, like, wall, lat)
+
+
+class Reader:
+    """The trainer's side of one transport row: each document requested from the writer
+    (``conn``), its answer awaited, and the document read the transport's way."""
+
+    def __init__(self, kind: str, conn, folder: Path, like, inflight: int,
+                 store: dict | None) -> None:  # fmt: skip
+        from trainer.engine.files import FileTransport
+        from trainer.engine.seam import Attempt
+        from trainer.engine.shm import ShmTransport
+        from trainer.vllm.connector.dflash_states_shm import region_bytes
+
+        self.kind, self.conn, self.like = kind, conn, like
+        self.nbytes = region_bytes(like.shape[0], LAYERS, WIDTH, like.element_size())
+        self.run = "benchbench000-000000"
+        room_mb = max(1, (inflight + 1) * self.nbytes >> 20) + 1
+        self.shm = ShmTransport(folder, run=self.run, rank=0, size_mb=room_mb)
+        self.files = FileTransport(folder, run=self.run, rank=0)
+        self.mc = None
+        if kind.startswith("mooncake"):
+            from trainer.engine.mooncake import MooncakeTransport
+
+            self.mc = MooncakeTransport(None, run=self.run, rank=0, size_mb=2 * room_mb,
+                                        **(store or {}))  # fmt: skip
+        self.replies: dict[str, threading.Event] = {}
+        self.answered: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.seen = 0.0
+        self.attempt = Attempt("bench", time.monotonic() + 3600, lambda: False, lambda text: None)
+
+    def listen(self) -> None:
+        """Take the writer's answers until the pipe closes, waking the request of each."""
+        while True:
+            try:
+                said = self.conn.recv()
+            except EOFError:
+                return
+            key = said if self.kind in ("shm", "mooncake", "mooncake-raw") else (
+                Path(said).name.split("-0-x")[0][5:])  # fmt: skip
+            with self.lock:
+                self.answered[key] = said
+                self.replies[key].set()
+
+    def one(self, k: int) -> float:
+        """Document ``k`` requested and read; returns its latency in seconds."""
+        req_id = f"dflash-{self.run}-r0-{k}"
+        with self.lock:
+            self.replies[req_id] = threading.Event()
+        t = time.perf_counter()
+        if self.kind in ("mooncake", "mooncake-raw"):
+            self._mooncake(req_id)
+        elif self.kind == "shm":
+            self._shm(req_id)
+        else:
+            self._files(req_id)
+        return time.perf_counter() - t
+
+    def _mooncake(self, req_id: str) -> None:
+        """Through Mooncake: our transport's fetch, or (raw) its own get_into alone."""
+        mc = self.mc
+        assert mc is not None
+        region = mc.place(self.nbytes)
+        mc.ready(region, self.attempt)
+        self.conn.send((self.kind, req_id, {"segment": mc.segment}))
+        self.replies[req_id].wait()
+        if self.kind == "mooncake":
+            got = mc.fetch(region, req_id, self.attempt)
+            self.seen += float(got["hidden_states"][-1, -1, -1])
+            del got
+        else:  # Mooncake alone: get_into the registered buffer, remove the key
+            size = self.like.numel() * self.like.element_size()
+            code = mc.store.get_into(req_id, mc.buffer.data_ptr() + region.offset, size)
+            assert code == size, code
+            mc.store.remove(req_id, True)
+        mc.release(region)
+
+    def _shm(self, req_id: str) -> None:
+        """Through the shared-memory arena: read where it lies."""
+        region = self.shm.place(self.nbytes)
+        self.shm.ready(region, self.attempt)
+        where = self.shm.params(region, req_id)["dflash_shm"]
+        self.conn.send(("shm", req_id, where))
+        self.replies[req_id].wait()
+        got = self.shm.fetch(region, req_id, self.attempt)
+        self.seen += float(got["hidden_states"][-1, -1, -1])  # read where it lies
+        del got
+        self.shm.release(region)
+
+    def _files(self, req_id: str) -> None:
+        """Through a file: our transport's fetch, or (before) the plain flock, load, unlink."""
+        self.conn.send((self.kind, req_id, {}))
+        self.replies[req_id].wait()
+        path = Path(self.answered[req_id])
+        if self.kind == "files":
+            got = self.files.fetch(None, path, self.attempt)
+        else:  # before: the plain flock, load_file, unlink
+            import fcntl
+
+            from safetensors.torch import load_file
+
+            with open(str(path) + ".lock") as lf:
+                fcntl.flock(lf, fcntl.LOCK_SH)
+                got = load_file(str(path))
+            os.unlink(path)
+            os.unlink(str(path) + ".lock")
+        self.seen += float(got["hidden_states"][-1, -1, -1])
+
+    def close(self) -> None:
+        """Let the arena (and Mooncake's buffers) go."""
+        self.shm.close()
+        if self.mc is not None:
+            self.mc.close()
 
 
 def _row(name: str, inflight: int, docs: int, like, wall: float, lat: list[float]) -> dict:

@@ -333,6 +333,29 @@ def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
 
 
 def main() -> None:
+    args = _arguments()
+    work = args.work / ("quick" if args.quick else "text")
+    work.mkdir(parents=True, exist_ok=True)
+    from benchmarks.experiment.served import check_interpreter
+
+    check_interpreter(args.vllm_python)
+    _say("== target and data")
+    setup = quick_setup(work) if args.quick else text_setup(work, args.vllm_python, args.threads)
+    base = _settings(args, setup)
+    data = _prepare(work, setup, base, args.threads)
+    runs: list[dict[str, Any]] = earlier(work / "results.json", base) if args.more else []
+    first = len(runs)
+    for k in range(first, first + args.pairs):
+        runs.append(_pair(k, first + args.pairs, work, setup, data, base, args))
+    summary = summarize(runs, data)
+    (work / "results.json").write_text(json.dumps(
+        {"settings": base.describe(), "unmatched": UNMATCHED, "data": data, "runs": runs,
+         "summary": summary}, indent=1) + "\n")  # fmt: skip
+    report(summary, len(runs))
+
+
+def _arguments() -> argparse.Namespace:
+    """The command line (the module docstring's)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True, help="The serve-check virtualenv's python.")
     ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-vs-speculators"))
@@ -353,16 +376,15 @@ def main() -> None:
     ap.add_argument("--tokens-per-anchor", type=int, default=0,
                     help="Our anchor rate (0: chosen from the corpus to average --anchors a "
                     "row; the first six pairs ran 14).")  # fmt: skip
-    args = ap.parse_args()
-    work = args.work / ("quick" if args.quick else "text")
-    work.mkdir(parents=True, exist_ok=True)
-    from benchmarks.experiment.served import check_interpreter
+    return ap.parse_args()
+
+
+def _settings(args: argparse.Namespace, setup: dict[str, Any]) -> RaceSettings:
+    """Both trainers' settings: the target's layers, and our anchor rate (chosen from the
+    training corpus unless ``--tokens-per-anchor`` names it)."""
     from loader_server.data.dataset import open_dataset
     from trainer.model.target import default_layer_ids
 
-    check_interpreter(args.vllm_python)
-    _say("== target and data")
-    setup = quick_setup(work) if args.quick else text_setup(work, args.vllm_python, args.threads)
     layers = json.loads((Path(setup["target"]) / "config.json").read_text())["num_hidden_layers"]
     train = open_dataset(setup["train"])
     block = RaceSettings.block_size  # the field's default: the race's block size
@@ -370,55 +392,69 @@ def main() -> None:
     k = args.tokens_per_anchor or tokens_per_anchor(
         cands, train.num_tokens, args.tokens_per_step, args.anchors
     )
-    base = RaceSettings(
+    return RaceSettings(
         layer_ids=tuple(default_layer_ids(layers)), mask_token_id=setup["mask_token_id"],
         epochs=args.epochs, tokens_per_step=args.tokens_per_step, anchors=args.anchors,
         tokens_per_anchor=k, lr=args.lr,
     )  # fmt: skip
+
+
+def _prepare(work: Path, setup: dict[str, Any], base: RaceSettings, threads: int) -> dict[str, Any]:
+    """Their data and our target's forward over one epoch, measured apart; prints both and
+    the settings."""
     data = their_data(work, setup, base.layer_ids)
     _say(f"   target {setup['target']}; {data['train_rows']} training rows "
          f"({data['train_tokens']} tokens), {data['rows'] - data['train_rows']} held out; "
          f"their hidden states made in {data['generation_s']:.1f} s")  # fmt: skip
-    data["target_epoch_s"] = target_epoch_s(setup, base, args.threads)
+    data["target_epoch_s"] = target_epoch_s(setup, base, threads)
     _say(f"   our target's forward over one epoch, measured apart: {data['target_epoch_s']:.1f} s")
     _say("== settings (both): " + json.dumps(base.describe()))
     for line in UNMATCHED:
         _say(f"   not matched: {line}")
-    runs: list[dict[str, Any]] = earlier(work / "results.json", base) if args.more else []
-    first = len(runs)
-    for k in range(first, first + args.pairs):
-        s = RaceSettings(**{**base.describe(), "seed": k})
-        order: tuple[str, ...] = ("ours", "theirs") if k % 2 == 0 else ("theirs", "ours")
-        order += ("ours-online",) if args.online else ()
-        pair: dict[str, Any] = {"seed": k, "order": list(order)}
-        for who in order:
-            _say(f"== pair {k + 1}/{first + args.pairs}: {who}")
-            if who == "theirs":
-                pair[who] = run_theirs(work, setup, data, s, args.threads, args.vllm_python)
-            else:
-                engine = args.vllm_python if who == "ours-online" else None
-                pair[who] = run_ours(work, setup, s, args.threads, engine)
-            r = pair[who]
-            _say(f"   {r['steps']} steps, {r['tokens']} tokens, {r['tokens'] / r['step_s']:.0f} "
-                 f"tokens/s, wall {r['wall_s']:.1f} s, peak RSS {r['rss_peak_gb']:.2f} GiB, "
-                 f"{r['anchors_per_step']:.1f} anchors a step, "
-                 f"own final loss {r['final_loss']:.3f}")  # fmt: skip
-        if setup["prompts"] is not None:
-            for who in pair["order"]:
-                spec = who == "theirs"  # served as speculators' checkpoint
-                counts = served(args.vllm_python, setup["target"], Path(pair[who]["drafter"]),
-                                spec, s.block_size, setup["prompts"],
-                                work / "runs" / f"vllm-{who}-seed{k}.log")  # fmt: skip
-                pair[who]["served"] = counts.tolist()
-                tau = 1 + counts[:, 1].sum() / max(counts[:, 0].sum(), 1)
-                pair[who]["tau"] = float(tau)
-                _say(f"   vLLM-served tau, {who}: {tau:.3f} ({int(counts[:, 0].sum())} drafts)")
-        runs.append(pair)
-    summary = summarize(runs, data)
-    (work / "results.json").write_text(json.dumps(
-        {"settings": base.describe(), "unmatched": UNMATCHED, "data": data, "runs": runs,
-         "summary": summary}, indent=1) + "\n")  # fmt: skip
-    report(summary, len(runs))
+    return data
+
+
+def _pair(
+    k: int, total: int, work: Path, setup: dict[str, Any], data: dict[str, Any],
+    base: RaceSettings, args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """Pair ``k`` of ``total`` (seed ``k``): the runs in its order, then (with prompts) each
+    one's drafter served by vLLM."""
+    s = RaceSettings(**{**base.describe(), "seed": k})
+    order: tuple[str, ...] = ("ours", "theirs") if k % 2 == 0 else ("theirs", "ours")
+    order += ("ours-online",) if args.online else ()
+    pair: dict[str, Any] = {"seed": k, "order": list(order)}
+    for who in order:
+        _say(f"== pair {k + 1}/{total}: {who}")
+        if who == "theirs":
+            pair[who] = run_theirs(work, setup, data, s, args.threads, args.vllm_python)
+        else:
+            engine = args.vllm_python if who == "ours-online" else None
+            pair[who] = run_ours(work, setup, s, args.threads, engine)
+        r = pair[who]
+        _say(f"   {r['steps']} steps, {r['tokens']} tokens, {r['tokens'] / r['step_s']:.0f} "
+             f"tokens/s, wall {r['wall_s']:.1f} s, peak RSS {r['rss_peak_gb']:.2f} GiB, "
+             f"{r['anchors_per_step']:.1f} anchors a step, "
+             f"own final loss {r['final_loss']:.3f}")  # fmt: skip
+    if setup["prompts"] is not None:
+        for who in pair["order"]:
+            _serve(pair[who], who, k, s, work, setup, args.vllm_python)
+    return pair
+
+
+def _serve(
+    run: dict[str, Any], who: str, k: int, s: RaceSettings, work: Path, setup: dict[str, Any],
+    vllm_python: str,
+) -> None:  # fmt: skip
+    """The vLLM-served tau of one run's drafter (``served``), kept in ``run`` and printed."""
+    spec = who == "theirs"  # served as speculators' checkpoint
+    counts = served(vllm_python, setup["target"], Path(run["drafter"]),
+                    spec, s.block_size, setup["prompts"],
+                    work / "runs" / f"vllm-{who}-seed{k}.log")  # fmt: skip
+    run["served"] = counts.tolist()
+    tau = 1 + counts[:, 1].sum() / max(counts[:, 0].sum(), 1)
+    run["tau"] = float(tau)
+    _say(f"   vLLM-served tau, {who}: {tau:.3f} ({int(counts[:, 0].sum())} drafts)")
 
 
 def earlier(path: Path, base: RaceSettings) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.experiment.analysis import rolling_mean
+from benchmarks.experiment.measures import rolling_mean
 
 COLORS = {
     "sorted": "tab:red",
@@ -157,7 +157,7 @@ def _interval(d: dict[str, Any], digits: int) -> str:
 def paired_lines(results: dict[str, Any]) -> list[str]:
     """Each spec minus the reference (the padded default before packed rows) per seed: the
     mean and its bootstrap 95% interval (``benchmarks.experiment.stats``), * where it
-    excludes 0; then the contrasts (``run.CONTRASTS``: the old objective's arms) alike."""
+    excludes 0; then the contrasts (``measures.CONTRASTS``: the old objective's arms) alike."""
     ref, paired = results["reference"], results["paired"]
     if not paired:
         return []
@@ -287,6 +287,7 @@ def _first_seed_runs(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """The PNGs of ``results`` in ``out_dir`` (the module docstring's); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -303,7 +304,18 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
 
     runs = _first_seed_runs(results)
     seed = results["config"]["seeds"][0]
+    save(_plot_loss(plt, runs, seed), "experiment-loss.png")
+    save(_plot_heldout(plt, results), "experiment-heldout.png")
+    save(_plot_jumps(plt, runs, seed), "experiment-jumps.png")
+    save(_plot_mix(plt, runs, seed), "experiment-mix.png")
+    if all("tau" in r for r in results["runs"].values()):
+        save(_plot_tau(plt, results), "experiment-tau.png")
+        save(_plot_forgetting(plt, runs, seed), "experiment-forgetting.png")
+    return written
 
+
+def _plot_loss(plt: Any, runs: dict[str, dict[str, Any]], seed: int) -> Any:
+    """Training loss of every spec, raw and rolling mean, over its rolling std."""
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     for spec, r in runs.items():
         step, loss = np.array(r["series"]["step"]), np.array(r["series"]["loss"])
@@ -317,24 +329,27 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
     ax2.set(xlabel="optimizer step", ylabel="rolling std of loss around its trend")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    save(fig, "experiment-loss.png")
+    return fig
 
-    save(_plot_heldout(plt, results), "experiment-heldout.png")
 
+def _plot_jumps(plt: Any, runs: dict[str, dict[str, Any]], seed: int) -> Any:
+    """Histogram of every spec's step-to-step loss changes."""
     fig, ax = plt.subplots(figsize=(7, 4))
     diffs = {s: np.diff(r["series"]["loss"]) for s, r in runs.items()}
     lim = max(float(np.abs(d).max()) for d in diffs.values())
     bins = np.linspace(-lim, lim, 41)
     for spec, d in diffs.items():
-        # matplotlib's stubs say int | Sequence[float] | str; it takes an array of edges
-        ax.hist(d, bins=bins, histtype="step", lw=1.6, color=COLORS.get(spec), label=spec)  # type: ignore[arg-type]
+        ax.hist(d, bins=bins, histtype="step", lw=1.6, color=COLORS.get(spec), label=spec)
     ax.set(
         xlabel="loss(t) - loss(t-1)", ylabel="steps", title=f"step-to-step loss change, seed {seed}"
     )
     ax.legend()
     ax.grid(alpha=0.3)
-    save(fig, "experiment-jumps.png")
+    return fig
 
+
+def _plot_mix(plt: Any, runs: dict[str, dict[str, Any]], seed: int) -> Any:
+    """Each step's share of long samples against its loss residual, every spec."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for spec, r in runs.items():
         loss = np.array(r["series"]["loss"])
@@ -353,11 +368,7 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
     )
     ax.legend()
     ax.grid(alpha=0.3)
-    save(fig, "experiment-mix.png")
-    if all("tau" in r for r in results["runs"].values()):
-        save(_plot_tau(plt, results), "experiment-tau.png")
-        save(_plot_forgetting(plt, runs, seed), "experiment-forgetting.png")
-    return written
+    return fig
 
 
 def _plot_tau(plt: Any, results: dict[str, Any]) -> Any:

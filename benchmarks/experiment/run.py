@@ -49,8 +49,8 @@ micro-batches per step (``jobs`` of them at once); (4) stop the daemon (SIGTERM)
 (5) with ``vllm_python``, vLLM serves every final drafter and its acceptance is measured
 (``benchmarks.experiment.served``), and with ``humaneval`` our evaluation command measures
 every final drafter's HumanEval tau (``benchmarks.experiment.humaneval``); (6) analyse
-(``benchmarks.experiment.analysis``) and write ``results.json``, ``results.md`` and PNG
-plots (``benchmarks.experiment.report``).
+(``benchmarks.experiment.analysis``; the measures: ``benchmarks.experiment.measures``) and
+write ``results.json``, ``results.md`` and PNG plots (``benchmarks.experiment.report``).
 
 Runs that finished are reused when the command is repeated with the same settings (e.g. to
 add a seed); a run cut short is continued with ``--resume``.
@@ -110,16 +110,6 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
     "stratified-old": (*DECAY, *OLD_OBJECTIVE),
     "packed-old": (*DECAY, *OLD_OBJECTIVE),
 }
-#: Pairs compared besides every spec minus the reference: (spec, minus spec), where both ran.
-CONTRASTS = (
-    ("packed-old", "stratified-old"),  # Part 3's comparison, under its objective, rerun
-    ("stratified", "stratified-old"),  # what the step normalization does to padded rows
-    ("packed", "packed-old"),  # ... and to packed rows
-    ("packed-dpace", "packed"),  # D-PACE's weights against the position decay
-    ("packed-gamma3", "packed"),  # a steeper decay: is D-PACE's gain its early weight?
-    ("packed-dpace", "packed-gamma3"),  # ... or its per-block adaptivity
-    ("packed-dpace-init02", "packed-dpace"),  # the trainer's N(0, 0.02) start at this lr
-)
 #: The drafter's start of each spec (``--init-std``; "0" unless listed): PyTorch's default,
 #: which every run of Parts 1-4 started from and ``--lr``'s default was chosen with. Named,
 #: as the weighting is: the trainer's default is N(0, 0.02) since 2026-12-06.

@@ -244,25 +244,15 @@ def _token_rows(tok: Any, chats: list[Chat], seq_len: int, limit: int | None) ->
 
 
 def _make(recipe: TargetRecipe, out: Path, *, progress: bool) -> None:
+    """Make the target of ``recipe`` in the folder ``out``: tokenizer, trained model and
+    ``target.json`` (its facts)."""
     import torch
-
-    from scripts.fixtures.tiny_chat import build_tokenizer
-    from trainer.model.target import TinyTargetSpec, adopt_tokenizer, build_tiny_model
 
     t0 = time.perf_counter()
     torch.set_num_threads(recipe.threads)
-    rng = np.random.default_rng(recipe.seed)
-    train = [chat for _, chat in text_examples(recipe, "target")]
-    order = rng.permutation(len(train))
-    train = [train[i] for i in order]
-    held = [chat for _, chat in text_examples(recipe, "prompts")]
-    held = [held[i] for i in rng.permutation(len(held))[:HELDOUT_CHATS]]
+    train, held = _chats(recipe)
     need = recipe.steps * recipe.batch_rows
-    texts = (m["content"] for chat in train[: max(2000, len(train) // 2)] for m in chat)
-    build_tokenizer(out, vocab_size=recipe.vocab_size, template=TEMPLATE, texts=texts)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    tok = _tokenizer(recipe, out, train)
     rows = _token_rows(tok, train, recipe.seq_len, need)
     held_rows = _token_rows(tok, held, recipe.seq_len, None)
     log.info(
@@ -274,54 +264,10 @@ def _make(recipe: TargetRecipe, out: Path, *, progress: bool) -> None:
         len(tok),
         time.perf_counter() - t0,
     )
-    spec = TinyTargetSpec(
-        vocab_size=recipe.vocab_size,
-        num_layers=recipe.layers,
-        hidden_size=recipe.hidden,
-        intermediate_size=3 * recipe.hidden,
-        num_heads=recipe.heads,
-        num_kv_heads=recipe.kv_heads,
-        seed=recipe.seed,
-    )
-    model = build_tiny_model(spec)
-    adopt_tokenizer(model, out)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    other = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-        lr=recipe.lr,
-        betas=(0.9, 0.95),
-    )
-    data = torch.from_numpy(rows)
-    losses: list[float] = []
+    model = _untrained_model(recipe, out)
     t_train = time.perf_counter()
-    model.train()
-    for step in range(recipe.steps):
-        k = (step * recipe.batch_rows) % len(rows)
-        idx = torch.arange(k, k + recipe.batch_rows) % len(rows)
-        x = data[idx]
-        for g in opt.param_groups:
-            g["lr"] = _lr(recipe, step)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        if progress and (step + 1) % 25 == 0:
-            el = time.perf_counter() - t_train
-            eta = el / (step + 1) * (recipe.steps - step - 1)
-            print(
-                f"target: step {step + 1}/{recipe.steps} loss "
-                f"{np.mean(losses[-25:]):.3f} ({el:.0f} s, ~{eta:.0f} s left)",
-                file=sys.stderr,
-                flush=True,
-            )
-    model.eval()
-    held_t = torch.from_numpy(held_rows)
-    with torch.no_grad():
-        held_losses = [float(model(input_ids=x, labels=x).loss) for x in held_t.split(8)]
-    held_loss = float(np.mean(held_losses)) if held_losses else None
+    losses = _train(model, recipe, rows, progress=progress)
+    held_loss = _heldout_loss(model, held_rows)
     model.save_pretrained(out)
     facts = {
         "recipe": asdict(recipe),
@@ -346,6 +292,102 @@ def _make(recipe: TargetRecipe, out: Path, *, progress: bool) -> None:
         held_loss,
         facts["total_s"],
     )
+
+
+def _chats(recipe: TargetRecipe) -> tuple[list[Chat], list[Chat]]:
+    """The target split's chats shuffled, and ``HELDOUT_CHATS`` of the prompt split's drawn
+    (both by the recipe's seed)."""
+    rng = np.random.default_rng(recipe.seed)
+    train = [chat for _, chat in text_examples(recipe, "target")]
+    order = rng.permutation(len(train))
+    train = [train[i] for i in order]
+    held = [chat for _, chat in text_examples(recipe, "prompts")]
+    held = [held[i] for i in rng.permutation(len(held))[:HELDOUT_CHATS]]
+    return train, held
+
+
+def _tokenizer(recipe: TargetRecipe, out: Path, train: list[Chat]) -> Any:
+    """A byte-level BPE of ``vocab_size`` trained on (up to half of) ``train``, written to
+    ``out`` and loaded back."""
+    from scripts.fixtures.tiny_chat import build_tokenizer
+
+    texts = (m["content"] for chat in train[: max(2000, len(train) // 2)] for m in chat)
+    build_tokenizer(out, vocab_size=recipe.vocab_size, template=TEMPLATE, texts=texts)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(out, local_files_only=True)
+
+
+def _untrained_model(recipe: TargetRecipe, out: Path) -> Any:
+    """The recipe's Qwen3, seeded, with the tokenizer of ``out`` adopted."""
+    from trainer.model.target import TinyTargetSpec, adopt_tokenizer, build_tiny_model
+
+    spec = TinyTargetSpec(
+        vocab_size=recipe.vocab_size,
+        num_layers=recipe.layers,
+        hidden_size=recipe.hidden,
+        intermediate_size=3 * recipe.hidden,
+        num_heads=recipe.heads,
+        num_kv_heads=recipe.kv_heads,
+        seed=recipe.seed,
+    )
+    model = build_tiny_model(spec)
+    adopt_tokenizer(model, out)
+    return model
+
+
+def _train(model: Any, recipe: TargetRecipe, rows: np.ndarray, *, progress: bool) -> list[float]:
+    """``recipe.steps`` AdamW steps on ``rows`` (warmup then cosine); returns each loss."""
+    import torch
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    other = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=recipe.lr,
+        betas=(0.9, 0.95),
+    )
+    data = torch.from_numpy(rows)
+    losses: list[float] = []
+    t_train = time.perf_counter()
+    model.train()
+    for step in range(recipe.steps):
+        k = (step * recipe.batch_rows) % len(rows)
+        idx = torch.arange(k, k + recipe.batch_rows) % len(rows)
+        x = data[idx]
+        for g in opt.param_groups:
+            g["lr"] = _lr(recipe, step)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if progress and (step + 1) % 25 == 0:
+            _print_progress(recipe, step, losses, time.perf_counter() - t_train)
+    return losses
+
+
+def _print_progress(recipe: TargetRecipe, step: int, losses: list[float], el: float) -> None:
+    """One line on stderr: the step, the mean of the last 25 losses, time spent and left."""
+    eta = el / (step + 1) * (recipe.steps - step - 1)
+    print(
+        f"target: step {step + 1}/{recipe.steps} loss "
+        f"{np.mean(losses[-25:]):.3f} ({el:.0f} s, ~{eta:.0f} s left)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _heldout_loss(model: Any, held_rows: np.ndarray) -> float | None:
+    """The model's mean loss on the held-out rows, 8 at a time (None: no row)."""
+    import torch
+
+    model.eval()
+    held_t = torch.from_numpy(held_rows)
+    with torch.no_grad():
+        held_losses = [float(model(input_ids=x, labels=x).loss) for x in held_t.split(8)]
+    return float(np.mean(held_losses)) if held_losses else None
 
 
 def main() -> None:

@@ -150,7 +150,12 @@ FOUNDATION = (
 
 def _trainer_module(name: str) -> str | None:
     """The trainer module file an imported name refers to (None: not the trainer's)."""
-    if not _under(name, "trainer"):
+    return _module_file(name, "trainer")
+
+
+def _module_file(name: str, package: str) -> str | None:
+    """The module file of ``package`` an imported name refers to (None: not the package's)."""
+    if not _under(name, package):
         return None
     parts = name.split(".")
     for n in range(len(parts), 0, -1):
@@ -190,10 +195,14 @@ def test_the_trainer_foundation_imports_no_trainer_module_and_no_torch(module):
     assert [n for n in sorted(names) if _under(n, "trainer", "torch")] == []
 
 
-def test_trainer_modules_form_no_import_cycle():
+def _assert_no_import_cycle(package: str) -> None:
+    """No module of ``package`` (dotted) imports, directly or through others of it, a module
+    that imports it back; ``_file_imports`` walks the whole file, so an import inside a
+    function counts as one at the top."""
+    folder = ROOT.joinpath(*package.split("."))
     graph: dict[str, set[str]] = {}
-    for path in sorted(str(p.relative_to(ROOT)) for p in (ROOT / "trainer").rglob("*.py")):
-        deps = {_trainer_module(n) for n in _file_imports(path)}
+    for path in sorted(str(p.relative_to(ROOT)) for p in folder.rglob("*.py")):
+        deps = {_module_file(n, package) for n in _file_imports(path)}
         graph[path] = {d for d in deps if d is not None and d != path}
     done: set[str] = set()
 
@@ -213,6 +222,10 @@ def test_trainer_modules_form_no_import_cycle():
     for node in graph:
         visit(node, [])
     assert len(done) == len(graph)
+
+
+def test_trainer_modules_form_no_import_cycle():
+    _assert_no_import_cycle("trainer")
 
 
 def test_the_trainer_layering_rules_see_real_imports():
@@ -284,10 +297,29 @@ def test_the_script_rules_see_real_imports():
     assert "trainer.model.drafter" in _file_imports("scripts/checks/serve_parity.py")
 
 
+# ---- benchmarks/ -----------------------------------------------------------------------------
+
+
+def test_experiment_modules_form_no_import_cycle():
+    # the experiment imports most of its modules inside functions (torch, vLLM and the
+    # trainer load only when a step needs them): those imports count too
+    _assert_no_import_cycle("benchmarks.experiment")
+
+
+def test_the_cycle_rule_sees_an_import_inside_a_function(tmp_path, monkeypatch):
+    assert "benchmarks.experiment.analysis" in _file_imports("benchmarks/experiment/run.py")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "a.py").write_text("import p.b\n")
+    (tmp_path / "p" / "b.py").write_text("def f():\n    from p.a import g\n")
+    with pytest.raises(AssertionError, match=r"import cycle: p/\w\.py -> p/\w\.py -> p/"):
+        _assert_no_import_cycle("p")
+
+
 # ---- room sizes ------------------------------------------------------------------------------
 
 #: Trees whose modules and functions stay small enough to read whole (STYLE.md habit 3).
-SMALL_TREES = ("trainer", "scripts", "client", "loader_server")
+SMALL_TREES = ("trainer", "scripts", "client", "loader_server", "benchmarks")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60
 
