@@ -28,7 +28,7 @@ from engine_jobs import (
 from trainer_jobs import RUN_TIMEOUT_S, daemon, env, train_cmd
 
 __all__ = ["daemon", "mooncake", "target_dir", "uninterrupted"]  # the fixtures
-pytestmark = [pytest.mark.integration, pytest.mark.heavy(150)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy(100)]
 
 
 #: The shape changes of an elastic job: (ranks, the step whose start kills every rank);
