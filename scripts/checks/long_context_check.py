@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.checks.serve_common import ROOT, Check
+from scripts.checks.serve_harness import ROOT, Check
 
 ORIGINAL = 1024
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}

@@ -34,7 +34,7 @@ project's ``.venv``; vLLM runs in its own virtualenv (``--vllm-python``), as sub
    RoPE and context length, and vLLM's rotary equal to the trainer's drafter's;
 7. a table of the checks and of the time each phase took; exit status 1 naming what failed.
 
-This module is the flow; the parts: ``serve_common`` (checks, phases, commands, the
+This module is the flow; the parts: ``serve_harness`` (checks, phases, commands, the
 trainer's verifier), ``serve_drafters`` (each drafter trained, served and compared),
 ``serve_weights`` (the weight probe), ``serve_parity`` (speculators' and vLLM's DFlash code
 against the trainer's drafter), ``serve_engine`` (the evaluation's vLLM engine against
@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 from scripts.checks.long_context_check import run as long_context_checks
-from scripts.checks.serve_common import COMPARISON, PY, TRAIN, Check, Phases, sh
 from scripts.checks.serve_drafters import DRAFTERS, dflash2_checks, drafter_checks, drafter_tag
 from scripts.checks.serve_engine_states import (
     ENGINE_DRAFTER,
@@ -70,6 +69,7 @@ from scripts.checks.serve_engine_states import (
     training_check,
     two_ranks_check,
 )
+from scripts.checks.serve_harness import COMPARISON, PY, TRAIN, Check, Phases, sh
 from scripts.servers.chat_server import running
 from trainer.vllm.api import complete
 from trainer.vllm.process import vllm_server

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scripts.checks.serve_common import (
+from scripts.checks.serve_engine import ENGINE_SERVED, engine_checks
+from scripts.checks.serve_harness import (
     BLOCK,
     COMPARISON,
     NEAR_TIE,
@@ -32,7 +33,6 @@ from scripts.checks.serve_common import (
     pooled_positions,
     sh,
 )  # fmt: skip
-from scripts.checks.serve_engine import ENGINE_SERVED, engine_checks
 from scripts.checks.serve_parity import speculators_parity, vllm_dflash2_parity
 from scripts.checks.serve_weights import check_weights, probe_env
 from scripts.servers.daemon_process import DaemonProcess

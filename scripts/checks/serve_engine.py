@@ -17,7 +17,7 @@ import argparse
 from itertools import pairwise
 from pathlib import Path
 
-from scripts.checks.serve_common import BLOCK, Check
+from scripts.checks.serve_harness import BLOCK, Check
 from trainer.eval.engine import VllmEngine
 from trainer.vllm.metrics import SpecCounters
 from trainer.vllm.process import MAX_MODEL_LEN

@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from scripts.checks.serve_common import Check, Phases
+from scripts.checks.serve_harness import Check, Phases
 
 #: Every way the states travel (the shm arena, files, a Mooncake store).
 TRANSPORTS = ("shm", "files", "mooncake")
@@ -181,7 +181,7 @@ def two_ranks_check(args: argparse.Namespace, work: Path, phases: Phases, corpus
     import subprocess
     import sys
 
-    from scripts.checks.serve_common import sh
+    from scripts.checks.serve_harness import sh
     from scripts.servers.daemon_process import DaemonProcess
     from trainer.engine.supply import run_id, states_folder
 
@@ -220,7 +220,7 @@ def across_nodes_check(args: argparse.Namespace, work: Path, phases: Phases, cor
     import os
     import sys
 
-    from scripts.checks.serve_common import sh
+    from scripts.checks.serve_harness import sh
     from scripts.servers.daemon_process import DaemonProcess
     from trainer.engine.mooncake import master
     from trainer.engine.supply import run_id, serving

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from scripts.checks.serve_common import TRAIN, Check, Verifier, sh
+from scripts.checks.serve_harness import TRAIN, Check, Verifier, sh
 
 HERE = Path(__file__).resolve().parent
 

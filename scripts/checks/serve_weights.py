@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from scripts.checks.serve_common import Check
+from scripts.checks.serve_harness import Check
 
 PROBE = Path(__file__).with_name("vllm_weight_probe.py")
 

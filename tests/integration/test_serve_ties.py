@@ -11,9 +11,9 @@ import pytest
 import torch
 from drafters import greedy_samples, train_run, trained_drafter
 
-import scripts.checks.serve_common as common
-from scripts.checks.serve_common import Verifier
+import scripts.checks.serve_harness as common
 from scripts.checks.serve_drafters import _compare_pass, max_tied, mismatches
+from scripts.checks.serve_harness import Verifier
 from trainer.model.blocks import LossConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.verifier import DrafterProposer, speculative_generate

@@ -1,4 +1,4 @@
-"""What every part of serve-check shares: the paths and commands, a check's result, the
+"""The harness every part of serve-check runs in: the paths and commands, a check's result, the
 phase timer, the command runner, the trainer's verifier with an exported drafter, and the
 table of the drafters served."""
 
