@@ -29,8 +29,8 @@ Faults, from the environment (script) or ``Faults`` (imported):
   its states), ``dtype`` (bfloat16, the others float32), ``shape`` (a layer short),
   ``fifo`` (a FIFO, not a file), ``outside`` (the reply names ``FAKE_STATES_VICTIM``, a
   path outside the folder), ``foreign`` (it names a file of another request in the folder),
-  ``unwritable`` (the connector's write fails: states of a dtype the region layout does
-  not carry, int32; the arena and Mooncake paths, whose writers then say why);
+  ``unwritable`` (the connector's write fails: states of a dtype neither the region
+  layout nor safetensors carries, complex64; its writer then says why);
 * ``FAKE_STATES_STATUS=CODE``: every request answered with that HTTP status (a web server
   that is not vLLM, a proxy);
 * ``FAKE_STATES_ROOT=PATH``: ``/v1/models`` says it serves that model.
@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainer" / "vllm" / "connector"))
-from dflash_states_file import PART, write_states  # the connector's own writers
+from dflash_states_file import PART, write_failure, write_states  # the connector's writers
 from dflash_states_mooncake import Writer
 from dflash_states_shm import Arenas, target_of
 from dflash_states_wire import WIRE, encode
@@ -190,10 +190,15 @@ def serve(
             elif kind == "shape":
                 hs = hs[:, :-1].contiguous()
             time.sleep(0.01)  # the write lands after the reply, as vLLM's thread's does
+            if kind == "unwritable":
+                hs = hs.to(torch.complex64)
             if kind == "fifo":
                 os.mkfifo(path, 0o600)
             else:
-                write_states(str(path), {**encode(hs, wire), "token_ids": tokens})
+                try:
+                    write_states(str(path), {**encode(hs, wire), "token_ids": tokens})
+                except KeyError as e:  # as the connector's writer: why, beside the file
+                    write_failure(str(path), f"{type(e).__name__}: {e}")
             os.close(lock_fd)
 
         def _computed(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, str | None, bool]:
@@ -214,7 +219,7 @@ def serve(
             elif kind == "shape":
                 hs = hs[:, :-1].contiguous()
             elif kind == "unwritable":
-                hs = hs.to(torch.int32)
+                hs = hs.to(torch.complex64)
             return hs, tokens, kind, dying
 
         def _put(self, ids: list[int], asked: dict, wire: str) -> None:

@@ -546,20 +546,20 @@ def test_states_that_cannot_be_right_are_refused_naming_the_document(
     assert list(folder.iterdir()) == []
 
 
-@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_write_the_connector_could_not_make_is_named_at_once(running, folder, target,
                                                                transport, store):  # fmt: skip
-    """The connector's write fails (here: states of a dtype the region layout does not
-    carry): it says why in the region or the store's value, and the trainer stops at once
-    naming the document and the reason, instead of asking again until its deadline (a
-    region left unwritten) or waiting the deadline out for a key never put."""
+    """The connector's write fails (here: states of a dtype it cannot carry): it says why
+    beside the file, in the region or in the store's value, and the trainer stops at once
+    naming the document and the reason, instead of asking again until its deadline (a file
+    or region left unwritten) or waiting the deadline out for a key never put; the reason
+    is removed with the request."""
     r = running(bad="unwritable@2")
     c = client(r.url, folder, target, transport, timeout_s=30, **mooncake(transport, store))
     fetch(c, [9, 9, 9])
     t0 = time.monotonic()
     with pytest.raises(EngineError, match=r"the server's connector could not write sample 7's "
-                       r"states \(dflash-.*-r0-1\): ValueError: states of dtype torch.int32: "
-                       r"not one the arena carries"):  # fmt: skip
+                       r"states \(.*dflash-.*-r0-1.*\): .*complex64"):  # fmt: skip
         fetch(c, [1, 2, 3])
     assert time.monotonic() - t0 < 5
     c.close()

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from trainer.engine import folders
-from trainer.engine.errors import EngineError
+from trainer.engine.errors import EngineError, unwritten
 from trainer.engine.seam import Attempt, Lost, pause
+from trainer.vllm.connector.dflash_states_file import FAILED, REASON_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class FileTransport:
                     f"{path.parent} here: give --engine-dir, the folder where this machine "
                     "sees the server's shared_storage_path"
                 ) from None
+            unwritten(attempt.what, path.name, _failure(path))
             raise Lost(f"its states file {path} was never written") from None
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # killed mid-write
             raise Lost(f"its states file {path} could not be read ({e})") from None
@@ -123,7 +125,7 @@ class FileTransport:
         """Remove a request's file, its lock and what a killed writer left of it."""
         if path is None:
             return
-        for p in (path, Path(str(path) + ".lock"), Path(str(path) + ".part")):
+        for p in (path, *(Path(str(path) + end) for end in (".lock", ".part", FAILED))):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
 
@@ -138,6 +140,15 @@ class FileTransport:
     def close(self) -> None:
         if self.folder is not None:
             folders.remove_named(self.folder, self.prefix, None)
+
+
+def _failure(path: Path) -> str | None:
+    """Why the writer could not write ``path`` (its ``.failed`` beside it), if it said."""
+    try:
+        with folders.open_regular(Path(str(path) + FAILED), "a failed write's reason") as fd:
+            return os.read(fd, REASON_BYTES).decode(errors="replace")
+    except FileNotFoundError:
+        return None
 
 
 def _check_wait(path: Path, attempt: Attempt) -> None:

@@ -51,7 +51,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from dflash_states_file import write_states
+from dflash_states_file import write_failure, write_states
 from dflash_states_shm import REFUSED, Arenas, parse_target, target_of
 from dflash_states_wire import WIRE, encode
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -190,10 +190,15 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
         tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None
     ) -> None:
         """The writer thread: once the copy is done, the file under its request's name
-        (``write_states``), then the lock released."""
+        (``write_states``; one it cannot write leaves why beside it), then the lock
+        released."""
         try:
             event.synchronize()
-            write_states(filename, tensors)
+            try:
+                write_states(filename, tensors)
+            except Exception as e:
+                write_failure(filename, f"{type(e).__name__}: {e}")
+                raise
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX: the client reads the file

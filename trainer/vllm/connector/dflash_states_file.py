@@ -8,9 +8,10 @@ a client could only sweep by guessing (and ``.tmp*`` in a shared folder is other
 too). Here the bytes go to ``NAME.part`` (``NAME`` is the request's own file name, which
 starts with its request id), created exclusively with mode 0600, then renamed to ``NAME``:
 whatever a killed writer leaves is named after the request that asked for it, and the run
-that sent the request removes it. The bytes are the safetensors format (an 8-byte header
-length, a JSON header padded to 8 bytes, the tensors' bytes in header order), written
-straight from the tensors' memory: no serialized copy.
+that sent the request removes it. A write that fails leaves ``NAME.failed`` saying why.
+The bytes are the safetensors format (an 8-byte header length, a JSON header padded to 8
+bytes, the tensors' bytes in header order), written straight from the tensors' memory: no
+serialized copy.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import os
 import torch
 
 PART = ".part"
+#: Beside a request's file name: why its writer could not write it (UTF-8, at most
+#: ``REASON_BYTES``); the client stops at once naming it, where a missing file is asked
+#: for again.
+FAILED = ".failed"
+REASON_BYTES = 1024
 
 #: safetensors' names of torch dtypes.
 DTYPES = {
@@ -59,6 +65,12 @@ def write_states(path: str, tensors: dict[str, torch.Tensor]) -> None:
             if t.numel():
                 _write_all(fd, t.reshape(-1).view(torch.uint8).numpy())
     os.rename(part, path)
+
+
+def write_failure(path: str, reason: str) -> None:
+    """Say beside ``path`` (``path.failed``) why its states could not be written."""
+    with _exclusive(path + FAILED) as fd:
+        _write_all(fd, reason.encode()[:REASON_BYTES])
 
 
 class _exclusive:
