@@ -54,18 +54,23 @@ def chaos(daemons, corpus, tmp_path, *, epochs, client_kills, daemon_kills, paus
     d = daemons()
     workers = [Worker(d.endpoint, r, tmp_path, epochs, pause_ms) for r in range(WORLD)]
     killed_clients = killed_daemons = 0
+    # The kills in a seeded random order, one each time a worker is consuming: every fault
+    # is injected while the run lasts (a daemon kill drawn with a probability at each turn
+    # could come too late, once the client kills were done).
+    schedule = ["daemon"] * daemon_kills + ["client"] * client_kills
+    rng.shuffle(schedule)
     deadline = time.monotonic() + 600
     while any(w.proc.poll() is None for w in workers):
         assert time.monotonic() < deadline, "chaos run did not finish in 600 s"
         time.sleep(rng.uniform(0.1, 0.4))
         running = [w for w in workers if w.consuming()]
-        if not running:
+        if not running or not schedule:
             continue
-        if killed_daemons < daemon_kills and rng.random() < 0.25:
+        if schedule.pop() == "daemon":
             d.kill()
             d = daemons()  # same endpoint and shm dir; sweeps the dead one's rings
             killed_daemons += 1
-        elif killed_clients < client_kills:
+        else:
             w = rng.choice(running)
             w.proc.send_signal(signal.SIGKILL)
             w.proc.wait(10)
