@@ -161,17 +161,12 @@ def serve(
             path = folder / f"cmpl-{rid}-0-{uuid.uuid4().hex[:8]}.safetensors"
             lock_fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            with lock:
-                hs = states(ids)
-                served["n"] += 1
-                n = served["n"]
-                dying = faults.die_after and n >= faults.die_after
-            kind = faults.bad_kind(n)
+            hs, tokens, kind, dying = self._computed(ids)
             named = str(path)
             if kind == "outside":
                 named = faults.victim
             elif kind == "foreign":
-                named = str(folder / f"cmpl-dflash-other-0-r0-{n}-0-abcd.safetensors")
+                named = str(folder / f"cmpl-dflash-other-0-r0-{served['n']}-0-abcd.safetensors")
             self._send(200, {"choices": [{"index": 0, "text": ""}],
                              "kv_transfer_params": {"hidden_states_path": named}})  # fmt: skip
             self.wfile.flush()
@@ -181,17 +176,7 @@ def serve(
                 else:
                     path.write_bytes(b"\x00" * 7)
                 os._exit(1)
-            tokens = torch.tensor([(t + 1) % 7 for t in ids] if faults.wrong_tokens else ids)
-            if kind == "nan":
-                hs = hs.clone()
-                hs[len(ids) // 2, 0, 1] = float("nan")
-            elif kind == "dtype":
-                hs = hs.to(torch.bfloat16)
-            elif kind == "shape":
-                hs = hs[:, :-1].contiguous()
             time.sleep(0.01)  # the write lands after the reply, as vLLM's thread's does
-            if kind == "unwritable":
-                hs = hs.to(torch.complex64)
             if kind == "fifo":
                 os.mkfifo(path, 0o600)
             else:
