@@ -36,6 +36,8 @@ COLORS = {
     "packed-dpace-init02": "darkgoldenrod",
     "stratified-old": "tab:cyan",
     "packed-old": "tab:gray",
+    "packed-bf16": "tab:green",
+    "packed-fp8": "tab:red",
 }
 LABELS = {
     "sorted": "sorted (frozen composition)",
@@ -49,6 +51,8 @@ LABELS = {
     "packed-dpace-init02": "ours, packed rows, D-PACE, N(0, 0.02) start",
     "stratified-old": "bucketed + stratified, old objective",
     "packed-old": "ours, packed rows, old objective",
+    "packed-bf16": "ours, packed rows, states from vLLM in bf16",
+    "packed-fp8": "ours, packed rows, states from vLLM in fp8",
 }
 #: The paired table's columns: (measure in ``results["paired"][spec]``, header, digits).
 PAIRED = (
@@ -253,7 +257,8 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
 
 def _served_lines(results: dict[str, Any]) -> list[str]:
     """Whether vLLM's acceptance equals the verifier's ``tau_served``, run by run."""
-    runs = {k: r for k, r in results["runs"].items() if "vllm" in r}
+    # An engine-fed run has no verifier's tau (its decoder is in the engine).
+    runs = {k: r for k, r in results["runs"].items() if "vllm" in r and r["tau"]["tau_served"]}
     if not runs:
         return []
     differ = {
@@ -375,6 +380,8 @@ def _plot_tau(plt: Any, results: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4))
     for spec in results["summary"]:
         mine = [r["tau"] for r in results["runs"].values() if r["spec"] == spec]
+        if not mine or not mine[0]["step"]:  # engine-fed: no tau while training
+            continue
         step = np.array(mine[0]["step"])
         tau = np.array([m["tau"] for m in mine if m["step"] == mine[0]["step"]])
         mean = tau.mean(0)

@@ -94,6 +94,8 @@ SPECS: dict[str, tuple[str, ...]] = {
     "packed-dpace-init02": ("layout=packed",),
     "stratified-old": ("layout=padded", "buckets={buckets}", "order=stratified"),
     "packed-old": ("layout=packed",),
+    "packed-bf16": ("layout=packed",),
+    "packed-fp8": ("layout=packed",),
 }
 #: The old objective (Part 3's): each micro-batch's mean alike, anchors per rank and
 #: micro-batch (docs/TRAINER.md, "One objective, however a step is cut").
@@ -114,6 +116,12 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
 #: which every run of Parts 1-4 started from and ``--lr``'s default was chosen with. Named,
 #: as the weighting is: the trainer's default is N(0, 0.02) since 2026-12-06.
 STARTS: dict[str, str] = {"packed-dpace-init02": "0.02"}
+#: The specs whose target states come from a vLLM server the run starts (``--target-engine
+#: vllm``, ``--vllm-python``), sent in this ``--states-dtype``: precision on the wire
+#: (docs/TRAINER.md), paired with ``packed``'s colocated target. The others run the target in
+#: the trainer. An engine-fed run measures no tau while it trains (the decoder is in the
+#: engine); vLLM serves its final drafter as every run's.
+FEEDS: dict[str, str] = {"packed-bf16": "bf16", "packed-fp8": "fp8"}
 CORPORA = ("synthetic", "text")
 DEFAULT_SPECS = {
     "synthetic": ("sorted", "shuffled", "stratified"),
@@ -208,6 +216,11 @@ class ExperimentConfig:
             raise ValueError(f"eval_every and ckpt_every must be >= 0: {self}")
         if self.vllm_python is not None and self.corpus != "text":
             raise ValueError("vllm_python needs corpus='text' (a random target has no tau)")
+        fed = [s for s in self.specs if s in FEEDS]
+        if fed and (self.corpus != "text" or self.vllm_python is None):
+            raise ValueError(
+                f"specs {fed} are fed by vLLM: they need corpus='text' and vllm_python"
+            )
         if self.humaneval and self.corpus != "text":
             raise ValueError("humaneval needs corpus='text' (a random target has no tau)")
         if not 0 <= self.humaneval <= HUMANEVAL_PROBLEMS:
@@ -291,6 +304,12 @@ def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
     ]  # fmt: skip
     if cfg.corpus == "synthetic":
         cmd += ["--tiny-vocab", "512", "--num-eval-prompts", "0"]
+    elif spec in FEEDS:
+        cmd += [
+            "--target", str(cfg.target_dir()), "--target-engine", "vllm",
+            "--vllm-python", str(cfg.vllm_python), "--states-dtype", FEEDS[spec],
+            "--ckpt-every", str(cfg.ckpt_every), "--keep-checkpoints", "100000",
+        ]  # fmt: skip
     else:
         cmd += [
             "--target", str(cfg.target_dir()),

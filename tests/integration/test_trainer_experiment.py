@@ -4,6 +4,7 @@ the learned-target miniature (``--corpus text``) is ``test_experiment_text.py``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -544,6 +545,32 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
         weighting = c[c.index("--loss-weighting") + 1]
         assert weighting == ("dpace" if spec.startswith("packed-dpace") else "decay"), spec
         assert c[c.index("--tokens-per-anchor") + 1] == "1", spec
+
+
+def test_the_wire_arms_are_packed_fed_by_vllm_in_their_dtype(tmp_path):
+    """Precision on the wire (issue 69): ``packed-bf16`` and ``packed-fp8`` are ``packed``'s
+    command but for the feed: the states from a vLLM server the run starts, in the arm's
+    ``--states-dtype``, and no tau while training (the decoder is in the engine). Without
+    the text corpus and vLLM's python they are refused before anything runs."""
+    from benchmarks.experiment.run import FEEDS
+
+    vllm = str(tmp_path / "vllm-python")
+    cfg = ExperimentConfig(out_dir=tmp_path, corpus="text", vllm_python=vllm)
+
+    def flags(c: list[str]) -> dict[str, str]:
+        named = {"--job", "--run-dir"}  # the run's own name left out
+        return {a: b for a, b in itertools.pairwise(c) if a.startswith("--") and a not in named}
+
+    packed = flags(train_command(cfg, "packed", seed=1))
+    for spec, dtype in FEEDS.items():
+        fed = flags(train_command(cfg, spec, seed=1))
+        engine = {"--target-engine": "vllm", "--vllm-python": vllm, "--states-dtype": dtype}
+        assert {k: fed.pop(k) for k in engine} == engine, spec
+        tau = ("--eval-prompts", "--num-eval-prompts", "--eval-every", "--eval-new-tokens")
+        assert fed == {k: v for k, v in packed.items() if k not in tau}, spec
+    for bad in ({"corpus": "text"}, {}):
+        with pytest.raises(ValueError, match=r"fed by vLLM: they need corpus='text' and vllm"):
+            ExperimentConfig(out_dir=tmp_path, specs=("packed", "packed-fp8"), **bad)
 
 
 def test_a_vllm_measure_is_reused_only_for_its_checkpoint_target_and_prompts(tmp_path):
