@@ -69,6 +69,7 @@ import torch
 from loader_server.data.synth import SynthSpec, synth_lengths
 from loader_server.planning import metrics
 from loader_server.planning.planner import EpochPlan, plan_epoch
+from loader_server.wire.layouts import LAYOUTS
 from loader_server.wire.spec import BatchSpec, profile_fields
 from trainer.model.blocks import LossConfig, anchor_generator
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
@@ -107,7 +108,7 @@ class Corpus:
         for i in ids.tolist():
             seq = self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist()
             rows.append((seq, [0] * PROMPT + [1] * (len(seq) - PROMPT)))
-        make = pack_batch if layout == "packed" else pad_batch
+        make = pack_batch if LAYOUTS[layout].packs else pad_batch
         return make(rows, sample_ids=ids.tolist(), **position)
 
 
@@ -515,8 +516,8 @@ def main(
     torch.set_num_threads(threads)
     grad_accums = _ints(accums, "--grad-accum")
     chosen = [x.strip() for x in layouts.split(",") if x.strip()]
-    if not chosen or set(chosen) - {"packed", "padded"}:
-        raise click.BadParameter(f"{layouts!r}: packed and/or padded", param_hint="--layouts")
+    if not chosen or set(chosen) - set(LAYOUTS):
+        raise click.BadParameter(f"{layouts!r}: of {', '.join(LAYOUTS)}", param_hint="--layouts")
     corpus = Corpus(samples, seed)
     tokens = BatchSpec(
         token_budget=4096, max_batch_size=64, max_seq_len=1024, world_size=8, seed=seed,
@@ -539,7 +540,7 @@ def main(
             specs = {"token": token, "cost": dataclasses.replace(token, **fitted)}
             print(f"\n== {layout} rows, grad_accum {accum}")
             out[f"grad_accum {accum}"] = run_shape(
-                corpus, specs, baseline or None if layout == "padded" else None, steps,
+                corpus, specs, None if LAYOUTS[layout].packs else baseline or None, steps,
                 np.asarray(specs["cost"].coefficients), seed, target, drafter,
             )  # fmt: skip
     if not skip_reference:

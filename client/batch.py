@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from loader_server.wire.layouts import PADDED, layout
+
 
 @dataclass(frozen=True, kw_only=True)
 class Batch:
@@ -40,13 +42,19 @@ class Batch:
     cu_seqlens: torch.Tensor | None = None  # packed only, int32 [n + 1]
     max_seqlen: int  # the longest row (padded) or document (packed)
     num_tokens: int  # real (unpadded) tokens: the sum of ``lengths``
-    layout: str = "padded"
+    layout: str = PADDED.name  # a name of ``loader_server.wire.layouts``
     epoch: int = 0
     step: int = 0
     micro: int = 0
     bucket: int = 0
     steps_per_epoch: int = 0  # 0: not served from a plan
     leg: int = 0  # shape changes of its epoch before the plan it comes from (elastic resume)
+
+    @property
+    def packs(self) -> bool:
+        """Its documents sit end to end in one row (its layout's fact): ``position_ids`` and
+        ``cu_seqlens`` mark them; else a row each."""
+        return layout(self.layout).packs
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -93,23 +101,3 @@ def _tensor_fields(cls: type) -> tuple[str, ...]:
 
 
 TENSOR_FIELDS = _tensor_fields(Batch)
-
-
-def field_shapes(layout: str, rows: int, width: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """The fields of a batch of ``rows`` x ``width`` and their shapes, as ``Ring.take``
-    copies them (a packed batch is one row of ``width`` tokens holding ``rows`` documents)."""
-    if layout == "packed":
-        return (
-            ("input_ids", (1, width)),
-            ("loss_mask", (1, width)),
-            ("position_ids", (1, width)),
-            ("lengths", (rows,)),
-            ("sample_ids", (rows,)),
-            ("cu_seqlens", (rows + 1,)),
-        )
-    return (
-        ("input_ids", (rows, width)),
-        ("loss_mask", (rows, width)),
-        ("lengths", (rows,)),
-        ("sample_ids", (rows,)),
-    )

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from client.batch import Batch, field_shapes
+from client.batch import Batch
 from client.session import Opening, Session
 from client.state import resume, saved_state
 from loader_server.wire import protocol as P
+from loader_server.wire.layouts import PADDED, layout
 from loader_server.wire.spec import check_fields
 
 __all__ = ["Batch", "LoaderClient"]
@@ -303,11 +304,11 @@ class LoaderClient:
                 f"slot {slot} holds batch {meta.n} at {meta.position}, expected batch {n} at "
                 f"{self.position}: the daemon and this client disagree about the plan"
             )
-        layout = (self.effective_spec or {}).get("layout", "padded")
+        name = (self.effective_spec or {}).get("layout", PADDED.name)
         pin = self.pin_memory
         if pin is None:  # pinned pages only help (and only cost) once CUDA is in use
             pin = torch.cuda.is_initialized()
-        t = ring.take(slot, field_shapes(layout, meta.rows, meta.width), pin)
+        t = ring.take(slot, layout(name).field_shapes(meta.rows, meta.width), pin)
         self._session.release(n + 1)  # the slot goes straight back: the batch is a private copy
         batch = Batch(
             input_ids=t["input_ids"],
@@ -321,7 +322,7 @@ class LoaderClient:
             step=meta.step,
             micro=meta.micro,
             bucket=meta.bucket,
-            layout=layout,
+            layout=name,
             steps_per_epoch=meta.steps,
             num_tokens=meta.tokens,
             leg=len(self.legs),

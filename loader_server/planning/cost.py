@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from loader_server.wire import layouts
 from loader_server.wire.spec import COEFFICIENTS, AnchorRule, Coefficients
 
 #: Feature columns of ``features`` (what each coefficient of ``COEFFICIENTS`` multiplies).
@@ -94,7 +95,7 @@ def features(
         return out
     anchors = np.add.reduceat(doc_anchors(rule, x), starts)
     docs = np.diff(np.append(starts, x.size))
-    if layout == "packed":
+    if layouts.layout(layout).packs:
         tokens = np.add.reduceat(x, starts)
         sq = tokens * tokens if packed_attention == "row" else np.add.reduceat(x * x, starts)
         terms = (tokens, sq, slots(rule, anchors), docs)

@@ -39,6 +39,7 @@ import numpy as np
 
 from loader_server.planning import buckets as bk
 from loader_server.planning import cost, packing, schedule
+from loader_server.wire.layouts import PACKED, PADDED, layout
 from loader_server.wire.spec import BatchSpec
 
 # Third element of every RNG seed: what the randomness is for.
@@ -174,12 +175,7 @@ def plan_epoch(
         ok = ok & keep
     ids = np.flatnonzero(ok).astype(np.int64)
     key = _Seeds(spec.seed, epoch, leg)
-    if spec.layout == "packed":
-        batches = _packed_batches(ids, eff, spec, key)
-    elif spec.composition == "bucketed":
-        batches = _bucketed_batches(ids, eff, spec, key)
-    else:
-        batches = _global_batches(ids, eff, spec, key)
+    batches = PLANNING[spec.layout](ids, eff, spec, key)
     if leg and 0 < batches.starts.size < spec.micro_per_step:
         batches = _one_short_step(batches, spec)
     steps = _schedule(batches, spec, key)
@@ -302,7 +298,7 @@ def _greedy(
     lens = np.maximum.reduceat(x, starts)
     tokens = np.add.reduceat(x, starts)
     seg_of = np.searchsorted(seg_starts, starts, side="right") - 1
-    costs = _costs(x, starts, spec, "padded")
+    costs = _costs(x, starts, spec)
     return _Batches(seq, x, starts, lens, costs, tokens, seg_buckets[seg_of], bounds, cut)
 
 
@@ -317,8 +313,19 @@ def _packed_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, key: _See
     seq = items[order]
     x = eff[seq]
     lens = np.add.reduceat(x, starts)
-    costs = _costs(x, starts, spec, "packed")
+    costs = _costs(x, starts, spec)
     return _Batches(seq, x, starts, lens, costs, lens, np.zeros(starts.size, np.int32), bounds, cut)
+
+
+def _padded_batches(ids: np.ndarray, eff: np.ndarray, spec: BatchSpec, key: _Seeds) -> _Batches:
+    if spec.composition == "bucketed":
+        return _bucketed_batches(ids, eff, spec, key)
+    return _global_batches(ids, eff, spec, key)
+
+
+#: Each layout's planning (``loader_server.wire.layouts``): the micro-batches of an epoch's
+#: samples, laid out as its rows hold them.
+PLANNING = {PADDED.name: _padded_batches, PACKED.name: _packed_batches}
 
 
 def cost_cut(lengths: np.ndarray, spec: BatchSpec) -> packing.CostCut | None:
@@ -354,7 +361,7 @@ def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
         return floor
     hist = np.bincount(lengths)
     values = np.arange(hist.size)
-    if spec.layout == "packed":
+    if layout(spec.layout).packs:
         tokens = float(hist @ values)
         per_token = (hist @ cost.doc_anchors(rule, values)) / tokens
         sq_per_token = float(hist @ (values * values)) / tokens
@@ -375,17 +382,18 @@ def auto_budget(lengths: np.ndarray, spec: BatchSpec) -> float:
     return max(float(fill.min()), floor)
 
 
-def _costs(x: np.ndarray, starts: np.ndarray, spec: BatchSpec, layout: str) -> np.ndarray:
+def _costs(x: np.ndarray, starts: np.ndarray, spec: BatchSpec) -> np.ndarray:
     """Each micro-batch's cost: tokens as laid out (default model; exact integers in
     float64), else the modelled cost."""
     if not spec.cost_model_on:
-        if layout == "packed":
+        if layout(spec.layout).packs:
             return np.add.reduceat(x, starts).astype(np.float64)
         rows = np.diff(np.append(starts, x.size))
         return (rows * np.maximum.reduceat(x, starts)).astype(np.float64)
     f = cost.features(
-        x, starts, layout=layout, rule=spec.anchor_rule, packed_attention=spec.packed_attention
-    )
+        x, starts, layout=spec.layout, rule=spec.anchor_rule,
+        packed_attention=spec.packed_attention,
+    )  # fmt: skip
     return f @ np.asarray(spec.coefficients)
 
 
@@ -413,10 +421,10 @@ def _one_short_step(b: _Batches, spec: BatchSpec) -> _Batches:
         starts.insert(i + 1, starts[i] + int(rows[i]) // 2)
         parent.insert(i + 1, parent[i])
     at = np.array(starts, np.int64)
-    x, layout = b.seq_lengths, spec.layout
+    x = b.seq_lengths
     tokens = np.add.reduceat(x, at)
-    lens = tokens if layout == "packed" else np.maximum.reduceat(x, at)
-    costs = _costs(x, at, spec, layout)
+    lens = tokens if layout(spec.layout).packs else np.maximum.reduceat(x, at)
+    costs = _costs(x, at, spec)
     empty = k - at.size  # micro-batches of no sample, after the others
     z = np.zeros(empty, np.int64)
     return _Batches(
@@ -429,8 +437,11 @@ def _one_short_step(b: _Batches, spec: BatchSpec) -> _Batches:
 def _schedule(batches: _Batches, spec: BatchSpec, key: _Seeds) -> np.ndarray:
     """[num_steps, world_size*grad_accum] micro-batch indices, rank-major within a step."""
     rng = key.rng(_RNG_ORDER)
+    # Only rows of one length band (a padded layout's buckets) are stratified.
     stratify = (
-        spec.layout == "padded" and spec.composition == "bucketed" and spec.order == "stratified"
+        not layout(spec.layout).packs
+        and spec.composition == "bucketed"
+        and spec.order == "stratified"
     )
     # Whole-token costs: balancing sums are then exact, independent of summation order.
     # Modelled costs (any unit) are first scaled so that the costliest is 2**20 units.
@@ -489,7 +500,7 @@ def _stats(
 ) -> dict[str, Any]:
     served_tokens = int(plan.sample_lengths.sum(dtype=np.int64))
     rows = plan.micro_rows()
-    if spec.layout == "packed":
+    if layout(spec.layout).packs:
         capacity = plan.num_micro * spec.token_budget
     else:
         capacity = int((rows * plan.micro_lens).sum())

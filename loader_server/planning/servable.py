@@ -16,6 +16,7 @@ import numpy as np
 
 from loader_server.planning.elastic import shaped
 from loader_server.planning.planner import effective_lengths, plan_epoch
+from loader_server.wire.layouts import layout
 from loader_server.wire.spec import BatchSpec
 
 
@@ -54,7 +55,7 @@ def _surely_fills(servable: np.ndarray, spec: BatchSpec) -> bool:
     """Enough samples (padded) or tokens (packed) that the plan has a step, unplanned: a
     micro-batch holds at most ``max_batch_size`` rows or ``token_budget`` tokens, so there
     are more than ``grad_accum`` of them."""
-    if spec.layout == "packed":
+    if layout(spec.layout).packs:
         tokens = int(np.minimum(servable, spec.max_seq_len).sum(dtype=np.int64))
         return tokens > spec.grad_accum * spec.token_budget
     return servable.size > spec.grad_accum * spec.max_batch_size

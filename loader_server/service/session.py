@@ -19,6 +19,7 @@ from loader_server.data.dataset import ArrowDataset
 from loader_server.planning.planner import EpochPlan
 from loader_server.service.rings import ShmRing
 from loader_server.wire import ring as R
+from loader_server.wire.layouts import layout
 from loader_server.wire.protocol import Leg
 from loader_server.wire.ring import SlotLayout
 from loader_server.wire.spec import BatchSpec
@@ -35,11 +36,10 @@ def shortest_sample(lengths: np.ndarray) -> int:
 def slot_layout_for(spec: BatchSpec, shortest: int) -> SlotLayout:
     """Capacity for any micro-batch of ``spec``: rows*width <= budget; docs bounded by rows
     (padded) or by how many of the ``shortest`` non-empty samples fit a packed row."""
-    if spec.layout == "padded":
-        docs = spec.max_batch_size
-    else:
-        docs = max(1, spec.token_budget // shortest)
-    return SlotLayout.build(tokens=spec.token_budget, docs=min(docs, spec.token_budget))
+    docs = layout(spec.layout).max_docs(
+        token_budget=spec.token_budget, max_batch_size=spec.max_batch_size, shortest=shortest
+    )
+    return SlotLayout.build(tokens=spec.token_budget, docs=docs)
 
 
 @dataclass
@@ -143,7 +143,7 @@ class Session:
         ids, width, bucket = plan.micro_parts(s, self.rank, m)
         rows = int(ids.size)
         out = self.ring.slot(slot)
-        padded = self.spec.layout == "padded"
+        padded = not layout(self.spec.layout).packs
         tokens, maxlen = dataset.fill(
             ids,
             self.spec.max_seq_len,

@@ -47,9 +47,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from loader_server.wire.files import read_json
+from loader_server.wire.layouts import DEFAULT as DEFAULT_LAYOUT
+from loader_server.wire.layouts import LAYOUTS
 
 OVERLONG = ("truncate", "drop")
-LAYOUTS = ("padded", "packed")
 COMPOSITIONS = ("bucketed", "sorted", "random")
 ORDERS = ("stratified", "shuffled", "sequential")
 #: What a packed row's attention computes: each document's pairs, or the whole row's.
@@ -139,8 +140,8 @@ class BatchSpec:
         0.97, "Padding efficiency buckets=auto aims for, in (0, 1]."
     )
     layout: str = _spec_field(
-        "packed", "padded ([B, L] rows) or packed (one row of whole documents end to end).",
-        choices=LAYOUTS,
+        DEFAULT_LAYOUT, " or ".join(x.help for x in LAYOUTS.values()) + ".",
+        choices=tuple(LAYOUTS),
     )  # fmt: skip
     composition: str = _spec_field(
         "bucketed",
@@ -199,17 +200,7 @@ class BatchSpec:
                 f"{self.max_seq_len} ({self.row_cost(self.max_seq_len):g}); raise cost_budget "
                 f"or lower max_seq_len"
             )
-        if self.layout == "packed" and self.order == "sequential":
-            raise ValueError(
-                "order 'sequential' keeps padded batches in the order they were made: give "
-                "layout 'padded' with it (packed rows, the default layout, are always drawn "
-                "at random)"
-            )
-        if self.layout == "packed" and self.composition == "sorted":
-            raise ValueError(
-                "composition 'sorted' is a padded-layout baseline: give layout 'padded' "
-                "with it (packed rows, the default layout, are always drawn at random)"
-            )
+        LAYOUTS[self.layout].check(self.composition, self.order)
         b = self.buckets
         if not isinstance(b, str) and b and b[-1] >= self.max_seq_len:
             raise ValueError(

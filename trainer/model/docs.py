@@ -24,14 +24,12 @@ class DocView:
     @staticmethod
     def of(batch: Batch) -> DocView:
         """Documents of a padded or packed batch."""
-        if batch.layout == "packed":
+        if batch.packs:
             if batch.cu_seqlens is None:
                 raise ValueError("a packed batch needs cu_seqlens")
             cu = batch.cu_seqlens.to("cpu", torch.int64)
             length = cu[1:] - cu[:-1]
             return DocView(row=torch.zeros_like(length), start=cu[:-1].clone(), length=length)
-        if batch.layout != "padded":
-            raise ValueError(f"unknown batch layout {batch.layout!r}")
         length = batch.lengths.to("cpu", torch.int64)
         return DocView(
             row=torch.arange(length.numel()), start=torch.zeros_like(length), length=length

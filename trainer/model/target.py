@@ -223,7 +223,7 @@ class Target:
         """The features ``[R, T, n*H]`` a micro-batch is trained on: ``train_features`` of
         its ids (with its positions when packed). One entry point for every kind of target
         (``trainer.engine.target.EngineTarget`` hands out what an engine computed)."""
-        positions = batch.position_ids if batch.layout == "packed" else None
+        positions = batch.position_ids if batch.packs else None
         return self.train_features(batch.input_ids, positions, attention)
 
     @torch.no_grad()

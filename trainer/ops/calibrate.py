@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from loader_server.planning import cost
+from loader_server.wire import layouts
 from loader_server.wire.spec import COEFFICIENTS, AnchorRule, profile_text
 from trainer.files import atomic_output
 from trainer.train.cost_records import cost_dir, parse_record
@@ -130,7 +131,7 @@ def load_samples(run_dirs: Path | Sequence[Path]) -> Samples:
     for i, run_dir in enumerate(dirs):
         for rec, where in _records(run_dir):
             rules.setdefault(rec["rule"], where)
-            if rec["layout"] == "packed":
+            if layouts.layout(rec["layout"]).packs:
                 kernels.setdefault(rec["attention"], where)
             latest[(i, *rec["key"])] = rec
     for what, seen in (("anchor rules", rules), ("packed-row attention kernels", kernels)):

@@ -20,6 +20,8 @@ from typing import Any, Protocol, TypedDict, Unpack, runtime_checkable
 import torch
 
 from client.batch import Batch
+from loader_server.wire.layouts import PACKED, PADDED
+from loader_server.wire.layouts import layout as layout_of
 
 __all__ = ["PAD_ID", "Batch", "BatchSource", "ListSource", "pack_batch", "pad_batch"]
 
@@ -113,7 +115,7 @@ def pack_batch(
         sample_ids=_ids(sample_ids, len(samples)),
         max_seqlen=max(lengths, default=0),
         num_tokens=sum(lengths),
-        layout="packed",
+        layout=PACKED.name,
         position_ids=pos,
         cu_seqlens=cu,
         **position,
@@ -142,12 +144,12 @@ class ListSource:
         *,
         rows: int,
         grad_accum: int = 1,
-        layout: str = "padded",
+        layout: str = PADDED.name,
         epochs: int | None = None,
     ) -> None:
         if rows < 1 or grad_accum < 1:
             raise ValueError(f"rows and grad_accum must be >= 1, got {rows}, {grad_accum}")
-        make = pack_batch if layout == "packed" else pad_batch
+        make = pack_batch if layout_of(layout).packs else pad_batch
         starts = range(0, len(samples) - rows + 1, rows)
         self.steps_per_epoch = len(starts) // grad_accum
         if self.steps_per_epoch == 0:

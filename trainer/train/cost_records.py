@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loader_server.wire.layouts import LAYOUTS
 from loader_server.wire.spec import PACKED_ATTENTION, AnchorRule
-
-LAYOUTS = ("padded", "packed")
 
 
 def cost_dir(run_dir: Path) -> Path:

@@ -585,7 +585,7 @@ class Trainer:
         vocab = self.target.vocab_size
         if top >= vocab or (ids.numel() and int(ids.min()) < 0):
             bad = (ids >= vocab) | (ids < 0)
-            rows = batch.sample_ids[bad.any(dim=1)] if batch.layout == "padded" else None
+            rows = None if batch.packs else batch.sample_ids[bad.any(dim=1)]
             which = f"samples {rows[:5].tolist()}" if rows is not None else "this packed batch"
             raise TrainingError(
                 f"epoch {batch.epoch} step {batch.step} micro {batch.micro}: token id "
