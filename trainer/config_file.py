@@ -28,7 +28,7 @@ import tomllib
 
 from loader_server.wire.files import file_error
 from trainer.option_values import field_value, option_problem
-from trainer.options import DRAFTER, EVAL, OPTIM, RENAMED, RUN_FACTS, SPEC, TARGET
+from trainer.options import DRAFTER, EVAL, OPTIM, RUN_FACTS, SPEC, TARGET
 from trainer.sections import RunOptions
 
 #: ``--help`` section -> TOML table ("" and None: the top, the run's own options).
@@ -54,8 +54,8 @@ def _fields() -> dict[str, Field[Any]]:
         out[_key(f)] = out[f.name] = f
         for alias in f.metadata.get("aliases", ()):
             out[alias.lstrip("-").replace("-", "_")] = f
-    for old, new in RENAMED.items():
-        out.setdefault(old, out[new])
+        for old in f.metadata.get("was", ()):
+            out.setdefault(old, f)
     return out
 
 
@@ -143,7 +143,7 @@ def _value_problem(f: Field[Any], value: Any) -> str | None:
     choices = f.metadata.get("choices")
     if choices and value is not None and value not in choices:
         return f"must be one of {', '.join(choices)}, got {value!r}"
-    return option_problem(f.name, value)
+    return option_problem(f.metadata, value)
 
 
 #: Keys other trainers' configs (SpecForge's YAML, speculators' flags) use for our options.

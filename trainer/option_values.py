@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,45 +68,24 @@ def type_name(hint: Any) -> str:
     )
 
 
-# ---- bounds of ``dflash-train train``'s counts and rates ---------------------------------
-
-#: ``RunOptions`` field -> (lowest allowed value, whether the bound itself is allowed)
-RUN_LIMITS: dict[str, tuple[float, bool]] = {
-    "drafter_layers": (1, True), "block_size": (2, True), "anchors_per_doc": (1, True),
-    "tokens_per_anchor": (1, True), "dpace_alpha": (0, True),
-    "sliding_window": (1, True), "conv_kernel_size": (1, True), "conv_group_size": (1, True),
-    "selector_rank": (1, True), "selector_top_k": (1, True), "output_multiplier": (0, False),
-    "final_logit_softcapping": (0, False), "input_embedding_scale": (0, False),
-    "selector_alpha": (0, True), "init_std": (0, True),
-    "max_anchors": (0, True), "loss_chunk": (0, True), "mask_token_id": (0, True),
-    "gamma": (0, False), "lr": (0, False), "warmup": (0, True), "weight_decay": (0, True),
-    "grad_clip": (0, False), "steps": (1, True), "epochs": (1, True),
-    "max_nonfinite_steps": (0, True), "max_empty_steps": (0, True),
-    "grad_accum": (1, True), "token_budget": (1, True), "max_batch_size": (1, True),
-    "max_seq_len": (1, True), "cost_samples": (0, True), "eval_every": (0, True),
-    "num_eval_prompts": (0, True), "eval_new_tokens": (1, True), "ckpt_every": (0, True),
-    "eval_set_limit": (1, True), "eval_batch": (1, True),
-    "keep_checkpoints": (1, True), "timeout_s": (0, False), "profile_step": (0, True),
-    "collective_timeout_s": (0, False),
-    "peak_tflops": (0, False), "log_every_s": (0, True),
-    "engine_inflight": (1, True), "engine_timeout_s": (0, False), "states_buffer_mb": (1, True),
-}  # fmt: skip
+# ---- bounds ------------------------------------------------------------------------------
 
 
-def option_problem(name: str, value: Any) -> str | None:
-    """What is wrong with ``value`` for option ``name`` beyond its type ("must be >= 1, got
-    0"), by the bounds of ``RUN_LIMITS`` (and D-PACE's smoothing, a share); None: fine.
-    Flags and config files (``trainer.config_file``) are checked by it alike."""
-    if value is None:
+def option_problem(meta: Mapping[str, Any], value: Any) -> str | None:
+    """What is wrong with ``value`` beyond its type ("must be >= 1, got 0"), by the bounds
+    an option's field declares beside it (``at_least``, ``above``, ``at_most``:
+    ``trainer.options.opt``); None: fine. Flags, config files and ``config.json`` are
+    checked by it alike."""
+    low, floor, high = meta.get("at_least"), meta.get("above"), meta.get("at_most")
+    if value is None or (low is None and floor is None and high is None):
         return None
-    if name == "dpace_alpha" and not 0 <= value <= 1:
-        return f"must be in [0, 1], got {value}"
-    if name not in RUN_LIMITS:
-        return None
-    low, inclusive = RUN_LIMITS[name]
-    if math.isfinite(value) and (value >= low if inclusive else value > low):
-        return None
-    return f"must be {'>=' if inclusive else '>'} {low}, got {value}"
+    if low is not None and high is not None:
+        return None if low <= value <= high else f"must be in [{low}, {high}], got {value}"
+    for bound, ok, says in ((low, lambda b: value >= b, ">="), (floor, lambda b: value > b, ">"),
+                            (high, lambda b: value <= b, "<=")):  # fmt: skip
+        if bound is not None and not (math.isfinite(value) and ok(bound)):
+            return f"must be {says} {bound}, got {value}"
+    return None
 
 
 # ---- option strings the drafter's shape is given in ------------------------------------

@@ -26,6 +26,7 @@ from loader_server.wire.spec import SPEC_FIELDS, field_help
 from trainer.option_values import (
     from_json,
     has_type,
+    option_problem,
     to_json,
     type_name,
 )
@@ -36,25 +37,6 @@ if TYPE_CHECKING:
 CONFIG_FILE = "config.json"
 #: What ``config.json`` records about the run besides its options.
 RUN_FACTS = ("requested_loader_spec", "world_size")
-#: Options that runs written before they existed lack, with the value those runs had.
-ADDED_LATER: dict[str, Any] = {"tiny_heads": 4, "tiny_kv_heads": 2, "tiny_intermediate": None,
-                               "max_nonfinite_steps": 0, "max_empty_steps": 0,
-                               "log_every_s": 60.0, "report_to": (), "eval_sets": (),
-                               "eval_set_limit": 32, "eval_thinking": "off",
-                               "eval_batch": 16, "target_shard": "none",
-                               # the objective before it was one however a step is cut
-                               "tokens_per_anchor": 1, "loss_weighting": "decay",
-                               "dpace_alpha": 0.5, "loss_normalization": "micro-batch",
-                               "anchor_draw": "micro-batch",
-                               # before targets served by an engine
-                               "target_engine": "none", "engine_url": None,
-                               "vllm_python": None, "engine_dir": None,
-                               "engine_inflight": 32, "engine_timeout_s": 300.0,
-                               # the drafter's start before --init-std: PyTorch's default
-                               "init_std": 0.0}  # fmt: skip
-#: Options renamed since: old key -> new key (both spellings are read).
-RENAMED = {"num_anchors": "anchors_per_doc"}
-
 _Options = TypeVar("_Options", bound="Options")
 
 
@@ -68,14 +50,45 @@ def opt(
     flag: str | None = None,
     show_default: bool = True,
     section: str = "",
+    at_least: float | None = None,
+    above: float | None = None,
+    at_most: float | None = None,
+    before: Any = MISSING,
+    was: tuple[str, ...] = (),
 ) -> Any:
-    """A dataclass field with what its command-line flag needs: ``help``; ``aliases`` (older
-    spellings still accepted); ``choices``; ``path`` (``click.Path`` checks such as
-    ``{"exists": True, "file_okay": False}``); ``flag`` when it is not ``--field-name``;
-    ``section``: the group of flags it is listed under in ``--help``."""
+    """An option: a dataclass field with everything about it, beside it.
+
+    Its flag: ``help``; ``aliases`` (older spellings still accepted); ``choices``; ``path``
+    (``click.Path`` checks such as ``{"exists": True, "file_okay": False}``); ``flag`` when
+    it is not ``--field-name`` (the config-file key is the flag's name); ``section``: the
+    group of flags (and the config-file table) it is listed under. Its bounds, checked
+    wherever a value comes from (flags, config files, ``config.json``): ``at_least``,
+    ``above`` (strictly), ``at_most``. How an older run's ``config.json`` reads it:
+    ``before``, the value runs written before the option existed had; ``was``, the keys it
+    was written under before a rename."""
     meta = {"help": help, "aliases": aliases, "choices": choices, "path": path, "flag": flag,
-            "show_default": show_default, "section": section}  # fmt: skip
+            "show_default": show_default, "section": section, "at_least": at_least,
+            "above": above, "at_most": at_most, "before": before, "was": was}  # fmt: skip
     return field(default=default, metadata=meta)
+
+
+def flag_of(f: Field[Any]) -> str:
+    """The option's flag (``--field-name`` unless it names another)."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def renamed(cls: type) -> dict[str, str]:
+    """Old key -> option name, for the options of ``cls`` renamed since (both are read)."""
+    return {old: f.name for f in fields(cls) for old in f.metadata.get("was", ())}
+
+
+def added_later(cls: type) -> dict[str, Any]:
+    """Option name -> the value runs written before it existed had, for ``cls``'s options."""
+    return {
+        f.name: f.metadata["before"]
+        for f in fields(cls)
+        if f.metadata.get("before", MISSING) is not MISSING
+    }
 
 
 class Options:
@@ -87,10 +100,15 @@ class Options:
         __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
 
     def __post_init__(self) -> None:
+        """Every option's type, then its bounds (errors name the flag)."""
         for name, hint in typing.get_type_hints(type(self)).items():
             value = getattr(self, name)
             if not has_type(value, hint):
                 raise ValueError(f"option {name} must be {type_name(hint)}, got {value!r}")
+        for f in fields(self):
+            why = option_problem(f.metadata, getattr(self, f.name))
+            if why:
+                raise ValueError(f"{flag_of(f)} {why}")
 
     @classmethod
     def pick(cls: type[_Options], kwargs: Mapping[str, Any]) -> _Options:
@@ -102,15 +120,16 @@ class Options:
         """These options out of a JSON record (a run's ``config.json``, which may hold
         others); ``source`` names the record in errors. Renamed keys are read under either
         name."""
-        record = {RENAMED.get(k, k): v for k, v in record.items()}
-        names = [f.name for f in fields(cls)]
-        missing = [k for k in names if k not in record and k not in ADDED_LATER]
+        old = renamed(cls)
+        record = {old.get(k, k): v for k, v in record.items()}
+        names, before = [f.name for f in fields(cls)], added_later(cls)
+        missing = [k for k in names if k not in record and k not in before]
         if missing:
             raise ValueError(f"{source}: missing option(s) {', '.join(missing)}")
         hints = typing.get_type_hints(cls)
         values = {k: from_json(record[k], hints[k]) for k in names if k in record}
         try:
-            return cls(**{**{k: ADDED_LATER[k] for k in names if k in ADDED_LATER}, **values})
+            return cls(**{**before, **values})
         except (ValueError, TypeError) as e:
             raise ValueError(f"{source}: {e}") from e
 
@@ -122,14 +141,6 @@ class Options:
 TARGET = "Target (tiny: a seeded random Qwen3)"
 #: ``--target``'s value for the seeded random Qwen3 (``trainer.model.target``).
 TINY = "tiny"
-#: ``--target-engine``: the target in each rank, or served by vLLM (``trainer.engine``).
-ENGINES = ("none", "vllm")
-#: ``--states-transport``: how the states travel (``trainer.engine.seam.TRANSPORTS``); auto:
-#: shm when the server is on this machine, else mooncake with a master, else files.
-TRANSPORTS = ("auto", "shm", "files", "mooncake")
-#: ``--states-dtype``: the states as the engine computed them, or cast for the wire
-#: (``trainer.engine.supply.WIRE_NAMES``).
-STATES_DTYPES = ("engine", "bf16", "fp8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,10 +156,12 @@ class TargetOptions(Options):
     tiny_layers: int = opt(4, "Decoder layers of the tiny target.", section=TARGET)
     tiny_hidden: int = opt(128, "Hidden size of the tiny target.", section=TARGET)
     tiny_seed: int = opt(0, "Seed of the tiny target's weights.", section=TARGET)
-    tiny_heads: int = opt(4, "Attention heads of the tiny target.", section=TARGET)
-    tiny_kv_heads: int = opt(2, "KV heads of the tiny target.", section=TARGET)
+    tiny_heads: int = opt(4, "Attention heads of the tiny target.", section=TARGET, before=4)
+    tiny_kv_heads: int = opt(2, "KV heads of the tiny target.", section=TARGET, before=2)
     tiny_intermediate: int | None = opt(None, "MLP width of the tiny target [3 x hidden].",
-                                        section=TARGET)  # fmt: skip
+                                        section=TARGET,
+        before=None,
+    )  # fmt: skip
 
     @property
     def tiny(self) -> bool:
@@ -181,32 +194,27 @@ class TokenizeOptions(Options):
     """How conversations become a corpus (``tokenize``; ``regen --server`` embeds them)."""
 
     max_length: int | None = opt(
-        None, "Longest sample in tokens (see --overflow).", section=TOKENIZE
+        None, "Longest sample in tokens (see --overflow).", section=TOKENIZE, at_least=1
     )
     overflow: str = opt(
         "truncate", "What --max-length does to a longer conversation.",
         choices=("truncate", "drop"), section=TOKENIZE,
     )  # fmt: skip
-    workers: int = opt(1, "Tokenizer processes.", section=TOKENIZE)
-    shard_rows: int = opt(100_000, "Rows per output shard.", section=TOKENIZE)
+    workers: int = opt(1, "Tokenizer processes.", section=TOKENIZE, at_least=1)
+    shard_rows: int = opt(100_000, "Rows per output shard.", section=TOKENIZE, at_least=1)
     strict: bool = opt(
         False, "Stop at the first malformed row (default: count and skip it).", section=TOKENIZE
     )
     holdout: int = opt(
         0, "The last N conversations stay out; their prompts go to OUT/heldout.jsonl.",
-        section=TOKENIZE,
+        section=TOKENIZE, at_least=0,
     )  # fmt: skip
-    limit: int | None = opt(None, "Read only the first N rows.", section=TOKENIZE)
+    limit: int | None = opt(None, "Read only the first N rows.", section=TOKENIZE, at_least=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.overflow not in ("truncate", "drop"):
             raise ValueError(f"overflow must be 'truncate' or 'drop', got {self.overflow!r}")
-        for name, low in (("max_length", 1), ("workers", 1), ("shard_rows", 1), ("holdout", 0),
-                          ("limit", 1)):  # fmt: skip
-            value = getattr(self, name)
-            if value is not None and value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 IN_PROCESS = "In process (no --server; SRC is ONE tokenized Arrow corpus, the target runs here)"
@@ -216,24 +224,21 @@ IN_PROCESS = "In process (no --server; SRC is ONE tokenized Arrow corpus, the ta
 class RegenOptions(Options):
     """In-process ``regen``: the target rewrites a tokenized corpus's responses."""
 
-    batch_size: int = opt(64, "Samples generated together.", section=IN_PROCESS)
+    batch_size: int = opt(64, "Samples generated together.", section=IN_PROCESS, at_least=1)
     chunk_samples: int = 4096  # samples read (and sorted by response length) at a time
     holdout: int = opt(
-        0, "Samples (--server: conversations) kept out; their prompts go to the verifier."
-    )
-    limit: int | None = opt(
-        None, "Regenerate only the first N samples (after the holdout).", section=IN_PROCESS
-    )
+        0, "Samples (--server: conversations) kept out; their prompts go to the verifier.",
+        at_least=0,
+    )  # fmt: skip
+    limit: int | None = opt(  # at least 1: an empty corpus helps no one
+        None, "Regenerate only the first N samples (after the holdout).", section=IN_PROCESS,
+        at_least=1,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.batch_size < 1 or self.chunk_samples < 1 or self.holdout < 0:
-            raise ValueError(
-                f"need batch_size, chunk_samples >= 1 and holdout >= 0, got "
-                f"{self.batch_size}, {self.chunk_samples}, {self.holdout}"
-            )
-        if self.limit is not None and self.limit < 1:  # an empty corpus helps no one
-            raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if self.chunk_samples < 1:
+            raise ValueError(f"chunk_samples must be >= 1, got {self.chunk_samples}")
 
 
 #: DFlash2's drafter fields (``DrafterConfig``, the options of the same names) and the

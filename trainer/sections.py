@@ -23,23 +23,21 @@ from pathlib import Path
 from typing import Any
 
 from loader_server.wire.files import read_json
-from trainer.option_values import RUN_LIMITS, option_problem, parse_int_list
+from trainer.engine_options import EngineSection
+from trainer.option_values import parse_int_list
 from trainer.options import (
     CONFIG_FILE,
     DFLASH2_DEFAULTS,
     DRAFTER,
-    ENGINES,
     EVAL,
     OPTIM,
-    RENAMED,
     RUN_FACTS,
     SPEC,
-    STATES_DTYPES,
     TARGET,
-    TRANSPORTS,
     Options,
     TargetOptions,
     opt,
+    renamed,
     spec_choices,
     spec_help,
 )
@@ -64,13 +62,14 @@ class JobSection(Options):
         "cuda:LOCAL_RANK too.",
         section=EVAL,
     )
-    timeout_s: float = opt(60.0, "How long to wait for the loader daemon.", section=EVAL)
+    timeout_s: float = opt(60.0, "How long to wait for the loader daemon.", section=EVAL, above=0)
     collective_timeout_s: float | None = opt(
         None,
         "Seconds a collective waits for a rank before the step fails (a frozen node under "
         "torchrun --nnodes MIN:MAX is noticed then); longer than the slowest rank's target "
         "load and checkpoint save [default: torch's, 10 min NCCL, 30 min gloo].",
         section=EVAL,
+        above=0,
     )
 
 
@@ -85,88 +84,8 @@ class TargetSection(TargetOptions):
         "it whole: fsdp, or auto (when it does not fit next to the drafter); none: whole on "
         "every rank.",
         choices=("none", "fsdp", "auto"), section=TARGET,  # trainer.model.sharding.SHARD_MODES
+        before="none",
     )  # fmt: skip
-    target_engine: str = opt(
-        "none",
-        "Where the target's features come from: none (the target runs in each rank) or vllm "
-        "(a vLLM server computes them; the trainer reads only the target folder's embedding, "
-        "final norm and LM head, and measures no tau while training).",
-        choices=ENGINES, section=TARGET,
-    )  # fmt: skip
-    engine_url: str | None = opt(
-        None,
-        "--target-engine vllm: a vLLM server you run, serving --target as `dflash-train "
-        "engine-command` prints; unset: rank 0 starts one with --vllm-python.",
-        section=TARGET,
-    )
-    vllm_python: Path | None = opt(
-        None,
-        "--target-engine vllm without --engine-url: the python of vLLM's virtualenv, which "
-        "rank 0 runs the server with.",
-        path={"exists": True, "dir_okay": False}, section=TARGET,
-    )  # fmt: skip
-    engine_dir: Path | None = opt(
-        None,
-        "Where this machine finds the hidden-state files the server writes (its "
-        "shared_storage_path as mounted here) [the path the server names; a started "
-        "server: the run's folder in /dev/shm].",
-        path={"exists": True, "file_okay": False}, show_default=False, section=TARGET,
-    )  # fmt: skip
-    engine_inflight: int = opt(
-        32, "Documents each rank keeps in flight to the engine, read ahead of the plan.",
-        section=TARGET,
-    )  # fmt: skip
-    engine_timeout_s: float = opt(
-        300.0,
-        "How long a server that stopped answering is waited for before the run stops (after "
-        "a final checkpoint; --resume continues).",
-        section=TARGET,
-    )
-    states_transport: str = opt(
-        "auto",
-        "How the states travel from the server: shm (an arena of each rank's in shared "
-        "memory, the server on this machine), files (one file per document, in a folder "
-        "both see), mooncake (a Mooncake store, across machines); auto: shm for a server "
-        "on this machine, else mooncake with --mooncake-master, else files.",
-        choices=TRANSPORTS, section=TARGET,
-    )  # fmt: skip
-    states_dtype: str = opt(
-        "engine", "The dtype the states travel in: engine (as computed), bf16, or fp8 (e4m3, "
-        "a scale per token and layer; docs/TRAINER.md, 'Precision on the wire').",
-        choices=STATES_DTYPES, section=TARGET,
-    )  # fmt: skip
-    states_buffer_mb: int = opt(
-        2048,
-        "Each rank's memory for the states read ahead, in MiB: the shm arena (its pages "
-        "made as the first documents are written, then reused), or Mooncake's segment and "
-        "receive buffer.",
-        section=TARGET,
-    )
-    mooncake_master: str | None = opt(
-        None,
-        "--states-transport mooncake: the store's master, HOST:PORT (`dflash-train "
-        "engine-command --states-transport mooncake` prints how to start one) [a server the "
-        "run starts: rank 0 starts one beside it].",
-        section=TARGET,
-    )
-    mooncake_metadata: str | None = opt(
-        None,
-        "The Mooncake metadata server's URL [http://MASTER_HOST:8080/metadata: the "
-        "master's own HTTP metadata server].",
-        section=TARGET,
-    )
-    mooncake_protocol: str = opt(
-        "tcp", "How Mooncake moves the bytes: tcp, or rdma (with --mooncake-device).",
-        choices=("tcp", "rdma"), section=TARGET,
-    )  # fmt: skip
-    mooncake_device: str = opt(
-        "", "--mooncake-protocol rdma: the RDMA devices (e.g. mlx5_0,mlx5_1).", section=TARGET
-    )
-
-    @property
-    def engine(self) -> bool:
-        """The target's features come from an engine, not from a target in this process."""
-        return self.target_engine != "none"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,10 +96,16 @@ class DrafterSection(Options):
         None, "Target layer ids for the features, e.g. 0,1,2 (default: spread).", section=DRAFTER
     )
     drafter_layers: int | None = opt(  # None: resolved by trainer.run.resolve_init_drafter
-        None, "Drafter decoder layers [1; --init-drafter: its own].", section=DRAFTER
+        None,
+        "Drafter decoder layers [1; --init-drafter: its own].",
+        section=DRAFTER,
+        at_least=1,
     )
     block_size: int | None = opt(  # None: resolved by trainer.run.resolve_init_drafter
-        None, "Block size [16; --init-drafter: its own].", section=DRAFTER
+        None,
+        "Block size [16; --init-drafter: its own].",
+        section=DRAFTER,
+        at_least=2,
     )
     layer_types: str | None = opt(
         None,
@@ -194,6 +119,7 @@ class DrafterSection(Options):
         "Positions a sliding layer sees (its own included), causally inside the block, as "
         "SGLang and vLLM serve it [--init-drafter: its own].",
         section=DRAFTER,
+        at_least=1,
     )
     sliding_bidirectional: bool = opt(
         False,
@@ -212,32 +138,41 @@ class DrafterSection(Options):
     conv_kernel_size: int | None = opt(
         None, "DFlash2: taps of each block convolution [2; --init-drafter: its own].",
         section=DRAFTER,
+        at_least=1,
     )  # fmt: skip
     conv_group_size: int | None = opt(
         None, "DFlash2: hidden channels sharing one dynamic tap [16; --init-drafter: its own].",
         section=DRAFTER,
+        at_least=1,
     )  # fmt: skip
     selector_rank: int | None = opt(
         None,
         "DFlash2: rank of the selector's codebooks (two [vocab, rank] tables) [256; "
         "--init-drafter: its own].",
         section=DRAFTER,
+        at_least=1,
     )
     selector_top_k: int | None = opt(
         None, "DFlash2: unary candidates the selector walks [16; --init-drafter: its own].",
         section=DRAFTER,
+        at_least=1,
     )  # fmt: skip
     output_multiplier: float | None = opt(
-        None, "DFlash2: scale of the unary logits [1; --init-drafter: its own].", section=DRAFTER
+        None,
+        "DFlash2: scale of the unary logits [1; --init-drafter: its own].",
+        section=DRAFTER,
+        above=0,
     )
     final_logit_softcapping: float | None = opt(
         None,
         "DFlash2: soft cap c of the unary logits, c*tanh(x/c) [none; --init-drafter: its own].",
         section=DRAFTER,
+        above=0,
     )
     input_embedding_scale: float | None = opt(
         None, "DFlash2: scale of the block's embeddings [1; --init-drafter: its own].",
         section=DRAFTER,
+        above=0,
     )  # fmt: skip
     init_drafter: Path | None = opt(
         None,
@@ -256,12 +191,15 @@ class DrafterSection(Options):
         "smaller --lr (docs/TRAINER.md, 'Initialisation'). --init-drafter's weights "
         "replace it.",
         section=DRAFTER,
+        at_least=0,
+        before=0.0,
     )
     mask_token_id: int | None = opt(
         None,
         "Token id whose frozen target embedding is the MASK slot (default: the target's "
         "mask token from its config or tokenizer, e.g. Qwen3's <|MASK|> 151669).",
         section=DRAFTER,
+        at_least=0,
     )
     learned_mask: bool = opt(
         False, "Train a MASK vector instead (NOT loadable by SGLang/vLLM/Transformers DFlash).",
@@ -287,6 +225,7 @@ class LossSection(Options):
     anchors_per_doc: int = opt(
         512, "At most this many anchors (blocks) per document (the loader spec's name).",
         aliases=("--num-anchors",), section=DRAFTER,
+        was=("num_anchors",), at_least=1,
     )  # fmt: skip
     tokens_per_anchor: int = opt(
         32,
@@ -295,12 +234,15 @@ class LossSection(Options):
         "(2048 in a 65,536-token one); compute and activation memory follow it. 1: every "
         "position up to --anchors-per-doc (the reference recipe, 512 per sequence).",
         section=DRAFTER,
+        at_least=1,
+        before=1,
     )
     max_anchors: int = opt(
         0,
         "With --anchor-draw micro-batch only: at most this many anchors per micro-batch, "
         "kept fairly across its documents (the old rule; 0: no cap).",
         section=DRAFTER,
+        at_least=0,
     )
     anchor_draw: str = opt(
         "document",
@@ -308,6 +250,7 @@ class LossSection(Options):
         "sample alone (any rank, micro-batch or neighbours). micro-batch: drawn per rank "
         "and loader position, as before (comparisons only).",
         choices=("document", "micro-batch"), section=DRAFTER,
+        before="micro-batch",
     )  # fmt: skip
     loss_normalization: str = opt(
         "step",
@@ -315,6 +258,7 @@ class LossSection(Options):
         "every rank (one objective however the loader cuts a step). micro-batch: the mean of "
         "each micro-batch's mean, as speculators, DeepSpec and ModelOpt train (comparisons).",
         choices=("step", "micro-batch"), section=DRAFTER,
+        before="micro-batch",
     )  # fmt: skip
     loss_weighting: str = opt(
         "dpace",
@@ -322,17 +266,25 @@ class LossSection(Options):
         "default; ours since docs/EXPERIMENT.md Part 4): each slot weighs the expected "
         "accepted length it would still buy; decay, exp(-(k-1)/gamma) (before Part 4).",
         choices=("decay", "dpace"), section=DRAFTER,
+        before="decay",
     )  # fmt: skip
     dpace_alpha: float = opt(
-        0.5, "D-PACE's confidence smoothing: q~ = (1 - a) exp(-CE) + a.", section=DRAFTER
+        0.5,
+        "D-PACE's confidence smoothing: q~ = (1 - a) exp(-CE) + a.",
+        section=DRAFTER,
+        at_least=0,
+        at_most=1,
+        before=0.5,
     )
     gamma: float = opt(
         7.0, "Loss decay over block offsets, exp(-(k-1)/gamma) (--loss-weighting decay).",
         section=DRAFTER,
+        above=0,
     )  # fmt: skip
     selector_alpha: float | None = opt(
         None, "DFlash2: weight of the selector's K-way cross-entropy next to the unary one [1].",
         section=DRAFTER,
+        at_least=0,
     )  # fmt: skip
     loss_chunk: int = opt(
         1024,
@@ -340,6 +292,7 @@ class LossSection(Options):
         "chunk): logits exist for this many slots at once. 0: unchunked (reference; memory "
         "grows with anchors).",
         section=DRAFTER,
+        at_least=0,
     )
 
 
@@ -347,23 +300,31 @@ class LossSection(Options):
 class OptimizerSection(Options):
     """The optimizer and the run's length."""
 
-    lr: float = opt(6e-4, "Peak learning rate (AdamW).", section=OPTIM)
-    warmup: float = opt(0.04, "Warm-up steps; < 1: a fraction of the run.", section=OPTIM)
-    weight_decay: float = opt(0.01, "AdamW weight decay.", section=OPTIM)
-    grad_clip: float = opt(1.0, "Gradient norm clip.", section=OPTIM)
-    steps: int | None = opt(None, "Optimizer steps (or --epochs).", section=OPTIM)
-    epochs: int | None = opt(None, "Epochs of the loader's plan (or --steps).", section=OPTIM)
+    lr: float = opt(6e-4, "Peak learning rate (AdamW).", section=OPTIM, above=0)
+    warmup: float = opt(
+        0.04, "Warm-up steps; < 1: a fraction of the run.", section=OPTIM, at_least=0
+    )
+    weight_decay: float = opt(0.01, "AdamW weight decay.", section=OPTIM, at_least=0)
+    grad_clip: float = opt(1.0, "Gradient norm clip.", section=OPTIM, above=0)
+    steps: int | None = opt(None, "Optimizer steps (or --epochs).", section=OPTIM, at_least=1)
+    epochs: int | None = opt(
+        None, "Epochs of the loader's plan (or --steps).", section=OPTIM, at_least=1
+    )
     max_nonfinite_steps: int = opt(
         3,
         "Stop after this many optimizer steps in a row whose loss or gradients are NaN/inf "
         "(each is skipped: no update); 0: never stop.",
         section=OPTIM,
+        at_least=0,
+        before=0,
     )
     max_empty_steps: int = opt(
         10,
         "Stop after this many steps in a row in which no rank trained a block (the spec "
         "leaves no document a block); 0: never stop.",
         section=OPTIM,
+        at_least=0,
+        before=0,
     )
     seed: int = opt(
         0, "Trainer seed (init, anchors); the loader's plan seed is the daemon's or --spec seed=N.",
@@ -398,10 +359,10 @@ class LoaderSection(Options):
 
     # The loader spec's fields a trainer sets often: their help and choices are the spec's
     # own (loader_server.wire.spec); unset, the daemon's configured spec decides.
-    grad_accum: int | None = opt(None, spec_help("grad_accum"), section=SPEC)
-    token_budget: int | None = opt(None, spec_help("token_budget"), section=SPEC)
-    max_batch_size: int | None = opt(None, spec_help("max_batch_size"), section=SPEC)
-    max_seq_len: int | None = opt(None, spec_help("max_seq_len"), section=SPEC)
+    grad_accum: int | None = opt(None, spec_help("grad_accum"), section=SPEC, at_least=1)
+    token_budget: int | None = opt(None, spec_help("token_budget"), section=SPEC, at_least=1)
+    max_batch_size: int | None = opt(None, spec_help("max_batch_size"), section=SPEC, at_least=1)
+    max_seq_len: int | None = opt(None, spec_help("max_seq_len"), section=SPEC, at_least=1)
     layout: str | None = opt(
         None, spec_help("layout"), choices=spec_choices("layout"), section=SPEC
     )
@@ -426,13 +387,17 @@ class LoaderSection(Options):
 class EvaluationSection(Options):
     """tau during training: the held-out prompts and the public sets, and how often."""
 
-    eval_every: int = opt(0, "Measure tau every N steps; 0: at the start and end.", section=EVAL)
+    eval_every: int = opt(
+        0, "Measure tau every N steps; 0: at the start and end.", section=EVAL, at_least=0
+    )
     eval_prompts: Path | None = opt(
         None, "Held-out prompts (JSONL of {\"prompt\": [ids]}: tokenize/regen --holdout).",
         path={"exists": True}, section=EVAL,
     )  # fmt: skip
-    num_eval_prompts: int = opt(16, "Prompts tau is measured on.", section=EVAL)
-    eval_new_tokens: int = opt(64, "Tokens generated per prompt when measuring tau.", section=EVAL)
+    num_eval_prompts: int = opt(16, "Prompts tau is measured on.", section=EVAL, at_least=0)
+    eval_new_tokens: int = opt(
+        64, "Tokens generated per prompt when measuring tau.", section=EVAL, at_least=1
+    )
     eval_sets: tuple[str, ...] = opt(
         (),
         "Prompt sets tau is also measured on at every evaluation, NAME=PATH (gsm8k, "
@@ -442,17 +407,23 @@ class EvaluationSection(Options):
         "folder's tokenizer and chat template; multi-turn sets (MT-Bench): the first turn only.",
         show_default=False,
         section=EVAL,
+        before=(),
     )
-    eval_set_limit: int = opt(32, "Prompts of each --eval-sets set (its first N).", section=EVAL)
+    eval_set_limit: int = opt(
+        32, "Prompts of each --eval-sets set (its first N).", section=EVAL, at_least=1, before=32
+    )
     eval_thinking: str = opt(
         "off", "The chat template's enable_thinking for --eval-sets prompts.",
         choices=("off", "on"), section=EVAL,
+        before="off",
     )  # fmt: skip
     eval_batch: int = opt(
         16,
         "Prompts per verification forward when measuring tau (a rank's share of the held-out "
         "prompts and of each set runs in batches of N): memory grows with N x the longest.",
         section=EVAL,
+        at_least=1,
+        before=16,
     )
 
 
@@ -460,14 +431,16 @@ class EvaluationSection(Options):
 class OutputSection(Options):
     """What a run writes: checkpoints, progress, dashboards, timings, the profile."""
 
-    ckpt_every: int = opt(0, "Checkpoint every N steps; 0: at the end.", section=EVAL)
-    keep_checkpoints: int = opt(3, "Newest checkpoints kept.", section=EVAL)
+    ckpt_every: int = opt(0, "Checkpoint every N steps; 0: at the end.", section=EVAL, at_least=0)
+    keep_checkpoints: int = opt(3, "Newest checkpoints kept.", section=EVAL, at_least=1)
     no_progress: bool = opt(False, "No progress bar.", section=EVAL)
     log_every_s: float = opt(
         60.0,
         "Without a terminal (systemd's journal, a log file), or with --no-progress: one "
         "progress line every N seconds (step, loss, tau, tokens/s, ETA); 0: none.",
         section=EVAL,
+        at_least=0,
+        before=60.0,
     )
     report_to: tuple[str, ...] = opt(
         (),
@@ -476,6 +449,7 @@ class OutputSection(Options):
         "rank 0 logs each step's metrics and the options. One that fails is dropped, warned.",
         show_default=False,
         section=EVAL,
+        before=(),
     )
     cost_samples: int = opt(
         2000,
@@ -483,6 +457,7 @@ class OutputSection(Options):
         "`dflash-train calibrate` (after 2 warm-up steps; synchronizes CUDA while recording). "
         "0: off.",
         section=EVAL,
+        at_least=0,
     )
     profile_step: int = opt(
         0,
@@ -490,11 +465,13 @@ class OutputSection(Options):
         "phase's time and share of the step, the step's FLOPs and MFU (trainer/train/"
         "profile.py); 0: off.",
         section=EVAL,
+        at_least=0,
     )
     peak_tflops: float | None = opt(
         None,
         "The chip's dense bf16 peak for MFU [default: known GPUs by name; none on CPU].",
         section=EVAL,
+        above=0,
     )
 
     @property
@@ -506,7 +483,7 @@ class OutputSection(Options):
 @dataclass(frozen=True, kw_only=True)
 class RunOptions(
     OutputSection, EvaluationSection, LoaderSection, OptimizerSection, LossSection,
-    DrafterSection, TargetSection, JobSection,
+    DrafterSection, EngineSection, TargetSection, JobSection,
 ):  # fmt: skip
     """Every ``dflash-train train`` option: all the sections. The command line's flags are
     made from these fields, so their defaults are the same by construction."""
@@ -522,12 +499,6 @@ class RunOptions(
                 "bounds a micro-batch's blocks"
             )
         self._check_engine()
-        by_name = {f.name: f for f in fields(self)}
-        for name in (*RUN_LIMITS, "dpace_alpha"):
-            why = option_problem(name, getattr(self, name))
-            if why:
-                flag = by_name[name].metadata.get("flag") or "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} {why}")
 
     def _check_engine(self) -> None:
         """The engine's options go together (``trainer.engine``): each refusal names them."""
@@ -569,7 +540,7 @@ class RunOptions(
         record = read_json(path, "a run's config.json (JSON)")
         if not isinstance(record, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(record).__name__}")
-        known = {f.name for f in fields(cls)} | set(RUN_FACTS) | set(RENAMED)
+        known = {f.name for f in fields(cls)} | set(RUN_FACTS) | set(renamed(cls))
         unknown = sorted(set(record) - known)
         if unknown:
             raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}")

@@ -16,7 +16,6 @@ from click.testing import CliRunner
 
 from trainer.cli import main
 from trainer.config_file import TABLES, read_config, settable, to_toml
-from trainer.option_values import RUN_LIMITS
 from trainer.sections import RunOptions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +44,7 @@ def sample(name: str, hint: object, default: object) -> object:
     if kind is bool:
         return not default
     if kind is int:
-        return int(RUN_LIMITS.get(name, (0, True))[0]) + 3
+        return int(field.metadata.get("at_least") or 0) + 3
     if kind is float:
         return 0.5 if default != 0.5 else 0.25
     if typing.get_origin(kind) is tuple:

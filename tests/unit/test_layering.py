@@ -142,6 +142,7 @@ TRAINER_ROOMS = {
 FOUNDATION = (
     "trainer/options.py",
     "trainer/sections.py",
+    "trainer/engine_options.py",
     "trainer/option_values.py",
     "trainer/files.py",
     "trainer/progress.py",

@@ -51,7 +51,8 @@ import torch
 from loader_server.faults import fault_point
 from trainer.files import fsync_dir
 from trainer.model.blocks import LEGACY_LOSS_FIELDS, LossConfig
-from trainer.options import RENAMED
+from trainer.options import renamed
+from trainer.sections import RunOptions
 from trainer.train.distributed import DistEnv, all_reduce, barrier
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,8 @@ class CheckpointRecord:
             raise ValueError(f"{where}: not a drafter checkpoint (no {', '.join(missing)})")
         saved_loss: dict[str, Any] = dict(shared["loss_config"])
         # Fields newer than the checkpoint mean what it trained (LOSS_DEFAULTS).
-        loss = {**LOSS_DEFAULTS, **{RENAMED.get(k, k): v for k, v in saved_loss.items()}}
+        old = renamed(RunOptions)
+        loss = {**LOSS_DEFAULTS, **{old.get(k, k): v for k, v in saved_loss.items()}}
         return cls(
             step=int(shared["step"]),
             epoch=int(shared.get("epoch", 0)),
