@@ -2,7 +2,7 @@
 and the one place that knows a layout's name: the spec's choices and refusals, the planner
 (``loader_server.planning.planner``: its ``PLANNING`` keeps each layout's batch maker), the
 daemon's slots (``service.session``), the client's field shapes (``client.loader``) and the
-trainer's document view (``trainer.model.docs``) all consult the entry, never the name.
+trainer's document view (``trainer.model.doc_view``) all consult the entry, never the name.
 
 Adding a layout is an entry here plus its planning (a batch maker in ``PLANNING``); the
 tests check that every entry has one, and that no code elsewhere compares layout names.

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from trainer.eval.protocols import position_rates, summarize
 from trainer.eval.report import agreement, markdown
 from trainer.eval.runner import EvalSettings, Measurement
+from trainer.eval.tau_counting import position_rates, summarize
 from trainer.model.speculate import Sampling
 from trainer.model.verifier import SpecResult
 

@@ -35,7 +35,7 @@ from typing import Any
 from loader_server.wire.protocol import LoaderError
 from trainer.engine.client import StateClient
 from trainer.engine.states import assemble
-from trainer.model.docs import DocView
+from trainer.model.doc_view import DocView
 from trainer.train.batches import Batch, BatchSource
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ it: ``--mooncake-protocol``).
 Each rank runs a store client that mounts ``--states-buffer-mb`` of its own memory as a
 segment of the store, and keeps a receive buffer of the same size, registered once
 (pinned when CUDA is present), whose room it gives to documents in submission order
-(``trainer.engine.room``). A request names its key (the request id) and the rank's
+(``trainer.engine.regions``). A request names its key (the request id) and the rank's
 segment; the server's connector puts the document there (``trainer/vllm/connector/
 dflash_states_mooncake.py``: the arena's region layout, keyed by the request id); the rank
 waits for the key to exist, copies it into the document's region with ``get_into`` (a
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from trainer.engine.errors import EngineError, unwritten
-from trainer.engine.room import Region, Room
+from trainer.engine.regions import Region, Room
 from trainer.engine.seam import Attempt, Lost, pause
 from trainer.vllm.connector import dflash_states_shm as layout
 from trainer.vllm.process import free_port, stop_group, tail

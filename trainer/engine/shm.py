@@ -35,7 +35,7 @@ import torch
 
 from trainer.engine import folders
 from trainer.engine.errors import EngineError, unwritten
-from trainer.engine.room import Region, Room
+from trainer.engine.regions import Region, Room
 from trainer.engine.seam import Attempt, Lost, pause
 from trainer.vllm.connector import dflash_states_shm as layout
 

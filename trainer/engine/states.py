@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.model.docs import DocView
+from trainer.model.doc_view import DocView
 from trainer.train.batches import Batch
 from trainer.vllm.connector.dflash_states_wire import decode
 

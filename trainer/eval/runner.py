@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from trainer.eval.protocols import Protocols, summarize
 from trainer.eval.sets import PromptSet, conversation, render
+from trainer.eval.tau_counting import Protocols, summarize
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.speculate import BatchedVerifier, Sampling
 from trainer.model.target import Target, load_target

@@ -44,7 +44,7 @@ import torch
 
 from client.batch import Batch
 from loader_server.wire.spec import AnchorRule
-from trainer.model.docs import DocView
+from trainer.model.doc_view import DocView
 from trainer.model.drafter import DraftBlocks, plan_chunks
 
 if TYPE_CHECKING:

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from client.batch import Batch
 from trainer.model.blocks import AnchorDraw, BlockPlan, LossConfig, draft_blocks, plan_blocks
 from trainer.model.dflash2 import CandidateSelector, softcap_logits, training_candidates
-from trainer.model.docs import DocView
+from trainer.model.doc_view import DocView
 from trainer.model.drafter import DFlashDrafter, DraftBlocks
 from trainer.model.phases import phase
 from trainer.model.target import Target

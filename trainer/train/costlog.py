@@ -25,7 +25,7 @@ from typing import IO
 import torch
 
 from client.batch import Batch
-from trainer.model.docs import DocView
+from trainer.model.doc_view import DocView
 from trainer.train.cost_records import make_record, rank_file
 
 #: Optimizer steps of each process that are not recorded (warm-up).

@@ -49,7 +49,7 @@ from loader_server.faults import fault_point
 from loader_server.wire.protocol import LoaderError
 from trainer.model.attention import packed_attention, resolve_backend
 from trainer.model.blocks import LossConfig, anchor_draw
-from trainer.model.docs import DocView
+from trainer.model.doc_view import DocView
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import draft_loss, zero_loss
 from trainer.model.phases import phase
