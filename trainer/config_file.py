@@ -132,18 +132,10 @@ def _values(path: Path, text: str, items: list[Item], flat: bool) -> dict[str, A
             out[f.name] = field_value(RunOptions, f.name, value)
         except ValueError as e:
             raise ValueError(f"{where}: {raw_key}: {e}") from None
-        why = _value_problem(f, out[f.name])
+        why = option_problem(f.metadata, out[f.name])
         if why:  # what the flag's own checks would say, said here at the file's line
             raise ValueError(f"{where}: {raw_key} {why}")
     return out
-
-
-def _value_problem(f: Field[Any], value: Any) -> str | None:
-    """The flag's checks on a file's value: its choices, its bounds."""
-    choices = f.metadata.get("choices")
-    if choices and value is not None and value not in choices:
-        return f"must be one of {', '.join(choices)}, got {value!r}"
-    return option_problem(f.metadata, value)
 
 
 #: Keys other trainers' configs (SpecForge's YAML, speculators' flags) use for our options.

@@ -72,10 +72,15 @@ def type_name(hint: Any) -> str:
 
 
 def option_problem(meta: Mapping[str, Any], value: Any) -> str | None:
-    """What is wrong with ``value`` beyond its type ("must be >= 1, got 0"), by the bounds
-    an option's field declares beside it (``at_least``, ``above``, ``at_most``:
-    ``trainer.options.opt``); None: fine. Flags, config files and ``config.json`` are
+    """What is wrong with ``value`` beyond its type ("must be >= 1, got 0"), by the choices
+    and bounds an option's field declares beside it (``choices``, ``at_least``, ``above``,
+    ``at_most``: ``trainer.options.opt``); None: fine. Flags, config files and ``config.json`` are
     checked by it alike."""
+    choices = meta.get("choices")
+    if choices and value is not None:
+        for v in value if isinstance(value, tuple) else (value,):
+            if v not in choices:
+                return f"must be one of {', '.join(choices)}, got {v!r}"
     low, floor, high = meta.get("at_least"), meta.get("above"), meta.get("at_most")
     if value is None or (low is None and floor is None and high is None):
         return None

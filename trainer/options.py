@@ -18,7 +18,7 @@ torch.
 from __future__ import annotations
 
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -55,20 +55,24 @@ def opt(
     at_most: float | None = None,
     before: Any = MISSING,
     was: tuple[str, ...] = (),
+    parse: Callable[[str], Any] | None = None,
 ) -> Any:
     """An option: a dataclass field with everything about it, beside it.
 
     Its flag: ``help``; ``aliases`` (older spellings still accepted); ``choices``; ``path``
     (``click.Path`` checks such as ``{"exists": True, "file_okay": False}``); ``flag`` when
     it is not ``--field-name`` (the config-file key is the flag's name); ``section``: the
-    group of flags (and the config-file table) it is listed under. Its bounds, checked
+    group of flags (and the config-file table) it is listed under; ``parse``: how the
+    flag's one string becomes the field's value (a comma-separated list as a tuple;
+    ValueError says what is wrong). Its bounds, checked
     wherever a value comes from (flags, config files, ``config.json``): ``at_least``,
     ``above`` (strictly), ``at_most``. How an older run's ``config.json`` reads it:
     ``before``, the value runs written before the option existed had; ``was``, the keys it
     was written under before a rename."""
     meta = {"help": help, "aliases": aliases, "choices": choices, "path": path, "flag": flag,
             "show_default": show_default, "section": section, "at_least": at_least,
-            "above": above, "at_most": at_most, "before": before, "was": was}  # fmt: skip
+            "above": above, "at_most": at_most, "before": before, "was": was,
+            "parse": parse}  # fmt: skip
     return field(default=default, metadata=meta)
 
 
@@ -210,11 +214,6 @@ class TokenizeOptions(Options):
         section=TOKENIZE, at_least=0,
     )  # fmt: skip
     limit: int | None = opt(None, "Read only the first N rows.", section=TOKENIZE, at_least=1)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.overflow not in ("truncate", "drop"):
-            raise ValueError(f"overflow must be 'truncate' or 'drop', got {self.overflow!r}")
 
 
 IN_PROCESS = "In process (no --server; SRC is ONE tokenized Arrow corpus, the target runs here)"

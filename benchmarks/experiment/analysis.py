@@ -191,10 +191,10 @@ def heldout_loss(target: Any, drafter: Any, batches: list, loss_cfg: Any) -> dic
 def load_drafter(path: Path) -> tuple[Any, Any]:
     """The drafter of checkpoint ``path`` and that checkpoint's record."""
     from trainer.model.drafter import DFlashDrafter, DrafterConfig
-    from trainer.train import checkpoint as ckpt
+    from trainer.train.checkpoint import load_checkpoint
     from trainer.train.distributed import local_env
 
-    saved, _ = ckpt.load_checkpoint(path, local_env())
+    saved, _ = load_checkpoint(path, local_env())
     drafter = DFlashDrafter(DrafterConfig(**saved.drafter_config))
     drafter.load_state_dict(saved.drafter)
     return drafter, saved
@@ -202,9 +202,9 @@ def load_drafter(path: Path) -> tuple[Any, Any]:
 
 def load_final_drafter(run_dir: Path) -> tuple[Any, Any]:
     """The drafter of the run's newest checkpoint and that checkpoint's record."""
-    from trainer.train import checkpoint as ckpt
+    from trainer.train.checkpoint import latest_checkpoint
 
-    path = ckpt.latest_checkpoint(run_dir)
+    path = latest_checkpoint(run_dir)
     if path is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint")
     return load_drafter(path)
@@ -386,13 +386,13 @@ def _heldout_at(
 ) -> dict[str, Any] | None:
     """Held-out loss of the newest checkpoint at or below ``tokens`` real tokens trained
     (checkpoints every ``ckpt_every`` steps), and its step; None if none is."""
-    from trainer.train import checkpoint as ckpt
+    from trainer.train.checkpoint import list_checkpoints
     from trainer.train.metrics import metrics_path, read_metrics
 
     real = {r["step"]: r["tokens"] for r in read_metrics(metrics_path(run_dir)) if r["step"] >= 1}
     done = np.cumsum([real[s] for s in sorted(real)])
     best = None
-    for path in ckpt.list_checkpoints(run_dir):
+    for path in list_checkpoints(run_dir):
         step = int(path.name.split("-")[-1])
         if 0 < step <= done.size and done[step - 1] <= tokens:
             best = (step, path)
@@ -408,11 +408,11 @@ def _forgetting(
 ) -> dict[str, Any]:
     """The shortest band's held-out loss at every checkpoint of the run (and at step 0, the
     untrained drafter of its seed), then ``forgetting``."""
-    from trainer.train import checkpoint as ckpt
+    from trainer.train.checkpoint import list_checkpoints
 
     short = [(b, batch) for b, batch in batches if b == 0]
     steps, losses = [], []
-    for path in ckpt.list_checkpoints(run_dir):
+    for path in list_checkpoints(run_dir):
         drafter, saved = load_drafter(path)
         steps.append(saved.step)
         losses.append(heldout_loss(target, drafter, short, loss_cfg)["loss"][0])

@@ -59,12 +59,12 @@ def acceptance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 def checkpoint_key(run_dir: Path) -> str:
     """The run's newest checkpoint: its name and its manifest (every file's digest)."""
-    from trainer.train import checkpoint as ckpt
+    from trainer.train.checkpoint import checkpoint_dir, list_checkpoints, manifest_path
 
-    found = ckpt.list_checkpoints(run_dir)
+    found = list_checkpoints(run_dir)
     if not found:
-        raise FileNotFoundError(f"no checkpoint in {ckpt.checkpoint_dir(run_dir)}")
-    manifest = ckpt.manifest_path(found[-1])
+        raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(run_dir)}")
+    manifest = manifest_path(found[-1])
     body = manifest.read_bytes() if manifest.is_file() else b""
     return f"{found[-1].name}:{hashlib.blake2b(body, digest_size=8).hexdigest()}"
 

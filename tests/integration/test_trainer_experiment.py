@@ -27,8 +27,10 @@ from benchmarks.experiment.analysis import (
     rolling_mean,
     spikiness,
 )
+from benchmarks.experiment.arms import SPECS
+from benchmarks.experiment.config import ExperimentConfig
 from benchmarks.experiment.report import _served_lines
-from benchmarks.experiment.run import SPECS, ExperimentConfig, train_command
+from benchmarks.experiment.run import train_command
 from benchmarks.experiment.served import acceptance
 from benchmarks.experiment.target import TargetRecipe, continuations, function_tasks, split_of
 from benchmarks.experiment.textdata import TextDataSpec, draw_prompts
@@ -518,7 +520,7 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     every spec names its weighting (the position decay unless it is an arm: the trainer's
     default is D-PACE since Part 4, and a spec trains the same runs whatever the default);
     every run draws one anchor per token at most (as Parts 1-3)."""
-    from benchmarks.experiment.run import DECAY, OLD_OBJECTIVE
+    from benchmarks.experiment.arms import DECAY, OLD_OBJECTIVE
 
     cfg = ExperimentConfig(out_dir=tmp_path, buckets="auto:8")
     cmd = {s: train_command(cfg, s, seed=2) for s in SPECS}
@@ -552,7 +554,7 @@ def test_the_wire_arms_are_packed_fed_by_vllm_in_their_dtype(tmp_path):
     command but for the feed: the states from a vLLM server the run starts, in the arm's
     ``--states-dtype``, and no tau while training (the decoder is in the engine). Without
     the text corpus and vLLM's python they are refused before anything runs."""
-    from benchmarks.experiment.run import FEEDS
+    from benchmarks.experiment.arms import FEEDS
 
     vllm = str(tmp_path / "vllm-python")
     cfg = ExperimentConfig(out_dir=tmp_path, corpus="text", vllm_python=vllm)

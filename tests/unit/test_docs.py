@@ -409,7 +409,7 @@ def check_commands(text: str) -> list[str]:
             elif word == "-m" and i + 1 < len(words) and words[i + 1].split(".")[0] in PACKAGES:
                 if module_file(words[i + 1]) is None:
                     errors.append(f"no module {words[i + 1]}")
-                errors += check_script_flags(words[i + 1].split(".")[0], words[i + 2 :])
+                errors += check_module_flags(words[i + 1], words[i + 2 :])
     return errors
 
 
@@ -456,9 +456,38 @@ def check_script_flags(folder: str, words: list[str]) -> list[str]:
 
 
 @cache
+def module_command_flags(dotted: str) -> frozenset[str] | None:
+    """The options of the click command ``python -m DOTTED`` runs (its ``__main__`` for a
+    package), whose flags are made from options' fields rather than written out; None when
+    it defines none."""
+    path = module_file(dotted)
+    if path is not None and path.name == "__init__.py" and (path.parent / "__main__.py").is_file():
+        dotted, path = dotted + ".__main__", path.parent / "__main__.py"
+    if path is None or 'if __name__ == "__main__":' not in path.read_text():
+        return None  # importing it would run it
+    try:
+        module = importlib.import_module(dotted)
+    except ImportError:
+        return None
+    found = [v for v in vars(module).values() if isinstance(v, click.Command)]
+    return frozenset(set().union(*map(options, found))) if found else None
+
+
+def check_module_flags(dotted: str, words: list[str]) -> list[str]:
+    """``python -m DOTTED --flag``: its command's options, else the flags its tree quotes."""
+    flags = module_command_flags(dotted)
+    if flags is None:
+        return check_script_flags(dotted.split(".")[0], words)
+    return check_flags(flags_in(words), set(flags), f"python -m {dotted}")
+
+
+@cache
 def every_flag() -> set[str]:
     """Every option of both CLIs' commands, and every flag benchmarks/ and scripts/ define."""
     flags = quoted_flags("benchmarks") | quoted_flags("scripts")
+    for main in sorted((ROOT / "benchmarks").rglob("__main__.py")):
+        dotted = ".".join(main.parent.relative_to(ROOT).parts)
+        flags |= module_command_flags(dotted) or set()
     for group in map(cli_group, CLIS):
         flags |= options(group).union(*(options(c) for c in group.commands.values()))
     return flags

@@ -307,6 +307,45 @@ def test_experiment_modules_form_no_import_cycle():
     _assert_no_import_cycle("benchmarks.experiment")
 
 
+def _trainer_imports(package: str) -> list[tuple[str, str, str]]:
+    """(file, module, name) of every import of the trainer in ``package``'s files, those
+    inside functions too (``import trainer.x`` gives the name ``*``)."""
+    found = []
+    for path in sorted((ROOT / package.replace(".", "/")).glob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.ImportFrom) and _under(node.module or "", "trainer"):
+                found += [(rel, str(node.module), a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                found += [(rel, a.name, "*") for a in node.names if _under(a.name, "trainer")]
+    return found
+
+
+def test_the_experiment_uses_only_its_declared_trainer_api():
+    from benchmarks.experiment import TRAINER_API
+
+    used = _trainer_imports("benchmarks.experiment")
+    outside = [f"{f}: {m}.{n}" for f, m, n in used if n not in TRAINER_API.get(m, ())]
+    assert outside == [], "declare it in benchmarks/experiment/__init__.py, or do without"
+    unused = {(m, n) for m, names in TRAINER_API.items() for n in names}
+    unused -= {(m, n) for _, m, n in used}
+    assert unused == set(), "an entry the experiment no longer uses"
+
+
+def test_the_api_rule_sees_every_kind_of_trainer_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "a.py").write_text(
+        "import trainer.run\nfrom trainer.files import atomic_output\n"
+        "def f():\n    from trainer.train import checkpoint as ckpt\n"
+    )
+    assert sorted(_trainer_imports("p")) == [
+        ("p/a.py", "trainer.files", "atomic_output"),
+        ("p/a.py", "trainer.run", "*"),
+        ("p/a.py", "trainer.train", "checkpoint"),
+    ]
+
+
 def test_the_cycle_rule_sees_an_import_inside_a_function(tmp_path, monkeypatch):
     assert "benchmarks.experiment.analysis" in _file_imports("benchmarks/experiment/run.py")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)

@@ -69,7 +69,7 @@ def test_tokenize_flags_are_the_tokenize_options():
     for f in dataclasses.fields(TokenizeOptions):
         assert f.name in params, f.name
     assert params["workers"].default is None  # tokenize: the CPUs available
-    with pytest.raises(ValueError, match="overflow must be 'truncate' or 'drop'"):
+    with pytest.raises(ValueError, match="--overflow must be one of truncate, drop, got 'wrap'"):
         TokenizeOptions(overflow="wrap")
     with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
         TokenizeOptions(workers=0)

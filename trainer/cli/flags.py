@@ -78,6 +78,10 @@ def field_option(
         kw["show_default"] = meta.get("show_default", True) and value is not None
     if kind is bool:
         pass
+    elif meta.get("parse"):  # one string, read into the field's value
+        kw.update(type=str, callback=_parsed(meta["parse"]))
+        if isinstance(value, tuple):
+            kw["default"] = ",".join(str(v) for v in value)
     elif meta.get("choices"):
         kw["type"] = click.Choice(list(meta["choices"]))
     elif kind is Path:
@@ -87,6 +91,21 @@ def field_option(
     else:
         kw["type"] = kind
     return click.option(*decls, cls=SectionedOption, **kw)
+
+
+def _parsed(parse: Callable[[str], Any]) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback: the flag's string through ``parse``, its ValueError a usage error
+    naming the flag."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return callback
 
 
 def options_from(

@@ -1,0 +1,54 @@
+"""The experiment's arms: each compared spec, as the loader ``--spec`` pairs and trainer
+flags that make it (``benchmarks.experiment.run.train_command`` puts them together). A new
+arm is an entry here: its loader pairs, and its objective, start or feed where they are
+not the base's."""
+
+from __future__ import annotations
+
+#: Loader ``--spec`` pairs of each compared spec (``{buckets}`` and ``{six}`` are filled in).
+#: Each names its layout: a spec means the same batches whatever the loader's default is.
+SPECS: dict[str, tuple[str, ...]] = {
+    "sorted": ("layout=padded", "composition=sorted"),
+    "six": ("layout=padded", "buckets={six}", "order=shuffled"),
+    "shuffled": ("layout=padded", "buckets={buckets}", "order=shuffled"),
+    "stratified": ("layout=padded", "buckets={buckets}", "order=stratified"),
+    "packed": ("layout=packed",),
+    "frozen": ("layout=padded", "composition=sorted", "order=sequential"),
+    "packed-dpace": ("layout=packed",),
+    "packed-gamma3": ("layout=packed",),
+    "packed-dpace-init02": ("layout=packed",),
+    "stratified-old": ("layout=padded", "buckets={buckets}", "order=stratified"),
+    "packed-old": ("layout=packed",),
+    "packed-bf16": ("layout=packed",),
+    "packed-fp8": ("layout=packed",),
+}
+#: The old objective (Part 3's): each micro-batch's mean alike, anchors per rank and
+#: micro-batch (docs/TRAINER.md, "One objective, however a step is cut").
+OLD_OBJECTIVE = ("--loss-normalization", "micro-batch", "--anchor-draw", "micro-batch")
+#: The position decay of Parts 1-3 (``exp(-(k-1)/7)``), named: the trainer's default
+#: weighting is D-PACE since Part 4.
+DECAY = ("--loss-weighting", "decay")
+#: Trainer flags of each spec's objective (``DECAY`` unless listed). Every spec names its
+#: weighting as it names its layout: a spec trains the same runs whatever the defaults.
+OBJECTIVES: dict[str, tuple[str, ...]] = {
+    "packed-dpace": ("--loss-weighting", "dpace"),
+    "packed-gamma3": (*DECAY, "--gamma", "3"),
+    "packed-dpace-init02": ("--loss-weighting", "dpace"),
+    "stratified-old": (*DECAY, *OLD_OBJECTIVE),
+    "packed-old": (*DECAY, *OLD_OBJECTIVE),
+}
+#: The drafter's start of each spec (``--init-std``; "0" unless listed): PyTorch's default,
+#: which every run of Parts 1-4 started from and ``--lr``'s default was chosen with. Named,
+#: as the weighting is: the trainer's default is N(0, 0.02) since 2026-12-06.
+STARTS: dict[str, str] = {"packed-dpace-init02": "0.02"}
+#: The specs whose target states come from a vLLM server the run starts (``--target-engine
+#: vllm``, ``--vllm-python``), sent in this ``--states-dtype``: precision on the wire
+#: (docs/TRAINER.md), paired with ``packed``'s colocated target. The others run the target in
+#: the trainer. An engine-fed run measures no tau while it trains (the decoder is in the
+#: engine); vLLM serves its final drafter as every run's.
+FEEDS: dict[str, str] = {"packed-bf16": "bf16", "packed-fp8": "fp8"}
+#: The specs an experiment runs when none are named, by corpus.
+DEFAULT_SPECS = {
+    "synthetic": ("sorted", "shuffled", "stratified"),
+    "text": ("sorted", "six", "stratified", "packed", "frozen"),
+}
