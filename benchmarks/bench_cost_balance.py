@@ -462,8 +462,9 @@ def calibrate_layouts(corpus, tokens, layouts, target, drafter, calib, plot):
             took = time.perf_counter() - t0
             print(f"calibration, {layout} ({took:.0f} s)\n{report.summary()}")
             fits[layout] = (report, profile_fields(report.profile))  # coefficients, rule, kernel
-        if plot is not None and fits[layouts[0]][0].plot is not None:
-            shutil.copyfile(fits[layouts[0]][0].plot, plot)
+        drawn = fits[layouts[0]][0].plot
+        if plot is not None and drawn is not None:
+            shutil.copyfile(drawn, plot)
         if len(runs) > 1:
             cross = cross_layout(runs)
             for fit_on, err in cross.items():

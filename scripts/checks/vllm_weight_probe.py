@@ -72,7 +72,7 @@ def _matches(param, tensor):
 def _compare(drafter, tensors):
     """Where each checkpoint tensor's values lie among the drafter's parameters."""
     params = dict(drafter.named_parameters())
-    covered = {n: set() for n in params}
+    covered: dict[str, set] = {n: set() for n in params}
     found = {}
     for tname, tensor in tensors.items():
         hits = []
@@ -155,7 +155,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             run(module)
             patch(module)
 
-        spec.loader.exec_module = exec_module
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
