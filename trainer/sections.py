@@ -260,6 +260,15 @@ class LossSection(Options):
         choices=("step", "micro-batch"), section=DRAFTER,
         before="micro-batch",
     )  # fmt: skip
+    loss_divisor: str = opt(
+        "weight",
+        "What the weighted CE sum is divided by: weight, the weights' sum (a weighted mean); "
+        "slots, the supervised slots (speculators'); sequence, each document's weights, then "
+        "the mean over documents (the reference's and SpecForge's). docs/TRAINER.md, 'What "
+        "D-PACE's loss divides by'.",
+        choices=("weight", "slots", "sequence"), section=DRAFTER,  # trainer.model.blocks.DIVISORS
+        before="weight",
+    )  # fmt: skip
     loss_weighting: str = opt(
         "dpace",
         "Weight of block offset k: dpace, D-PACE's confidence weights (speculators' DFlash "

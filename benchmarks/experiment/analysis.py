@@ -175,7 +175,7 @@ def heldout_loss(target: Any, drafter: Any, batches: list, loss_cfg: Any) -> dic
             out = draft_loss(target, drafter, batch, loss_cfg, gen)
             sums[b] += [
                 float(out.weighted_ce_sum),
-                float(out.weight_sum),
+                float(out.divisor),
                 float(out.correct.sum()),
                 float(out.count.sum()),
             ]

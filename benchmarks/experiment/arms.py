@@ -19,6 +19,8 @@ SPECS: dict[str, tuple[str, ...]] = {
     "packed-dpace-init02": ("layout=packed",),
     "stratified-old": ("layout=padded", "buckets={buckets}", "order=stratified"),
     "packed-old": ("layout=packed",),
+    "packed-dpace-slots": ("layout=packed",),
+    "packed-dpace-sequence": ("layout=packed",),
     "packed-bf16": ("layout=packed",),
     "packed-fp8": ("layout=packed",),
 }
@@ -34,6 +36,9 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
     "packed-dpace": ("--loss-weighting", "dpace"),
     "packed-gamma3": (*DECAY, "--gamma", "3"),
     "packed-dpace-init02": ("--loss-weighting", "dpace"),
+    # D-PACE's divisor (issue 71): speculators' (the slots), the reference's (per sequence)
+    "packed-dpace-slots": ("--loss-weighting", "dpace", "--loss-divisor", "slots"),
+    "packed-dpace-sequence": ("--loss-weighting", "dpace", "--loss-divisor", "sequence"),
     "stratified-old": (*DECAY, *OLD_OBJECTIVE),
     "packed-old": (*DECAY, *OLD_OBJECTIVE),
 }

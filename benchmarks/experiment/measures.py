@@ -53,6 +53,8 @@ CONTRASTS = (
     ("packed-gamma3", "packed"),  # a steeper decay: is D-PACE's gain its early weight?
     ("packed-dpace", "packed-gamma3"),  # ... or its per-block adaptivity
     ("packed-dpace-init02", "packed-dpace"),  # the trainer's N(0, 0.02) start at this lr
+    ("packed-dpace-slots", "packed-dpace"),  # D-PACE over the slots (speculators')
+    ("packed-dpace-sequence", "packed-dpace"),  # ... or per sequence (the reference's)
 )
 
 

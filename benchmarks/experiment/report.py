@@ -36,6 +36,8 @@ COLORS = {
     "packed-dpace-init02": "darkgoldenrod",
     "stratified-old": "tab:cyan",
     "packed-old": "tab:gray",
+    "packed-dpace-slots": "tab:olive",
+    "packed-dpace-sequence": "tab:cyan",
     "packed-bf16": "tab:green",
     "packed-fp8": "tab:red",
 }
@@ -51,6 +53,8 @@ LABELS = {
     "packed-dpace-init02": "ours, packed rows, D-PACE, N(0, 0.02) start",
     "stratified-old": "bucketed + stratified, old objective",
     "packed-old": "ours, packed rows, old objective",
+    "packed-dpace-slots": "ours, packed rows, D-PACE over the slots",
+    "packed-dpace-sequence": "ours, packed rows, D-PACE per sequence",
     "packed-bf16": "ours, packed rows, states from vLLM in bf16",
     "packed-fp8": "ours, packed rows, states from vLLM in fp8",
 }

@@ -543,6 +543,9 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     )
     assert without(cmd["packed-old"], (*DECAY, *OLD_OBJECTIVE)) == base["packed"]
     assert without(cmd["stratified-old"], (*DECAY, *OLD_OBJECTIVE)) == base["stratified"]
+    for divisor in ("slots", "sequence"):  # D-PACE's divisor (issue 71)
+        arm = without(cmd[f"packed-dpace-{divisor}"], ("--loss-divisor", divisor))
+        assert arm == named(cmd["packed-dpace"])
     for spec, c in cmd.items():
         weighting = c[c.index("--loss-weighting") + 1]
         assert weighting == ("dpace" if spec.startswith("packed-dpace") else "decay"), spec

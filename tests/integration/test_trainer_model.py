@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from drafters import dense_attention, dense_layout, random_docs
 
 from trainer.model.blocks import (
+    DIVISORS,
+    DocumentDraw,
     LossConfig,
     plan_blocks,
 )
@@ -62,6 +64,30 @@ def hidden_of(target, drafter, feats, ids, anchors) -> torch.Tensor:
         blocks = DraftBlocks.one_document(feats, anchors, ids[0, anchors])
         h = drafter(target.embed_tokens, blocks)
     return h.view(len(anchors), B, -1)
+
+
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_the_divisors_are_the_weights_the_slots_and_the_documents(target, drafter, weighting):
+    """``--loss-divisor``: the same weighted CE sum over the weights' sum or over the
+    supervised slots; per sequence, the mean of each document's weighted mean, each one
+    measured alone (its anchors are its own: ``DocumentDraw``)."""
+    docs, draw = random_docs(3), DocumentDraw(seed=1, epoch=0)
+    cfg = LossConfig(block_size=B, anchors_per_doc=4, tokens_per_anchor=1, weighting=weighting)
+    batch = pack_batch(docs, sample_ids=[0, 1, 2])
+    with torch.no_grad():
+        out = {d: draft_loss(target, drafter, batch, replace(cfg, divisor=d), draw)
+               for d in DIVISORS}  # fmt: skip
+        alone = [draft_loss(target, drafter, pack_batch([doc], sample_ids=[i]), cfg, draw).loss
+                 for i, doc in enumerate(docs)]  # fmt: skip
+    by_weight, by_slot, by_doc = out["weight"], out["slots"], out["sequence"]
+    slots = float(by_weight.count.sum())
+    assert float(by_slot.divisor) == slots and slots > 3 * B
+    assert float(by_slot.weighted_ce_sum) == pytest.approx(float(by_weight.weighted_ce_sum))
+    assert float(by_slot.loss) == pytest.approx(float(by_weight.weighted_ce_sum) / slots)
+    assert float(by_doc.divisor) == 3
+    assert float(by_doc.loss) == pytest.approx(sum(float(a) for a in alone) / 3, rel=1e-5)
+    # the three differ: the documents' lengths differ, and so do their weighted means
+    assert len({round(float(o.loss), 6) for o in out.values()}) == 3
 
 
 def test_loss_is_position_weighted_mean(target, drafter):

@@ -207,7 +207,7 @@ def loss_output(offsets: int, seed: int) -> LossOutput:
         loss=r[0] / r[1],
         weighted=r[0],
         weighted_ce_sum=r[0],
-        weight_sum=r[1],
+        divisor=r[1],
         correct=r[2 : 2 + offsets].clone(),
         count=r[2 + offsets :].clone(),
         num_blocks=seed + 3,
@@ -232,7 +232,7 @@ def test_step_sums_round_trip_through_the_tensor():
     assert float(back.tokens) == 300 and float(back.micro) == 2 and float(back.capped) == 3
     assert torch.equal(back.correct, outs[0].correct + outs[1].correct)
     assert float(back.ce) == float(outs[0].weighted_ce_sum + outs[1].weighted_ce_sum)
-    means = [float(o.weighted_ce_sum / o.weight_sum) for o in outs]
+    means = [float(o.weighted_ce_sum / o.divisor) for o in outs]
     assert float(back.micro_means) == pytest.approx(sum(means), rel=1e-15)
 
 

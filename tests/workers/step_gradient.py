@@ -6,11 +6,12 @@ rank, or under torchrun with 2 gloo ranks on CPU for the cuts of two:
     python -m torch.distributed.run --standalone --nproc-per-node 2 step_gradient.py OUT
 
 For every layout (padded, packed), dtype (float32, float64), objective (the step
-normalization with the decay or D-PACE weights, the old micro-batch normalization) and cut
+normalization with the decay or D-PACE weights, the old micro-batch normalization; under
+D-PACE in float64 also divided by the slots or per document) and cut
 of this world size, a trainer (``trainer.train.loop.Trainer``, DDP under 2 ranks) runs
 ``step_gradients`` over hand-cut micro-batches of the same 12 documents; rank 0 writes the
 drafter's gradients and the step's logged loss to
-``OUT/<layout>-<dtype>-<normalization>-<weighting>-<cut>.pt``.
+``OUT/<layout>-<dtype>-<normalization>-<weighting>[-<divisor>]-<cut>.pt``.
 """
 
 from __future__ import annotations
@@ -83,14 +84,18 @@ class CutSource:
         pass
 
 
-#: (normalization, weighting) of the runs.
-OBJECTIVES = (("step", "decay"), ("micro-batch", "decay"), ("step", "dpace"))
+#: (normalization, weighting, divisor) of the runs; the divisors other than the weights'
+#: under D-PACE, in float64 (their own files: ``...-dpace-slots-...``).
+OBJECTIVES = (("step", "decay", "weight"), ("micro-batch", "decay", "weight"),
+              ("step", "dpace", "weight"), ("step", "dpace", "slots"),
+              ("step", "dpace", "sequence"))  # fmt: skip
 
 
 def one_cut(
     out: Path, env, layout: str, dtype: torch.dtype, objective: tuple[str, str], cut: str
 ) -> None:
-    norm, weighting = objective
+    norm, weighting, divisor = objective
+    name = "-".join([norm, weighting] + ([divisor] if divisor != "weight" else []))
     docs = documents()
     mine = CUTS[env.world_size][cut][env.rank]
     make = pack_batch if layout == "packed" else pad_batch
@@ -106,8 +111,8 @@ def one_cut(
     )
     drafter = DFlashDrafter(cfg).to(dtype)
     loss = LossConfig(block_size=B, anchors_per_doc=9, tokens_per_anchor=3, normalization=norm,
-                      weighting=weighting)  # fmt: skip
-    run_dir = out / "runs" / f"{layout}-{norm}-{weighting}-{cut}-{env.rank}"
+                      weighting=weighting, divisor=divisor)  # fmt: skip
+    run_dir = out / "runs" / f"{layout}-{name}-{cut}-{env.rank}"
     train = RunOptions(
         endpoint="in-process", run_dir=run_dir,
         steps=1, grad_accum=len(mine), cost_samples=0, no_progress=True, log_every_s=0,
@@ -122,8 +127,8 @@ def one_cut(
     )
     if env.is_main:
         grads = {n: p.grad.detach().double().clone() for n, p in drafter.named_parameters()}
-        name = f"{layout}-{str(dtype).split('.')[-1]}-{norm}-{weighting}-{cut}.pt"
-        torch.save({"grads": grads, "loss": rec["loss"], "blocks": rec["blocks"]}, out / name)
+        file = f"{layout}-{str(dtype).split('.')[-1]}-{name}-{cut}.pt"
+        torch.save({"grads": grads, "loss": rec["loss"], "blocks": rec["blocks"]}, out / file)
     # Each cut's DDP wrapper and writer threads go before the next (and before the process
     # group at the end): a DDP reducer outliving its group aborts the process at exit.
     trainer._close()
@@ -139,6 +144,8 @@ def main() -> None:
         for layout in ("padded", "packed"):
             for dtype in (torch.float32, torch.float64):
                 for objective in OBJECTIVES:
+                    if objective[2] != "weight" and dtype != torch.float64:
+                        continue
                     for cut in CUTS[env.world_size]:
                         one_cut(out, env, layout, dtype, objective, cut)
         barrier(env)

@@ -406,7 +406,7 @@ def _info(src: TrainedDrafter, dtype: torch.dtype, best: BestStep | None) -> dic
 def objective(loss: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint's loss config says of the objective that trained it: the loss
     weighting, the normalization, the anchor draw and rule."""
-    keys = ("weighting", "dpace_alpha", "gamma", "normalization", "anchor_draw",
+    keys = ("weighting", "dpace_alpha", "gamma", "normalization", "divisor", "anchor_draw",
             "anchors_per_doc", "tokens_per_anchor", "max_anchors")  # fmt: skip
     out = {k: loss[k] for k in keys if k in loss}
     out.pop("dpace_alpha" if out.get("weighting") != "dpace" else "gamma", None)

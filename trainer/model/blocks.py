@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 #: How a step's loss is normalized: over the whole step (every micro-batch of every rank),
 #: or each micro-batch's mean alike (how speculators, DeepSpec and ModelOpt train).
 NORMALIZATIONS = ("step", "micro-batch")
+#: What the weighted CE sum is divided by: the weights' sum (a weighted mean), the number of
+#: supervised slots (speculators'), or each document's weights (a weighted mean per
+#: document, then the mean over documents: the reference's and SpecForge's per sequence).
+DIVISORS = ("weight", "slots", "sequence")
 #: Where anchors come from: per document (seed, epoch, sample id), or the old per-micro-batch
 #: generator and cap.
 ANCHOR_DRAWS = ("document", "micro-batch")
@@ -60,7 +64,8 @@ ANCHOR_DRAWS = ("document", "micro-batch")
 WEIGHTINGS = ("decay", "dpace")
 #: What a loss config saved before these fields existed means: the objective of that time.
 LEGACY_LOSS_FIELDS = {"tokens_per_anchor": 1, "weighting": "decay", "dpace_alpha": 0.5,
-                      "normalization": "micro-batch", "anchor_draw": "micro-batch"}  # fmt: skip
+                      "normalization": "micro-batch", "anchor_draw": "micro-batch",
+                      "divisor": "weight"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +83,7 @@ class LossConfig:
     weighting: str = "dpace"
     dpace_alpha: float = 0.5  # D-PACE's confidence smoothing: q~ = (1 - a) q + a
     normalization: str = "step"
+    divisor: str = "weight"
     anchor_draw: str = "document"
 
     def __post_init__(self) -> None:
@@ -94,7 +100,7 @@ class LossConfig:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         self._check_underflow()
         for name, allowed in (("weighting", WEIGHTINGS), ("normalization", NORMALIZATIONS),
-                              ("anchor_draw", ANCHOR_DRAWS)):  # fmt: skip
+                              ("divisor", DIVISORS), ("anchor_draw", ANCHOR_DRAWS)):  # fmt: skip
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got "
                                  f"{getattr(self, name)!r}")  # fmt: skip
@@ -146,6 +152,7 @@ class LossConfig:
             weighting=opts.loss_weighting,
             dpace_alpha=opts.dpace_alpha,
             normalization=opts.loss_normalization,
+            divisor=opts.loss_divisor,
             anchor_draw=opts.anchor_draw,
         )
 
@@ -157,7 +164,7 @@ class LossConfig:
             "tokens_per_anchor": self.tokens_per_anchor, "max_anchors": self.max_anchors,
             "gamma": self.gamma, "loss_weighting": self.weighting,
             "dpace_alpha": self.dpace_alpha, "loss_normalization": self.normalization,
-            "anchor_draw": self.anchor_draw,
+            "loss_divisor": self.divisor, "anchor_draw": self.anchor_draw,
         }  # fmt: skip
         if self.selector_alpha != 1.0:  # DFlash2's; the option is unset for a dflash drafter
             out["selector_alpha"] = self.selector_alpha

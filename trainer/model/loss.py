@@ -52,13 +52,15 @@ class LossOutput:
     """One micro-batch's loss and the sums that metrics aggregate across micro-batches/ranks.
 
     ``weighted`` is what a step sums over all its micro-batches and ranks and divides by
-    the step's total weight (``LossConfig.normalization`` "step"); ``loss`` is the
-    micro-batch's own mean, ``weighted / weight_sum`` (the old normalization)."""
+    the sum of their ``divisor`` (``LossConfig.normalization`` "step"); ``loss`` is the
+    micro-batch's own, ``weighted / divisor`` (the old normalization). The divisor is
+    ``LossConfig.divisor``'s: the weights' sum, the supervised slots, or the documents
+    (each document's weights then divided by their sum)."""
 
     loss: torch.Tensor | None  # weighted mean CE (None when the batch has no block)
     weighted: torch.Tensor | None  # weighted CE sum, differentiable (None: no block)
     weighted_ce_sum: torch.Tensor  # detached scalars, on the model's device (no host sync)
-    weight_sum: torch.Tensor
+    divisor: torch.Tensor
     correct: torch.Tensor  # float64 [B-1]: argmax hits per block offset k = 1..B-1
     count: torch.Tensor  # float64 [B-1]: supervised slots per offset
     num_blocks: int  # anchors trained on (after the per-micro-batch cap)
@@ -340,14 +342,13 @@ def draft_loss(
         hidden = drafter(target.embed_tokens, blocks, attention)
     sel = plan.weights > 0
     with phase("head"):
-        weighted, hits, weights = _head(target, core, hidden, plan, blocks, cfg, chunk_size)
-    weight_sum = weights.sum(dtype=torch.float64)  # summed over the step: exact enough
+        weighted, hits, divisor = _head(target, core, hidden, plan, blocks, cfg, chunk_size)
     k_idx = torch.arange(b - 1).expand_as(sel)[sel].to(device, non_blocking=True)
     return LossOutput(
-        loss=weighted / weight_sum.to(weighted.dtype),
+        loss=weighted / divisor.to(weighted.dtype),
         weighted=weighted,
         weighted_ce_sum=weighted.detach().double(),
-        weight_sum=weight_sum,
+        divisor=divisor,
         correct=torch.bincount(k_idx, weights=hits.double(), minlength=b - 1),
         count=torch.bincount(k_idx, minlength=b - 1).double(),
         num_blocks=len(plan.blk_doc),
@@ -361,8 +362,9 @@ def _head(
     blocks: DraftBlocks, cfg: LossConfig, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The LM head over the supervised slots: the weighted CE sum (DFlash2: plus its
-    selector's), each slot's hit (the served choice) and the slots' weights (the position
-    decay, or D-PACE's from the slots' own CE)."""
+    selector's), each slot's hit (the served choice) and the divisor's share (float64) of
+    this micro-batch. The weights: the position decay, or D-PACE's from the slots' own CE;
+    under the per-sequence divisor each divided by its document's sum."""
     device = hidden.device
     sel = plan.weights > 0
     labels = plan.labels[sel].to(device, non_blocking=True)
@@ -375,6 +377,7 @@ def _head(
         weights = dpace_weights(ce, sel_dev, cfg.dpace_alpha)[sel_dev]
     else:
         weights = plan.weights[sel].to(device, out.ce.dtype, non_blocking=True)
+    weights, divisor = divided(weights, plan.blk_doc[:, None].expand_as(sel)[sel], cfg.divisor)
     weighted, hits = (out.ce * weights).sum(), out.hits
     if selector is not None:  # DFlash2: its served choice is the selector's
         # The teacher-forced predecessor of offset k: the true token at k-1 (the anchor).
@@ -382,7 +385,30 @@ def _head(
         prev = torch.cat([blocks.anchor_ids[:, None], full[:, :-1]], 1)[sel_dev]
         sel_ce, hits = selector_loss(selector, hidden, prev, out, weights, chunk_size)
         weighted = weighted + cfg.selector_alpha * sel_ce
-    return weighted, hits, weights
+    return weighted, hits, divisor
+
+
+def divided(
+    weights: torch.Tensor, doc: torch.Tensor, divisor: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The supervised slots' ``weights`` (``doc``: each one's document, CPU) as the divisor
+    wants them, and the micro-batch's share of the divisor (float64, summed over a step):
+    ``weight``, the weights and their sum; ``slots``, the weights and their number;
+    ``sequence``, each weight over its document's sum, and the number of documents (with a
+    supervised slot). Without gradient: the weights are constants of the step."""
+    if divisor == "weight":
+        return weights, weights.sum(dtype=torch.float64)
+    if divisor == "slots":
+        return weights, torch.tensor(float(weights.numel()), dtype=torch.float64,
+                                     device=weights.device)  # fmt: skip
+    if divisor != "sequence":
+        raise ValueError(f"unknown loss divisor {divisor!r}")
+    kept, doc = torch.unique(doc, return_inverse=True)  # on the host: no device sync
+    doc = doc.to(weights.device, non_blocking=True)
+    per_doc = weights.new_zeros(kept.numel(), dtype=torch.float64)
+    per_doc.index_add_(0, doc, weights.double())
+    scaled = (weights.double() / per_doc[doc]).to(weights.dtype)
+    return scaled, torch.tensor(float(kept.numel()), dtype=torch.float64, device=weights.device)
 
 
 def _empty(block_size: int, num_tokens: int, device: torch.device) -> LossOutput:

@@ -507,7 +507,7 @@ class Trainer:
             self.epoch, self._step_start = epoch_before, start
             raise
         if self.loss.normalization == "step":
-            objective.normalize_gradients(self.drafter.parameters(), sums.weight, self.env)
+            objective.normalize_gradients(self.drafter.parameters(), sums.divisor, self.env)
         return sums, wait
 
     def _optimizer_step(self, sums: StepSums) -> tuple[torch.Tensor, float, Applied]:

@@ -4,12 +4,17 @@ The loader decides how a step is cut (rows, micro-batches, ranks); the loss an o
 step follows must not depend on that cut. Under ``LossConfig.normalization`` "step" (the
 default) each micro-batch backpropagates its weighted block cross-entropy *sum*
 (``micro_loss``); once the step's micro-batches are done, one scalar all-reduce gives the
-step's total weight over every rank, and the gradients (DDP's average over ranks) are
+step's total divisor over every rank, and the gradients (DDP's average over ranks) are
 multiplied by ``world_size / total`` before clipping (``normalize_gradients``). The step's
 gradient is then that of
 
     (sum of weighted block CE over every micro-batch of every rank)
-    / (sum of those weights over the same),
+    / (sum of the divisor over the same),
+
+the divisor (``LossConfig.divisor``, ``--loss-divisor``) being the weights (the default: a
+weighted mean), the supervised slots, or the documents (each document's weights first
+divided by their sum: the mean over documents of each one's weighted mean). A document
+lies in one micro-batch, so each of them is a sum over the step's documents too.
 
 whatever ``world_size``, ``grad_accum``, layout and rank assignment, and the logged
 ``loss`` is that quotient (``trainer.train.step.step_record``). With a document's anchors a
@@ -50,13 +55,13 @@ def micro_loss(out: LossOutput, normalization: str, grad_accum: int) -> torch.Te
 
 
 def normalize_gradients(
-    params: Iterable[torch.nn.Parameter], weight: torch.Tensor, env: DistEnv
+    params: Iterable[torch.nn.Parameter], divisor: torch.Tensor, env: DistEnv
 ) -> None:
     """Divide the accumulated gradients (of weighted CE sums, averaged over ranks by DDP) by
-    the step's total weight over every rank (``weight``: this rank's), times
-    ``world_size`` to undo DDP's average. One scalar all-reduce. A step without weight has
+    the step's total divisor over every rank (``divisor``: this rank's), times
+    ``world_size`` to undo DDP's average. One scalar all-reduce. A step without any has
     zero gradients and keeps them."""
-    total = all_reduce(weight.detach().clone(), env)
+    total = all_reduce(divisor.detach().clone(), env)
     scale = torch.where(total > 0, env.world_size / total, torch.zeros_like(total))
     for p in params:
         if p.grad is not None:

@@ -120,6 +120,7 @@ def _objective_hint(differ: list[str], saved: dict[str, Any]) -> str:
     """How to continue a checkpoint trained under another objective (the flags to give)."""
     flags = {"tokens_per_anchor": "--tokens-per-anchor", "weighting": "--loss-weighting",
              "dpace_alpha": "--dpace-alpha", "normalization": "--loss-normalization",
+             "divisor": "--loss-divisor",
              "anchor_draw": "--anchor-draw", "max_anchors": "--max-anchors"}  # fmt: skip
     given = [f"{flags[k]} {saved[k]}" for k in differ if k in flags]
     if not given:

@@ -26,8 +26,8 @@ class StepSums:
     ``per_offset`` ones (``B - 1`` values). Accumulated on the model's device (no host sync)."""
 
     ce: torch.Tensor  # weighted block cross-entropy
-    weight: torch.Tensor  # the weights of that cross-entropy
-    micro_means: torch.Tensor  # sum of each micro-batch's ce / weight (the old normalization)
+    divisor: torch.Tensor  # what it is divided by (--loss-divisor: weights, slots, documents)
+    micro_means: torch.Tensor  # sum of each micro-batch's ce / divisor (the old normalization)
     tokens: torch.Tensor  # real tokens
     blocks: torch.Tensor  # anchors trained on
     capped: torch.Tensor  # anchors drawn but dropped by the per-micro-batch cap
@@ -56,7 +56,7 @@ class StepSums:
     def add(self, out: LossOutput) -> None:
         """Add one micro-batch's loss sums (in place)."""
         self.ce += out.weighted_ce_sum
-        self.weight += out.weight_sum
+        self.divisor += out.divisor
         if out.loss is not None:
             self.micro_means += out.loss.detach()
         self.tokens += out.num_tokens
@@ -99,7 +99,7 @@ class Applied(NamedTuple):
         finite, and whether no rank's step has weight: one decision for all ranks (one max
         all-reduce under DDP, the step's one host sync)."""
         bad = (~torch.isfinite(grad_norm)) | (~torch.isfinite(sums.ce))
-        flags = torch.stack([bad.to(torch.float64), (sums.weight > 0).to(torch.float64)])
+        flags = torch.stack([bad.to(torch.float64), (sums.divisor > 0).to(torch.float64)])
         worst = all_reduce(flags.reshape(2), env, op="max").tolist()
         return cls(skipped=worst[0] > 0, empty=worst[1] == 0)
 
@@ -135,13 +135,13 @@ def step_record(
     raw: StepResult, env: DistEnv, *, step: int, epoch: int, normalization: str = "step"
 ) -> dict[str, Any]:
     """Combine the ranks' sums (one sum and one max all-reduce) into a metrics record. Its
-    ``loss`` is the objective the step optimized: the step's weighted CE over its weight, or
+    ``loss`` is the objective the step optimized: the step's weighted CE over its divisor, or
     under the old ``normalization`` "micro-batch" the mean of the micro-batches' means."""
     mine, n, offsets = raw.sums, env.world_size, int(raw.sums.correct.numel())
     total = StepSums.from_tensor(all_reduce(mine.to_tensor(), env).cpu(), offsets)
     peaks = StepPeaks(float(mine.step_time), float(mine.wait_frac), *_memory_peaks_gb(env.device))
     mx = StepPeaks.from_tensor(all_reduce(peaks.to_tensor(env.device), env, op="max"))
-    ce, weight = float(total.ce), float(total.weight)
+    ce, weight = float(total.ce), float(total.divisor)
     tokens, blocks = float(total.tokens), float(total.blocks)
     correct, count = total.correct, total.count
     if normalization == "micro-batch":
