@@ -309,11 +309,23 @@ class LossSection(Options):
 class OptimizerSection(Options):
     """The optimizer and the run's length."""
 
-    lr: float = opt(6e-4, "Peak learning rate (AdamW).", section=OPTIM, above=0)
+    optimizer: str = opt(
+        "adamw",
+        "adamw: AdamW on every weight; muon: Muon on the drafter's 2-D weights (its update "
+        "scaled to AdamW's RMS, so one --lr serves both) and AdamW on the rest, as "
+        "speculators' DFlash recipe (docs/TRAINER.md, 'Optimizer').",
+        choices=("adamw", "muon"), section=OPTIM,  # trainer.train.optimizers.OPTIMIZERS
+        before="adamw",
+    )  # fmt: skip
+    lr_schedule: str = opt(
+        "cosine", "After the warm-up, the rate falls to 0 along a cosine or a straight line "
+        "(speculators').", choices=("cosine", "linear"), section=OPTIM, before="cosine",
+    )  # fmt: skip
+    lr: float = opt(6e-4, "Peak learning rate.", section=OPTIM, above=0)
     warmup: float = opt(
         0.04, "Warm-up steps; < 1: a fraction of the run.", section=OPTIM, at_least=0
     )
-    weight_decay: float = opt(0.01, "AdamW weight decay.", section=OPTIM, at_least=0)
+    weight_decay: float = opt(0.01, "Weight decay.", section=OPTIM, at_least=0)
     grad_clip: float = opt(1.0, "Gradient norm clip.", section=OPTIM, above=0)
     steps: int | None = opt(None, "Optimizer steps (or --epochs).", section=OPTIM, at_least=1)
     epochs: int | None = opt(

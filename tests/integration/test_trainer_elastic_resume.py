@@ -63,9 +63,9 @@ def test_a_job_resumes_on_fewer_then_more_ranks_with_a_continuous_schedule(daemo
     end = len(micro) - 1
     recs = records(run_dir)
     assert sorted(recs) == list(range(end + 1))
-    from trainer.train.clock import warmup_cosine
+    from trainer.train.clock import lr_factor
 
-    factor = warmup_cosine(2, steps)
+    factor = lr_factor("cosine", 2, steps)
     for s in range(1, end + 1):
         assert recs[s]["lr"] == pytest.approx(3e-3 * factor(micro[s - 1] / 2), rel=1e-9), s
     last = sorted((run_dir / "checkpoints").iterdir())[-1]

@@ -152,6 +152,32 @@ def test_resume_matches_uninterrupted_run(target, samples, tmp_path):
         assert b[s] == pytest.approx(a[s], rel=1e-6, abs=1e-6), s
 
 
+def test_muon_with_a_linear_schedule_trains_and_resumes_exactly_under_its_own(
+    target, samples, tmp_path
+):
+    """``--optimizer muon --lr-schedule linear`` (speculators' recipe): the loss falls, a run
+    cut at its checkpoint resumes to the uninterrupted run's losses (both optimizers' states
+    come back), and a resume under AdamW is refused, naming the flag that continues it."""
+    kw = dict(steps=8, grad_accum=2, ckpt_every=4, optimizer="muon", lr_schedule="linear")
+    whole = tmp_path / "whole"
+    make_trainer(target, ListSource(samples, rows=3, grad_accum=2), whole, **kw).run()
+    a = losses(whole)
+    assert a[8] < a[1]
+    cut = tmp_path / "cut"
+    with pytest.raises(Killed):
+        make_trainer(target, KilledSource(samples, rows=3, grad_accum=2, die_at=11), cut,
+                     **kw).run()  # fmt: skip
+    other = {**kw, "optimizer": "adamw"}
+    with pytest.raises(ValueError, match=r"trained with --optimizer muon.*pass --optimizer muon"):
+        make_trainer(target, ListSource(samples, rows=3, grad_accum=2), cut, resume=True,
+                     **other).run()  # fmt: skip
+    make_trainer(target, ListSource(samples, rows=3, grad_accum=2), cut, drafter_seed=99,
+                 resume=True, **kw).run()  # fmt: skip
+    b = losses(cut)
+    for s in range(1, 9):
+        assert b[s] == pytest.approx(a[s], rel=1e-6, abs=1e-6), s
+
+
 def test_a_checkpoint_from_before_the_lr_clock_resumes_on_the_same_schedule(
     target, samples, tmp_path
 ):

@@ -40,7 +40,7 @@ from trainer.model.target import (
 from trainer.run import loader_spec
 from trainer.sections import RunOptions
 from trainer.train.batches import Batch
-from trainer.train.clock import warmup_cosine
+from trainer.train.clock import lr_factor
 from trainer.train.served_spec import ServedSpecError, check_checkpoint_spec
 
 
@@ -338,7 +338,7 @@ def test_host_allocator_threshold_follows_the_chunk_count():
 
 
 def test_warmup_cosine():
-    f = warmup_cosine(4, 20, 0.1)
+    f = lr_factor("cosine", 4, 20, 0.1)
     assert f(0) == pytest.approx(0.2) and f(3) == pytest.approx(0.8)
     assert f(4) == pytest.approx(1.0)
     assert f(12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))

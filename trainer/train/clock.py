@@ -16,16 +16,25 @@ from typing import Any
 
 import torch
 
+#: ``--lr-schedule``: how the rate falls after the warm-up.
+SCHEDULES = ("cosine", "linear")
 
-def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.0) -> Callable[[float], float]:
-    """LR multiplier: linear ramp over ``warmup`` steps, then cosine down to ``min_ratio``
-    (``step`` may be fractional: ``Clock.steps``)."""
+
+def lr_factor(
+    schedule: str, warmup: int, total: int, min_ratio: float = 0.0
+) -> Callable[[float], float]:
+    """LR multiplier: a linear ramp over ``warmup`` steps, then down to ``min_ratio`` at
+    ``total``, along a cosine or a straight line (``SCHEDULES``; speculators' is linear).
+    ``step`` may be fractional (``Clock.steps``)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown LR schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
 
     def factor(step: float) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
         progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        fall = 1.0 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return min_ratio + (1 - min_ratio) * fall
 
     return factor
 

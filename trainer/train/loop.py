@@ -60,7 +60,7 @@ from trainer.train import checkpoint as ckpt
 from trainer.train import hostmem, loader_failure, objective, resume, served_spec, stop
 from trainer.train.batches import Batch, BatchSource
 from trainer.train.cadence import Cadence
-from trainer.train.clock import Clock, SavedClock, lr_scheduler, start_clock, warmup_cosine
+from trainer.train.clock import Clock, SavedClock, lr_factor, lr_scheduler, start_clock
 from trainer.train.costlog import CostLog
 from trainer.train.distributed import DistEnv
 from trainer.train.evaluation import Evaluator
@@ -74,6 +74,7 @@ from trainer.train.guards import (
 )
 from trainer.train.loader_failure import Fetch
 from trainer.train.metrics import MetricsWriter, metrics_path, read_metrics, summarize
+from trainer.train.optimizers import make_optimizer
 from trainer.train.profile import StepProfiler, trainer_flops
 from trainer.train.step import Applied, StepResult, StepSums, autocast, step_record
 from trainer.train.trackers import Trackers
@@ -112,9 +113,10 @@ class Trainer:
         self.target, self.drafter, self.source = target, drafter, source
         self.meta = dict(meta or {})
         self.model = self._wrap(drafter)
-        self.optimizer = torch.optim.AdamW(
-            drafter.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay
-        )
+        self.optimizer = make_optimizer(
+            opts.optimizer, drafter.named_parameters(), lr=opts.lr,
+            weight_decay=opts.weight_decay,
+        )  # fmt: skip
         self.attention = resolve_backend(opts.attention, env.device)
         self.evaluator = Evaluator(
             target, drafter, eval_prompts, env=env, max_new_tokens=opts.eval_new_tokens,
@@ -370,7 +372,7 @@ class Trainer:
         self.total_steps = total = self.opts.total_steps(clock.steps_per_epoch)
         self.total_micro = total * clock.unit
         warmup = self.opts.warmup_steps(total)
-        factor = warmup_cosine(warmup, total)
+        factor = lr_factor(self.opts.lr_schedule, warmup, total)
         state = self._restored.scheduler_state if self._restored else None
         self.scheduler = lr_scheduler(self.optimizer, clock, factor, state)
         log.info(

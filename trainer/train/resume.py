@@ -31,6 +31,7 @@ from trainer.train.batches import BatchSource
 from trainer.train.clock import SavedClock
 from trainer.train.distributed import DistEnv, all_reduce
 from trainer.train.guards import TrainingError, check_target
+from trainer.train.optimizers import optimizer_kind
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,12 @@ def restore(
     drafter.load_state_dict(saved.drafter)
     if saved.optimizer is None or saved.scheduler is None:
         raise ValueError(f"{found.path}: the checkpoint holds no optimizer or scheduler state")
+    was, now = optimizer_kind(saved.optimizer), optimizer_kind(optimizer.state_dict())
+    if was != now:
+        raise ValueError(
+            f"{found.path}: trained with --optimizer {was}, this run asks for {now}: pass "
+            f"--optimizer {was} to continue it (or start a new run)"
+        )
     optimizer.load_state_dict(saved.optimizer)
     spec = saved.meta.get("loader_spec")
     spec_ga = (spec or {}).get("grad_accum", grad_accum)
