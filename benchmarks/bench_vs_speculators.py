@@ -58,6 +58,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # scripts/ and benchmarks/ are not installed
 
 from benchmarks.peer.speculators_format import (  # noqa: E402
+    OUR_DEFAULTS,
+    THEIR_DEFAULTS,
+    THEIR_MAX_ANCHORS,
     UNMATCHED,
     RaceSettings,
     anchor_candidates,
@@ -290,7 +293,7 @@ def run_theirs(
         "wall_s": out["wall_s"],
         "rss_peak_gb": out["rss_peak_gb"],
         "final_loss": statistics.mean(r["train"]["loss"] for r in steps[-5:]),
-        "anchors_per_step": s.anchors,
+        "anchors_per_step": THEIR_MAX_ANCHORS if s.defaults else s.anchors,
         "drafter": str(epochs[-1]),
         "patches": out["patches"],
         "threads": out["threads"],
@@ -334,7 +337,7 @@ def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
 
 def main() -> None:
     args = _arguments()
-    work = args.work / ("quick" if args.quick else "text")
+    work = args.work / ("quick" if args.quick else "text") / ("defaults" if args.defaults else "")
     work.mkdir(parents=True, exist_ok=True)
     from benchmarks.experiment.served import check_interpreter
 
@@ -368,6 +371,10 @@ def _arguments() -> argparse.Namespace:
                     help="Also run ours online in every pair: the target's features from a vLLM "
                     "server the run starts (--target-engine vllm). Theirs has no online run "
                     "here: its hidden-state connector is CUDA-only.")  # fmt: skip
+    ap.add_argument("--defaults", action="store_true",
+                    help="Each trainer at its own defaults (drafter, objective, anchors, "
+                    "optimizer, schedule); the same target, data, tokens a step, epochs and "
+                    "seeds. Its own folder under --work.")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2, help="Torch threads of each trainer.")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--tokens-per-step", type=int, default=4096)
@@ -395,7 +402,7 @@ def _settings(args: argparse.Namespace, setup: dict[str, Any]) -> RaceSettings:
     return RaceSettings(
         layer_ids=tuple(default_layer_ids(layers)), mask_token_id=setup["mask_token_id"],
         epochs=args.epochs, tokens_per_step=args.tokens_per_step, anchors=args.anchors,
-        tokens_per_anchor=k, lr=args.lr,
+        tokens_per_anchor=k, lr=args.lr, defaults=args.defaults,
     )  # fmt: skip
 
 
@@ -408,6 +415,13 @@ def _prepare(work: Path, setup: dict[str, Any], base: RaceSettings, threads: int
          f"their hidden states made in {data['generation_s']:.1f} s")  # fmt: skip
     data["target_epoch_s"] = target_epoch_s(setup, base, threads)
     _say(f"   our target's forward over one epoch, measured apart: {data['target_epoch_s']:.1f} s")
+    if base.defaults:
+        shared = ("layer_ids", "mask_token_id", "tokens_per_step", "epochs")
+        _say("== shared: " + json.dumps({k: base.describe()[k] for k in shared}))
+        _say(f"   {'':16} {'ours':46} theirs")
+        for key, ours in OUR_DEFAULTS.items():
+            _say(f"   {key:16} {ours!s:46} {THEIR_DEFAULTS[key]}")
+        return data
     _say("== settings (both): " + json.dumps(base.describe()))
     for line in UNMATCHED:
         _say(f"   not matched: {line}")

@@ -248,6 +248,11 @@ class RaceSettings:
     dpace_alpha: float = 0.5
     epochs: int = 1
     seed: int = 0
+    #: Each trainer at its own defaults (``--defaults``): only the shared inputs above are
+    #: given (the target's layers the data holds, the MASK token, the tokens a step, the
+    #: epochs and the seed); the drafter, objective, anchors, optimizer and schedule are
+    #: each tool's (``OUR_DEFAULTS``, ``THEIR_DEFAULTS``).
+    defaults: bool = False
 
     def __post_init__(self) -> None:
         speculators_layer_ids(self.layer_ids)
@@ -262,20 +267,50 @@ class RaceSettings:
         return asdict(self)
 
 
-def our_flags(s: RaceSettings) -> list[str]:
-    """``dflash-train train`` flags for ``s`` (with the daemon's spec: packed rows of
-    ``tokens_per_step``, no sample longer than a row)."""
+#: What each trainer trains with when nothing else is given (``--defaults``), for the
+#: report. Ours are read off ``RunOptions`` (a test holds them to it); speculators 0.9's
+#: from its ``train/config/schema.py`` (the DFlash recipe of its issue #979).
+OUR_DEFAULTS = {
+    "drafter_layers": 1, "block_size": 16, "loss": "D-PACE CE over the weights' sum",
+    "anchors": "one per 32 supervised tokens, at most 512 a document",
+    "optimizer": "AdamW", "lr": 6e-4, "weight_decay": 0.01, "schedule": "cosine",
+    "warmup": 0.04,
+}  # fmt: skip
+#: speculators' ``--max-anchors`` default: the blocks it computes in each row.
+THEIR_MAX_ANCHORS = 512
+THEIR_DEFAULTS = {
+    "drafter_layers": 5, "block_size": 16, "loss": "D-PACE CE over the supervised slots",
+    "anchors": f"{THEIR_MAX_ANCHORS} a row", "optimizer": "Muon on 2-D weights (RMS-matched), AdamW on the rest",
+    "lr": 1e-3, "weight_decay": "0.1 Muon, 0.01 AdamW", "schedule": "linear",
+    "warmup": "scheduler-dependent",
+}  # fmt: skip
+
+
+def _shared_ours(s: RaceSettings) -> list[str]:
+    """What our trainer is given in every race: the data's layers and shape, the run's
+    length and seed."""
     return [
-        "--layers", ",".join(map(str, s.layer_ids)), "--drafter-layers", str(s.drafter_layers),
-        "--block-size", str(s.block_size), "--sliding-window", str(s.sliding_window),
-        "--mask-token-id", str(s.mask_token_id),
+        "--layers", ",".join(map(str, s.layer_ids)), "--mask-token-id", str(s.mask_token_id),
         "--layout", "packed", "--token-budget", str(s.tokens_per_step),
         "--max-seq-len", str(s.tokens_per_step), "--grad-accum", "1",
+        "--epochs", str(s.epochs), "--seed", str(s.seed),
+    ]  # fmt: skip
+
+
+def our_flags(s: RaceSettings) -> list[str]:
+    """``dflash-train train`` flags for ``s`` (with the daemon's spec: packed rows of
+    ``tokens_per_step``, no sample longer than a row); ``s.defaults``: the shared inputs
+    only."""
+    if s.defaults:
+        return _shared_ours(s)
+    return [
+        *_shared_ours(s), "--drafter-layers", str(s.drafter_layers),
+        "--block-size", str(s.block_size), "--sliding-window", str(s.sliding_window),
         "--anchor-draw", "document", "--tokens-per-anchor", str(s.tokens_per_anchor),
         "--anchors-per-doc", str(s.tokens_per_step), "--max-anchors", "0",
         "--loss-weighting", "dpace", "--dpace-alpha", str(s.dpace_alpha),
         "--lr", str(s.lr), "--warmup", str(s.warmup), "--weight-decay", str(s.weight_decay),
-        "--grad-clip", "1.0", "--epochs", str(s.epochs), "--seed", str(s.seed),
+        "--grad-clip", "1.0",
     ]  # fmt: skip
 
 
@@ -283,7 +318,17 @@ def speculators_flags(
     s: RaceSettings, target: Path, data: Path, save: Path, ratio: float
 ) -> list[str]:
     """``speculators train`` flags for ``s``: the CPU-only choices (eager loss, sdpa
-    attention, fp32 states, no loader workers) and the dataset's split ``ratio``."""
+    attention, fp32 states, no loader workers) and the dataset's split ``ratio``;
+    ``s.defaults``: with the shared inputs only."""
+    if s.defaults:
+        return [
+            "--speculator-type", "dflash", "--verifier-name-or-path", str(target),
+            "--data-path", str(data), "--on-missing", "raise",
+            "--target-layer-ids", *map(str, speculators_layer_ids(s.layer_ids)),
+            "--mask-token-id", str(s.mask_token_id), "--total-seq-len", str(s.tokens_per_step),
+            "--epochs", str(s.epochs), "--seed", str(s.seed), "--train-data-ratio", repr(ratio),
+            *_cpu_only(save),
+        ]  # fmt: skip
     return [
         "--speculator-type", "dflash", "--verifier-name-or-path", str(target),
         "--data-path", str(data), "--on-missing", "raise",
@@ -296,6 +341,14 @@ def speculators_flags(
         "--optimizer", "adamw", "--lr", str(s.lr), "--weight-decay", str(s.weight_decay),
         "--scheduler-type", "cosine", "--scheduler-warmup-ratio", str(s.warmup),
         "--epochs", str(s.epochs), "--seed", str(s.seed), "--train-data-ratio", repr(ratio),
+        *_cpu_only(save),
+    ]  # fmt: skip
+
+
+def _cpu_only(save: Path) -> list[str]:
+    """speculators' flags this machine needs whatever the race: eager loss, sdpa attention,
+    fp32 states, no loader workers; where it saves and logs."""
+    return [
         "--loss-implementation", "eager", "--draft-attn-impl", "sdpa",
         "--hidden-states-dtype", "float32", "--num-workers", "0", "--log-freq", "1",
         "--save-path", str(save), "--log-dir", str(save / "logs"),

@@ -213,6 +213,68 @@ def test_settings_reach_both_trainers(tmp_path: Path) -> None:
         RaceSettings(layer_ids=(0,), mask_token_id=1, warmup=4)
 
 
+def _named(flags: list[str]) -> dict[str, list[str]]:
+    """Each flag's values."""
+    out: dict[str, list[str]] = {}
+    for i, f in enumerate(flags):
+        if f.startswith("--"):
+            out[f] = []
+            for v in flags[i + 1 :]:
+                if v.startswith("--"):
+                    break
+                out[f].append(v)
+    return out
+
+
+def test_at_defaults_each_trainer_gets_the_shared_inputs_only(tmp_path: Path) -> None:
+    """``--defaults`` (issue 71): the data's layers and shape, the run's length and seed,
+    and nothing that would override a tool's default; ours then train as ``OUR_DEFAULTS``
+    says (read back through our parser), theirs with none of the matched race's choices."""
+    from benchmarks.peer.speculators_format import OUR_DEFAULTS
+
+    s = RaceSettings(layer_ids=(0, 1, 2), mask_token_id=511, tokens_per_step=2048, epochs=3,
+                     seed=4, defaults=True)  # fmt: skip
+    ours = _named(our_flags(s))
+    assert set(ours) == {"--layers", "--mask-token-id", "--layout", "--token-budget",
+                         "--max-seq-len", "--grad-accum", "--epochs", "--seed"}  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "train",
+        "--endpoint",
+        "ipc:///nowhere",
+        "--run-dir",
+        str(tmp_path),
+        "--target",
+        "tiny",
+        "--print-config",
+        *our_flags(s),
+    ]
+    conf = tomllib.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    d, o = conf["drafter"], conf["optimizer"]
+    got = {"block_size": d.get("block_size", 16), "lr": o["lr"], "warmup": o["warmup"],
+           "weight_decay": o["weight_decay"]}  # fmt: skip
+    assert got == {k: OUR_DEFAULTS[k] for k in got}
+    assert (o["optimizer"], o["lr_schedule"]) == ("adamw", "cosine")
+    assert (d["tokens_per_anchor"], d["anchors_per_doc"]) == (32, 512)
+    theirs = _named(speculators_flags(s, Path("/t"), Path("/d"), Path("/s"), 0.9))
+    chosen = {
+        "--num-layers",
+        "--block-size",
+        "--max-anchors",
+        "--optimizer",
+        "--lr",
+        "--scheduler-type",
+        "--per-position-loss-weight",
+        "--loss-fn",
+        "--sliding-window",
+    }
+    assert not chosen & set(theirs)
+    assert theirs["--total-seq-len"] == ["2048"] and theirs["--target-layer-ids"] == ["1", "2", "3"]
+    assert theirs["--epochs"] == ["3"] and theirs["--hidden-states-dtype"] == ["float32"]
+
+
 def test_the_summary_sets_ours_offline_and_online_against_theirs() -> None:
     """Two pairs with an online run each: every ratio is ours / theirs per pair, the wall
     time with their hidden-state generation added, tau with its paired difference."""
