@@ -280,7 +280,8 @@ OUR_DEFAULTS = {
 THEIR_MAX_ANCHORS = 512
 THEIR_DEFAULTS = {
     "drafter_layers": 5, "block_size": 16, "loss": "D-PACE CE over the supervised slots",
-    "anchors": f"{THEIR_MAX_ANCHORS} a row", "optimizer": "Muon on 2-D weights (RMS-matched), AdamW on the rest",
+    "anchors": f"{THEIR_MAX_ANCHORS} a row",
+    "optimizer": "Muon on 2-D weights (RMS-matched), AdamW on the rest",
     "lr": 1e-3, "weight_decay": "0.1 Muon, 0.01 AdamW", "schedule": "linear",
     "warmup": "scheduler-dependent",
 }  # fmt: skip
