@@ -21,6 +21,9 @@ SPECS: dict[str, tuple[str, ...]] = {
     "packed-old": ("layout=packed",),
     "packed-dpace-slots": ("layout=packed",),
     "packed-dpace-sequence": ("layout=packed",),
+    "packed-dpace-muon": ("layout=packed",),
+    "packed-dpace-depth3": ("layout=packed",),
+    "packed-dpace-depth5": ("layout=packed",),
     "packed-bf16": ("layout=packed",),
     "packed-fp8": ("layout=packed",),
 }
@@ -39,6 +42,11 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
     # D-PACE's divisor (issue 71): speculators' (the slots), the reference's (per sequence)
     "packed-dpace-slots": ("--loss-weighting", "dpace", "--loss-divisor", "slots"),
     "packed-dpace-sequence": ("--loss-weighting", "dpace", "--loss-divisor", "sequence"),
+    # speculators' optimizer (Muon on the 2-D weights, AdamW on the rest) and depths; the
+    # learning rate of each is swept as the experiment's --lr, one OUT_DIR per rate
+    "packed-dpace-muon": ("--loss-weighting", "dpace", "--optimizer", "muon"),
+    "packed-dpace-depth3": ("--loss-weighting", "dpace", "--drafter-layers", "3"),
+    "packed-dpace-depth5": ("--loss-weighting", "dpace", "--drafter-layers", "5"),
     "stratified-old": (*DECAY, *OLD_OBJECTIVE),
     "packed-old": (*DECAY, *OLD_OBJECTIVE),
 }

@@ -55,6 +55,9 @@ CONTRASTS = (
     ("packed-dpace-init02", "packed-dpace"),  # the trainer's N(0, 0.02) start at this lr
     ("packed-dpace-slots", "packed-dpace"),  # D-PACE over the slots (speculators')
     ("packed-dpace-sequence", "packed-dpace"),  # ... or per sequence (the reference's)
+    ("packed-dpace-muon", "packed-dpace"),  # Muon on the 2-D weights against AdamW
+    ("packed-dpace-depth3", "packed-dpace"),  # a deeper drafter, at equal tokens
+    ("packed-dpace-depth5", "packed-dpace"),
 )
 
 

@@ -38,6 +38,9 @@ COLORS = {
     "packed-old": "tab:gray",
     "packed-dpace-slots": "tab:olive",
     "packed-dpace-sequence": "tab:cyan",
+    "packed-dpace-muon": "tab:brown",
+    "packed-dpace-depth3": "tab:pink",
+    "packed-dpace-depth5": "tab:purple",
     "packed-bf16": "tab:green",
     "packed-fp8": "tab:red",
 }
@@ -55,6 +58,9 @@ LABELS = {
     "packed-old": "ours, packed rows, old objective",
     "packed-dpace-slots": "ours, packed rows, D-PACE over the slots",
     "packed-dpace-sequence": "ours, packed rows, D-PACE per sequence",
+    "packed-dpace-muon": "ours, packed rows, D-PACE, Muon",
+    "packed-dpace-depth3": "ours, packed rows, D-PACE, 3 layers",
+    "packed-dpace-depth5": "ours, packed rows, D-PACE, 5 layers",
     "packed-bf16": "ours, packed rows, states from vLLM in bf16",
     "packed-fp8": "ours, packed rows, states from vLLM in fp8",
 }

@@ -543,9 +543,15 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     )
     assert without(cmd["packed-old"], (*DECAY, *OLD_OBJECTIVE)) == base["packed"]
     assert without(cmd["stratified-old"], (*DECAY, *OLD_OBJECTIVE)) == base["stratified"]
-    for divisor in ("slots", "sequence"):  # D-PACE's divisor (issue 71)
-        arm = without(cmd[f"packed-dpace-{divisor}"], ("--loss-divisor", divisor))
-        assert arm == named(cmd["packed-dpace"])
+    issue71 = {  # D-PACE's divisor, speculators' optimizer and depths (issue 71)
+        "packed-dpace-slots": ("--loss-divisor", "slots"),
+        "packed-dpace-sequence": ("--loss-divisor", "sequence"),
+        "packed-dpace-muon": ("--optimizer", "muon"),
+        "packed-dpace-depth3": ("--drafter-layers", "3"),
+        "packed-dpace-depth5": ("--drafter-layers", "5"),
+    }
+    for arm, flags in issue71.items():
+        assert without(cmd[arm], flags) == named(cmd["packed-dpace"]), arm
     for spec, c in cmd.items():
         weighting = c[c.index("--loss-weighting") + 1]
         assert weighting == ("dpace" if spec.startswith("packed-dpace") else "decay"), spec
