@@ -92,6 +92,7 @@ class EngineSection(Options):
         section=TARGET,
         at_least=1,
         before=2048,
+        was=("states_shm_mb",),
     )
     mooncake_master: str | None = opt(
         None,

@@ -339,7 +339,8 @@ def _score_drafters(
             raise ValueError(f"{name}: target layers {layer_ids} differ from {target.layer_ids}")
         loss_cfg = _eval_loss_config(saved.loss_config, cfg.eval_anchors)
         run["heldout"] = heldout_loss(target, drafter, batches, loss_cfg)
-        if untrained is None:  # the same init as every run of this seed (trainer.run)
+        if untrained is None and run["spec"] == reference_of(cfg.specs):
+            # the reference's start (an arm may train another depth): trainer.run's seeding
             fresh = build_drafter(target, replace(opts, seed=run["seed"]), "cpu")
             untrained = heldout_loss(target, fresh, batches, loss_cfg)
         log.info("%s: held-out loss %.4f", name, run["heldout"]["loss_all"])

@@ -90,6 +90,18 @@ def test_the_divisors_are_the_weights_the_slots_and_the_documents(target, drafte
     assert len({round(float(o.loss), 6) for o in out.values()}) == 3
 
 
+def test_a_document_without_weight_is_no_sequence():
+    """Per sequence, a document whose weights all rounded to 0 trains nothing and is not
+    counted (no 0/0); the slots' divisor is a count on the weights' device."""
+    from trainer.model.loss import divided
+
+    w = torch.tensor([0.0, 0.0, 1.0, 3.0])
+    scaled, docs = divided(w, torch.tensor([5, 5, 9, 9]), "sequence")
+    assert scaled.tolist() == [0.0, 0.0, 0.25, 0.75] and float(docs) == 1.0
+    same, slots = divided(w, torch.tensor([5, 5, 9, 9]), "slots")
+    assert same is w and float(slots) == 4.0 and slots.dtype == torch.float64
+
+
 def test_loss_is_position_weighted_mean(target, drafter):
     batch = pad_batch(random_docs(3))
     cfg = LossConfig(

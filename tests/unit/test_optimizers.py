@@ -82,3 +82,20 @@ def test_the_schedules_fall_after_the_warmup():
     assert lr_factor("cosine", 2, 12)(4.5) > lr_factor("linear", 2, 12)(4.5)
     with pytest.raises(ValueError, match="unknown LR schedule 'step'"):
         lr_factor("step", 0, 1)
+
+
+def test_tables_stay_with_adamw():
+    """A 2-D parameter that is a table (DFlash2's selector codebooks: a step touches a few
+    rows) is AdamW's, as embeddings are; a 2-D map is Muon's."""
+
+    class WithTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8, bias=False)
+            self.predecessor_codebook = nn.Parameter(torch.zeros(32, 4))
+
+    model = WithTable()
+    opt = make_optimizer("muon", model.named_parameters(), lr=1e-2, weight_decay=0.0)
+    muon, adamw = opt._inner
+    assert [p.shape for g in muon.param_groups for p in g["params"]] == [(8, 8)]
+    assert [p.shape for g in adamw.param_groups for p in g["params"]] == [(32, 4)]

@@ -110,3 +110,12 @@ def test_a_renamed_key_is_read_from_config_files_and_config_json(tmp_path):
     record.update(requested_loader_spec=None, world_size=1)
     (tmp_path / "config.json").write_text(json.dumps(record))
     assert RunOptions.read(tmp_path).anchors_per_doc == record["num_anchors"]
+
+
+def test_the_states_buffer_is_read_under_its_old_name(tmp_path):
+    """``--states-buffer-mb`` was ``states_shm_mb`` for a while: runs of then still read."""
+    record = RunOptions(endpoint="ipc:///x", run_dir=tmp_path).to_record()
+    record["states_shm_mb"] = record.pop("states_buffer_mb") // 2
+    record.update(requested_loader_spec=None, world_size=1)
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    assert RunOptions.read(tmp_path).states_buffer_mb == record["states_shm_mb"]

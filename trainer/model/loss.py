@@ -398,17 +398,19 @@ def divided(
     supervised slot). Without gradient: the weights are constants of the step."""
     if divisor == "weight":
         return weights, weights.sum(dtype=torch.float64)
-    if divisor == "slots":
-        return weights, torch.tensor(float(weights.numel()), dtype=torch.float64,
-                                     device=weights.device)  # fmt: skip
+    if divisor == "slots":  # a fill on the device: no host-to-device copy, no sync
+        return weights, weights.new_full((), float(weights.numel()), dtype=torch.float64)
     if divisor != "sequence":
         raise ValueError(f"unknown loss divisor {divisor!r}")
     kept, doc = torch.unique(doc, return_inverse=True)  # on the host: no device sync
     doc = doc.to(weights.device, non_blocking=True)
     per_doc = weights.new_zeros(kept.numel(), dtype=torch.float64)
     per_doc.index_add_(0, doc, weights.double())
-    scaled = (weights.double() / per_doc[doc]).to(weights.dtype)
-    return scaled, torch.tensor(float(kept.numel()), dtype=torch.float64, device=weights.device)
+    # A document whose weights all rounded to 0 (D-PACE with --dpace-alpha 0 after a huge
+    # CE) trains nothing and is not counted, as it adds nothing to the weights' sum.
+    has = per_doc > 0
+    scaled = torch.where(has[doc], weights.double() / per_doc.clamp_min(1e-300)[doc], 0.0)
+    return scaled.to(weights.dtype), has.sum(dtype=torch.float64)
 
 
 def _empty(block_size: int, num_tokens: int, device: torch.device) -> LossOutput:

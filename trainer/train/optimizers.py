@@ -4,7 +4,8 @@
 * ``adamw``: AdamW on every weight (betas 0.9, 0.95; ``--weight-decay``).
 * ``muon``: Muon (``torch.optim.Muon``: momentum 0.95, Nesterov, each update of a weight
   matrix orthogonalized by 5 Newton-Schulz steps) on the drafter's 2-D weights, AdamW as
-  above on the rest (norms, biases, DFlash2's kernels), as speculators' DFlash recipe trains
+  above on the rest (norms, biases, DFlash2's kernels and its selector's codebooks, which
+  are tables: a step touches a few rows), as speculators' DFlash recipe trains
   (its issue #979). Muon's update is scaled to AdamW's RMS (``match_rms_adamw``, Moonlight's
   rule: ``0.2 sqrt(max(rows, cols))``), so one ``--lr`` serves both.
 
@@ -71,6 +72,11 @@ class MuonAdamW(torch.optim.Optimizer):
         self._share()
 
 
+#: Parameters that are tables rather than maps (DFlash2's selector codebooks, ``[vocab,
+#: rank]``: a step touches a few rows), which stay with AdamW as embeddings do.
+TABLES = ("codebook", "embed")
+
+
 def make_optimizer(
     kind: str, params: Iterable[tuple[str, torch.nn.Parameter]], *, lr: float,
     weight_decay: float,
@@ -83,8 +89,14 @@ def make_optimizer(
         )
     if kind != "muon":
         raise ValueError(f"unknown optimizer {kind!r}: one of {', '.join(OPTIMIZERS)}")
-    matrices = [p for _, p in trainable if p.ndim == 2]
-    rest = [p for _, p in trainable if p.ndim != 2]
+    if not hasattr(torch.optim, "Muon"):
+        raise ValueError(
+            f"--optimizer muon needs torch.optim.Muon (torch 2.9 or later); this torch is "
+            f"{torch.__version__}: upgrade it or use --optimizer adamw"
+        )
+    muon = [p.ndim == 2 and not any(t in n for t in TABLES) for n, p in trainable]
+    matrices = [p for (_, p), m in zip(trainable, muon, strict=True) if m]
+    rest = [p for (_, p), m in zip(trainable, muon, strict=True) if not m]
     return MuonAdamW(matrices, rest, lr=lr, weight_decay=weight_decay)
 
 
