@@ -139,7 +139,8 @@ def test_a_mooncake_master_that_goes_away_stops_the_run_and_it_resumes(
 ):
     """The store's master is killed after the run's second step: the run waits for it
     (--engine-timeout-s 2), then stops after a final checkpoint with one line naming the
-    master and --resume; the master comes back (the same address), the server's connector
+    master and --resume, without the store's teardown (it waits on the dead master); the
+    master comes back (the same address), the server's connector
     makes its store client anew, and --resume logs the uninterrupted run's losses, leaving
     nothing in the store."""
     s = StandIn(target_dir, tmp_path / "states", store=mooncake.store)
@@ -156,6 +157,9 @@ def test_a_mooncake_master_that_goes_away_stops_the_run_and_it_resumes(
         last = [x for x in res.stderr.splitlines() if x.startswith("Error:")][-1]
         assert mooncake.address in last and "--resume" in last and "checkpoint step-" in last, last
         assert "Traceback" not in res.stderr
+        # ended without the store's teardown, which waited 18 s on the dead master to
+        # unmount its segment (``trainer.engine.mooncake.abandoned``)
+        assert "unmount segment" not in res.stderr
         mooncake.start()
         train(daemon.endpoint, run_dir, target_dir, *flags, "--resume")
     finally:

@@ -18,7 +18,10 @@ runs, so ``--help`` and the torch-free commands start fast.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+from typing import Any
 
 import click
 
@@ -31,6 +34,22 @@ class _Group(OneLineGroup):
     """Errors keep the one-line contract of ``loader_server.cli.contract``."""
 
     debug_env = "DFLASH_TRAIN_DEBUG"
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """The command; a process left holding a Mooncake store whose master went away
+        ends at once with its status (``trainer.engine.mooncake.abandoned``), without the
+        store library's teardown at exit, which would wait on the dead master."""
+        try:
+            return super().main(*args, **kwargs)
+        except SystemExit as e:
+            mooncake = sys.modules.get("trainer.engine.mooncake")
+            if mooncake is None or not mooncake.abandoned():
+                raise
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

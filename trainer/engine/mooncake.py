@@ -268,18 +268,28 @@ class MooncakeTransport:
         if store is None:
             return
         if self._master_gone:
-            # A store whose master went away stalls every call, its destructor's unmount
-            # included (16 s measured, at the interpreter's exit), holding the interpreter's
-            # lock: never destroyed (one reference more than Python will ever drop); the
-            # process's end frees its memory, and a master that comes back knows it not.
-            import ctypes
-
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
+            # A store whose master went away stalls every call, its teardown's unmount
+            # included: never closed, kept here, and the command ends without the store's
+            # teardown at exit (``abandoned``), which waited 18 s on the dead master
+            # (measured); the process's end frees its memory, and a master that comes back
+            # knows it not.
+            _ABANDONED.append(store)
             return
         with contextlib.suppress(Exception):
             store.remove_by_regex(f"^{self.prefix}", True)
             store.unregister_buffer(self.buffer.data_ptr())
             store.close()
+
+
+#: Store clients whose master went away (``Mooncake.close``).
+_ABANDONED: list[Any] = []
+
+
+def abandoned() -> bool:
+    """Whether this process holds a store client whose master went away: the command then
+    ends without the store library's teardown (``trainer.cli``), which would wait on the
+    dead master."""
+    return bool(_ABANDONED)
 
 
 def connector_config(master: str, metadata: str, protocol: str = "tcp", device: str = "",
