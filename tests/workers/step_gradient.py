@@ -7,7 +7,7 @@ rank, or under torchrun with 2 gloo ranks on CPU for the cuts of two:
 
 For every layout (padded, packed), dtype (float32, float64), objective (the step
 normalization with the decay or D-PACE weights, the old micro-batch normalization; under
-D-PACE in float64 also divided by the slots or per document) and cut
+D-PACE in packed rows and float64 also divided by the slots or per document) and cut
 of this world size, a trainer (``trainer.train.loop.Trainer``, DDP under 2 ranks) runs
 ``step_gradients`` over hand-cut micro-batches of the same 12 documents; rank 0 writes the
 drafter's gradients and the step's logged loss to
@@ -85,7 +85,7 @@ class CutSource:
 
 
 #: (normalization, weighting, divisor) of the runs; the divisors other than the weights'
-#: under D-PACE, in float64 (their own files: ``...-dpace-slots-...``).
+#: under D-PACE, in packed rows and float64 (their own files: ``...-dpace-slots-...``).
 OBJECTIVES = (("step", "decay", "weight"), ("micro-batch", "decay", "weight"),
               ("step", "dpace", "weight"), ("step", "dpace", "slots"),
               ("step", "dpace", "sequence"))  # fmt: skip
@@ -144,7 +144,7 @@ def main() -> None:
         for layout in ("padded", "packed"):
             for dtype in (torch.float32, torch.float64):
                 for objective in OBJECTIVES:
-                    if objective[2] != "weight" and dtype != torch.float64:
+                    if objective[2] != "weight" and (dtype != torch.float64 or layout != "packed"):
                         continue
                     for cut in CUTS[env.world_size]:
                         one_cut(out, env, layout, dtype, objective, cut)
