@@ -10,9 +10,10 @@ Standard library only.
   for ``i < max_tokens``, cut after a ``stop_token_ids`` token. The first request waits
   (5 s at most) until a second one is in flight, so a client that sends one at a time is
   seen (``max_in_flight`` in the record);
-* ``$FAKE_VLLM_DIR``: ``argv.json`` (its arguments), ``pids`` (its own and a child's, the
-  stand-in for vLLM's engine core in the same process group), ``bodies.jsonl`` (every
-  request body) and ``record.json`` (``max_in_flight``).
+* a socket file under ``$VLLM_RPC_BASE_PATH``, as vLLM's processes make theirs;
+* ``$FAKE_VLLM_DIR``: ``argv.json`` (its arguments), ``rpc`` (that socket's path), ``pids``
+  (its own and a child's, the stand-in for vLLM's engine core in the same process group),
+  ``bodies.jsonl`` (every request body) and ``record.json`` (``max_in_flight``).
 """
 
 from __future__ import annotations
@@ -114,6 +115,14 @@ def main() -> None:
     p.add_argument("--speculative-config")
     args, _ = p.parse_known_args(sys.argv[3:])
     (OUT / "argv.json").write_text(json.dumps(sys.argv[1:]))
+    # vLLM's ZeroMQ sockets: a socket file under $VLLM_RPC_BASE_PATH, as its processes
+    # make them (a killed server leaves them there); where it is, in ``rpc``
+    import socket
+    import uuid
+
+    rpc = Path(os.environ.get("VLLM_RPC_BASE_PATH", "/tmp")) / str(uuid.uuid4())
+    socket.socket(socket.AF_UNIX).bind(str(rpc))
+    (OUT / "rpc").write_text(str(rpc))
     if args.speculative_config:
         Handler.k = json.loads(args.speculative_config)["num_speculative_tokens"]
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

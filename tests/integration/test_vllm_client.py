@@ -120,10 +120,15 @@ def test_the_engine_serves_the_drafter_and_answers_concurrently_in_prompt_order(
 
 
 def test_the_engine_stops_its_server_s_process_group(tmp_path, monkeypatch):
+    """... and the folder its ZeroMQ sockets went into goes with it (vLLM puts them in the
+    system's temporary folder, where a stopped server left them)."""
     with _engine(tmp_path, monkeypatch) as engine:
         url = engine.url
         pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
         assert all(_alive(p) for p in pids)
+        rpc = Path((tmp_path / "rpc").read_text())
+        assert rpc.is_socket() and rpc.parent.name.startswith("dflash-vllm-rpc-")
+    assert not rpc.parent.exists()
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)

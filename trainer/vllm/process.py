@@ -15,10 +15,12 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -176,30 +178,36 @@ def vllm_process(
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:  # fmt: skip
     """vLLM's server (``vllm_command``) in a session of its own, its output in ``log``,
     ``env`` added to its environment; its URL and process once ``/health`` answers (its
-    owner may watch the process). ``echo`` shows the command and the start-up time."""
+    owner may watch the process). ``echo`` shows the command and the start-up time. Its
+    processes' ZeroMQ sockets go into a folder of its own, removed when it stops (vLLM puts
+    them in the system's temporary folder, where a stopped server left them, a few each)."""
     port = free_port()
     cmd = vllm_command(vllm_python, target, port, drafter, speculators, num_speculative_tokens,
                        max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
                        extra=extra)  # fmt: skip
     echo("   $ " + " ".join(c if " " not in c else f"'{c}'" for c in cmd))
-    full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **env}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            start_new_session=True,
-            preexec_fn=_end_with_parent,
-        )
-    url = f"http://127.0.0.1:{port}"
+    sockets = tempfile.mkdtemp(prefix="dflash-vllm-rpc-")
+    full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_RPC_BASE_PATH": sockets, **env}
+    proc = None
     try:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,
+                preexec_fn=_end_with_parent,
+            )
+        url = f"http://127.0.0.1:{port}"
         t0 = time.perf_counter()
         wait_http(url + "/health", proc, log, timeout=startup_timeout_s)
         echo(f"   vLLM up in {time.perf_counter() - t0:.1f} s ({log})")
         yield url, proc
     finally:
-        stop_group(proc)
+        if proc is not None:
+            stop_group(proc)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 # ---- requests ---------------------------------------------------------------------------
