@@ -37,10 +37,11 @@ WARM ?= 1
 WARMTH = $(if $(filter 0,$(WARM)),DFLASH_TEST_WARM=0,)
 
 # Unit and integration layers (tests/unit, tests/integration); the soak layer is `make soak`.
-# The type check runs beside the tests (it prints its one line when done) and fails the
-# target as a failed test does.
+# The type check runs beside the tests at the lowest priority (it takes the cores the test
+# processes leave idle, waiting on their subprocesses), prints its one line when done and
+# fails the target as a failed test does.
 test: lint
-	@$(BIN)/mypy & mypy=$$!; \
+	@nice -n 19 $(BIN)/mypy & mypy=$$!; \
 	$(THREADS) $(WARMTH) $(BIN)/python -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	wait $$mypy || { echo "make test: mypy failed"; rc=1; }; exit $$rc
 
