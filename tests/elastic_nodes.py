@@ -82,7 +82,11 @@ class Node:
             "--layout", "padded",  # the node loss and return are timed to padded's steps
             # an evaluation every step keeps one rank alone from finishing the run before
             # node B is back
-            "--num-eval-prompts", "2", "--eval-every", "1", "--eval-new-tokens", "8", *extra,
+            "--num-eval-prompts", "2", "--eval-every", "1", "--eval-new-tokens", "8",
+            # as an elastic job should run (docs/TRAINER.md): a collective waits 60 s for a
+            # rank, not gloo's 30 minutes; once, node A's ranks waited out the test's 240 s
+            # after node B was killed, as if B were frozen (not understood)
+            "--collective-timeout-s", "60", *extra,
         ]  # fmt: skip
         env = {
             **os.environ,
