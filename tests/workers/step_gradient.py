@@ -144,7 +144,12 @@ def main() -> None:
         for layout in ("padded", "packed"):
             for dtype in (torch.float32, torch.float64):
                 for objective in OBJECTIVES:
-                    if objective[2] != "weight" and (dtype != torch.float64 or layout != "packed"):
+                    # the old normalization and the other divisors are read in float64 only
+                    # (the divisors in packed rows)
+                    norm, _, divisor = objective
+                    if (norm != "step" or divisor != "weight") and dtype != torch.float64:
+                        continue
+                    if divisor != "weight" and layout != "packed":
                         continue
                     for cut in CUTS[env.world_size]:
                         one_cut(out, env, layout, dtype, objective, cut)
