@@ -157,10 +157,8 @@ def test_tokens_per_anchor_matches_their_anchors_per_row() -> None:
     assert abs(mean[k] - 128) < 10
 
 
-def test_settings_reach_both_trainers(tmp_path: Path) -> None:
-    s = RaceSettings(layer_ids=(0, 1, 2), mask_token_id=511, tokens_per_step=2048,
-                     anchors=64, tokens_per_anchor=14, lr=3e-4, epochs=3, seed=4)  # fmt: skip
-    # Ours: through our trainer's own parser, read back as the TOML it resolved.
+def _resolved(tmp_path: Path, flags: list[str]) -> dict:
+    """Our trainer's options for ``flags``, through its own parser: the TOML it resolves."""
     cmd = [
         sys.executable,
         "-m",
@@ -173,44 +171,9 @@ def test_settings_reach_both_trainers(tmp_path: Path) -> None:
         "--target",
         "tiny",
         "--print-config",
-        *our_flags(s),
+        *flags,
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    conf = tomllib.loads(res.stdout)
-    d, o, lo = conf["drafter"], conf["optimizer"], conf["loader"]
-    assert d["layers"] == "0,1,2" and d["drafter_layers"] == 1 and d["block_size"] == 16
-    assert d["sliding_window"] == s.sliding_window and d["sliding_bidirectional"] is False
-    assert d["mask_token_id"] == 511 and d["loss_weighting"] == "dpace"
-    assert d["anchor_draw"] == "document" and d["max_anchors"] == 0
-    assert d["tokens_per_anchor"] == 14 and d["anchors_per_doc"] >= s.tokens_per_step
-    assert (o["lr"], o["warmup"], o["epochs"], o["seed"]) == (3e-4, 0.04, 3, 4)
-    assert (o["weight_decay"], o["grad_clip"]) == (0.01, 1.0)
-    assert (lo["layout"], lo["token_budget"], lo["grad_accum"]) == ("packed", 2048, 1)
-    assert lo["max_seq_len"] == 2048
-
-    # Theirs: the same values under speculators' names.
-    flags = speculators_flags(s, Path("/t"), Path("/d"), Path("/s"), 0.9)
-    named = {}
-    for i, f in enumerate(flags):
-        if f.startswith("--"):
-            vals = []
-            for v in flags[i + 1 :]:
-                if v.startswith("--"):
-                    break
-                vals.append(v)
-            named[f] = vals
-    assert named["--target-layer-ids"] == ["1", "2", "3"]
-    assert named["--total-seq-len"] == ["2048"] and named["--max-anchors"] == ["64"]
-    assert named["--optimizer"] == ["adamw"] and named["--lr"] == ["0.0003"]
-    assert named["--scheduler-type"] == ["cosine"]
-    assert named["--scheduler-warmup-ratio"] == ["0.04"]
-    assert named["--per-position-loss-weight"] == ["dpace"]
-    assert named["--epochs"] == ["3"] and named["--seed"] == ["4"]
-    assert named["--mask-token-id"] == ["511"] and named["--num-layers"] == ["1"]
-    assert named["--sliding-window"] == [str(s.sliding_window)]
-    assert named["--train-data-ratio"] == ["0.9"] and named["--on-missing"] == ["raise"]
-    with pytest.raises(ValueError, match="warmup"):
-        RaceSettings(layer_ids=(0,), mask_token_id=1, warmup=4)
+    return tomllib.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
 
 
 def _named(flags: list[str]) -> dict[str, list[str]]:
@@ -226,6 +189,38 @@ def _named(flags: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def test_settings_reach_both_trainers(tmp_path: Path) -> None:
+    s = RaceSettings(layer_ids=(0, 1, 2), mask_token_id=511, tokens_per_step=2048,
+                     anchors=64, tokens_per_anchor=14, lr=3e-4, epochs=3, seed=4)  # fmt: skip
+    # Ours: through our trainer's own parser, read back as the TOML it resolved.
+    conf = _resolved(tmp_path, our_flags(s))
+    d, o, lo = conf["drafter"], conf["optimizer"], conf["loader"]
+    assert d["layers"] == "0,1,2" and d["drafter_layers"] == 1 and d["block_size"] == 16
+    assert d["sliding_window"] == s.sliding_window and d["sliding_bidirectional"] is False
+    assert d["mask_token_id"] == 511 and d["loss_weighting"] == "dpace"
+    assert d["anchor_draw"] == "document" and d["max_anchors"] == 0
+    assert d["tokens_per_anchor"] == 14 and d["anchors_per_doc"] >= s.tokens_per_step
+    assert (o["lr"], o["warmup"], o["epochs"], o["seed"]) == (3e-4, 0.04, 3, 4)
+    assert (o["weight_decay"], o["grad_clip"]) == (0.01, 1.0)
+    assert (lo["layout"], lo["token_budget"], lo["grad_accum"]) == ("packed", 2048, 1)
+    assert lo["max_seq_len"] == 2048
+
+    # Theirs: the same values under speculators' names.
+    named = _named(speculators_flags(s, Path("/t"), Path("/d"), Path("/s"), 0.9))
+    assert named["--target-layer-ids"] == ["1", "2", "3"]
+    assert named["--total-seq-len"] == ["2048"] and named["--max-anchors"] == ["64"]
+    assert named["--optimizer"] == ["adamw"] and named["--lr"] == ["0.0003"]
+    assert named["--scheduler-type"] == ["cosine"]
+    assert named["--scheduler-warmup-ratio"] == ["0.04"]
+    assert named["--per-position-loss-weight"] == ["dpace"]
+    assert named["--epochs"] == ["3"] and named["--seed"] == ["4"]
+    assert named["--mask-token-id"] == ["511"] and named["--num-layers"] == ["1"]
+    assert named["--sliding-window"] == [str(s.sliding_window)]
+    assert named["--train-data-ratio"] == ["0.9"] and named["--on-missing"] == ["raise"]
+    with pytest.raises(ValueError, match="warmup"):
+        RaceSettings(layer_ids=(0,), mask_token_id=1, warmup=4)
+
+
 def test_at_defaults_each_trainer_gets_the_shared_inputs_only(tmp_path: Path) -> None:
     """``--defaults`` (issue 71): the data's layers and shape, the run's length and seed,
     and nothing that would override a tool's default; ours then train as ``OUR_DEFAULTS``
@@ -237,21 +232,7 @@ def test_at_defaults_each_trainer_gets_the_shared_inputs_only(tmp_path: Path) ->
     ours = _named(our_flags(s))
     assert set(ours) == {"--layers", "--mask-token-id", "--layout", "--token-budget",
                          "--max-seq-len", "--grad-accum", "--epochs", "--seed"}  # fmt: skip
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.cli",
-        "train",
-        "--endpoint",
-        "ipc:///nowhere",
-        "--run-dir",
-        str(tmp_path),
-        "--target",
-        "tiny",
-        "--print-config",
-        *our_flags(s),
-    ]
-    conf = tomllib.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    conf = _resolved(tmp_path, our_flags(s))
     d, o = conf["drafter"], conf["optimizer"]
     got = {"block_size": d.get("block_size", 16), "lr": o["lr"], "warmup": o["warmup"],
            "weight_decay": o["weight_decay"]}  # fmt: skip
