@@ -377,7 +377,9 @@ def _head(
         weights = dpace_weights(ce, sel_dev, cfg.dpace_alpha)[sel_dev]
     else:
         weights = plan.weights[sel].to(device, out.ce.dtype, non_blocking=True)
-    weights, divisor = divided(weights, plan.blk_doc[:, None].expand_as(sel)[sel], cfg.divisor)
+    # each supervised slot's document, only where the divisor asks (per sequence)
+    doc = plan.blk_doc[:, None].expand_as(sel)[sel] if cfg.divisor == "sequence" else None
+    weights, divisor = divided(weights, doc, cfg.divisor)
     weighted, hits = (out.ce * weights).sum(), out.hits
     if selector is not None:  # DFlash2: its served choice is the selector's
         # The teacher-forced predecessor of offset k: the true token at k-1 (the anchor).
@@ -389,10 +391,11 @@ def _head(
 
 
 def divided(
-    weights: torch.Tensor, doc: torch.Tensor, divisor: str
+    weights: torch.Tensor, doc: torch.Tensor | None, divisor: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The supervised slots' ``weights`` (``doc``: each one's document, CPU) as the divisor
-    wants them, and the micro-batch's share of the divisor (float64, summed over a step):
+    """The supervised slots' ``weights`` (``doc``: each one's document, CPU, for
+    ``sequence``) as the divisor wants them, and the micro-batch's share of the divisor
+    (float64, summed over a step):
     ``weight``, the weights and their sum; ``slots``, the weights and their number;
     ``sequence``, each weight over its document's sum, and the number of documents (with a
     supervised slot). Without gradient: the weights are constants of the step."""
@@ -400,8 +403,8 @@ def divided(
         return weights, weights.sum(dtype=torch.float64)
     if divisor == "slots":  # a fill on the device: no host-to-device copy, no sync
         return weights, weights.new_full((), float(weights.numel()), dtype=torch.float64)
-    if divisor != "sequence":
-        raise ValueError(f"unknown loss divisor {divisor!r}")
+    if divisor != "sequence" or doc is None:
+        raise ValueError(f"unknown loss divisor {divisor!r}, or no documents for 'sequence'")
     kept, doc = torch.unique(doc, return_inverse=True)  # on the host: no device sync
     doc = doc.to(weights.device, non_blocking=True)
     per_doc = weights.new_zeros(kept.numel(), dtype=torch.float64)
