@@ -28,7 +28,7 @@ import tomllib
 
 from loader_server.wire.files import file_error
 from trainer.option_values import field_value, option_problem
-from trainer.options import DRAFTER, EVAL, OPTIM, RUN_FACTS, SPEC, TARGET
+from trainer.options import DRAFTER, EVAL, OPTIM, RUN_FACTS, SPEC, TARGET, flag_of
 from trainer.sections import RunOptions
 
 #: ``--help`` section -> TOML table ("" and None: the top, the run's own options).
@@ -40,8 +40,7 @@ TABLES: dict[str, str | None] = {
 
 def _key(f: Field[Any]) -> str:
     """The field's key: its flag without dashes (``--spec`` -> ``spec``)."""
-    flag = f.metadata.get("flag") or "--" + f.name
-    return flag.lstrip("-").replace("-", "_")
+    return flag_of(f).lstrip("-").replace("-", "_")
 
 
 @cache

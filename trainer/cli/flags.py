@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import click
 
+from trainer.options import flag_of
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -65,7 +67,7 @@ def field_option(
     if section is not None:
         meta["section"] = section
     kind = _kinds(hint)[0]
-    flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+    flag = flag_of(f)
     decls = [flag, *meta.get("aliases", ()), f.name]
     value = f.default if default is MISSING else default
     kw: dict[str, Any] = {"help": meta.get("help", ""), "section": meta.get("section", "")}
