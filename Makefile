@@ -23,14 +23,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Test files run side by side in one process more than the machine has cores (pytest-xdist;
-# a file's tests stay together so its module fixtures are built once): with one per core, a
-# quarter of the cores' time went idle while tests waited on the daemons, servers and
-# trainers they start (on 2 cores: 424 s in pytest with 2 processes, 388 s with 3, 428 s
-# with 4). `make test JOBS=0` runs them in one process. Side by side, every process
-# (workers, the daemons and trainers they start) uses one OpenMP thread: teams of one per
-# core would oversubscribe the machine and spin.
-JOBS ?= $(shell echo $$(( $$(nproc) + 1 )))
+# Test files run side by side, one per core (pytest-xdist; a file's tests stay together so
+# its module fixtures are built once); `make test JOBS=0` runs them in one process. Side by
+# side, every process (workers, the daemons and trainers they start) uses one OpenMP thread:
+# teams of one per core would oversubscribe the machine and spin.
+JOBS ?= auto
 XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
 THREADS = $(if $(filter 0,$(JOBS)),,OMP_NUM_THREADS=1)
 # The trainer processes the tests start are forked from one interpreter per test process
