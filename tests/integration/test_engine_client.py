@@ -14,6 +14,7 @@ writing real files through the connector's own writer:
 
 from __future__ import annotations
 
+import gc
 import http.server
 import importlib.util
 import json
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -767,3 +769,47 @@ def test_a_mooncake_master_that_is_not_there_is_named(folder, target):
         MooncakeTransport(None, run=RUN, rank=0, size_mb=4, master=f"127.0.0.1:{port}",
                           metadata=f"http://127.0.0.1:{free_port()}/metadata")  # fmt: skip
     assert time.monotonic() - t0 < 10
+
+
+def test_a_master_gone_between_the_lookup_and_the_get_is_named(folder, target, tmp_path):
+    """The master goes away after the store listed a document's key and before the trainer
+    got it: the error names the master, as when it is gone at the lookup, and not only the
+    server that then waits on it too. (Seen under load in the master test of
+    ``test_engine_transports.py``: its line named the server.) A real master, stopped from
+    around the real store's lookup."""
+    from engine_jobs import Master
+
+    from trainer.engine import mooncake as transport
+
+    master = Master(tmp_path)
+    r = Running(folder, target, master.store)
+    c = client(r.url, folder, target, "mooncake", store=master.store, timeout_s=2.0)
+    real = c.transport.store
+
+    def is_exist(key: str) -> int:
+        found = real.is_exist(key)
+        if found == 1:
+            master.stop()
+        return found
+
+    try:
+        assert torch.equal(fetch(c, [1, 2]), states([1, 2]))  # the store works
+        c.transport.store = SimpleNamespace(is_exist=is_exist, get_into=real.get_into,
+                                            remove=real.remove)  # fmt: skip
+        # (named by the rank's last lookup, or after the server's deadline by its health)
+        named = rf"the Mooncake master {master.address} (does not answer|has not answered)"
+        with pytest.raises(EngineError, match=named):
+            fetch(c, [3, 4])
+    finally:
+        c.transport.store = real
+        master.start()  # back on its ports, for the teardowns below
+        c.close()
+        r.stop()
+    # A command ends without the teardown of a store whose master went away (it waits on
+    # the dead master); this test process goes on: the teardowns now, its master back (the
+    # stand-in's writer is in its server's reference cycle: collected).
+    assert [real] == transport._ABANDONED
+    transport._ABANDONED.clear()
+    real = r = None
+    gc.collect()
+    master.stop()

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 METADATA_PATH = "/metadata"
 #: How often a rank looks whether its key has been put (also: whether its server lives).
 PROBE_S = 1.0
+#: The store's code for a call whose RPC to the master failed (``RPC_FAIL``: what a lookup
+#: or a get returns once the master has gone away).
+RPC_FAIL = -900
 
 
 def binary(name: str) -> Path:
@@ -230,6 +233,9 @@ class MooncakeTransport:
         got = self.store.get_into(key, self.buffer.data_ptr() + region.offset, region.nbytes)
         self.store.remove(key, True)
         if got < 0:
+            # listed, then not got: a master gone in between says so in the code (a lookup
+            # now would say it too, after the store's 4 s of retries)
+            self._master_gone = got == RPC_FAIL
             raise Lost(f"{key}: the store's get failed (code {got})")
         found_region = layout.read_region(self.mem, region.offset)
         if found_region is None or found_region[0] != layout.key_of(key):
