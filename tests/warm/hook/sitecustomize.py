@@ -15,6 +15,11 @@ variable is unset: every process the tests start imports this file.
 import os
 import sys
 
+#: The signals a stand-in forwards to its fork (by name: ``signal`` is imported only when
+#: the process starts warm).
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM",
+             "SIGCONT")  # fmt: skip
+
 
 def _command() -> "str | None":
     """The module this interpreter was started to run, if it is one the server runs."""
@@ -125,9 +130,14 @@ def _run(folder: str, module: str) -> None:
         sock.close()
         os.unlink(marker)
         return  # no server (it stopped, or is not started yet): start cold
+    held: set = set()
     try:
         fds = _open_fds(sock.fileno())
-        body = json.dumps(_request(module, fds)).encode()
+        body = json.dumps(_request(module, fds)).encode()  # the signal mask as started
+        # Held from here until the stand-in forwards them: one sent once the fork runs (it
+        # may already be printing) would otherwise end this process before its handlers
+        # are set, and the server would then kill the fork (seen under load).
+        held = _hold()
         sock.sendall(struct.pack("!I", len(body)))
         socket.send_fds(sock, [body], fds)
         reader = sock.makefile("rb")
@@ -135,17 +145,37 @@ def _run(folder: str, module: str) -> None:
     except OSError:
         first = []
     if not first or first[0] != b"P":
+        _release(held)
         sock.close()
         os.unlink(marker)
         return  # refused: the reason is in the server's log
     try:
-        _stand_in(int(first[1]), reader)
+        _stand_in(int(first[1]), reader, held)
     finally:  # the module ran (or is running) in the fork: never a second time here
         os._exit(70)
 
 
-def _stand_in(child: int, reader) -> None:
-    """Be process ``child`` to whoever started this one, until it ends."""
+def _hold() -> set:
+    """Block the forwarded signals not blocked already; the ones it blocked."""
+    import signal
+
+    blocked = set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    held = {getattr(signal, name) for name in FORWARDED} - blocked
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    return held
+
+
+def _release(held: set) -> None:
+    """Unblock what ``_hold`` blocked (a signal sent meanwhile is delivered now)."""
+    if held:
+        import signal
+
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+
+
+def _stand_in(child: int, reader, held: set) -> None:
+    """Be process ``child`` to whoever started this one, until it ends; ``held``: the
+    signals blocked until the forwarding is set (then let through, and forwarded)."""
     import contextlib
     import signal
 
@@ -155,10 +185,10 @@ def _stand_in(child: int, reader) -> None:
         with contextlib.suppress(ProcessLookupError):
             (os.killpg if leader else os.kill)(child, sig)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
-                signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT):  # fmt: skip
+    for sig in (getattr(signal, name) for name in FORWARDED):
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, forward)
+    _release(held)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank: dies with its agent, as the rank does
         import ctypes
 
