@@ -18,6 +18,7 @@ import numpy as np
 # Callers (the experiment's tests) import some of these measures from here too.
 from benchmarks.experiment.measures import (
     CONTRASTS,
+    acceptance_by_position,
     at_tokens,
     corpus_facts,
     forgetting,
@@ -29,6 +30,7 @@ from benchmarks.experiment.measures import (
     spikiness,
     split_length,
     summarize_spec,
+    weight_change,
 )
 
 log = logging.getLogger(__name__)
@@ -252,6 +254,10 @@ def analyse(
     for name, run in runs.items():
         if served and name in served:
             run["vllm"] = served[name]
+            for counts in (run["vllm"], run["vllm"]["heldout"]):
+                counts["by_position"] = acceptance_by_position(
+                    counts["drafts"], counts["per_pos"], cfg.block_size - 1
+                )
         if humaneval and name in humaneval:
             run["humaneval"] = humaneval[name]
     corpus = _corpus(cfg, heldout_path, corpus_facts(lengths, held_lengths, band, split))
@@ -347,6 +353,7 @@ def _score_drafters(
         if cfg.corpus == "text":
             run["tau"] = tau_series(run_dir)
             run["forgetting"] = _forgetting(run_dir, run, target, batches, loss_cfg)
+            run["weights"] = _weights_moved(run_dir)
             run["at_equal_tokens"]["heldout"] = _heldout_at(
                 run_dir, run["at_equal_tokens"]["tokens"], target, batches, loss_cfg
             )
@@ -418,6 +425,21 @@ def _forgetting(
         steps.append(saved.step)
         losses.append(heldout_loss(target, drafter, short, loss_cfg)["loss"][0])
     return forgetting(steps, losses, np.asarray(run["all_hard"], dtype=np.float64))
+
+
+def _weights_moved(run_dir: Path) -> dict[str, Any]:
+    """``weight_change`` of the drafter's matrices from the run's first checkpoint to its
+    last: how far each optimizer moved them, and along how many directions."""
+    from trainer.train.checkpoint import list_checkpoints
+
+    found = list_checkpoints(run_dir)
+    first, last = (load_drafter(found[i])[0].state_dict() for i in (0, -1))
+    out = weight_change(
+        {k: v.double().numpy() for k, v in first.items()},
+        {k: v.double().numpy() for k, v in last.items()},
+    )
+    out["steps"] = [int(found[i].name.split("-")[-1]) for i in (0, -1)]
+    return out
 
 
 def _eval_loss_config(saved: dict[str, Any], anchors_per_doc: int) -> Any:

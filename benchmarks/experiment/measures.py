@@ -243,6 +243,51 @@ def corpus_facts(
     return {"train": facts(lengths), "heldout": facts(held), "split_len": split_len, "bands": bands}
 
 
+# ---- where acceptance moves, how the weights move -------------------------------------------
+
+
+def acceptance_by_position(
+    drafts: int, per_pos: dict[Any, int], positions: int
+) -> list[float | None]:
+    """vLLM's acceptance at each of ``positions`` draft positions, conditional: of the
+    drafts whose first k tokens were accepted, the share whose next one was too.
+    ``per_pos[k]`` counts the drafts whose token k was accepted (acceptance stops at the
+    first rejection, so it counts the drafts that reached k + 1); a position no draft
+    reached is None. The product of the first k rates is the share of drafts accepting k
+    tokens or more: a gain at position 0 raises every later share."""
+    reached = np.array(
+        [drafts] + [int(per_pos.get(k, per_pos.get(str(k), 0))) for k in range(positions)]
+    )
+    if drafts <= 0 or (np.diff(reached) > 0).any():
+        raise ValueError(f"per-position counts {per_pos} do not fall from {drafts} drafts")
+    return [float(a / b) if b else None for a, b in zip(reached[1:], reached[:-1], strict=True)]
+
+
+def weight_change(first: dict[str, np.ndarray], last: dict[str, np.ndarray]) -> dict[str, Any]:
+    """How far each weight matrix moved between two checkpoints, and in how many directions:
+    ``relative`` = ||W_last - W_first||_F / ||W_first||_F, and ``stable_rank`` of the change
+    = ||dW||_F^2 / ||dW||_2^2 (1 for a change along one direction; the matrix's smaller
+    side for one spread evenly over all), with their medians over the matrices."""
+    out: dict[str, dict[str, float]] = {}
+    for name, w0 in first.items():
+        if w0.ndim != 2:
+            continue
+        d = np.asarray(last[name], dtype=np.float64) - w0
+        fro2 = float((d * d).sum())
+        top = float(np.linalg.norm(d, ord=2)) if fro2 > 0 else 0.0
+        out[name] = {
+            "relative": float(np.sqrt(fro2) / max(np.linalg.norm(w0), 1e-30)),
+            "stable_rank": fro2 / top**2 if top > 0 else 0.0,
+        }
+    if not out:
+        raise ValueError("no weight matrix to compare")
+    return {
+        "matrices": out,
+        "relative_median": float(np.median([m["relative"] for m in out.values()])),
+        "stable_rank_median": float(np.median([m["stable_rank"] for m in out.values()])),
+    }
+
+
 def summarize_spec(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any]:
     """Every measure of ``spec``'s runs (one a seed) as mean, min, max and count."""
     mine = [r for r in runs.values() if r["spec"] == spec]
@@ -269,6 +314,13 @@ def summarize_spec(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any]
     if all("vllm" in r for r in mine):
         out["vllm_tau"] = _stats([r["vllm"]["tau"] for r in mine])
         out["vllm_tau_heldout"] = _stats([r["vllm"]["heldout"]["tau"] for r in mine])
+        if all("by_position" in r["vllm"]["heldout"] for r in mine):
+            rates = [r["vllm"]["heldout"]["by_position"] for r in mine]
+            n = min(len(x) for x in rates)
+            out["vllm_by_position"] = [_stats([x[k] for x in rates]) for k in range(n)]
+    if all("weights" in r for r in mine):
+        for k in ("relative_median", "stable_rank_median"):
+            out[f"weights_{k}"] = _stats([r["weights"][k] for r in mine])
     if all("humaneval" in r for r in mine):
         out["humaneval_tau"] = _stats([r["humaneval"]["tau"] for r in mine])
     return out

@@ -159,8 +159,36 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
     if "tau_final" in next(iter(summary.values())):
         lines += _tau_lines(results)
+        lines += _mechanism_lines(summary)
     lines += paired_lines(results)
     return "\n".join(lines) + "\n"
+
+
+def _mechanism_lines(summary: dict[str, Any]) -> list[str]:
+    """Where a spec's acceptance moves (vLLM's conditional acceptance at each draft
+    position, all held-out prompts) and how far and in how many directions its optimizer
+    moved the drafter's matrices (first checkpoint to last; medians over the matrices)."""
+    if not all("weights_relative_median" in s for s in summary.values()):
+        return []
+    served = all("vllm_by_position" in s for s in summary.values())
+    n = min(len(s["vllm_by_position"]) for s in summary.values()) if served else 0
+    lines = [
+        "",
+        "Where acceptance moves and how the weights move: vLLM's acceptance at each draft "
+        "position, of the drafts that reached it (all held-out prompts); the drafter's "
+        "matrices from the first checkpoint to the last, ||dW|| / ||W|| and the stable rank "
+        "||dW||_F^2 / ||dW||_2^2 of the change (medians over the matrices):",
+        "",
+        "| spec | "
+        + "".join(f"pos {k + 1} | " for k in range(n))
+        + "relative change | stable rank of the change |",
+        "|---|" + "---|" * (n + 2),
+    ]
+    for spec, s in summary.items():
+        cells = [fmt(s["vllm_by_position"][k]) for k in range(n)]
+        cells += [fmt(s["weights_relative_median"]), fmt(s["weights_stable_rank_median"], 1)]
+        lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _interval(d: dict[str, Any], digits: int) -> str:

@@ -57,9 +57,15 @@ def test_text_experiment_end_to_end(tmp_path):
         assert all(0.0 <= x <= 1.0 for x in f["long_only"])
         assert run["config"]["target"] == str(target)
         assert run["config"]["loader_spec"]["seed"] == 5, name  # the run's seed plans too
+        w = run["weights"]  # the drafter's matrices, first checkpoint to last
+        assert w["steps"] == [2, 6] and len(w["matrices"]) >= 2, name
+        for m in w["matrices"].values():  # a run whose steps 3-6 held no anchor moved none
+            assert m["stable_rank"] >= 1.0 - 1e-6 if m["relative"] > 0 else m["stable_rank"] == 0
         he = run["humaneval"]  # dflash-train eval on the run's final checkpoint
         assert he["prompts"] == 3 and he["step"] == 6 and 1.0 <= he["tau"] <= 8.0, name
         assert he["tau_ci"][0] <= he["tau"] <= he["tau_ci"][1]
+    moved = [m["relative"] for m in results["runs"]["packed-s5"]["weights"]["matrices"].values()]
+    assert min(moved) > 0  # packed rows train from the first step
     runs = results["runs"]
     equal = {r["at_equal_tokens"]["tokens"] for r in runs.values()}
     assert equal == {min(r["real_tokens"] for r in runs.values())}  # one seed, one point
@@ -103,6 +109,7 @@ def test_text_experiment_end_to_end(tmp_path):
     assert "The text's own replies to the same prompts" in md
     assert "served, vLLM" in md and "not run" in md  # no --vllm-python
     assert "HumanEval tau" in md and (out / "humaneval" / "eval.md").is_file()
+    assert "stable rank of the change" in md  # the weights moved, by spec
     for name in ("tau", "forgetting"):
         assert (out / f"experiment-{name}.png").read_bytes()[:4] == b"\x89PNG"
     # --data-only on the same settings reuses the target and the data, and says how they loop

@@ -1,6 +1,7 @@
 """The batching experiment's statistics: paired bootstrap intervals, vLLM's pooled tau
-resampled by seed and prompt, the distinct-4-gram measure of looping replies, and the
-equal-real-tokens point of a run."""
+resampled by seed and prompt, the distinct-4-gram measure of looping replies, the
+equal-real-tokens point of a run, and the mechanism measures (acceptance by draft
+position, how far and in how many directions the weights moved)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from benchmarks.experiment.analysis import at_tokens, reference_of
 from benchmarks.experiment.looping import summarize
+from benchmarks.experiment.measures import acceptance_by_position, weight_change
 from benchmarks.experiment.report import looping_line
 from benchmarks.experiment.stats import (
     distinct_ngram_share,
@@ -108,3 +110,43 @@ def test_equal_tokens_is_the_last_step_within_them():
 def test_the_reference_is_todays_default():
     assert reference_of(("sorted", "stratified", "packed")) == "stratified"
     assert reference_of(("sorted", "six")) == "sorted"
+
+
+def test_acceptance_by_position_is_conditional_on_reaching_the_position():
+    # 100 drafts: 80 accept token 0, 40 of those token 1, none token 2 (vLLM leaves it out)
+    rates = acceptance_by_position(100, {"0": 80, "1": 40}, 4)
+    assert rates == [0.8, 0.5, 0.0, None]  # position 3: no draft reached it
+    tau = 1 + (80 + 40) / 100
+    assert tau == pytest.approx(1 + 0.8 + 0.8 * 0.5)  # the product of the rates
+    with pytest.raises(ValueError, match="do not fall"):
+        acceptance_by_position(100, {0: 50, 1: 60}, 2)
+
+
+def test_weight_change_tells_one_direction_from_many():
+    rng = np.random.default_rng(0)
+    w0 = {"a": rng.normal(size=(32, 16)), "b": rng.normal(size=(16, 16)), "norm": np.ones(16)}
+    u, v = rng.normal(size=(32, 1)), rng.normal(size=(1, 16))
+    last = {"a": w0["a"] + 0.1 * u @ v, "b": w0["b"] + 0.5 * np.eye(16), "norm": np.ones(16)}
+    out = weight_change(w0, last)
+    assert set(out["matrices"]) == {"a", "b"}  # vectors are not matrices
+    assert out["matrices"]["a"]["stable_rank"] == pytest.approx(1.0)  # one direction
+    assert out["matrices"]["b"]["stable_rank"] == pytest.approx(16.0)  # all 16 equally
+    rel = np.linalg.norm(0.5 * np.eye(16)) / np.linalg.norm(w0["b"])
+    assert out["matrices"]["b"]["relative"] == pytest.approx(rel)
+    assert out["stable_rank_median"] == pytest.approx(8.5)
+
+
+def test_the_mechanism_table_has_a_column_per_position_every_spec_reached():
+    from benchmarks.experiment.report import _mechanism_lines
+
+    def spec(rates, rel, rank):
+        one = lambda x: {"mean": x, "min": x, "max": x, "n": 1}  # noqa: E731
+        return {"vllm_by_position": [one(r) for r in rates], "weights_relative_median": one(rel),
+                "weights_stable_rank_median": one(rank)}  # fmt: skip
+
+    lines = _mechanism_lines({"packed-dpace": spec([0.5, 0.6, 0.7], 0.45, 4.1),
+                              "packed-dpace-muon": spec([0.8, 0.7], 0.45, 50.1)})  # fmt: skip
+    head, rows = lines[3], lines[5:]
+    assert head.count("pos ") == 2  # the positions both reached
+    assert rows[1].split(" | ")[1:] == ["0.800", "0.700", "0.450", "50.1 |"]
+    assert _mechanism_lines({"packed": {"vllm_tau": 1}}) == []  # no weights measured
