@@ -22,6 +22,7 @@ SPECS: dict[str, tuple[str, ...]] = {
     "packed-dpace-slots": ("layout=packed",),
     "packed-dpace-sequence": ("layout=packed",),
     "packed-dpace-muon": ("layout=packed",),
+    "packed-dpace-init02-muon": ("layout=packed",),
     "packed-dpace-depth3": ("layout=packed",),
     "packed-dpace-depth5": ("layout=packed",),
     "packed-bf16": ("layout=packed",),
@@ -45,6 +46,8 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
     # speculators' optimizer (Muon on the 2-D weights, AdamW on the rest) and depths; the
     # learning rate of each is swept as the experiment's --lr, one OUT_DIR per rate
     "packed-dpace-muon": ("--loss-weighting", "dpace", "--optimizer", "muon"),
+    # ... and from the trainer's start (against packed-dpace-init02, at the trainer's --lr)
+    "packed-dpace-init02-muon": ("--loss-weighting", "dpace", "--optimizer", "muon"),
     "packed-dpace-depth3": ("--loss-weighting", "dpace", "--drafter-layers", "3"),
     "packed-dpace-depth5": ("--loss-weighting", "dpace", "--drafter-layers", "5"),
     "stratified-old": (*DECAY, *OLD_OBJECTIVE),
@@ -53,7 +56,7 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
 #: The drafter's start of each spec (``--init-std``; "0" unless listed): PyTorch's default,
 #: which every run of Parts 1-4 started from and ``--lr``'s default was chosen with. Named,
 #: as the weighting is: the trainer's default is N(0, 0.02) since 2026-12-06.
-STARTS: dict[str, str] = {"packed-dpace-init02": "0.02"}
+STARTS: dict[str, str] = {"packed-dpace-init02": "0.02", "packed-dpace-init02-muon": "0.02"}
 #: The specs whose target states come from a vLLM server the run starts (``--target-engine
 #: vllm``, ``--vllm-python``), sent in this ``--states-dtype``: precision on the wire
 #: (docs/TRAINER.md), paired with ``packed``'s colocated target. The others run the target in

@@ -56,6 +56,7 @@ CONTRASTS = (
     ("packed-dpace-slots", "packed-dpace"),  # D-PACE over the slots (speculators')
     ("packed-dpace-sequence", "packed-dpace"),  # ... or per sequence (the reference's)
     ("packed-dpace-muon", "packed-dpace"),  # Muon on the 2-D weights against AdamW
+    ("packed-dpace-init02-muon", "packed-dpace-init02"),  # ... from the trainer's start
     ("packed-dpace-depth3", "packed-dpace"),  # a deeper drafter, at equal tokens
     ("packed-dpace-depth5", "packed-dpace"),
 )

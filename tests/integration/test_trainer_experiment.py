@@ -537,7 +537,8 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     assert without(cmd["packed-dpace"], ("--loss-weighting", "dpace")) == base["packed"]
     assert without(cmd["packed-gamma3"], (*DECAY, "--gamma", "3")) == base["packed"]
     start = {s: c[c.index("--init-std") + 1] for s, c in cmd.items()}
-    assert start.pop("packed-dpace-init02") == "0.02" and set(start.values()) == {"0"}
+    assert start.pop("packed-dpace-init02") == start.pop("packed-dpace-init02-muon") == "0.02"
+    assert set(start.values()) == {"0"}
     assert without(cmd["packed-dpace-init02"], ("--init-std", "0.02")) == without(
         cmd["packed-dpace"], ("--init-std", "0")
     )
@@ -552,6 +553,8 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     }
     for arm, flags in issue71.items():
         assert without(cmd[arm], flags) == named(cmd["packed-dpace"]), arm
+    muon = ("--optimizer", "muon")
+    assert without(cmd["packed-dpace-init02-muon"], muon) == named(cmd["packed-dpace-init02"])
     for spec, c in cmd.items():
         weighting = c[c.index("--loss-weighting") + 1]
         assert weighting == ("dpace" if spec.startswith("packed-dpace") else "decay"), spec
