@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import WORKER, audited, batch_crc, expected_plan, read_runs
+from conftest import WORKER, audited, batch_crc, expected_plan, python_path, read_runs
 
 WORLD = 4
 
@@ -34,7 +34,7 @@ class Worker:
                      str(tmp / f"state{rank}.json"), str(tmp / f"log{rank}.txt"), str(epochs),
                      "{}", str(pause_ms)]  # fmt: skip
         self.log = tmp / f"log{rank}.txt"
-        self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+        self.env = {**os.environ, "PYTHONPATH": python_path(Path(__file__).parent.parent)}
         self.start()
 
     def start(self) -> None:

@@ -36,6 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "workers" / "consume.py"
 
 
+def python_path(*folders: Path) -> str:
+    """``PYTHONPATH`` for a process a test starts: ``folders``, then the suite's own (the
+    warm-start hook, docs/TESTING.md "Warm starts", when the suite runs warm)."""
+    return os.pathsep.join([*map(str, folders), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def pytest_collection_modifyitems(config, items):
     """Files marked ``heavy(SECONDS)`` (the file's seconds in a side-by-side ``make test``)
     first, the longest first (a stable sort: files stay whole): pytest-xdist's ``--dist

@@ -20,6 +20,7 @@ from conftest import (
     check_batch_tokens,
     consume,
     plan_sequence,
+    python_path,
     read_runs,
     seq_of,
 )
@@ -35,7 +36,7 @@ def _run_worker(d, job, rank, world, tmp_path, epochs=1, spec=None):
             str(log), str(epochs)]  # fmt: skip
     if spec:
         args.append(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": python_path(Path(__file__).parent.parent)}
     return subprocess.Popen(args, env=env)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import python_path
 
 pytestmark = [pytest.mark.integration, pytest.mark.heavy(20)]
 ROOT = Path(__file__).parents[2]
@@ -27,7 +28,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 def gradients(tmp_path_factory) -> Path:
     """Every cut's gradients: one process for the one-rank cuts, torchrun for 2 x 2."""
     out = tmp_path_factory.mktemp("step")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(ROOT)}
     one = [sys.executable, str(WORKER), str(out)]
     two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(WORKER), str(out)]  # fmt: skip
@@ -101,7 +102,7 @@ def empty_slots(tmp_path_factory) -> Path:
     supervised slot (``tests/workers/empty_slots.py``): the records, under each
     normalization. A hang (DDP's collectives out of step) fails on the timeout."""
     out = tmp_path_factory.mktemp("empty")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(EMPTY_WORKER), str(out)]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)

@@ -30,7 +30,8 @@ PROBE = [sys.executable, "-m", "probe"]
 
 
 def _env(cold: bool, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "DFLASH_TEST_WARM_MODULES": "probe", "OMP_NUM_THREADS": "1", **extra}
+    env = {**os.environ, "DFLASH_TEST_WARM_MODULES": "probe", "OMP_NUM_THREADS": "1",
+           "DFLASH_TEST_WARM_SCRIPTS": str(warm.HERE / "probe.py"), **extra}  # fmt: skip
     if cold:
         env.pop(warm.ENV)
     return env
@@ -54,13 +55,19 @@ def _restricted() -> None:
     os.setsid()
 
 
-@pytest.mark.parametrize("flags", [[], ["-u"]], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize(
+    "flags",
+    [["-m", "probe"], ["-u", "-m", "probe"], ["-u", "probe.py"]],
+    ids=["buffered", "unbuffered", "script"],
+)
 def test_a_warm_start_sees_what_a_cold_one_sees(tmp_path, flags):
+    """A module (``-m``, buffered or not) or a script: its folder first on the path, its
+    ``__file__`` and ``sys.argv`` as given."""
     r, w = os.pipe()
     seen = {}
     try:
         for cold in (True, False):
-            cmd = [sys.executable, *flags, "-m", "probe", "--wait", str(w)]
+            cmd = [sys.executable, *flags, "--wait", str(w)]
             proc = subprocess.Popen(
                 cmd, cwd=warm.HERE, env=_env(cold, PROBE_SEEN="yes"), stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, preexec_fn=_restricted, pass_fds=(w,),
@@ -77,6 +84,8 @@ def test_a_warm_start_sees_what_a_cold_one_sees(tmp_path, flags):
     assert seen[False] == seen[True]
     assert seen[True]["env"] == {"PROBE_SEEN": "yes", "OMP_NUM_THREADS": "1"}
     assert w in seen[True]["fds"] and seen[True]["umask"] == 0o027  # the check can see them
+    if "probe.py" in flags:
+        assert seen[True]["argv"][0] == "probe.py" and seen[True]["path0"] == str(warm.HERE)
 
 
 @pytest.mark.parametrize("args, code", [(["--exit", "3"], 3), (["--die", "10"], -10)])

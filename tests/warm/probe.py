@@ -44,6 +44,7 @@ def seen() -> dict:
         "fds": fds,
         "warnings": [(f[0], f[2].__name__) for f in warnings.filters[-3:]],
         "main": __name__,
+        "file": __file__,
         "session_leader": os.getsid(0) == os.getpid(),
     }  # fmt: skip
 

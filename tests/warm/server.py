@@ -7,7 +7,8 @@ Imports torch, transformers' Qwen3 and the trainer once, then serves
 ``python -m trainer.cli ...``) is forked into a process that takes on the requester's
 environment, folder, limits, signal state, warning filters, standard streams and open
 files, shows its command line in ``/proc/PID/cmdline`` (written over this process's own
-argument area, which PADDING makes long enough) and runs the module as ``-m`` does. The
+argument area, which PADDING makes long enough) and runs the module as ``-m`` does (or
+the script as ``python SCRIPT`` does). The
 requester learns the pid at once and the wait status at the end; if it goes away first,
 the forked process's group is killed. ``FOLDER/clients/PID`` names the forked process of
 each requester while it runs, written by that process once its command line shows
@@ -107,6 +108,23 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), fds
 
 
+def _run_script(path: str) -> None:
+    """Run ``path`` as ``python PATH`` does: in a fresh ``__main__`` whose ``__file__`` is its
+    absolute path, ``sys.argv[0]`` left as it was given (``runpy.run_path`` would set it)."""
+    import builtins
+    import importlib.machinery
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    exec(code, main.__dict__)
+
+
 class Job:
     """What the forked process runs: the request, applied to this process."""
 
@@ -140,11 +158,13 @@ class Job:
         self._stdio()
         self._warnings()
         argv = req["argv"][1:]
-        while argv[0] != "-m":
+        script = req["module"] if req["module"].endswith(".py") else None
+        while argv[0] != "-m" and (script is None or os.path.realpath(argv[0]) != script):
             argv.pop(0)
         sys.orig_argv = req["argv"]
-        sys.argv = ["-m", *argv[2:]]
-        sys.path[:] = [req["cwd"], *req["path"]]
+        # as Python starts a script (its folder first on the path) or a module (the cwd)
+        sys.argv = argv if script else ["-m", *argv[2:]]
+        sys.path[:] = [os.path.dirname(script) if script else req["cwd"], *req["path"]]
         sys.dont_write_bytecode = req["dont_write_bytecode"]
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit() and int(threads) > 0:
@@ -161,7 +181,10 @@ class Job:
             import faulthandler
 
             faulthandler.enable()
-        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        if script:
+            _run_script(script)
+        else:
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
 
     def _signals(self) -> None:
         signal.set_wakeup_fd(-1)

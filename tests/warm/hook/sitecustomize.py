@@ -2,7 +2,8 @@
 
 Python imports ``sitecustomize`` at start-up from ``sys.path``; the test suite puts this
 folder on ``PYTHONPATH`` and names a warm server in ``DFLASH_TEST_WARM``. A process started
-as ``python [-u] -m trainer.cli ...`` or ``-m torch.distributed.run ...`` then hands its
+as ``python [-u] -m trainer.cli ...``, ``-m torch.distributed.run ...`` or ``python [-u]
+SCRIPT`` for a script of ``SCRIPTS`` then hands its
 command line, environment, working folder, limits and open files to the server, which forks
 an interpreter that has torch and transformers imported already and runs the same module
 there; this process stays as its stand-in: it forwards the signals it is sent and exits as
@@ -21,11 +22,24 @@ FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SI
              "SIGCONT")  # fmt: skip
 
 
+#: Scripts of the test suite's own that import torch, which the server runs as ``python
+#: SCRIPT`` does (paths under ``tests/``): the loader's consumers, the ranks of the step
+#: objective's workers, the vLLM stand-in the engine tests start and restart.
+SCRIPTS = ("workers/consume.py", "workers/step_gradient.py", "workers/empty_slots.py",
+           "data/fake_vllm_states.py")  # fmt: skip
+
+
 def _command() -> "str | None":
-    """The module this interpreter was started to run, if it is one the server runs."""
+    """The module this interpreter was started to run, if it is one the server runs, or
+    the real path of a script of ``SCRIPTS`` (ending in ``.py``; a module name cannot)."""
     argv = list(getattr(sys, "orig_argv", ()))[1:]
     while argv and argv[0] in ("-u", "-B"):
         argv.pop(0)
+    if argv and argv[0].endswith(".py"):
+        tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+        script = os.path.realpath(argv[0])
+        extra = os.environ.get("DFLASH_TEST_WARM_SCRIPTS", "").split(",")  # test_warm's probe
+        return script if script in {os.path.join(tests, s) for s in SCRIPTS} | {*extra} else None
     if len(argv) < 2 or argv[0] != "-m":
         return None
     module, args = argv[1], argv[2:]
