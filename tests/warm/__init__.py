@@ -46,6 +46,7 @@ def serving() -> Iterator[Path | None]:
             [sys.executable, str(HERE / "server.py"), str(folder), "x" * _ARG_ROOM],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
+    (folder / "server.pid").write_text(str(proc.pid))  # what starts before it serves waits
     try:
         yield folder
     finally:
@@ -90,6 +91,7 @@ def real_pid(pid: int) -> int:
     if not folder or folder == "0":
         return pid
     path = Path(folder) / "clients" / str(pid)
+    ready()  # a stand-in started before the server serves waits for it (hook/sitecustomize)
     deadline = time.monotonic() + 5.0
     while True:
         try:

@@ -139,6 +139,7 @@ def _run(folder: str, module: str) -> None:
         return
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        _wait_for_server(folder)
         sock.connect(os.path.join(folder, "sock"))
     except OSError:
         sock.close()
@@ -167,6 +168,32 @@ def _run(folder: str, module: str) -> None:
         _stand_in(int(first[1]), reader, held)
     finally:  # the module ran (or is running) in the fork: never a second time here
         os._exit(70)
+
+
+def _wait_for_server(folder: str) -> None:
+    """Wait while the server is still importing (its pid alive, its socket not there yet):
+    the first processes of a test session would otherwise start cold beside it, each
+    importing torch as it does."""
+    import time
+
+    try:
+        with open(os.path.join(folder, "server.pid")) as f:
+            server = int(f.read())
+    except (OSError, ValueError):
+        return
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(folder, "sock")) and time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{server}") or _zombie(server):
+            return
+        time.sleep(0.05)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _hold() -> set:
