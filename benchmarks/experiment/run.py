@@ -71,7 +71,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.experiment.arms import DECAY, FEEDS, OBJECTIVES, SPECS, STARTS
+from benchmarks.experiment.arms import DECAY, FEEDS, OBJECTIVES, RATES, SPECS, STARTS
 from benchmarks.experiment.config import ExperimentConfig
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
         "--token-budget", str(cfg.token_budget), "--max-seq-len", str(cfg.max_len),
         "--block-size", str(cfg.block_size), "--anchors-per-doc", str(cfg.anchors_per_doc),
         "--tokens-per-anchor", str(cfg.tokens_per_anchor),
-        "--lr", str(cfg.lr), "--seed", str(seed), "--no-progress", "--resume",
+        "--lr", RATES.get(spec, str(cfg.lr)), "--seed", str(seed), "--no-progress", "--resume",
         *OBJECTIVES.get(spec, DECAY), "--init-std", STARTS.get(spec, "0"),
     ]  # fmt: skip
     if cfg.corpus == "synthetic":

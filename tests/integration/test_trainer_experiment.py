@@ -555,6 +555,18 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
         assert without(cmd[arm], flags) == named(cmd["packed-dpace"]), arm
     muon = ("--optimizer", "muon")
     assert without(cmd["packed-dpace-init02-muon"], muon) == named(cmd["packed-dpace-init02"])
+    # each optimizer at its own rate (the experiment's --lr is 3e-3 by default)
+    lr = named(cmd["packed-dpace"]).index("--lr") + 1
+    rate = {s: c[lr] for s, c in cmd.items()}
+    assert (rate.pop("packed-dpace-lr1e-3"), rate.pop("packed-dpace-muon-lr1e-2")) == (
+        "1e-3",
+        "1e-2",
+    )
+    assert set(rate.values()) == {str(cfg.lr)}
+    at = named(cmd["packed-dpace-lr1e-3"])
+    assert at[:lr] + at[lr + 1 :] == (base := named(cmd["packed-dpace"]))[:lr] + base[lr + 1 :]
+    at = without(cmd["packed-dpace-muon-lr1e-2"], muon)
+    assert at[:lr] + at[lr + 1 :] == base[:lr] + base[lr + 1 :]
     for spec, c in cmd.items():
         weighting = c[c.index("--loss-weighting") + 1]
         assert weighting == ("dpace" if spec.startswith("packed-dpace") else "decay"), spec
