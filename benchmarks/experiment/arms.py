@@ -25,6 +25,7 @@ SPECS: dict[str, tuple[str, ...]] = {
     "packed-dpace-init02-muon": ("layout=packed",),
     "packed-dpace-lr1e-3": ("layout=packed",),
     "packed-dpace-muon-lr1e-2": ("layout=packed",),
+    "packed-dpace-init02-muon-lr1e-2": ("layout=packed",),
     "packed-dpace-depth3": ("layout=packed",),
     "packed-dpace-depth5": ("layout=packed",),
     "packed-bf16": ("layout=packed",),
@@ -53,6 +54,9 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
     # each optimizer at the best rate of its sweep (docs/EXPERIMENT.md, Part 8: RATES)
     "packed-dpace-lr1e-3": ("--loss-weighting", "dpace"),
     "packed-dpace-muon-lr1e-2": ("--loss-weighting", "dpace", "--optimizer", "muon"),
+    # the candidate default (Muon at its rate) from the trainer's start, against
+    # packed-dpace-init02 at the trainer's --lr 6e-4: the trainer's defaults
+    "packed-dpace-init02-muon-lr1e-2": ("--loss-weighting", "dpace", "--optimizer", "muon"),
     "packed-dpace-depth3": ("--loss-weighting", "dpace", "--drafter-layers", "3"),
     "packed-dpace-depth5": ("--loss-weighting", "dpace", "--drafter-layers", "5"),
     "stratified-old": (*DECAY, *OLD_OBJECTIVE),
@@ -61,10 +65,18 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
 #: The drafter's start of each spec (``--init-std``; "0" unless listed): PyTorch's default,
 #: which every run of Parts 1-4 started from and ``--lr``'s default was chosen with. Named,
 #: as the weighting is: the trainer's default is N(0, 0.02) since 2026-12-06.
-STARTS: dict[str, str] = {"packed-dpace-init02": "0.02", "packed-dpace-init02-muon": "0.02"}
+STARTS: dict[str, str] = {
+    "packed-dpace-init02": "0.02",
+    "packed-dpace-init02-muon": "0.02",
+    "packed-dpace-init02-muon-lr1e-2": "0.02",
+}
 #: The learning rate of each spec that has its own (``--lr``: the experiment's unless listed),
 #: so that specs swept apart meet in one OUT_DIR, paired by seed.
-RATES: dict[str, str] = {"packed-dpace-lr1e-3": "1e-3", "packed-dpace-muon-lr1e-2": "1e-2"}
+RATES: dict[str, str] = {
+    "packed-dpace-lr1e-3": "1e-3",
+    "packed-dpace-muon-lr1e-2": "1e-2",
+    "packed-dpace-init02-muon-lr1e-2": "1e-2",
+}
 #: The specs whose target states come from a vLLM server the run starts (``--target-engine
 #: vllm``, ``--vllm-python``), sent in this ``--states-dtype``: precision on the wire
 #: (docs/TRAINER.md), paired with ``packed``'s colocated target. The others run the target in

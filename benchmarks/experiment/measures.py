@@ -58,6 +58,7 @@ CONTRASTS = (
     ("packed-dpace-muon", "packed-dpace"),  # Muon on the 2-D weights against AdamW
     ("packed-dpace-init02-muon", "packed-dpace-init02"),  # ... from the trainer's start
     ("packed-dpace-muon-lr1e-2", "packed-dpace-lr1e-3"),  # each at its sweep's best rate
+    ("packed-dpace-init02-muon-lr1e-2", "packed-dpace-init02"),  # ... from the trainer's start
     ("packed-dpace-depth3", "packed-dpace"),  # a deeper drafter, at equal tokens
     ("packed-dpace-depth5", "packed-dpace"),
 )

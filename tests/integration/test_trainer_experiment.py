@@ -538,6 +538,7 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     assert without(cmd["packed-gamma3"], (*DECAY, "--gamma", "3")) == base["packed"]
     start = {s: c[c.index("--init-std") + 1] for s, c in cmd.items()}
     assert start.pop("packed-dpace-init02") == start.pop("packed-dpace-init02-muon") == "0.02"
+    assert start.pop("packed-dpace-init02-muon-lr1e-2") == "0.02"
     assert set(start.values()) == {"0"}
     assert without(cmd["packed-dpace-init02"], ("--init-std", "0.02")) == without(
         cmd["packed-dpace"], ("--init-std", "0")
@@ -558,15 +559,17 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     # each optimizer at its own rate (the experiment's --lr is 3e-3 by default)
     lr = named(cmd["packed-dpace"]).index("--lr") + 1
     rate = {s: c[lr] for s, c in cmd.items()}
-    assert (rate.pop("packed-dpace-lr1e-3"), rate.pop("packed-dpace-muon-lr1e-2")) == (
-        "1e-3",
-        "1e-2",
-    )
+    own = ("packed-dpace-lr1e-3", "packed-dpace-muon-lr1e-2", "packed-dpace-init02-muon-lr1e-2")
+    assert [rate.pop(s) for s in own] == ["1e-3", "1e-2", "1e-2"]
     assert set(rate.values()) == {str(cfg.lr)}
-    at = named(cmd["packed-dpace-lr1e-3"])
-    assert at[:lr] + at[lr + 1 :] == (base := named(cmd["packed-dpace"]))[:lr] + base[lr + 1 :]
-    at = without(cmd["packed-dpace-muon-lr1e-2"], muon)
-    assert at[:lr] + at[lr + 1 :] == base[:lr] + base[lr + 1 :]
+
+    def but_rate(c: list[str]) -> list[str]:
+        return c[:lr] + c[lr + 1 :]
+
+    base, init02 = named(cmd["packed-dpace"]), named(cmd["packed-dpace-init02"])
+    assert but_rate(named(cmd["packed-dpace-lr1e-3"])) == but_rate(base)
+    assert but_rate(without(cmd["packed-dpace-muon-lr1e-2"], muon)) == but_rate(base)
+    assert but_rate(without(cmd["packed-dpace-init02-muon-lr1e-2"], muon)) == but_rate(init02)
     for spec, c in cmd.items():
         weighting = c[c.index("--loss-weighting") + 1]
         assert weighting == ("dpace" if spec.startswith("packed-dpace") else "decay"), spec
