@@ -81,7 +81,7 @@ def train_cmd(endpoint: str, run_dir: Path, heldout: Path, target: Path) -> list
             "--target", str(target), "--job", "demo", "--run-dir", str(run_dir),
             "--steps", str(STEPS),
             "--block-size", "8", "--anchors-per-doc", "16", "--token-budget", "2048",
-            "--max-seq-len", "512", "--lr", "3e-3", "--eval-every", "30",
+            "--max-seq-len", "512", "--eval-every", "30",
             "--eval-prompts", str(heldout), "--num-eval-prompts", "8", "--eval-new-tokens", "32",
             "--ckpt-every", "10", "--no-progress"]  # fmt: skip
 

@@ -417,6 +417,7 @@ def run_training(opts: RunOptions) -> dict[str, Any] | None:
         opts = replace(opts, target=str(Path(opts.target).resolve()))  # name it: from anywhere
     check_run_dir(opts)
     opts, folder = resolve_init_drafter(opts)
+    opts = replace(opts, lr=opts.peak_lr())  # config.json and the trackers record the rate
     check_run(opts)  # before anything is started
     spec = loader_spec(opts)
     named = parse_sets(opts.eval_sets, "--eval-sets")

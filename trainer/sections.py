@@ -7,12 +7,10 @@ command line, a config file and a run's ``config.json`` make and the trainer tak
 (``trainer.train.loop.Trainer``). A new option is a field of one section; its flag, its
 config-file key and its ``config.json`` key follow.
 
-The sections' fields keep the ``--help`` groups and config-file tables they always had
-(``section=``): the loss's options are listed with the drafter's (``[drafter]``), the
-output's with evaluation's (``[evaluation]``), the run's own at the top.
+Fields keep their ``--help`` groups and config-file tables (``section=``): the loss's are
+listed with the drafter's (``[drafter]``), the output's with evaluation's, the run's first.
 
-Imports nothing of the trainer but its foundation (``trainer.options``,
-``trainer.option_values``), and no torch.
+Imports only the trainer's foundation (``trainer.options``, ``trainer.option_values``); no torch.
 """
 
 from __future__ import annotations
@@ -305,23 +303,30 @@ class LossSection(Options):
     )
 
 
+#: Each optimizer's ``--lr`` when none is given (docs/EXPERIMENT.md, Part 8): Muon's the best of
+#: its sweep, AdamW's its default before 2026-12-07 (``--optimizer adamw`` gives those back).
+RATES = {"muon": 1e-2, "adamw": 6e-4}
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSection(Options):
     """The optimizer and the run's length."""
 
     optimizer: str = opt(
-        "adamw",
-        "adamw: AdamW on every weight; muon: Muon on the drafter's 2-D weights (its update "
-        "scaled to AdamW's RMS, so one --lr serves both) and AdamW on the rest, as "
-        "speculators' DFlash recipe (docs/TRAINER.md, 'Optimizer').",
-        choices=("adamw", "muon"), section=OPTIM,  # trainer.train.optimizers.OPTIMIZERS
+        "muon",
+        "muon: Muon on the drafter's 2-D weights (its update scaled to AdamW's RMS) and AdamW "
+        "on the rest, as speculators' DFlash recipe; adamw: AdamW on every weight, the default "
+        "before 2026-12-07 (docs/TRAINER.md, 'Optimizer').",
+        choices=("muon", "adamw"), section=OPTIM,  # trainer.train.optimizers.OPTIMIZERS
         before="adamw",
     )  # fmt: skip
     lr_schedule: str = opt(
         "cosine", "After the warm-up, the rate falls to 0 along a cosine or a straight line "
         "(speculators').", choices=("cosine", "linear"), section=OPTIM, before="cosine",
     )  # fmt: skip
-    lr: float = opt(6e-4, "Peak learning rate.", section=OPTIM, above=0)
+    lr: float | None = opt(None, "Peak learning rate [default: the optimizer's: " + ", ".join(
+        f"{k} {v:g}" for k, v in RATES.items()) + "].", section=OPTIM, above=0,
+        show_default=False)  # fmt: skip
     warmup: float = opt(
         0.04, "Warm-up steps; < 1: a fraction of the run.", section=OPTIM, at_least=0
     )
@@ -368,6 +373,10 @@ class OptimizerSection(Options):
         if self.epochs is None:
             raise ValueError("give exactly one of --steps and --epochs")
         return self.epochs * steps_per_epoch
+
+    def peak_lr(self) -> float:
+        """``--lr``, or the optimizer's own (``RATES``)."""
+        return RATES[self.optimizer] if self.lr is None else self.lr
 
     def warmup_steps(self, total: int) -> int:
         """``--warmup`` in steps: below 1 a fraction of ``total``, else a count."""

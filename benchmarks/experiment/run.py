@@ -96,6 +96,7 @@ def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
         "--block-size", str(cfg.block_size), "--anchors-per-doc", str(cfg.anchors_per_doc),
         "--tokens-per-anchor", str(cfg.tokens_per_anchor),
         "--lr", RATES.get(spec, str(cfg.lr)), "--seed", str(seed), "--no-progress", "--resume",
+        "--optimizer", "adamw",  # every spec's but those that name Muon (OBJECTIVES)
         *OBJECTIVES.get(spec, DECAY), "--init-std", STARTS.get(spec, "0"),
     ]  # fmt: skip
     if cfg.corpus == "synthetic":

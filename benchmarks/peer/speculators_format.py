@@ -273,7 +273,8 @@ class RaceSettings:
 OUR_DEFAULTS = {
     "drafter_layers": 1, "block_size": 16, "loss": "D-PACE CE over the weights' sum",
     "anchors": "one per 32 supervised tokens, at most 512 a document",
-    "optimizer": "AdamW", "lr": 6e-4, "weight_decay": 0.01, "schedule": "cosine",
+    "optimizer": "Muon on 2-D weights (RMS-matched), AdamW on the rest", "lr": 1e-2,
+    "weight_decay": 0.01, "schedule": "cosine",
     "warmup": 0.04,
 }  # fmt: skip
 #: speculators' ``--max-anchors`` default: the blocks it computes in each row.
@@ -310,8 +311,8 @@ def our_flags(s: RaceSettings) -> list[str]:
         "--anchor-draw", "document", "--tokens-per-anchor", str(s.tokens_per_anchor),
         "--anchors-per-doc", str(s.tokens_per_step), "--max-anchors", "0",
         "--loss-weighting", "dpace", "--dpace-alpha", str(s.dpace_alpha),
-        "--lr", str(s.lr), "--warmup", str(s.warmup), "--weight-decay", str(s.weight_decay),
-        "--grad-clip", "1.0",
+        "--optimizer", "adamw", "--lr", str(s.lr), "--warmup", str(s.warmup),
+        "--weight-decay", str(s.weight_decay), "--grad-clip", "1.0",
     ]  # fmt: skip
 
 

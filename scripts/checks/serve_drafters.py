@@ -73,9 +73,10 @@ def train_and_export(
     run_dir, export = work / f"run-{tag}", work / f"drafter-{tag}"
     with phases(f"{name}: train the drafter ({args.steps} steps) and export it"):
         endpoint = f"ipc://{work}/loader-{tag}.sock"
-        # Padded and the position decay, as when docs/SERVING.md's figures were measured on
-        # these drafters: serving does not depend on the layout or the loss weighting a
-        # drafter was trained with (the demo trains the defaults: packed, D-PACE).
+        # Padded, the position decay and AdamW, as when docs/SERVING.md's figures were
+        # measured on these drafters: serving does not depend on the layout, the loss
+        # weighting or the optimizer a drafter was trained with (the demo trains the
+        # defaults: packed, D-PACE, Muon).
         daemon = DaemonProcess(corpus, endpoint, "--token-budget", "2048", "--max-seq-len", "512",
                                "--layout", "padded",
                                log_path=work / f"daemon-{tag}.log")  # fmt: skip
@@ -83,7 +84,8 @@ def train_and_export(
             sh(*TRAIN, "train", "--endpoint", endpoint, "--target", str(target), "--job", tag,
                "--run-dir", str(run_dir), "--steps", str(args.steps), "--block-size", str(BLOCK),
                "--anchors-per-doc", "16", "--token-budget", "2048", "--max-seq-len", "512",
-               "--lr", "3e-3", "--loss-weighting", "decay", "--num-eval-prompts", "0",
+               "--optimizer", "adamw", "--lr", "3e-3", "--loss-weighting", "decay",
+               "--num-eval-prompts", "0",
                "--cost-samples", "0",
                "--no-progress", *flags, log=work / f"train-{tag}.log",
                env=_threads(flags))  # fmt: skip

@@ -480,7 +480,7 @@ def _file_size_limit(limit: int):
 
 def test_a_full_disk_or_a_read_only_run_folder_is_one_line(daemon, shm, tmp_path):
     mnt = tmp_path / "mnt"
-    mounted = _mount_tmpfs(mnt, "5m")  # one checkpoint (~3 MiB) fits, not two
+    mounted = _mount_tmpfs(mnt, "3m")  # one checkpoint (~1.9 MiB) fits, not two
     run_dir = mnt / "run"
     try:
         if mounted:

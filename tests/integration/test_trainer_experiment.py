@@ -519,7 +519,7 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     0``, which Parts 1-4 trained from, but that arm);
     every spec names its weighting (the position decay unless it is an arm: the trainer's
     default is D-PACE since Part 4, and a spec trains the same runs whatever the default);
-    every run draws one anchor per token at most (as Parts 1-3)."""
+    every run draws one anchor per token at most (as Parts 1-3), and names its optimizer."""
     from benchmarks.experiment.arms import DECAY, OLD_OBJECTIVE
 
     cfg = ExperimentConfig(out_dir=tmp_path, buckets="auto:8")
@@ -574,6 +574,9 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
         weighting = c[c.index("--loss-weighting") + 1]
         assert weighting == ("dpace" if spec.startswith("packed-dpace") else "decay"), spec
         assert c[c.index("--tokens-per-anchor") + 1] == "1", spec
+        # AdamW unless the arm names Muon (the trainer's default since Part 8): the last wins
+        said = [c[i + 1] for i, a in enumerate(c) if a == "--optimizer"]
+        assert said[0] == "adamw" and said[-1] == ("muon" if "muon" in spec else "adamw"), spec
 
 
 def test_the_wire_arms_are_packed_fed_by_vllm_in_their_dtype(tmp_path):

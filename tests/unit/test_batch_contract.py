@@ -149,7 +149,7 @@ def write_record(tmp_path: Path, **change) -> None:
         ({"endpoint": _DROP, "lr": _DROP}, r"missing option\(s\) endpoint, lr"),
         ({"steps": "5"}, r"option steps must be int or null, got '5'"),
         ({"resume": 1}, r"option resume must be bool, got 1"),
-        ({"lr": True}, r"option lr must be float, got True"),
+        ({"lr": True}, r"option lr must be float or null, got True"),
     ],
 )
 def test_a_bad_config_json_is_named_clearly(tmp_path, change, message):

@@ -99,3 +99,29 @@ def test_tables_stay_with_adamw():
     muon, adamw = opt._inner
     assert [p.shape for g in muon.param_groups for p in g["params"]] == [(8, 8)]
     assert [p.shape for g in adamw.param_groups for p in g["params"]] == [(32, 4)]
+
+
+def test_the_rate_is_the_optimizer_s_unless_given_and_older_runs_read_as_they_ran(tmp_path):
+    """``--lr`` unset is the optimizer's own rate (``RATES``: Muon's sweep's best, AdamW's
+    default of before 2026-12-07), so ``--optimizer adamw`` alone gives the trainer of then;
+    a run's ``config.json`` written before ``--optimizer`` existed reads as AdamW at its
+    recorded rate, not as today's default."""
+    import json
+
+    from trainer.options import RUN_FACTS
+    from trainer.sections import RATES, RunOptions
+
+    base = {"endpoint": "ipc:///x", "run_dir": tmp_path}
+    assert RATES == {"muon": 1e-2, "adamw": 6e-4}
+    assert RunOptions(**base).optimizer == "muon"
+    assert RunOptions(**base).peak_lr() == 1e-2
+    assert RunOptions(**base, optimizer="adamw").peak_lr() == 6e-4
+    assert RunOptions(**base, optimizer="adamw", lr=3e-3).peak_lr() == 3e-3
+    with pytest.raises(ValueError, match="--lr must be > 0"):
+        RunOptions(**base, lr=0.0)
+    old = RunOptions(**base, lr=6e-4).to_record()
+    del old["optimizer"], old["lr_schedule"]  # both came later
+    old.update(dict.fromkeys(RUN_FACTS))
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    read = RunOptions.read(tmp_path)
+    assert (read.optimizer, read.lr_schedule, read.peak_lr()) == ("adamw", "cosine", 6e-4)

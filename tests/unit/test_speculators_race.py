@@ -226,6 +226,7 @@ def test_at_defaults_each_trainer_gets_the_shared_inputs_only(tmp_path: Path) ->
     and nothing that would override a tool's default; ours then train as ``OUR_DEFAULTS``
     says (read back through our parser), theirs with none of the matched race's choices."""
     from benchmarks.peer.speculators_format import OUR_DEFAULTS
+    from trainer.sections import RATES
 
     s = RaceSettings(layer_ids=(0, 1, 2), mask_token_id=511, tokens_per_step=2048, epochs=3,
                      seed=4, defaults=True)  # fmt: skip
@@ -234,10 +235,11 @@ def test_at_defaults_each_trainer_gets_the_shared_inputs_only(tmp_path: Path) ->
                          "--max-seq-len", "--grad-accum", "--epochs", "--seed"}  # fmt: skip
     conf = _resolved(tmp_path, our_flags(s))
     d, o = conf["drafter"], conf["optimizer"]
-    got = {"block_size": d.get("block_size", 16), "lr": o["lr"], "warmup": o["warmup"],
-           "weight_decay": o["weight_decay"]}  # fmt: skip
+    assert "lr" not in o  # unset: the optimizer's own rate
+    got = {"block_size": d.get("block_size", 16), "lr": RATES[o["optimizer"]],
+           "warmup": o["warmup"], "weight_decay": o["weight_decay"]}  # fmt: skip
     assert got == {k: OUR_DEFAULTS[k] for k in got}
-    assert (o["optimizer"], o["lr_schedule"]) == ("adamw", "cosine")
+    assert (o["optimizer"], o["lr_schedule"]) == ("muon", "cosine")
     assert (d["tokens_per_anchor"], d["anchors_per_doc"]) == (32, 512)
     theirs = _named(speculators_flags(s, Path("/t"), Path("/d"), Path("/s"), 0.9))
     chosen = {

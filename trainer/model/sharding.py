@@ -66,7 +66,7 @@ SHARD_MODES = ("none", "fsdp", "auto")
 #: The dimensions of a several-node mesh: nodes (replicas), then a node's ranks (shards).
 MESH_DIMS = ("node", "local")
 #: Bytes per drafter parameter a rank holds while training (fp32 weight, gradient and
-#: AdamW's two moments).
+#: AdamW's two moments; Muon keeps one on the 2-D weights, so this bounds it from above).
 DRAFTER_BYTES_PER_PARAM = 16
 #: Share of a device kept free for activations (features, the drafter's chunks, the LM
 #: head's logits chunk) and allocator slack when ``auto`` decides.

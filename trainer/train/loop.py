@@ -114,7 +114,7 @@ class Trainer:
         self.meta = dict(meta or {})
         self.model = self._wrap(drafter)
         self.optimizer = make_optimizer(
-            opts.optimizer, drafter.named_parameters(), lr=opts.lr,
+            opts.optimizer, drafter.named_parameters(), lr=opts.peak_lr(),
             weight_decay=opts.weight_decay,
         )  # fmt: skip
         self.attention = resolve_backend(opts.attention, env.device)
@@ -130,7 +130,7 @@ class Trainer:
                              env.device, packed_attention(self.attention))  # fmt: skip
         self.stopper = Stopper(
             max_nonfinite_steps=opts.max_nonfinite_steps, max_empty_steps=opts.max_empty_steps,
-            lr=opts.lr, block_size=self.loss.block_size,
+            lr=opts.peak_lr(), block_size=self.loss.block_size,
         )  # fmt: skip
         self._init_position()
 
