@@ -28,6 +28,8 @@ SPECS: dict[str, tuple[str, ...]] = {
     "packed-dpace-init02-muon-lr1e-2": ("layout=packed",),
     "packed-dpace-depth3": ("layout=packed",),
     "packed-dpace-depth5": ("layout=packed",),
+    "packed-dpace-init02-muon-lr1e-2-depth3": ("layout=packed",),
+    "packed-dpace-init02-muon-lr1e-2-depth5": ("layout=packed",),
     "packed-bf16": ("layout=packed",),
     "packed-fp8": ("layout=packed",),
 }
@@ -59,6 +61,23 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
     "packed-dpace-init02-muon-lr1e-2": ("--loss-weighting", "dpace", "--optimizer", "muon"),
     "packed-dpace-depth3": ("--loss-weighting", "dpace", "--drafter-layers", "3"),
     "packed-dpace-depth5": ("--loss-weighting", "dpace", "--drafter-layers", "5"),
+    # the depths at the trainer's defaults (since Part 8: Muon at 1e-2 from N(0, 0.02))
+    "packed-dpace-init02-muon-lr1e-2-depth3": (
+        "--loss-weighting",
+        "dpace",
+        "--optimizer",
+        "muon",
+        "--drafter-layers",
+        "3",
+    ),
+    "packed-dpace-init02-muon-lr1e-2-depth5": (
+        "--loss-weighting",
+        "dpace",
+        "--optimizer",
+        "muon",
+        "--drafter-layers",
+        "5",
+    ),
     "stratified-old": (*DECAY, *OLD_OBJECTIVE),
     "packed-old": (*DECAY, *OLD_OBJECTIVE),
 }
@@ -69,6 +88,8 @@ STARTS: dict[str, str] = {
     "packed-dpace-init02": "0.02",
     "packed-dpace-init02-muon": "0.02",
     "packed-dpace-init02-muon-lr1e-2": "0.02",
+    "packed-dpace-init02-muon-lr1e-2-depth3": "0.02",
+    "packed-dpace-init02-muon-lr1e-2-depth5": "0.02",
 }
 #: The learning rate of each spec that has its own (``--lr``: the experiment's unless listed),
 #: so that specs swept apart meet in one OUT_DIR, paired by seed.
@@ -76,6 +97,8 @@ RATES: dict[str, str] = {
     "packed-dpace-lr1e-3": "1e-3",
     "packed-dpace-muon-lr1e-2": "1e-2",
     "packed-dpace-init02-muon-lr1e-2": "1e-2",
+    "packed-dpace-init02-muon-lr1e-2-depth3": "1e-2",
+    "packed-dpace-init02-muon-lr1e-2-depth5": "1e-2",
 }
 #: The specs whose target states come from a vLLM server the run starts (``--target-engine
 #: vllm``, ``--vllm-python``), sent in this ``--states-dtype``: precision on the wire

@@ -61,6 +61,8 @@ CONTRASTS = (
     ("packed-dpace-init02-muon-lr1e-2", "packed-dpace-init02"),  # ... from the trainer's start
     ("packed-dpace-depth3", "packed-dpace"),  # a deeper drafter, at equal tokens
     ("packed-dpace-depth5", "packed-dpace"),
+    ("packed-dpace-init02-muon-lr1e-2-depth3", "packed-dpace-init02-muon-lr1e-2"),  # defaults
+    ("packed-dpace-init02-muon-lr1e-2-depth5", "packed-dpace-init02-muon-lr1e-2"),
 )
 
 

@@ -45,6 +45,8 @@ COLORS = {
     "packed-dpace-init02-muon-lr1e-2": "tab:green",
     "packed-dpace-depth3": "tab:pink",
     "packed-dpace-depth5": "tab:purple",
+    "packed-dpace-init02-muon-lr1e-2-depth3": "tab:olive",
+    "packed-dpace-init02-muon-lr1e-2-depth5": "tab:cyan",
     "packed-bf16": "tab:green",
     "packed-fp8": "tab:red",
 }
@@ -69,6 +71,8 @@ LABELS = {
     "packed-dpace-init02-muon-lr1e-2": "ours, packed rows, D-PACE, N(0, 0.02) start, Muon at 1e-2",
     "packed-dpace-depth3": "ours, packed rows, D-PACE, 3 layers",
     "packed-dpace-depth5": "ours, packed rows, D-PACE, 5 layers",
+    "packed-dpace-init02-muon-lr1e-2-depth3": "ours at the defaults (Muon at 1e-2), 3 layers",
+    "packed-dpace-init02-muon-lr1e-2-depth5": "ours at the defaults (Muon at 1e-2), 5 layers",
     "packed-bf16": "ours, packed rows, states from vLLM in bf16",
     "packed-fp8": "ours, packed rows, states from vLLM in fp8",
 }

@@ -538,7 +538,8 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     assert without(cmd["packed-gamma3"], (*DECAY, "--gamma", "3")) == base["packed"]
     start = {s: c[c.index("--init-std") + 1] for s, c in cmd.items()}
     assert start.pop("packed-dpace-init02") == start.pop("packed-dpace-init02-muon") == "0.02"
-    assert start.pop("packed-dpace-init02-muon-lr1e-2") == "0.02"
+    for spec in [s for s in start if s.startswith("packed-dpace-init02-muon-lr1e-2")]:
+        assert start.pop(spec) == "0.02"
     assert set(start.values()) == {"0"}
     assert without(cmd["packed-dpace-init02"], ("--init-std", "0.02")) == without(
         cmd["packed-dpace"], ("--init-std", "0")
@@ -559,8 +560,14 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     # each optimizer at its own rate (the experiment's --lr is 3e-3 by default)
     lr = named(cmd["packed-dpace"]).index("--lr") + 1
     rate = {s: c[lr] for s, c in cmd.items()}
-    own = ("packed-dpace-lr1e-3", "packed-dpace-muon-lr1e-2", "packed-dpace-init02-muon-lr1e-2")
-    assert [rate.pop(s) for s in own] == ["1e-3", "1e-2", "1e-2"]
+    own = (
+        "packed-dpace-lr1e-3",
+        "packed-dpace-muon-lr1e-2",
+        "packed-dpace-init02-muon-lr1e-2",
+        "packed-dpace-init02-muon-lr1e-2-depth3",
+        "packed-dpace-init02-muon-lr1e-2-depth5",
+    )
+    assert [rate.pop(s) for s in own] == ["1e-3", "1e-2", "1e-2", "1e-2", "1e-2"]
     assert set(rate.values()) == {str(cfg.lr)}
 
     def but_rate(c: list[str]) -> list[str]:
@@ -570,6 +577,10 @@ def test_the_objective_arms_differ_only_in_their_trainer_flags(tmp_path):
     assert but_rate(named(cmd["packed-dpace-lr1e-3"])) == but_rate(base)
     assert but_rate(without(cmd["packed-dpace-muon-lr1e-2"], muon)) == but_rate(base)
     assert but_rate(without(cmd["packed-dpace-init02-muon-lr1e-2"], muon)) == but_rate(init02)
+    defaults = named(cmd["packed-dpace-init02-muon-lr1e-2"])  # the trainer's, since Part 8
+    for depth in ("3", "5"):
+        arm = cmd[f"packed-dpace-init02-muon-lr1e-2-depth{depth}"]
+        assert without(arm, ("--drafter-layers", depth)) == defaults
     for spec, c in cmd.items():
         weighting = c[c.index("--loss-weighting") + 1]
         assert weighting == ("dpace" if spec.startswith("packed-dpace") else "decay"), spec
