@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.experiment.arms import CONTRASTS
+
 # Callers (the experiment's tests) import some of these measures from here too.
 from benchmarks.experiment.measures import (
-    CONTRASTS,
     acceptance_by_position,
     at_tokens,
     corpus_facts,
@@ -375,7 +376,7 @@ def _corpus(cfg: Any, heldout_path: Path, facts: dict[str, Any]) -> dict[str, An
 
 def _comparisons(cfg: Any, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The per-spec summary, the reference and the paired differences: every spec minus the
-    reference, and the ``CONTRASTS`` whose specs both ran."""
+    reference, and the arms' contrasts (``arms.CONTRASTS``) whose specs both ran."""
     ref = reference_of(cfg.specs)
     return {
         "summary": {spec: summarize_spec(runs, spec) for spec in cfg.specs},

@@ -44,26 +44,6 @@ ROLLING_WINDOW = 21
 #: An interval of steps counts as a long-only run when at least this share of its steps
 #: held no short sample.
 LONG_RUN = 0.5
-#: Pairs compared besides every spec minus the reference: (spec, minus spec), where both ran.
-CONTRASTS = (
-    ("packed-old", "stratified-old"),  # Part 3's comparison, under its objective, rerun
-    ("stratified", "stratified-old"),  # what the step normalization does to padded rows
-    ("packed", "packed-old"),  # ... and to packed rows
-    ("packed-dpace", "packed"),  # D-PACE's weights against the position decay
-    ("packed-gamma3", "packed"),  # a steeper decay: is D-PACE's gain its early weight?
-    ("packed-dpace", "packed-gamma3"),  # ... or its per-block adaptivity
-    ("packed-dpace-init02", "packed-dpace"),  # the trainer's N(0, 0.02) start at this lr
-    ("packed-dpace-slots", "packed-dpace"),  # D-PACE over the slots (speculators')
-    ("packed-dpace-sequence", "packed-dpace"),  # ... or per sequence (the reference's)
-    ("packed-dpace-muon", "packed-dpace"),  # Muon on the 2-D weights against AdamW
-    ("packed-dpace-init02-muon", "packed-dpace-init02"),  # ... from the trainer's start
-    ("packed-dpace-muon-lr1e-2", "packed-dpace-lr1e-3"),  # each at its sweep's best rate
-    ("packed-dpace-init02-muon-lr1e-2", "packed-dpace-init02"),  # ... from the trainer's start
-    ("packed-dpace-depth3", "packed-dpace"),  # a deeper drafter, at equal tokens
-    ("packed-dpace-depth5", "packed-dpace"),
-    ("packed-dpace-init02-muon-lr1e-2-depth3", "packed-dpace-init02-muon-lr1e-2"),  # defaults
-    ("packed-dpace-init02-muon-lr1e-2-depth5", "packed-dpace-init02-muon-lr1e-2"),
-)
 
 
 # ---- loss series --------------------------------------------------------------------------

@@ -22,60 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.experiment.arms import color, label
 from benchmarks.experiment.measures import rolling_mean
 
-COLORS = {
-    "sorted": "tab:red",
-    "six": "tab:green",
-    "shuffled": "tab:orange",
-    "stratified": "tab:blue",
-    "packed": "tab:purple",
-    "frozen": "tab:brown",
-    "packed-dpace": "tab:pink",
-    "packed-gamma3": "tab:olive",
-    "packed-dpace-init02": "darkgoldenrod",
-    "stratified-old": "tab:cyan",
-    "packed-old": "tab:gray",
-    "packed-dpace-slots": "tab:olive",
-    "packed-dpace-sequence": "tab:cyan",
-    "packed-dpace-muon": "tab:brown",
-    "packed-dpace-init02-muon": "tab:orange",
-    "packed-dpace-lr1e-3": "tab:blue",
-    "packed-dpace-muon-lr1e-2": "tab:red",
-    "packed-dpace-init02-muon-lr1e-2": "tab:green",
-    "packed-dpace-depth3": "tab:pink",
-    "packed-dpace-depth5": "tab:purple",
-    "packed-dpace-init02-muon-lr1e-2-depth3": "tab:olive",
-    "packed-dpace-init02-muon-lr1e-2-depth5": "tab:cyan",
-    "packed-bf16": "tab:green",
-    "packed-fp8": "tab:red",
-}
-LABELS = {
-    "sorted": "sorted (frozen composition)",
-    "six": "6 hand-set buckets + shuffled",
-    "shuffled": "bucketed + shuffled",
-    "stratified": "bucketed + stratified",
-    "packed": "ours, packed rows",
-    "frozen": "sorted, batch order not shuffled",
-    "packed-dpace": "ours, packed rows, D-PACE",
-    "packed-gamma3": "ours, packed rows, decay gamma 3",
-    "packed-dpace-init02": "ours, packed rows, D-PACE, N(0, 0.02) start",
-    "stratified-old": "bucketed + stratified, old objective",
-    "packed-old": "ours, packed rows, old objective",
-    "packed-dpace-slots": "ours, packed rows, D-PACE over the slots",
-    "packed-dpace-sequence": "ours, packed rows, D-PACE per sequence",
-    "packed-dpace-muon": "ours, packed rows, D-PACE, Muon",
-    "packed-dpace-init02-muon": "ours, packed rows, D-PACE, N(0, 0.02) start, Muon",
-    "packed-dpace-lr1e-3": "ours, packed rows, D-PACE, AdamW at 1e-3",
-    "packed-dpace-muon-lr1e-2": "ours, packed rows, D-PACE, Muon at 1e-2",
-    "packed-dpace-init02-muon-lr1e-2": "ours, packed rows, D-PACE, N(0, 0.02) start, Muon at 1e-2",
-    "packed-dpace-depth3": "ours, packed rows, D-PACE, 3 layers",
-    "packed-dpace-depth5": "ours, packed rows, D-PACE, 5 layers",
-    "packed-dpace-init02-muon-lr1e-2-depth3": "ours at the defaults (Muon at 1e-2), 3 layers",
-    "packed-dpace-init02-muon-lr1e-2-depth5": "ours at the defaults (Muon at 1e-2), 5 layers",
-    "packed-bf16": "ours, packed rows, states from vLLM in bf16",
-    "packed-fp8": "ours, packed rows, states from vLLM in fp8",
-}
 #: The paired table's columns: (measure in ``results["paired"][spec]``, header, digits).
 PAIRED = (
     ("vllm_tau_heldout", "vLLM tau, all held-out", 3),
@@ -144,7 +93,7 @@ def markdown(results: dict[str, Any]) -> str:
             fmt(s["final_loss"]),
             fmt(s["real_tokens"], 0),
         ]
-        lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(spec)} | " + " | ".join(cells) + " |")
     names = band_names(results)
     lines += [
         "",
@@ -168,7 +117,7 @@ def markdown(results: dict[str, Any]) -> str:
         )
     for spec, s in summary.items():
         cells = [fmt(b) for b in s["heldout_band"]] + [fmt(s["heldout_all"])]
-        lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(spec)} | " + " | ".join(cells) + " |")
     if "tau_final" in next(iter(summary.values())):
         lines += _tau_lines(results)
         lines += _mechanism_lines(summary)
@@ -199,7 +148,7 @@ def _mechanism_lines(summary: dict[str, Any]) -> list[str]:
     for spec, s in summary.items():
         cells = [fmt(s["vllm_by_position"][k]) for k in range(n)]
         cells += [fmt(s["weights_relative_median"]), fmt(s["weights_stable_rank_median"], 1)]
-        lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(spec)} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -211,14 +160,14 @@ def _interval(d: dict[str, Any], digits: int) -> str:
 def paired_lines(results: dict[str, Any]) -> list[str]:
     """Each spec minus the reference (the padded default before packed rows) per seed: the
     mean and its bootstrap 95% interval (``benchmarks.experiment.stats``), * where it
-    excludes 0; then the contrasts (``measures.CONTRASTS``: the old objective's arms) alike."""
+    excludes 0; then the contrasts (``arms.CONTRASTS``) alike."""
     ref, paired = results["reference"], results["paired"]
     if not paired:
         return []
     seeds = len(results["config"]["seeds"])
     lines = _paired_table(
-        results, {LABELS.get(s, s): p for s, p in paired.items()},
-        f"Paired by seed ({seeds}), minus {LABELS.get(ref, ref)}: mean [bootstrap 95% "
+        results, {label(s): p for s, p in paired.items()},
+        f"Paired by seed ({seeds}), minus {label(ref)}: mean [bootstrap 95% "
         "interval]; * where the interval excludes 0 (vLLM tau: prompts resampled too). "
         "Lower is better for losses, higher for tau.",
     )  # fmt: skip
@@ -300,7 +249,7 @@ def _tau_lines(results: dict[str, Any]) -> list[str]:
             fmt(s["delta_mixed"], 4),
             fmt(s["forgetting_corr"], 2),
         ]
-        lines.append(f"| {LABELS.get(spec, spec)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(spec)} | " + " | ".join(cells) + " |")
     lines += _served_lines(results)
     return lines
 
@@ -375,9 +324,9 @@ def _plot_loss(plt: Any, runs: dict[str, dict[str, Any]], seed: int) -> Any:
     for spec, r in runs.items():
         step, loss = np.array(r["series"]["step"]), np.array(r["series"]["loss"])
         smooth = rolling_mean(loss)
-        c = COLORS.get(spec)
+        c = color(spec)
         ax1.plot(step, loss, color=c, lw=0.6, alpha=0.35)
-        ax1.plot(step, smooth, color=c, lw=1.8, label=LABELS.get(spec, spec))
+        ax1.plot(step, smooth, color=c, lw=1.8, label=label(spec))
         ax2.plot(step, np.sqrt(rolling_mean((loss - smooth) ** 2)), color=c, lw=1.8)
     ax1.set(ylabel="training loss (weighted block CE)", title=f"training loss, seed {seed}")
     ax1.legend()
@@ -394,7 +343,7 @@ def _plot_jumps(plt: Any, runs: dict[str, dict[str, Any]], seed: int) -> Any:
     lim = max(float(np.abs(d).max()) for d in diffs.values())
     bins = np.linspace(-lim, lim, 41)
     for spec, d in diffs.items():
-        ax.hist(d, bins=bins, histtype="step", lw=1.6, color=COLORS.get(spec), label=spec)
+        ax.hist(d, bins=bins, histtype="step", lw=1.6, color=color(spec), label=spec)
     ax.set(
         xlabel="loss(t) - loss(t-1)", ylabel="steps", title=f"step-to-step loss change, seed {seed}"
     )
@@ -413,8 +362,8 @@ def _plot_mix(plt: Any, runs: dict[str, dict[str, Any]], seed: int) -> Any:
             loss - rolling_mean(loss),
             s=8,
             alpha=0.6,
-            color=COLORS.get(spec),
-            label=LABELS.get(spec, spec),
+            color=color(spec),
+            label=label(spec),
         )
     ax.set(
         xlabel="share of the step's samples that are long (hard)",
@@ -437,7 +386,7 @@ def _plot_tau(plt: Any, results: dict[str, Any]) -> Any:
         mean = tau.mean(0)
         err = np.vstack([mean - tau.min(0), tau.max(0) - mean])
         ax.errorbar(step, mean, yerr=err, capsize=3, marker="o", ms=3, lw=1.6,
-                    color=COLORS.get(spec), label=LABELS.get(spec, spec))  # fmt: skip
+                    color=color(spec), label=label(spec))  # fmt: skip
     ax.set(xlabel="optimizer step", ylabel="tau (tokens per target step)",
            title="acceptance length on held-out prompts (mean, min..max over seeds)")  # fmt: skip
     ax.legend()
@@ -449,8 +398,8 @@ def _plot_forgetting(plt: Any, runs: dict[str, dict[str, Any]], seed: int) -> An
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for spec, r in runs.items():
         f = r["forgetting"]
-        c, steps = COLORS.get(spec), np.array(f["steps"])
-        ax1.plot(steps, f["short_loss"], marker="o", ms=3, color=c, label=LABELS.get(spec, spec))
+        c, steps = color(spec), np.array(f["steps"])
+        ax1.plot(steps, f["short_loss"], marker="o", ms=3, color=c, label=label(spec))
         mid = (steps[:-1] + steps[1:]) / 2
         ax2.plot(mid, f["long_only"], marker="o", ms=3, color=c)
     ax1.set(ylabel="held-out loss, shortest band", title=f"forgetting probe, seed {seed}")
@@ -486,7 +435,7 @@ def _plot_heldout(plt: Any, results: dict[str, Any]) -> Any:
     for k, spec in enumerate(summary):
         mean = values(spec, "mean")
         err = np.vstack([mean - values(spec, "min"), values(spec, "max") - mean])
-        kw = {"color": COLORS.get(spec), "label": LABELS.get(spec, spec), "width": width}
+        kw = {"color": color(spec), "label": label(spec), "width": width}
         pos = x + (k - (len(summary) - 1) / 2) * width
         ax1.bar(pos, mean, yerr=err, capsize=2, **kw)
         delta = paired_delta(results, spec, ref)  # [seeds, bands + 1]

@@ -71,7 +71,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.experiment.arms import DECAY, FEEDS, OBJECTIVES, RATES, SPECS, STARTS
+from benchmarks.experiment.arms import ARMS
 from benchmarks.experiment.config import ExperimentConfig
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ STOP_TIMEOUT_S = 20.0
 def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
     """The ``trainer.cli train`` command line of one run (identical across specs but for
     the ``--spec`` pairs and the job name)."""
-    name = cfg.run_name(spec, seed)
+    name, arm = cfg.run_name(spec, seed), ARMS[spec]
     cmd = [
         sys.executable, "-m", "trainer.cli", "train",
         "--endpoint", cfg.endpoint, "--job", f"exp-{name}",
@@ -95,16 +95,16 @@ def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
         "--token-budget", str(cfg.token_budget), "--max-seq-len", str(cfg.max_len),
         "--block-size", str(cfg.block_size), "--anchors-per-doc", str(cfg.anchors_per_doc),
         "--tokens-per-anchor", str(cfg.tokens_per_anchor),
-        "--lr", RATES.get(spec, str(cfg.lr)), "--seed", str(seed), "--no-progress", "--resume",
-        "--optimizer", "adamw",  # every spec's but those that name Muon (OBJECTIVES)
-        *OBJECTIVES.get(spec, DECAY), "--init-std", STARTS.get(spec, "0"),
+        "--lr", arm.rate or str(cfg.lr), "--seed", str(seed), "--no-progress", "--resume",
+        "--optimizer", "adamw",  # every spec's but those whose objective names Muon
+        *arm.objective, "--init-std", arm.start,
     ]  # fmt: skip
     if cfg.corpus == "synthetic":
         cmd += ["--tiny-vocab", "512", "--num-eval-prompts", "0"]
-    elif spec in FEEDS:
+    elif arm.feed is not None:
         cmd += [
             "--target", str(cfg.target_dir()), "--target-engine", "vllm",
-            "--vllm-python", str(cfg.vllm_python), "--states-dtype", FEEDS[spec],
+            "--vllm-python", str(cfg.vllm_python), "--states-dtype", arm.feed,
             "--ckpt-every", str(cfg.ckpt_every), "--keep-checkpoints", "100000",
         ]  # fmt: skip
     else:
@@ -118,7 +118,7 @@ def train_command(cfg: ExperimentConfig, spec: str, seed: int) -> list[str]:
     # The seed seeds the loader's plan too (the daemon's spec would give every run seed 0):
     # another seed is another draw of batches as well as of the drafter's init.
     cmd += ["--spec", f"seed={seed}"]
-    for pair in SPECS[spec]:
+    for pair in arm.loader:
         cmd += ["--spec", pair.format(buckets=cfg.buckets, six=cfg.six_buckets)]
     return cmd
 

@@ -644,3 +644,15 @@ def test_a_vllm_measure_is_reused_only_for_its_checkpoint_target_and_prompts(tmp
     assert measure_key(run, target, [[1, 2]], [[3]], 32) != other_target
     checkpoint(600, '{"model.pt": "bb"}')  # a newer checkpoint, same bytes: still another one
     assert checkpoint_key(run).startswith("step-00000600:")
+
+
+def test_every_arm_is_one_entry_whose_contrasts_name_arms():
+    """``ARMS`` is the one place an arm is written: its contrasts name arms that exist, no
+    pair twice, every label its own; the report's names and colours come from it."""
+    from benchmarks.experiment.arms import ARMS, CONTRASTS, color, label
+
+    assert all(b in ARMS and a != b for a, b in CONTRASTS)
+    assert len(set(CONTRASTS)) == len(CONTRASTS)
+    assert len({arm.label for arm in ARMS.values()}) == len(ARMS)
+    assert label("packed-dpace") == "ours, packed rows, D-PACE" and label("other") == "other"
+    assert color("packed") == "tab:purple" and color("other") is None
