@@ -7,7 +7,10 @@
   above on the rest (norms, biases, DFlash2's kernels and its selector's codebooks, which
   are tables: a step touches a few rows), as speculators' DFlash recipe trains
   (its issue #979). Muon's update is scaled to AdamW's RMS (``match_rms_adamw``, Moonlight's
-  rule: ``0.2 sqrt(max(rows, cols))``), so one ``--lr`` serves both.
+  rule: ``0.2 sqrt(max(rows, cols))``), so one ``--lr`` serves both. The default since
+  2026-12-07, at 1e-2 (``trainer.sections.RATES``; docs/EXPERIMENT.md, Part 8). Its
+  Newton-Schulz steps run in bfloat16 (torch's), so two runs whose gradients differ by
+  float rounding (a step cut otherwise) drift apart faster than under AdamW.
 
 ``MuonAdamW`` is one ``torch.optim.Optimizer`` over both: one LR schedule sets both
 groups' rates, one state dict holds both states (a checkpoint of it resumes only under
