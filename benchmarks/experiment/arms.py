@@ -5,7 +5,7 @@ it. A new arm is one entry here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: The old objective (Part 3's): each micro-batch's mean alike, anchors per rank and
 #: micro-batch (docs/TRAINER.md, "One objective, however a step is cut").
@@ -54,7 +54,8 @@ def _packed(
     return Arm(f"ours, packed rows, {label}", PACKED, objective, start, rate, feed, versus, color)
 
 
-#: Every arm, in the order the report lists their contrasts.
+#: Every arm, in the order the report lists their contrasts (the depths at the defaults
+#: are added below, from the defaults' arm).
 ARMS: dict[str, Arm] = {
     "sorted": Arm("sorted (frozen composition)", ("layout=padded", "composition=sorted"),
                   color="tab:red"),
@@ -108,21 +109,25 @@ ARMS: dict[str, Arm] = {
                                    versus=("packed-dpace",), color="tab:pink"),
     "packed-dpace-depth5": _packed("D-PACE, 5 layers", *DPACE, "--drafter-layers", "5",
                                    versus=("packed-dpace",), color="tab:purple"),
-    # ... and at the trainer's defaults
-    "packed-dpace-init02-muon-lr1e-2-depth3": Arm(
-        "ours at the defaults (Muon at 1e-2), 3 layers", PACKED,
-        (*DPACE, *MUON, "--drafter-layers", "3"), start="0.02", rate="1e-2",
-        versus=("packed-dpace-init02-muon-lr1e-2",), color="tab:olive",
-    ),
-    "packed-dpace-init02-muon-lr1e-2-depth5": Arm(
-        "ours at the defaults (Muon at 1e-2), 5 layers", PACKED,
-        (*DPACE, *MUON, "--drafter-layers", "5"), start="0.02", rate="1e-2",
-        versus=("packed-dpace-init02-muon-lr1e-2",), color="tab:cyan",
-    ),
     # precision on the wire, paired with packed's colocated target (Part 6)
     "packed-bf16": _packed("states from vLLM in bf16", *DECAY, feed="bf16", color="tab:green"),
     "packed-fp8": _packed("states from vLLM in fp8", *DECAY, feed="fp8", color="tab:red"),
 }  # fmt: skip
+
+
+def _deeper(base: str, layers: int, color: str) -> Arm:
+    """``base`` with ``layers`` drafter layers, contrasted with it."""
+    arm = ARMS[base]
+    return replace(arm, label=f"ours at the defaults (Muon at 1e-2), {layers} layers",
+                   objective=(*arm.objective, "--drafter-layers", str(layers)),
+                   versus=(base,), color=color)  # fmt: skip
+
+
+# ... and at the trainer's defaults
+for _layers, _color in ((3, "tab:olive"), (5, "tab:cyan")):
+    ARMS[f"packed-dpace-init02-muon-lr1e-2-depth{_layers}"] = _deeper(
+        "packed-dpace-init02-muon-lr1e-2", _layers, _color
+    )
 #: The arms' names (``--specs`` takes these).
 SPECS = tuple(ARMS)
 #: The arms fed by a vLLM server, and the dtype each asks the states in.
