@@ -193,20 +193,27 @@ def _line(
 
 def to_toml(opts: RunOptions) -> str:
     """The options as a TOML file ``--config`` reads back to the same options; options left
-    unset (None) are comments saying so."""
+    unset (None) are comments saying so, and what stands in for them where the help says
+    (its ``[default: ...]``)."""
     by_table: dict[str | None, list[str]] = {t: [] for t in TABLES.values()}
     for f in fields(opts):
         if not f.metadata:
             continue
         value = getattr(opts, f.name)
         key = _key(f)
-        line = f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}"
+        line = f"# {key} = {_unset(f)}" if value is None else f"{key} = {_toml_value(value)}"
         by_table[_table(f)].append(line)
     parts = ["# dflash-train train --config FILE (flags given on the command line win)"]
     parts += by_table.pop(None)
     for table, lines in by_table.items():
         parts += ["", f"[{table}]", *lines]
     return "\n".join(parts) + "\n"
+
+
+def _unset(f: Field[Any]) -> str:
+    """``(unset)``, with the help's ``[default: ...]`` when it has one."""
+    m = re.search(r"\[default: (.*)\]", f.metadata.get("help", ""))
+    return f"(unset: {m.group(1)})" if m else "(unset)"
 
 
 def _toml_value(value: Any) -> str:

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from trainer.cli import main
 from trainer.config_file import TABLES, read_config, settable, to_toml
-from trainer.sections import RunOptions
+from trainer.sections import RATES, RunOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = 'endpoint = "ipc:///tmp/x.sock"\nrun_dir = "/tmp/run"\n'
@@ -78,6 +78,17 @@ def test_flags_win_over_the_file_and_the_output_reads_back(tmp_path):
     assert 'spec = ["seed=3", "buckets=[770, 1216]"]' in out
     again = write(tmp_path, out, "again.toml")
     assert resolved("--config", str(again)) == out  # --print-config is a file --config reads
+
+
+def test_an_option_left_unset_says_what_stands_in_for_it(tmp_path):
+    """An unset option is a comment naming its help's ``[default: ...]``, and the file, read
+    back, still leaves it unset (the optimizer's own rate follows --optimizer)."""
+    out = resolved("--config", str(write(tmp_path, BASE)))
+    rates = ", ".join(f"{k} {v:g}" for k, v in RATES.items())
+    assert f"# lr = (unset: the optimizer's: {rates})\n" in out
+    assert "# token_budget = (unset: the daemon's)\n" in out
+    assert "# steps = (unset)\n" in out  # no [default: ...] in its help
+    assert read_config(write(tmp_path, out, "again.toml")).get("lr") is None
 
 
 def test_a_run_s_config_json_repeats_the_run(tmp_path):
