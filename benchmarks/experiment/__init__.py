@@ -5,7 +5,8 @@ Rooms: ``config`` (its options, typed sections as the trainer's), ``arms`` (each
 spec's loader pairs and trainer flags), ``target`` and ``textdata`` (the text corpus's
 target and prompts), ``run`` (corpora, daemon, one trainer per run), ``served`` and
 ``humaneval`` (vLLM's and our evaluation's tau of the final drafters), ``analysis``,
-``measures``, ``stats``, ``looping`` and ``report`` (the results).
+``measures``, ``stats``, ``looping`` and ``report`` (the results), ``compare`` (one
+spec of one experiment against one of another, paired by seed).
 
 ``TRAINER_API`` is all of the trainer it uses: these names of these modules. The trainer
 can change anything else without the experiment noticing (``tests/unit/test_layering.py``
