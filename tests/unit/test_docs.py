@@ -121,6 +121,7 @@ HELP = {"-h", "--help"}  # both CLIs' help_option_names
 #: Roots of dotted names that are other projects' modules.
 EXTERNAL_MODULES = {"np", "math", "torch", "pyarrow", "datasets", "zmq", "http", "pickle"}
 
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 SPAN = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)")
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP) + r")/[\w./*{},:-]*)")
 REL_CODE = re.compile(r"^[\w./-]+(" + "|".join(map(re.escape, CODE_SUFFIXES)) + ")$")
@@ -136,13 +137,21 @@ KEYWORD = re.compile(r"(?<![\w=!<>])([A-Za-z_]\w*)=(?!=)")
 
 
 def doc_lines(path: Path) -> Iterator[tuple[int, str, bool]]:
-    """(line number, text, in a code block) for every line of a Markdown file."""
-    fenced = False
+    """(line number, text, in a code block) for every line of a Markdown file. Fences as
+    CommonMark reads them: a backtick fence's info string holds no backtick (a line opening
+    with the span ```` ``` ```` is prose), and a fence closes only on a bare fence of its own
+    character at least as long."""
+    fence = ""
     for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.lstrip().startswith("```"):
-            fenced = not fenced
+        m = FENCE.match(line)
+        if m and not fence and not (m.group(1)[0] == "`" and "`" in m.group(2)):
+            fence = m.group(1)
             continue
-        yield n, line, fenced or line.startswith("    ")
+        closes = m and fence and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence)
+        if closes and not m.group(2).strip():
+            fence = ""
+            continue
+        yield n, line, bool(fence) or line.startswith("    ")
 
 
 def spans() -> list[tuple[str, str]]:
@@ -587,3 +596,20 @@ def test_an_import_in_a_code_block_is_checked():
 )
 def test_a_name_that_exists_passes(text):
     assert [e for check in CHECKS for e in check(text)] == []
+
+
+def test_code_blocks_are_found_where_markdown_finds_them(tmp_path):
+    """A line opening with an inline span of backticks is prose, not a fence (from there on
+    every block and every span would be read inside out); a fence closes on its own kind."""
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "```` ``` ```` ends a block.\n"  # 1: prose
+        "```bash\n"
+        "make test\n"  # 3: code
+        "~~~\n"  # 4: code (not this fence's kind)
+        "```\n"
+        "after `x`\n"  # 6: prose
+        "    indented\n"  # 7: code
+    )
+    got = {n: block for n, _, block in doc_lines(doc)}
+    assert got == {1: False, 3: True, 4: True, 6: False, 7: True}
