@@ -171,6 +171,16 @@ def test_muon_with_a_linear_schedule_trains_and_resumes_exactly_under_its_own(
     with pytest.raises(ValueError, match=r"trained with --optimizer muon.*pass --optimizer muon"):
         make_trainer(target, ListSource(samples, rows=3, grad_accum=2), cut, resume=True,
                      **other).run()  # fmt: skip
+    # Another rate or schedule: the scheduler would put the saved peak rate back while
+    # config.json records the new one, so it is refused, naming the flags that continue it.
+    for change, says in (
+        ({"lr": 1e-3}, r"with --lr 0.003, this run asks for --lr 0.001: pass --lr 0.003 "),
+        ({"lr_schedule": "cosine", "warmup": 0.5}, r"with --lr-schedule linear --warmup 2, this "
+         r"run asks for --lr-schedule cosine --warmup 0.5: pass --lr-schedule linear --warmup 2"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            make_trainer(target, ListSource(samples, rows=3, grad_accum=2), cut, resume=True,
+                         **{**kw, **change}).run()  # fmt: skip
     make_trainer(target, ListSource(samples, rows=3, grad_accum=2), cut, drafter_seed=99,
                  resume=True, **kw).run()  # fmt: skip
     b = losses(cut)

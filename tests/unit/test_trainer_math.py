@@ -449,6 +449,25 @@ def test_a_checkpoint_from_before_the_anchor_rule_was_sent_resumes_in_its_plan()
     assert source.spec == asked
 
 
+def test_a_checkpoint_from_before_the_schedule_was_recorded_gives_its_peak_rate():
+    """Without ``schedule`` in its meta, a checkpoint's peak rate is its scheduler's
+    ``base_lrs`` (what a resume would put back): another --lr is refused, the same passes,
+    and the schedule's kind and warm-up it never recorded are not compared."""
+    from pathlib import Path
+
+    from trainer.train.resume import check_schedule
+
+    old = {"base_lrs": [0.003, 0.003], "last_epoch": 4}
+    mine = {"lr": 0.003, "lr_schedule": "linear", "warmup": 0.5}
+    check_schedule(Path("step-4"), {}, old, mine)
+    with pytest.raises(ValueError, match=r"^step-4: trained with --lr 0.003, this run asks "
+                       r"for --lr 0.01: pass --lr 0.003 to continue it"):  # fmt: skip
+        check_schedule(Path("step-4"), {}, old, {**mine, "lr": 0.01})
+    recorded = {"schedule": {"lr": 0.003, "lr_schedule": "cosine", "warmup": 0.5}}
+    with pytest.raises(ValueError, match=r"--lr-schedule cosine, this run asks for --lr-sch"):
+        check_schedule(Path("step-4"), recorded, old, mine)
+
+
 def test_step_flops_counts_the_reference_recipe():
     """Qwen3-8B's target to layer 33 costs ~13.1 GFLOP per token in its linear layers; the
     head's two products over 2,048 x 15 slots are 4 x 30,720 x 4096 x 151,936; a step of

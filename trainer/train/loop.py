@@ -111,7 +111,9 @@ class Trainer:
         self.opts, self.env = opts, env
         self.loss = LossConfig.from_options(opts, opts.block_size)
         self.target, self.drafter, self.source = target, drafter, source
-        self.meta = dict(meta or {})
+        self.meta = dict(meta or {})  # checkpoints record it; a resume compares it
+        self.meta["schedule"] = {"lr": opts.peak_lr(), "lr_schedule": opts.lr_schedule,
+                                 "warmup": opts.warmup}  # fmt: skip
         self.model = self._wrap(drafter)
         self.optimizer = make_optimizer(
             opts.optimizer, drafter.named_parameters(), lr=opts.peak_lr(),

@@ -115,6 +115,35 @@ def check_compatible(
                 + _objective_hint(differ, old)
             )
     check_target(path, saved.meta, meta)
+    check_schedule(path, saved.meta, saved.scheduler, meta.get("schedule") or {})
+
+
+#: The LR schedule's options a resume restores, and their flags.
+SCHEDULE_FLAGS = {"lr": "--lr", "lr_schedule": "--lr-schedule", "warmup": "--warmup"}
+
+
+def check_schedule(
+    path: Path, saved_meta: dict[str, Any], scheduler: dict[str, Any] | None,
+    mine: dict[str, Any],
+) -> None:  # fmt: skip
+    """A resume restores the LR schedule exactly (the scheduler's saved peak rate, the
+    schedule rebuilt from the options): refuse one whose options would train at another
+    rate than they say (``config.json`` records them), naming the flags that continue it.
+    Checkpoints from before the schedule was recorded give their peak rate only."""
+    was = dict(saved_meta.get("schedule") or {})
+    if not was and scheduler and scheduler.get("base_lrs"):
+        was = {"lr": float(scheduler["base_lrs"][0])}
+    differ = [k for k in SCHEDULE_FLAGS if k in was and k in mine and was[k] != mine[k]]
+    if differ:
+
+        def flags(d: dict[str, Any]) -> str:
+            return " ".join(f"{SCHEDULE_FLAGS[k]} {d[k]}" for k in differ)
+
+        raise ValueError(
+            f"{path}: trained with {flags(was)}, this run asks for {flags(mine)}: pass "
+            f"{flags(was)} to continue it (a resume restores its LR schedule; for another, "
+            "`dflash-train export` the checkpoint and start a new run with --init-drafter)"
+        )
 
 
 def _objective_hint(differ: list[str], saved: dict[str, Any]) -> str:
