@@ -478,8 +478,8 @@ def _longer(
     args: argparse.Namespace,
 ) -> None:  # fmt: skip
     """``--longer`` with ``--more``: the earlier pairs that lack ``ours-longer`` get it."""
-    for p in runs:
-        if args.longer > 1 and "ours-longer" not in p:
+    for p in runs if args.longer > 1 else ():
+        if "ours-longer" not in p:
             s = RaceSettings(**{**base.describe(), "seed": p["seed"]})
             _say(f"== pair {p['seed'] + 1}: ours-longer, added")
             p["ours-longer"] = _run_ours("ours-longer", work, setup, s, args)

@@ -111,12 +111,12 @@ class Trainer:
         self.opts, self.env = opts, env
         self.loss = LossConfig.from_options(opts, opts.block_size)
         self.target, self.drafter, self.source = target, drafter, source
-        self.meta = dict(meta or {})  # checkpoints record it; a resume compares it
-        self.meta["schedule"] = {"lr": opts.peak_lr(), "lr_schedule": opts.lr_schedule,
-                                 "warmup": opts.warmup}  # fmt: skip
+        lr = opts.peak_lr()
+        schedule = {"lr": lr, "lr_schedule": opts.lr_schedule, "warmup": opts.warmup}
+        self.meta = {**(meta or {}), "schedule": schedule}  # checkpoints; a resume compares
         self.model = self._wrap(drafter)
         self.optimizer = make_optimizer(
-            opts.optimizer, drafter.named_parameters(), lr=opts.peak_lr(),
+            opts.optimizer, drafter.named_parameters(), lr=lr,
             weight_decay=opts.weight_decay,
         )  # fmt: skip
         self.attention = resolve_backend(opts.attention, env.device)
@@ -132,7 +132,7 @@ class Trainer:
                              env.device, packed_attention(self.attention))  # fmt: skip
         self.stopper = Stopper(
             max_nonfinite_steps=opts.max_nonfinite_steps, max_empty_steps=opts.max_empty_steps,
-            lr=opts.peak_lr(), block_size=self.loss.block_size,
+            lr=lr, block_size=self.loss.block_size,
         )  # fmt: skip
         self._init_position()
 
